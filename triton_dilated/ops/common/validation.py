@@ -1,0 +1,79 @@
+"""Input checks shared by every variant: clear TypeError/ValueError naming the argument."""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def check_choice(name: str, value, choices) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
+    return value
+
+
+def check_qkv(q, k, v, *, allow_float64: bool = False) -> None:
+    """Shapes per DESIGN §2: q (B, N, Hq, D), k/v (B, N, Hkv, D), Hq % Hkv == 0.
+    The float64 oracles also take float64 (allow_float64)."""
+    dtypes = SUPPORTED_DTYPES + ((torch.float64,) if allow_float64 else ())
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (B, N, H, D), got shape {tuple(x.shape)}")
+        if x.dtype not in dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise TypeError(f"{name} must have one of the dtypes {names}, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    (B, N, Hq, D), (Bk, Nk, Hkv, Dk) = q.shape, k.shape
+    if Bk != B:
+        raise ValueError(f"k and v must have the batch size of q ({B}), got {Bk}")
+    if Nk != N:
+        raise ValueError(f"k and v must have the sequence length of q ({N}), got {Nk}")
+    if Dk != D:
+        raise ValueError(f"k and v must have the head dim of q ({D}), got {Dk}")
+    if D < 1 or D > MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in [1, {MAX_HEAD_DIM}], got {D}")
+    if Hkv < 1 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a positive multiple of key/value heads ({Hkv})")
+
+
+def check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (scale == scale and abs(scale) != float("inf")):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def check_positive_int_list(name: str, values) -> list[int]:
+    """A non-empty list/tuple of positive Python (or numpy) integers; bools are refused."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of positive ints, got {type(values).__name__}")
+    if len(values) == 0:
+        raise ValueError(f"{name} must not be empty")
+    out = []
+    for x in values:
+        if isinstance(x, bool):
+            raise TypeError(f"{name} must hold ints, got a bool ({x!r})")
+        try:
+            xi = operator.index(x)
+        except TypeError:
+            raise TypeError(f"{name} must hold ints, got {x!r} ({type(x).__name__})") from None
+        if xi <= 0:
+            raise ValueError(f"{name} must hold positive ints, got {xi}")
+        out.append(xi)
+    return out

@@ -1,0 +1,54 @@
+"""Float64 oracle for dilated attention, written literally from DESIGN §3 (LongNet §2.2-2.4).
+
+Per pattern and head: gather the dilated rows of each segment, run dense attention among
+them, scatter back; then mix the patterns by their softmax denominators (paper eq. 10),
+which is one softmax over the multiset union of the patterns' keys. Slow and simple on
+purpose: it is the reference every kernel is tested against, and users may test with it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..common.lse import masked_attention_with_lse, merge_partials
+from ..common.validation import check_qkv, check_scale
+from .patterns import check_patterns, head_offsets
+
+
+def dilated_attention_naive(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
+                            mode="longnet", offsets="modulo"):
+    """Reference dilated attention in float64. Returns (out, lse): out (B, N, Hq, D) float64,
+    lse (B, Hq, N) float64 (natural log; -inf for a query with no key). Differentiable."""
+    check_qkv(q, k, v, allow_float64=True)
+    patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
+    B, N, Hq, D = q.shape
+    Hkv = k.shape[2]
+    scale = check_scale(scale, D)
+    table = head_offsets(Hq, patterns, mode, offsets)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+
+    head_outs, head_lses = [], []
+    for h in range(Hq):
+        kv_head = h // (Hq // Hkv)
+        parts_out, parts_lse = [], []
+        for (w, r), o in zip(patterns, table[h]):
+            if o < 0:
+                continue
+            out_p = q64.new_zeros(B, N, D)
+            lse_p = q64.new_full((B, N), float("-inf"))
+            for s in range(0, N, w):
+                idx = torch.arange(s + o, min(s + w, N), r, device=q.device)
+                if idx.numel() == 0:
+                    continue
+                keep = torch.ones(idx.numel(), idx.numel(), dtype=torch.bool, device=q.device)
+                if causal:
+                    keep = idx[:, None] >= idx[None, :]
+                o_seg, l_seg = masked_attention_with_lse(
+                    q64[:, idx, h], k64[:, idx, kv_head], v64[:, idx, kv_head], keep, scale)
+                out_p = out_p.index_copy(1, idx, o_seg)
+                lse_p = lse_p.index_copy(1, idx, l_seg)
+            parts_out.append(out_p)
+            parts_lse.append(lse_p)
+        out_h, lse_h = merge_partials(parts_out, parts_lse) if len(parts_out) > 1 else (parts_out[0], parts_lse[0])
+        head_outs.append(out_h.double())
+        head_lses.append(lse_h.double())
+    return torch.stack(head_outs, dim=2), torch.stack(head_lses, dim=1)
