@@ -1,0 +1,472 @@
+"""Fused Triton dilated attention: one forward launch for all patterns, three-kernel-free
+backward (dQ and dK/dV kernels, no atomics), autograd, and the public function.
+
+Design (the arithmetic behind it)
+---------------------------------
+Pattern (w, r) with offset o gives each head N/r active queries with about w/r keys:
+N*w/r^2 (query, key) pairs and 4*D*N*w/r^2 forward FLOPs. For the LongNet schedule
+w = (2048, ..., 32768), r = (1, 2, 4, 6, 12) that is 4,267 keys per query against 32,768
+for dense attention at N = 32K, an ideal 7.7x.
+
+A program owns a tile of BLOCK_M query rows `first + T*u` of one head inside one chunk
+(no segment boundary of any of the head's patterns crosses it); see plan.py. T, the tile
+stride, is a multiple of the rates wherever that pays, so for each pattern the whole tile
+is active or inactive together and every active pattern reads the *same* dilated keys
+`s + o + r*i` (a strided view, row stride r*stride_n: loads stay coalesced per row). The
+patterns then accumulate into one online softmax, which is exactly the paper's
+denominator-weighted mix (the softmax over the multiset union of the patterns' keys):
+no per-pattern partial, no scratch, no merge pass; O is written once, lse once.
+
+Bytes: Q and O move once (2*N*H*D*b), K/V once per (tile, pattern) that reads them. FLOPs
+computed / FLOPs of the pattern = planner efficiency: 0.89 (BLOCK_M 64) for the LongNet
+schedule non-causal at N = 32K, about 0.70 causal (the diagonal of a strided tile spans
+T*BLOCK_M positions). Inside a pattern, key blocks that need no mask (all keys valid,
+and before the tile's first row when causal) run without any element mask.
+
+Backward: dQ mirrors the forward tiling (P recomputed from the saved lse). dK/dV: a
+program owns a key tile of one key/value head (same planner, key side) and loops over
+the query heads of its GQA group and their patterns; the queries that read a key are the
+same residue rows of the same segment, so dK/dV are summed in registers and written
+once: deterministic, no atomics. A gradient on lse enters through
+delta = rowsum(dO * O) - dlse.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.runtime import interpreter_enabled, resolve_backend, portable_compute_dtype, select_config
+from ..common.triton_helpers import LOG2E, dot, finalize, online_softmax_step, softmax_grad_block
+from ..common.validation import check_qkv, check_scale
+from .patterns import check_patterns, head_offsets
+from .plan import build_items, key_unit_triples, query_unit_triples
+from .torch_impl import dilated_attention_torch
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _key_range(first_row, last_row, seg, seg_end, r, o, uniform_active, CAUSAL: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """For a query tile: keys s + o + r*t, t < key_end (causal: up to the last row);
+    t < full_end need no element mask (multiple of BLOCK_N)."""
+    n_keys = tl.maximum((seg_end - seg - o + r - 1) // r, 0)
+    key_end = n_keys
+    full_end = n_keys
+    if CAUSAL:
+        key_end = tl.minimum(n_keys, tl.maximum((last_row - seg - o) // r + 1, 0))
+        full_end = tl.minimum(n_keys, tl.maximum((first_row - seg - o) // r + 1, 0))
+    full_end = tl.where(uniform_active, (full_end // BLOCK_N) * BLOCK_N, 0)
+    return key_end, full_end
+
+
+@triton.jit
+def _dilated_fwd_kernel(
+        Q, K, V, O, LSE, ITEMS, PAT_W, PAT_R, PAT_OFF,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+        stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
+        N, HEAD_GROUP, qk_scale_log2,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    item = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    first_row = tl.load(ITEMS + item * 4)
+    chunk_end = tl.load(ITEMS + item * 4 + 1)
+    h = tl.load(ITEMS + item * 4 + 2)
+    T = tl.load(ITEMS + item * 4 + 3)
+    kvh = h // HEAD_GROUP
+
+    u = tl.arange(0, BLOCK_M)
+    rows = first_row + T * u
+    row_ok = rows < chunk_end
+    last_row = first_row + T * (tl.minimum(BLOCK_M, (chunk_end - first_row + T - 1) // T) - 1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    t_off = tl.arange(0, BLOCK_N)
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_qn + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
+    v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for i in tl.static_range(NUM_PATTERNS):
+        o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
+        if o >= 0:
+            w = tl.load(PAT_W + i)
+            r = tl.load(PAT_R + i)
+            seg = (first_row // w) * w
+            seg_end = tl.minimum(seg + w, N)
+            row_active = row_ok & ((rows - seg) % r == o)
+            # T % r == 0: every row has the residue of the first row (all on or all off)
+            uniform_active = ((T % r) == 0) & ((first_row - seg) % r == o)
+            uniform_idle = ((T % r) == 0) & ((first_row - seg) % r != o)
+            key_end, full_end = _key_range(first_row, last_row, seg, seg_end, r, o, uniform_active,
+                                           CAUSAL, BLOCK_N)
+            key_end = tl.where(uniform_idle, 0, key_end)
+            key0 = seg + o
+            for t0 in range(0, full_end, BLOCK_N):
+                kpos = (key0 + r * (t0 + t_off)).to(tl.int64)
+                k = tl.load(k_base + kpos[:, None] * stride_kn, mask=d_ok[None, :], other=0.0)
+                v = tl.load(v_base + kpos[:, None] * stride_vn, mask=d_ok[None, :], other=0.0)
+                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale_log2, row_ok[:, None],
+                                                    False, DOT_FP32, PRECISION)
+            for t0 in range(full_end, key_end, BLOCK_N):
+                t = t0 + t_off
+                kpos = key0 + r * t
+                key_ok = t < key_end
+                k = tl.load(k_base + kpos.to(tl.int64)[:, None] * stride_kn,
+                            mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+                v = tl.load(v_base + kpos.to(tl.int64)[:, None] * stride_vn,
+                            mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+                mask = row_active[:, None] & key_ok[None, :]
+                if CAUSAL:
+                    mask = mask & (kpos[None, :] <= rows[:, None])
+                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale_log2, mask,
+                                                    True, DOT_FP32, PRECISION)
+    out, lse = finalize(acc, m_i, l_i)
+    tl.store(O + b * stride_ob + h * stride_oh + rows.to(tl.int64)[:, None] * stride_on + d[None, :],
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + b * stride_lb + h * stride_lh + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _dilated_bwd_dq_kernel(
+        Q, K, V, DO, LSE, DELTA, DQ, ITEMS, PAT_W, PAT_R, PAT_OFF,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+        stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+        stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
+        N, HEAD_GROUP, qk_scale_log2, sm_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    item = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    first_row = tl.load(ITEMS + item * 4)
+    chunk_end = tl.load(ITEMS + item * 4 + 1)
+    h = tl.load(ITEMS + item * 4 + 2)
+    T = tl.load(ITEMS + item * 4 + 3)
+    kvh = h // HEAD_GROUP
+
+    u = tl.arange(0, BLOCK_M)
+    rows = first_row + T * u
+    row_ok = rows < chunk_end
+    last_row = first_row + T * (tl.minimum(BLOCK_M, (chunk_end - first_row + T - 1) // T) - 1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    t_off = tl.arange(0, BLOCK_N)
+    rows64 = rows.to(tl.int64)
+    tile_mask = row_ok[:, None] & d_ok[None, :]
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_don + d[None, :], mask=tile_mask, other=0.0)
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=float("-inf"))
+    delta = tl.load(DELTA + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty row: P = 0
+    k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
+    v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for i in tl.static_range(NUM_PATTERNS):
+        o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
+        if o >= 0:
+            w = tl.load(PAT_W + i)
+            r = tl.load(PAT_R + i)
+            seg = (first_row // w) * w
+            seg_end = tl.minimum(seg + w, N)
+            row_active = row_ok & ((rows - seg) % r == o)
+            uniform_active = ((T % r) == 0) & ((first_row - seg) % r == o)
+            uniform_idle = ((T % r) == 0) & ((first_row - seg) % r != o)
+            key_end, full_end = _key_range(first_row, last_row, seg, seg_end, r, o, uniform_active,
+                                           CAUSAL, BLOCK_N)
+            key_end = tl.where(uniform_idle, 0, key_end)
+            key0 = seg + o
+            for t0 in range(0, full_end, BLOCK_N):
+                kpos = (key0 + r * (t0 + t_off)).to(tl.int64)
+                k = tl.load(k_base + kpos[:, None] * stride_kn, mask=d_ok[None, :], other=0.0)
+                v = tl.load(v_base + kpos[:, None] * stride_vn, mask=d_ok[None, :], other=0.0)
+                p, ds = softmax_grad_block(q, k, v, do, lse2, delta, qk_scale_log2, row_ok[:, None],
+                                           False, DOT_FP32, PRECISION)
+                dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+            for t0 in range(full_end, key_end, BLOCK_N):
+                t = t0 + t_off
+                kpos = key0 + r * t
+                key_ok = t < key_end
+                k = tl.load(k_base + kpos.to(tl.int64)[:, None] * stride_kn, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+                v = tl.load(v_base + kpos.to(tl.int64)[:, None] * stride_vn, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+                mask = row_active[:, None] & key_ok[None, :]
+                if CAUSAL:
+                    mask = mask & (kpos[None, :] <= rows[:, None])
+                p, ds = softmax_grad_block(q, k, v, do, lse2, delta, qk_scale_log2, mask,
+                                           True, DOT_FP32, PRECISION)
+                dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqn + d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
+def _dilated_bwd_dkdv_kernel(
+        Q, K, V, DO, LSE, DELTA, DK, DV, ITEMS, PAT_W, PAT_R, PAT_OFF,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+        stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+        stride_dkb, stride_dkn, stride_dkh, stride_lb, stride_lh,
+        N, HEAD_GROUP, qk_scale_log2, sm_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    # BLOCK_N: the key tile this program owns; BLOCK_M: the query blocks it walks.
+    item = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    first_key = tl.load(ITEMS + item * 4)
+    chunk_end = tl.load(ITEMS + item * 4 + 1)
+    kvh = tl.load(ITEMS + item * 4 + 2)
+    T = tl.load(ITEMS + item * 4 + 3)
+
+    u = tl.arange(0, BLOCK_N)
+    keys = first_key + T * u
+    key_ok = keys < chunk_end
+    last_key = first_key + T * (tl.minimum(BLOCK_N, (chunk_end - first_key + T - 1) // T) - 1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    t_off = tl.arange(0, BLOCK_M)
+    keys64 = keys.to(tl.int64)
+    tile_mask = key_ok[:, None] & d_ok[None, :]
+
+    k = tl.load(K + b * stride_kb + kvh * stride_kh + keys64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)
+    v = tl.load(V + b * stride_vb + kvh * stride_vh + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
+        q_base = Q + b * stride_qb + h * stride_qh + d[None, :]
+        do_base = DO + b * stride_dob + h * stride_doh + d[None, :]
+        lse_base = LSE + b * stride_lb + h * stride_lh
+        delta_base = DELTA + b * stride_lb + h * stride_lh
+        for i in tl.static_range(NUM_PATTERNS):
+            o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
+            if o >= 0:
+                w = tl.load(PAT_W + i)
+                r = tl.load(PAT_R + i)
+                seg = (first_key // w) * w
+                seg_end = tl.minimum(seg + w, N)
+                key_active = key_ok & ((keys - seg) % r == o)
+                uniform_active = ((T % r) == 0) & ((first_key - seg) % r == o)
+                uniform_idle = ((T % r) == 0) & ((first_key - seg) % r != o)
+                n_q = tl.maximum((seg_end - seg - o + r - 1) // r, 0)
+                n_q = tl.where(uniform_idle, 0, n_q)
+                # queries s + o + r*t; causal: from the first key on, and without a mask
+                # once past the last key of the tile.
+                q_begin = 0
+                full_begin = 0
+                if CAUSAL:
+                    q_begin = tl.minimum(tl.maximum((first_key - seg - o + r - 1) // r, 0), n_q)
+                    full_begin = tl.minimum(tl.maximum((last_key - seg - o + r - 1) // r, 0), n_q)
+                q_begin = (q_begin // BLOCK_M) * BLOCK_M
+                # masked blocks up to full_lo, unmasked [full_lo, full_hi), masked tail
+                full_lo = tl.where(uniform_active, q_begin + ((full_begin - q_begin + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, n_q)
+                full_lo = tl.minimum(full_lo, n_q)
+                full_hi = tl.where(uniform_active, full_lo + ((n_q - full_lo) // BLOCK_M) * BLOCK_M, n_q)
+                query0 = seg + o
+                for t0 in range(q_begin, full_lo, BLOCK_M):
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, t0 + t_off,
+                                         query0, r, n_q, keys, key_active, d_ok, stride_qn, stride_don,
+                                         qk_scale_log2, CAUSAL, True, DOT_FP32, PRECISION)
+                for t0 in range(full_lo, full_hi, BLOCK_M):
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, t0 + t_off,
+                                         query0, r, n_q, keys, key_active, d_ok, stride_qn, stride_don,
+                                         qk_scale_log2, CAUSAL, False, DOT_FP32, PRECISION)
+                for t0 in range(full_hi, n_q, BLOCK_M):
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, t0 + t_off,
+                                         query0, r, n_q, keys, key_active, d_ok, stride_qn, stride_don,
+                                         qk_scale_log2, CAUSAL, True, DOT_FP32, PRECISION)
+    tl.store(DK + b * stride_dkb + kvh * stride_dkh + keys64[:, None] * stride_dkn + d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=tile_mask)
+    tl.store(DV + b * stride_dkb + kvh * stride_dkh + keys64[:, None] * stride_dkn + d[None, :],
+             dv.to(DV.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
+def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, t, query0, r, n_q, keys, key_active,
+                d_ok, stride_qn, stride_don, qk_scale_log2, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """Add one block of dilated queries (positions query0 + r*t) to the key tile's dK, dV."""
+    qpos = query0 + r * t
+    q_ok = t < n_q
+    qpos64 = qpos.to(tl.int64)
+    q = tl.load(q_base + qpos64[:, None] * stride_qn, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(do_base + qpos64[:, None] * stride_don, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+    lse = tl.load(lse_base + qpos, mask=q_ok, other=float("-inf"))
+    delta = tl.load(delta_base + qpos, mask=q_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    mask = q_ok[:, None] & key_active[None, :]
+    if CAUSAL:
+        mask = mask & (keys[None, :] <= qpos[:, None])
+    p, ds = softmax_grad_block(q, k, v, do, lse2, delta, qk_scale_log2, mask, HAS_MASK, DOT_FP32, PRECISION)
+    dv += dot(tl.trans(p.to(do.dtype)), do, DOT_FP32, PRECISION)
+    dk += dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32, PRECISION)
+    return dk, dv
+
+
+# ----------------------------------------------------------------------------- launchers
+
+@functools.lru_cache(maxsize=128)
+def _device_plan(n, patterns, table, num_kv_heads, causal, block, block_inner, keys_side, device):
+    """Items and pattern tables as device tensors, cached per shape."""
+    units = key_unit_triples(patterns, table, num_kv_heads) if keys_side else query_unit_triples(patterns, table)
+    items, full = build_items(n, units, block, block_inner, causal, keys_side)
+    as_dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    return (torch.from_numpy(items).to(device), full, as_dev([w for w, _ in patterns]),
+            as_dev([r for _, r in patterns]), as_dev(table).reshape(-1))
+
+
+def _kernel_options(dtype, device):
+    dot_fp32 = device.type != "cuda"   # interpreter: multiply in float32 (its bf16 tl.dot is wrong)
+    precision = "ieee" if dtype == torch.float32 else "tf32"  # float32 inputs: exact float32 products
+    return dot_fp32, precision
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None):
+    """Launch the fused forward. Returns out (like q, contiguous) and lse float32 (B, Hq, N)."""
+    B, N, Hq, D = q.shape
+    Hkv = k.shape[2]
+    block_d = max(16, triton.next_power_of_2(D))
+    cfg = config or select_config("dilated_fwd", q.dtype, block_d, N, q.device)
+    items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_M"],
+                                                      cfg["BLOCK_N"], False, q.device)
+    alloc = torch.empty if full else torch.zeros
+    out = alloc(B, N, Hq, D, dtype=q.dtype, device=q.device)
+    lse = (torch.empty if full else torch.full)(*((B, Hq, N),) if full else ((B, Hq, N), float("-inf")),
+                                               dtype=torch.float32, device=q.device)
+    if items.shape[0] == 0 or B == 0:
+        return out, lse
+    dot_fp32, precision = _kernel_options(q.dtype, q.device)
+    _dilated_fwd_kernel[(items.shape[0], B)](
+        q, k, v, out, lse, items, pat_w, pat_r, pat_off,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        N, Hq // Hkv, scale * LOG2E,
+        HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=dot_fp32, PRECISION=precision,
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+    return out, lse
+
+
+def dilated_backward(do, dlse, q, k, v, out, lse, patterns, table, *, causal, scale, config=None):
+    """dQ, dK, dV for dO (like out) and an optional dlse (B, Hq, N)."""
+    B, N, Hq, D = q.shape
+    Hkv = k.shape[2]
+    block_d = max(16, triton.next_power_of_2(D))
+    cfg = config or select_config("dilated_bwd", q.dtype, block_d, N, q.device)
+    do = _last_dim_contiguous(do)
+    # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta)
+    delta = torch.einsum("bnhd,bnhd->bhn", do.float(), out.float())
+    if dlse is not None:
+        delta = delta - dlse.float()
+    delta = delta.contiguous()
+    dot_fp32, precision = _kernel_options(q.dtype, q.device)
+    common = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=dot_fp32, PRECISION=precision,
+                  num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+
+    items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_M"],
+                                                      cfg["BLOCK_N"], False, q.device)
+    dq = (torch.empty if full else torch.zeros)(B, N, Hq, D, dtype=q.dtype, device=q.device)
+    if items.shape[0] and B:
+        _dilated_bwd_dq_kernel[(items.shape[0], B)](
+            q, k, v, do, lse, delta, dq, items, pat_w, pat_r, pat_off, *strides,
+            dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1),
+            N, Hq // Hkv, scale * LOG2E, scale, **common)
+
+    # key side: tiles of BLOCK_N keys, walking query blocks of BLOCK_M
+    items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_N"],
+                                                      cfg["BLOCK_M"], True, q.device)
+    alloc = torch.empty if full else torch.zeros
+    dk = alloc(B, N, Hkv, D, dtype=k.dtype, device=q.device)
+    dv = alloc(B, N, Hkv, D, dtype=v.dtype, device=q.device)
+    if items.shape[0] and B:
+        _dilated_bwd_dkdv_kernel[(items.shape[0], B)](
+            q, k, v, do, lse, delta, dk, dv, items, pat_w, pat_r, pat_off, *strides,
+            dk.stride(0), dk.stride(1), dk.stride(2), lse.stride(0), lse.stride(1),
+            N, Hq // Hkv, scale * LOG2E, scale, **common)
+    return dq, dk, dv
+
+
+class _DilatedAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, patterns, table, causal, scale):
+        out, lse = dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (patterns, table, causal, scale)
+        ctx.mark_non_differentiable()
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        patterns, table, causal, scale = ctx.args
+        if do is None:
+            do = torch.zeros_like(out)
+        dq, dk, dv = dilated_backward(do, dlse, q, k, v, out, lse, patterns, table, causal=causal, scale=scale)
+        return dq, dk, dv, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- public
+
+def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
+                      mode="longnet", offsets="modulo", return_lse=False, backend="auto"):
+    """LongNet dilated attention (arXiv 2307.02486 §2.2-2.4), exact, forward and backward.
+
+    Args:
+        q: (B, N, Hq, D); k, v: (B, N, Hkv, D) with Hq % Hkv == 0 (GQA/MQA). float16,
+            bfloat16 or float32; any strides with a contiguous last dimension (others are
+            copied once).
+        segment_lengths, dilation_rates: one (w, r) per pattern. N % w != 0, w % r != 0
+            and w >= N are all legal; the last segment may be shorter.
+        causal: each query attends only to keys at or before its position.
+        scale: score scale, default 1/sqrt(D).
+        mode: "longnet" (every head uses every pattern; patterns mixed by their softmax
+            denominators, i.e. one softmax over the multiset union of their keys) or
+            "head_groups" (heads split into one contiguous group per pattern).
+        offsets: per-head offset of pattern i, "modulo" (j % r_i) or "blocked"
+            (j // ceil(Hq / r_i)); longnet mode only.
+        return_lse: also return lse, float32 (B, Hq, N), natural log, differentiable.
+        backend: "auto" (Triton on CUDA, or on CPU under TRITON_INTERPRET=1; else the
+            portable PyTorch path), "triton" or "torch".
+
+    Returns:
+        out (B, N, Hq, D) like q, contiguous; with return_lse, (out, lse). A query with no
+        key in any of its patterns gets 0 and lse = -inf.
+    """
+    check_qkv(q, k, v)
+    patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    B, N, Hq, D = q.shape
+    scale = check_scale(scale, D)
+    path = resolve_backend(backend, q.device)
+    table = head_offsets(Hq, patterns, mode, offsets)
+
+    if B == 0 or N == 0:
+        out = q.new_empty(q.shape).contiguous()
+        lse = q.new_empty((B, Hq, N), dtype=torch.float32)
+        return (out, lse) if return_lse else out
+
+    if path == "triton":
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        out, lse = _DilatedAttentionFn.apply(q, k, v, patterns, table, causal, scale)
+    else:
+        compute = portable_compute_dtype(q.dtype, q.device)
+        out, lse = dilated_attention_torch(q, k, v, patterns, table, causal=causal, scale=scale,
+                                           need_lse=return_lse, compute_dtype=compute)
+    return (out, lse) if return_lse else out
