@@ -1,0 +1,34 @@
+"""Test set-up: Triton's interpreter on before anything imports triton, hypothesis profiles.
+
+On a machine with a CUDA GPU, set TRITON_DILATED_TEST_DEVICE=cuda to run the same tests
+with compiled kernels (perf/gpu_check.sh does); the interpreter is then left off.
+"""
+import os
+
+DEVICE = os.environ.get("TRITON_DILATED_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # read when kernels are decorated: set it first
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True, deadline=None, max_examples=20, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("dev", deadline=None, max_examples=60,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def device():
+    return torch.device(DEVICE)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available() and DEVICE == "cuda":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (compiled Triton kernels); run perf/gpu_check.sh there")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
