@@ -1,7 +1,9 @@
 """Shared @triton.jit pieces: the online-softmax step and its backward counterparts.
 
-Scores live in the log2 domain (q.k * scale * log2(e)) so the kernels use exp2; the
-running max, the denominators and the accumulators are float32. A row whose keys are all
+Scores s = q.k * scale stay in natural units; exponentials are exp2((s - max) * log2(e)),
+so log2(e) multiplies a difference near 0 rather than a score: with |s| ~ 1e4 a score is
+only good to ~1e-3 in float32, and folding log2(e) into the scale would add another such
+rounding. The running max, the denominators and the accumulators are float32. A row whose keys are all
 masked keeps m = -inf; the max is replaced by 0 before it is subtracted so that no
 -inf - -inf = NaN appears, and such a row ends with l = 0: output 0, lse = -inf.
 """
@@ -21,17 +23,17 @@ def dot(a, b, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale_log2, mask,
+def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
                         HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """Fold one key block (k, v: (BLOCK_N, BLOCK_D)) into the running (acc, m, l) of the
     query tile q (BLOCK_M, BLOCK_D). `mask` (BLOCK_M, BLOCK_N) keeps pairs when HAS_MASK."""
-    s = dot(q, tl.trans(k), DOT_FP32, PRECISION) * qk_scale_log2
+    s = dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale
     if HAS_MASK:
         s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2((s - m_safe[:, None]) * 1.4426950408889634)
+    alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_FP32, PRECISION)
     return acc, m_new, l_i
@@ -39,23 +41,32 @@ def online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale_log2, mask,
 
 @triton.jit
 def finalize(acc, m_i, l_i):
-    """(out float32, lse natural log) of a tile; empty rows give 0 and -inf."""
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    return out, lse
+    """Normalised float32 output of a tile; empty rows (l = 0) give 0."""
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
 
 
 @triton.jit
-def softmax_grad_block(q, k, v, do, lse2, delta, qk_scale_log2, mask,
+def load_row_stats(M, L, offs, mask):
+    """Saved (max, denominator) of query rows, as (max, log2 denominator) for recomputing
+    P = exp2((s - max) * log2(e) - log2(l)). Keeping the max apart from log2(l) keeps P exact to a few
+    ulps even when scores are ~1e4 (an fp32 lse of that size is only good to ~1e-3).
+    Empty rows (l = 0) get max = +inf so that P = 0."""
+    m = tl.load(M + offs, mask=mask, other=0.0)
+    l = tl.load(L + offs, mask=mask, other=0.0)
+    empty = l == 0.0
+    return tl.where(empty, float("inf"), m), tl.math.log2(tl.where(empty, 1.0, l))
+
+
+@triton.jit
+def softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
                        HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """Recompute P for a (query block, key block) from the saved log2-domain lse and return
+    """Recompute P for a (query block, key block) from the saved row statistics and return
     (p, ds), both (BLOCK_M, BLOCK_N) float32, with ds = P * (dO.V - delta), where delta
     already includes the gradient on lse (delta = rowsum(dO*O) - dlse)."""
-    s = dot(q, tl.trans(k), DOT_FP32, PRECISION) * qk_scale_log2
-    p = tl.math.exp2(s - lse2[:, None])
+    s = dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale
     if HAS_MASK:
-        p = tl.where(mask, p, 0.0)
+        s = tl.where(mask, s, float("-inf"))
+    p = tl.math.exp2((s - row_max[:, None]) * 1.4426950408889634 - row_log2l[:, None])
     dp = dot(do, tl.trans(v), DOT_FP32, PRECISION)
     ds = p * (dp - delta[:, None])
     return p, ds

@@ -15,7 +15,7 @@ is active or inactive together and every active pattern reads the *same* dilated
 `s + o + r*i` (a strided view, row stride r*stride_n: loads stay coalesced per row). The
 patterns then accumulate into one online softmax, which is exactly the paper's
 denominator-weighted mix (the softmax over the multiset union of the patterns' keys):
-no per-pattern partial, no scratch, no merge pass; O is written once, lse once.
+no per-pattern partial, no scratch, no merge pass; O is written once.
 
 Bytes: Q and O move once (2*N*H*D*b), K/V once per (tile, pattern) that reads them. FLOPs
 computed / FLOPs of the pattern = planner efficiency: 0.89 (BLOCK_M 64) for the LongNet
@@ -23,7 +23,8 @@ schedule non-causal at N = 32K, about 0.70 causal (the diagonal of a strided til
 T*BLOCK_M positions). Inside a pattern, key blocks that need no mask (all keys valid,
 and before the tile's first row when causal) run without any element mask.
 
-Backward: dQ mirrors the forward tiling (P recomputed from the saved lse). dK/dV: a
+Backward: dQ mirrors the forward tiling (P recomputed from the saved row max and
+denominator). dK/dV: a
 program owns a key tile of one key/value head (same planner, key side) and loops over
 the query heads of its GQA group and their patterns; the queries that read a key are the
 same residue rows of the same segment, so dK/dV are summed in registers and written
@@ -39,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ..common.runtime import interpreter_enabled, resolve_backend, portable_compute_dtype, select_config
-from ..common.triton_helpers import LOG2E, dot, finalize, online_softmax_step, softmax_grad_block
+from ..common.triton_helpers import dot, finalize, load_row_stats, online_softmax_step, softmax_grad_block
 from ..common.validation import check_qkv, check_scale
 from .patterns import check_patterns, head_offsets
 from .plan import build_items, key_unit_triples, query_unit_triples
@@ -65,10 +66,10 @@ def _key_range(first_row, last_row, seg, seg_end, r, o, uniform_active, CAUSAL: 
 
 @triton.jit
 def _dilated_fwd_kernel(
-        Q, K, V, O, LSE, ITEMS, PAT_W, PAT_R, PAT_OFF,
+        Q, K, V, O, ROW_MAX, ROW_SUM, ITEMS, PAT_W, PAT_R, PAT_OFF,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-        N, HEAD_GROUP, qk_scale_log2,
+        N, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     item = tl.program_id(0)
@@ -114,7 +115,7 @@ def _dilated_fwd_kernel(
                 kpos = (key0 + r * (t0 + t_off)).to(tl.int64)
                 k = tl.load(k_base + kpos[:, None] * stride_kn, mask=d_ok[None, :], other=0.0)
                 v = tl.load(v_base + kpos[:, None] * stride_vn, mask=d_ok[None, :], other=0.0)
-                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale_log2, row_ok[:, None],
+                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, row_ok[:, None],
                                                     False, DOT_FP32, PRECISION)
             for t0 in range(full_end, key_end, BLOCK_N):
                 t = t0 + t_off
@@ -127,21 +128,23 @@ def _dilated_fwd_kernel(
                 mask = row_active[:, None] & key_ok[None, :]
                 if CAUSAL:
                     mask = mask & (kpos[None, :] <= rows[:, None])
-                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale_log2, mask,
+                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
                                                     True, DOT_FP32, PRECISION)
-    out, lse = finalize(acc, m_i, l_i)
+    out = finalize(acc, m_i, l_i)
     tl.store(O + b * stride_ob + h * stride_oh + rows.to(tl.int64)[:, None] * stride_on + d[None, :],
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + b * stride_lb + h * stride_lh + rows, lse, mask=row_ok)
+    # row statistics (max score, denominator); lse = max + ln(denominator)
+    tl.store(ROW_MAX + b * stride_lb + h * stride_lh + rows, m_i, mask=row_ok)
+    tl.store(ROW_SUM + b * stride_lb + h * stride_lh + rows, l_i, mask=row_ok)
 
 
 @triton.jit
 def _dilated_bwd_dq_kernel(
-        Q, K, V, DO, LSE, DELTA, DQ, ITEMS, PAT_W, PAT_R, PAT_OFF,
+        Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, ITEMS, PAT_W, PAT_R, PAT_OFF,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
         stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
-        N, HEAD_GROUP, qk_scale_log2, sm_scale,
+        N, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     item = tl.program_id(0)
@@ -164,9 +167,8 @@ def _dilated_bwd_dq_kernel(
 
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_don + d[None, :], mask=tile_mask, other=0.0)
-    lse = tl.load(LSE + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=float("-inf"))
+    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, b * stride_lb + h * stride_lh + rows, row_ok)
     delta = tl.load(DELTA + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty row: P = 0
     k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
 
@@ -189,7 +191,7 @@ def _dilated_bwd_dq_kernel(
                 kpos = (key0 + r * (t0 + t_off)).to(tl.int64)
                 k = tl.load(k_base + kpos[:, None] * stride_kn, mask=d_ok[None, :], other=0.0)
                 v = tl.load(v_base + kpos[:, None] * stride_vn, mask=d_ok[None, :], other=0.0)
-                p, ds = softmax_grad_block(q, k, v, do, lse2, delta, qk_scale_log2, row_ok[:, None],
+                p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, row_ok[:, None],
                                            False, DOT_FP32, PRECISION)
                 dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
             for t0 in range(full_end, key_end, BLOCK_N):
@@ -201,7 +203,7 @@ def _dilated_bwd_dq_kernel(
                 mask = row_active[:, None] & key_ok[None, :]
                 if CAUSAL:
                     mask = mask & (kpos[None, :] <= rows[:, None])
-                p, ds = softmax_grad_block(q, k, v, do, lse2, delta, qk_scale_log2, mask,
+                p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
                                            True, DOT_FP32, PRECISION)
                 dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqn + d[None, :],
@@ -210,11 +212,11 @@ def _dilated_bwd_dq_kernel(
 
 @triton.jit
 def _dilated_bwd_dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV, ITEMS, PAT_W, PAT_R, PAT_OFF,
+        Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DK, DV, ITEMS, PAT_W, PAT_R, PAT_OFF,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
         stride_dkb, stride_dkn, stride_dkh, stride_lb, stride_lh,
-        N, HEAD_GROUP, qk_scale_log2, sm_scale,
+        N, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     # BLOCK_N: the key tile this program owns; BLOCK_M: the query blocks it walks.
@@ -242,8 +244,7 @@ def _dilated_bwd_dkdv_kernel(
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
         q_base = Q + b * stride_qb + h * stride_qh + d[None, :]
         do_base = DO + b * stride_dob + h * stride_doh + d[None, :]
-        lse_base = LSE + b * stride_lb + h * stride_lh
-        delta_base = DELTA + b * stride_lb + h * stride_lh
+        stats_off = b * stride_lb + h * stride_lh
         for i in tl.static_range(NUM_PATTERNS):
             o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
             if o >= 0:
@@ -270,17 +271,17 @@ def _dilated_bwd_dkdv_kernel(
                 full_hi = tl.where(uniform_active, full_lo + ((n_q - full_lo) // BLOCK_M) * BLOCK_M, n_q)
                 query0 = seg + o
                 for t0 in range(q_begin, full_lo, BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, t0 + t_off,
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats_off, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d_ok, stride_qn, stride_don,
-                                         qk_scale_log2, CAUSAL, True, DOT_FP32, PRECISION)
+                                         sm_scale, CAUSAL, True, DOT_FP32, PRECISION)
                 for t0 in range(full_lo, full_hi, BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, t0 + t_off,
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats_off, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d_ok, stride_qn, stride_don,
-                                         qk_scale_log2, CAUSAL, False, DOT_FP32, PRECISION)
+                                         sm_scale, CAUSAL, False, DOT_FP32, PRECISION)
                 for t0 in range(full_hi, n_q, BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, t0 + t_off,
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats_off, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d_ok, stride_qn, stride_don,
-                                         qk_scale_log2, CAUSAL, True, DOT_FP32, PRECISION)
+                                         sm_scale, CAUSAL, True, DOT_FP32, PRECISION)
     tl.store(DK + b * stride_dkb + kvh * stride_dkh + keys64[:, None] * stride_dkn + d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=tile_mask)
     tl.store(DV + b * stride_dkb + kvh * stride_dkh + keys64[:, None] * stride_dkn + d[None, :],
@@ -288,8 +289,8 @@ def _dilated_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, t, query0, r, n_q, keys, key_active,
-                d_ok, stride_qn, stride_don, qk_scale_log2, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+def _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats_off, t, query0, r, n_q, keys, key_active,
+                d_ok, stride_qn, stride_don, sm_scale, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
                 DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """Add one block of dilated queries (positions query0 + r*t) to the key tile's dK, dV."""
     qpos = query0 + r * t
@@ -297,13 +298,13 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, t, query0, 
     qpos64 = qpos.to(tl.int64)
     q = tl.load(q_base + qpos64[:, None] * stride_qn, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
     do = tl.load(do_base + qpos64[:, None] * stride_don, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
-    lse = tl.load(lse_base + qpos, mask=q_ok, other=float("-inf"))
-    delta = tl.load(delta_base + qpos, mask=q_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats_off + qpos, q_ok)
+    delta = tl.load(DELTA + stats_off + qpos, mask=q_ok, other=0.0)
     mask = q_ok[:, None] & key_active[None, :]
     if CAUSAL:
         mask = mask & (keys[None, :] <= qpos[:, None])
-    p, ds = softmax_grad_block(q, k, v, do, lse2, delta, qk_scale_log2, mask, HAS_MASK, DOT_FP32, PRECISION)
+    p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, HAS_MASK,
+                               DOT_FP32, PRECISION)
     dv += dot(tl.trans(p.to(do.dtype)), do, DOT_FP32, PRECISION)
     dk += dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32, PRECISION)
     return dk, dv
@@ -331,34 +332,43 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def lse_from_stats(row_max, row_sum):
+    """lse = max + ln(denominator) from the kernels' row statistics; -inf for empty rows."""
+    empty = row_sum == 0
+    lse = row_max + torch.log(torch.where(empty, torch.ones_like(row_sum), row_sum))
+    return torch.where(empty, torch.full_like(lse, float("-inf")), lse)
+
+
 def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None):
-    """Launch the fused forward. Returns out (like q, contiguous) and lse float32 (B, Hq, N)."""
+    """Launch the fused forward. Returns out (like q, contiguous) and the row statistics
+    (row_max, row_sum), float32 (B, Hq, N) each; see lse_from_stats."""
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
     block_d = max(16, triton.next_power_of_2(D))
     cfg = config or select_config("dilated_fwd", q.dtype, block_d, N, q.device)
     items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_M"],
                                                       cfg["BLOCK_N"], False, q.device)
-    alloc = torch.empty if full else torch.zeros
+    alloc = torch.empty if full else torch.zeros   # rows no tile covers: 0 output, l = 0
     out = alloc(B, N, Hq, D, dtype=q.dtype, device=q.device)
-    lse = (torch.empty if full else torch.full)(*((B, Hq, N),) if full else ((B, Hq, N), float("-inf")),
-                                               dtype=torch.float32, device=q.device)
-    if items.shape[0] == 0 or B == 0:
-        return out, lse
+    row_max = alloc(B, Hq, N, dtype=torch.float32, device=q.device)
+    row_sum = alloc(B, Hq, N, dtype=torch.float32, device=q.device)
+    if items.shape[0] == 0:
+        return out, row_max, row_sum
     dot_fp32, precision = _kernel_options(q.dtype, q.device)
     _dilated_fwd_kernel[(items.shape[0], B)](
-        q, k, v, out, lse, items, pat_w, pat_r, pat_off,
+        q, k, v, out, row_max, row_sum, items, pat_w, pat_r, pat_off,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        N, Hq // Hkv, scale * LOG2E,
+        row_max.stride(0), row_max.stride(1),
+        N, Hq // Hkv, scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=dot_fp32, PRECISION=precision,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
-    return out, lse
+    return out, row_max, row_sum
 
 
-def dilated_backward(do, dlse, q, k, v, out, lse, patterns, table, *, causal, scale, config=None):
+def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, *, causal, scale,
+                     config=None):
     """dQ, dK, dV for dO (like out) and an optional dlse (B, Hq, N)."""
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -380,11 +390,11 @@ def dilated_backward(do, dlse, q, k, v, out, lse, patterns, table, *, causal, sc
     items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_M"],
                                                       cfg["BLOCK_N"], False, q.device)
     dq = (torch.empty if full else torch.zeros)(B, N, Hq, D, dtype=q.dtype, device=q.device)
-    if items.shape[0] and B:
+    if items.shape[0]:
         _dilated_bwd_dq_kernel[(items.shape[0], B)](
-            q, k, v, do, lse, delta, dq, items, pat_w, pat_r, pat_off, *strides,
-            dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1),
-            N, Hq // Hkv, scale * LOG2E, scale, **common)
+            q, k, v, do, row_max, row_sum, delta, dq, items, pat_w, pat_r, pat_off, *strides,
+            dq.stride(0), dq.stride(1), dq.stride(2), row_max.stride(0), row_max.stride(1),
+            N, Hq // Hkv, scale, **common)
 
     # key side: tiles of BLOCK_N keys, walking query blocks of BLOCK_M
     items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_N"],
@@ -392,30 +402,30 @@ def dilated_backward(do, dlse, q, k, v, out, lse, patterns, table, *, causal, sc
     alloc = torch.empty if full else torch.zeros
     dk = alloc(B, N, Hkv, D, dtype=k.dtype, device=q.device)
     dv = alloc(B, N, Hkv, D, dtype=v.dtype, device=q.device)
-    if items.shape[0] and B:
+    if items.shape[0]:
         _dilated_bwd_dkdv_kernel[(items.shape[0], B)](
-            q, k, v, do, lse, delta, dk, dv, items, pat_w, pat_r, pat_off, *strides,
-            dk.stride(0), dk.stride(1), dk.stride(2), lse.stride(0), lse.stride(1),
-            N, Hq // Hkv, scale * LOG2E, scale, **common)
+            q, k, v, do, row_max, row_sum, delta, dk, dv, items, pat_w, pat_r, pat_off, *strides,
+            dk.stride(0), dk.stride(1), dk.stride(2), row_max.stride(0), row_max.stride(1),
+            N, Hq // Hkv, scale, **common)
     return dq, dk, dv
 
 
 class _DilatedAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, patterns, table, causal, scale):
-        out, lse = dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, row_max, row_sum = dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, row_max, row_sum)
         ctx.args = (patterns, table, causal, scale)
-        ctx.mark_non_differentiable()
-        return out, lse
+        return out, lse_from_stats(row_max, row_sum)
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, row_max, row_sum = ctx.saved_tensors
         patterns, table, causal, scale = ctx.args
         if do is None:
             do = torch.zeros_like(out)
-        dq, dk, dv = dilated_backward(do, dlse, q, k, v, out, lse, patterns, table, causal=causal, scale=scale)
+        dq, dk, dv = dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table,
+                                      causal=causal, scale=scale)
         return dq, dk, dv, None, None, None, None
 
 
