@@ -1,0 +1,1 @@
+"""Benchmarks behind `python -m triton_dilated.perf`."""
