@@ -11,9 +11,12 @@ if DEVICE == "cpu":
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
+# ci: derandomized (a failure reproduces exactly), no shrinking (the interpreter makes
+# each example cost seconds; the failing example is printed as generated).
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=20, print_blob=True,
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate],
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", deadline=None, max_examples=60,
                           suppress_health_check=[HealthCheck.too_slow])

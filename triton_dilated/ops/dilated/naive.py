@@ -36,9 +36,10 @@ def dilated_attention_naive(q, k, v, segment_lengths, dilation_rates, *, causal=
             out_p = q64.new_zeros(B, N, D)
             lse_p = q64.new_full((B, N), float("-inf"))
             for s in range(0, N, w):
-                idx = torch.arange(s + o, min(s + w, N), r, device=q.device)
-                if idx.numel() == 0:
+                rows = range(s + o, min(s + w, N), r)   # the dilated rows of this segment
+                if len(rows) == 0:
                     continue
+                idx = torch.tensor(rows, dtype=torch.long, device=q.device)
                 keep = torch.ones(idx.numel(), idx.numel(), dtype=torch.bool, device=q.device)
                 if causal:
                     keep = idx[:, None] >= idx[None, :]
