@@ -42,6 +42,8 @@ def check_qkv(q, k, v, *, allow_float64: bool = False) -> None:
         raise ValueError(f"k and v must have the head dim of q ({D}), got {Dk}")
     if D < 1 or D > MAX_HEAD_DIM:
         raise ValueError(f"head dim must be in [1, {MAX_HEAD_DIM}], got {D}")
+    if Hq < 1:
+        raise ValueError(f"q must have at least one head, got {Hq}")
     if Hkv < 1 or Hq % Hkv != 0:
         raise ValueError(f"query heads ({Hq}) must be a positive multiple of key/value heads ({Hkv})")
 

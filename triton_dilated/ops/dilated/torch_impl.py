@@ -10,6 +10,8 @@ a float32 lse merge. Memory is O(N*w/r) per pattern, never O(N^2).
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -33,15 +35,16 @@ def _select_heads(x, index):
 
 
 def _segment_views(x, w: int, r: int, o: int):
-    """Dilated rows of x (B, N, H, D) per segment: a list of (B, nseg, L, H, D) views."""
+    """Dilated rows of x (B, N, H, D) per segment: (B, nseg, L, H, D) views, the full
+    segments then the short last one. A generator: when the caller writes into one view,
+    the next is made afterwards (autograd refuses writes through a view that an earlier
+    in-place write has made stale)."""
     N = x.shape[1]
     n_full = (N // w) * w
-    views = []
     if n_full > 0 and o < w:
-        views.append(x[:, :n_full].unflatten(1, (n_full // w, w))[:, :, o::r])
+        yield x[:, :n_full].unflatten(1, (n_full // w, w))[:, :, o::r]
     if n_full < N and o < N - n_full:
-        views.append(x[:, n_full:].unsqueeze(1)[:, :, o::r])
-    return views
+        yield x[:, n_full:].unsqueeze(1)[:, :, o::r]
 
 
 def _attend(qs, ks, vs, causal: bool, scale: float, need_lse: bool, compute_dtype):
@@ -98,7 +101,7 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
             kv_idx = _head_index([h // group for h in heads])
             views = zip(_segment_views(q, w, r, o), _segment_views(k, w, r, o), _segment_views(v, w, r, o),
                         _segment_views(out_i, w, r, o),
-                        _segment_views(lse_i.unsqueeze(-1), w, r, o) if want_lse else [None] * 2)
+                        _segment_views(lse_i.unsqueeze(-1), w, r, o) if want_lse else itertools.repeat(None))
             for qv, kv, vv, ov, lv in views:
                 res, lse = _attend(_select_heads(qv, q_idx), _select_heads(kv, kv_idx),
                                    _select_heads(vv, kv_idx), causal, scale, want_lse, compute_dtype)
