@@ -27,24 +27,38 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
-def normalise_rows(idx: torch.Tensor, n_cols: int):
-    """Row lists with -1 (or any out-of-range value) for empty slots and possible
-    duplicates -> canonical (counts int32 (..., rows), indices int32 (..., rows, width)):
-    ascending, unique, zero padding, width >= 1."""
-    big = n_cols
-    idx = idx.long()
-    key = torch.where((idx >= 0) & (idx < n_cols), idx, torch.full_like(idx, big))
-    key = key.sort(dim=-1).values
-    dup = torch.zeros_like(key, dtype=torch.bool)
-    dup[..., 1:] = key[..., 1:] == key[..., :-1]
-    key = torch.where(dup, torch.full_like(key, big), key).sort(dim=-1).values
-    counts = (key < big).sum(-1)
+def pack_pairs(b, h, r, c, shape, n_cols):
+    """Active pairs (batch b, head h, row r, column c; any order, duplicates allowed) ->
+    canonical row lists (counts int32 (B, H, R), indices int32 (B, H, R, width)):
+    ascending, unique, zero padding, width >= 1. Cost O(pairs log pairs)."""
+    B, H, R = shape
+    device = c.device
+    key = torch.unique(((b.long() * H + h.long()) * R + r.long()) * n_cols + c.long())  # sorted
+    row, col = key // n_cols, key % n_cols
+    counts = torch.bincount(row, minlength=B * H * R)
     width = max(1, int(counts.max()) if counts.numel() else 1)
-    key = key[..., :width]
-    if key.shape[-1] < width:
-        key = torch.nn.functional.pad(key, (0, width - key.shape[-1]), value=big)
-    indices = torch.where(key < big, key, torch.zeros_like(key))
-    return counts.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous()
+    start = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(key.numel(), device=device) - start[row]
+    indices = torch.zeros(B * H * R, width, dtype=torch.int32, device=device)
+    indices[row, pos] = col.to(torch.int32)
+    return counts.reshape(B, H, R).to(torch.int32).contiguous(), indices.reshape(B, H, R, width).contiguous()
+
+
+def list_pairs(counts, indices):
+    """Row lists -> (b, h, r, c) of their active entries, O(active)."""
+    B, H, R, width = indices.shape
+    flat = counts.reshape(-1).long()
+    row = torch.repeat_interleave(torch.arange(flat.numel(), device=counts.device), flat)
+    slot = torch.arange(row.numel(), device=counts.device) - (torch.cumsum(flat, 0) - flat)[row]
+    c = indices.reshape(-1, width)[row, slot]
+    return row // (H * R), row // R % H, row % R, c
+
+
+def rows_to_pairs(rows: torch.Tensor, n_cols: int):
+    """Candidate lists (B, H, R, k) with -1 (or out-of-range) for none -> pairs."""
+    ok = (rows >= 0) & (rows < n_cols)
+    b, h, r, slot = ok.nonzero(as_tuple=True)
+    return b, h, r, rows[b, h, r, slot]
 
 
 def valid_slots(counts: torch.Tensor, width: int) -> torch.Tensor:
@@ -52,30 +66,17 @@ def valid_slots(counts: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def dense_from_lists(counts, indices, n_cols) -> torch.Tensor:
-    valid = valid_slots(counts, indices.shape[-1])
-    dense = torch.zeros(*counts.shape, n_cols + 1, dtype=torch.bool, device=indices.device)
-    idx = torch.where(valid, indices.long(), torch.full_like(indices, n_cols).long())
-    dense.scatter_(-1, idx, True)   # empty slots land in a spare last column, dropped
-    return dense[..., :n_cols]
+    b, h, r, c = list_pairs(counts, indices)
+    dense = torch.zeros(*counts.shape, n_cols, dtype=torch.bool, device=indices.device)
+    dense[b, h, r, c.long()] = True
+    return dense
 
 
 def transpose_lists(counts, indices, n_cols):
     """Row lists (B, H, rows, w) -> column lists (B, H, n_cols, w'): for each column, the
-    rows that list it, ascending. O(active) memory."""
-    B, H, rows, width = indices.shape
-    valid = valid_slots(counts, width)
-    b, h, r, slot = valid.nonzero(as_tuple=True)
-    c = indices[b, h, r, slot].long()
-    group = (b * H + h) * n_cols + c                     # (b, h, column) id
-    order = torch.argsort(group * rows + r)               # by column, then ascending row
-    group, r = group[order], r[order]
-    per = torch.bincount(group, minlength=B * H * n_cols)
-    width_t = max(1, int(per.max()) if per.numel() else 1)
-    start = torch.cumsum(per, 0) - per
-    pos = torch.arange(group.numel(), device=indices.device) - start[group]
-    out = torch.zeros(B * H * n_cols, width_t, dtype=torch.int32, device=indices.device)
-    out[group, pos] = r.to(torch.int32)
-    return per.reshape(B, H, n_cols).to(torch.int32).contiguous(), out.reshape(B, H, n_cols, width_t).contiguous()
+    rows that list it, ascending."""
+    b, h, r, c = list_pairs(counts, indices)
+    return pack_pairs(b, h, c, r, (*counts.shape[:2], n_cols), counts.shape[2])
 
 
 class BlockLayout:
@@ -84,7 +85,21 @@ class BlockLayout:
 
     def __init__(self, kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, block_size: int = 128,
                  n_kv_blocks: int | None = None):
-        self.block_size = check_block_size(block_size)
+        self._validate(kv_num_blocks, kv_indices, block_size, n_kv_blocks)
+        valid = valid_slots(kv_num_blocks, kv_indices.shape[3])
+        self._set(kv_num_blocks.to(torch.int32).contiguous(),
+                  torch.where(valid, kv_indices, torch.zeros_like(kv_indices)).to(torch.int32).contiguous(),
+                  block_size, kv_num_blocks.shape[2] if n_kv_blocks is None else int(n_kv_blocks))
+
+    def _set(self, counts, indices, block_size, n_kv):
+        self.block_size = block_size
+        self.kv_num_blocks, self.kv_indices = counts, indices
+        self.n_q_blocks, self.n_kv_blocks = counts.shape[2], n_kv
+        self.q_num_blocks, self.q_indices = transpose_lists(counts, indices, n_kv)
+
+    @staticmethod
+    def _validate(kv_num_blocks, kv_indices, block_size, n_kv_blocks):
+        check_block_size(block_size)
         for name, t in (("kv_num_blocks", kv_num_blocks), ("kv_indices", kv_indices)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -110,19 +125,24 @@ class BlockLayout:
             steps = kv_indices[..., 1:] - kv_indices[..., :-1]
             if (steps[valid[..., 1:]] <= 0).any():
                 raise ValueError("kv_indices must be strictly ascending within each row's count")
-        self.kv_num_blocks = kv_num_blocks.to(torch.int32).contiguous()
-        self.kv_indices = torch.where(valid, kv_indices, torch.zeros_like(kv_indices)).to(torch.int32).contiguous()
-        self.n_q_blocks, self.n_kv_blocks = n_q, n_kv
-        self.q_num_blocks, self.q_indices = transpose_lists(self.kv_num_blocks, self.kv_indices, n_kv)
 
     # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pairs(cls, b, h, r, c, shape, n_kv_blocks: int, block_size: int) -> "BlockLayout":
+        """From active (batch, head, query block, key block) pairs; shape = (B|1, H|1,
+        n_q_blocks). Order and duplicates do not matter."""
+        check_block_size(block_size)
+        counts, indices = pack_pairs(b, h, r, c, shape, n_kv_blocks)   # canonical by construction
+        layout = object.__new__(cls)
+        layout._set(counts, indices, block_size, n_kv_blocks)
+        return layout
+
     @classmethod
     def from_rows(cls, rows: torch.Tensor, block_size: int, n_kv_blocks: int | None = None) -> "BlockLayout":
         """From per-row candidate lists (B|1, H|1, n_q_blocks, k) with -1 for "none";
         duplicates and order do not matter."""
         n_kv = rows.shape[2] if n_kv_blocks is None else n_kv_blocks
-        counts, indices = normalise_rows(rows, n_kv)
-        return cls(counts, indices, block_size, n_kv_blocks=n_kv)
+        return cls.from_pairs(*rows_to_pairs(rows, n_kv), rows.shape[:3], n_kv, block_size)
 
     @classmethod
     def from_dense(cls, block_mask: torch.Tensor, block_size: int = 128) -> "BlockLayout":
@@ -136,9 +156,8 @@ class BlockLayout:
         if block_mask.dim() != 4:
             raise ValueError(f"block_mask must be (n_q_blocks, n_kv_blocks) or (B|1, H|1, n_q_blocks, n_kv_blocks), "
                              f"got shape {tuple(block_mask.shape)}")
-        n_kv = block_mask.shape[-1]
-        cols = torch.arange(n_kv, device=block_mask.device)
-        return cls.from_rows(torch.where(block_mask, cols, -1), block_size, n_kv)
+        return cls.from_pairs(*block_mask.nonzero(as_tuple=True), block_mask.shape[:3], block_mask.shape[-1],
+                              block_size)
 
     def to_dense(self) -> torch.Tensor:
         """bool (B|1, H|1, n_q_blocks, n_kv_blocks)."""
@@ -168,14 +187,12 @@ class BlockLayout:
     def _split(self, seq_len: int, causal: bool):
         """((full counts, indices), (partial counts, indices)); causal drops blocks above
         the diagonal."""
-        row = torch.arange(self.n_q_blocks, device=self.kv_indices.device)[:, None]
-        valid = valid_slots(self.kv_num_blocks, self.kv_indices.shape[-1])
-        kb = self.kv_indices
-        free = valid & ((kb < row) if causal else torch.ones_like(valid))
+        b, h, r, c = list_pairs(self.kv_num_blocks, self.kv_indices)
+        free = (c < r) if causal else torch.ones_like(c, dtype=torch.bool)
         if seq_len % self.block_size:
-            free &= kb != self.n_kv_blocks - 1
-        partial = valid & ~free & ((kb <= row) if causal else torch.ones_like(valid))
-        pick = lambda m: normalise_rows(torch.where(m, kb, -1), self.n_kv_blocks)  # noqa: E731
+            free &= c != self.n_kv_blocks - 1
+        partial = ~free & ((c <= r) if causal else torch.ones_like(free))
+        pick = lambda m: pack_pairs(b[m], h[m], r[m], c[m], self.kv_num_blocks.shape, self.n_kv_blocks)  # noqa: E731
         return pick(free), pick(partial)
 
     def check_seq_len(self, seq_len: int, name: str = "layout") -> None:
@@ -203,25 +220,44 @@ class BlockLayout:
                              f"{self.n_q_blocks}x{self.n_kv_blocks} and {other.block_size}/"
                              f"{other.n_q_blocks}x{other.n_kv_blocks}")
 
-    def _rows(self):
-        return torch.where(valid_slots(self.kv_num_blocks, self.kv_indices.shape[-1]), self.kv_indices.long(), -1)
+    def pairs(self):
+        """(b, h, q_block, kv_block) of every active pair."""
+        return list_pairs(self.kv_num_blocks, self.kv_indices)
+
+    def broadcast_pairs(self, shape):
+        """pairs() with batch/head dimensions of size 1 repeated to `shape` (B, H, n_q)."""
+        b, h, r, c = self.pairs()
+        lb, lh = self.kv_num_blocks.shape[:2]
+        rep_b, rep_h = shape[0] // lb, shape[1] // lh
+        if rep_b == rep_h == 1:
+            return b, h, r, c
+        bb = (b[:, None, None] * rep_b + torch.arange(rep_b)[None, :, None]).expand(-1, rep_b, rep_h)
+        hh = (h[:, None, None] * rep_h + torch.arange(rep_h)[None, None, :]).expand(-1, rep_b, rep_h)
+        ex = lambda x: x[:, None, None].expand(-1, rep_b, rep_h).reshape(-1)  # noqa: E731
+        return bb.reshape(-1), hh.reshape(-1), ex(r), ex(c)
+
+    def _broadcast_pairs(self, other):
+        shape = torch.broadcast_shapes(self.kv_num_blocks.shape, other.kv_num_blocks.shape)
+        return shape, [self.broadcast_pairs(shape), other.broadcast_pairs(shape)]
 
     def __or__(self, other):
         if not isinstance(other, BlockLayout):
             return NotImplemented
         self._check_compatible(other)
-        a, b = torch.broadcast_tensors(self._rows()[..., :1], other._rows()[..., :1])
-        shape = a.shape[:-1]
-        rows = torch.cat([self._rows().expand(*shape, -1), other._rows().expand(*shape, -1)], dim=-1)
-        return BlockLayout.from_rows(rows, self.block_size, self.n_kv_blocks)
+        shape, ((b1, h1, r1, c1), (b2, h2, r2, c2)) = self._broadcast_pairs(other)
+        cat = lambda x, y: torch.cat([x, y])  # noqa: E731
+        return BlockLayout.from_pairs(cat(b1, b2), cat(h1, h2), cat(r1, r2), cat(c1, c2), shape,
+                                      self.n_kv_blocks, self.block_size)
 
     def __and__(self, other):
         if not isinstance(other, BlockLayout):
             return NotImplemented
         self._check_compatible(other)
-        mine, theirs = self._rows(), other._rows()
-        keep = (mine.unsqueeze(-1) == theirs.unsqueeze(-2)).any(-1) & (mine >= 0)
-        return BlockLayout.from_rows(torch.where(keep, mine, -1), self.block_size, self.n_kv_blocks)
+        shape, ((b1, h1, r1, c1), (b2, h2, r2, c2)) = self._broadcast_pairs(other)
+        key = lambda b, h, r, c: ((b * shape[1] + h) * shape[2] + r) * self.n_kv_blocks + c  # noqa: E731
+        keep = torch.isin(key(b1, h1, r1, c1.long()), key(b2, h2, r2, c2.long()))
+        return BlockLayout.from_pairs(b1[keep], h1[keep], r1[keep], c1[keep], shape, self.n_kv_blocks,
+                                      self.block_size)
 
     def __repr__(self):
         return f"BlockLayout(shape={self.shape}, block_size={self.block_size}, sparsity={self.sparsity:.3f})"
@@ -256,8 +292,8 @@ class BlockLayout:
         if q_bs != kv_bs:
             raise ValueError(f"block_mask must use one block size for queries and keys, got {size}")
         n_kv = block_mask.kv_indices.shape[-1]
-        rows = [torch.where(valid_slots(block_mask.kv_num_blocks, n_kv), block_mask.kv_indices.long(), -1)]
+        parts = [list_pairs(block_mask.kv_num_blocks, block_mask.kv_indices)]
         if block_mask.full_kv_num_blocks is not None:
-            full = block_mask.full_kv_indices
-            rows.append(torch.where(valid_slots(block_mask.full_kv_num_blocks, full.shape[-1]), full.long(), -1))
-        return cls.from_rows(torch.cat(rows, dim=-1), int(q_bs), n_kv)
+            parts.append(list_pairs(block_mask.full_kv_num_blocks, block_mask.full_kv_indices))
+        b, h, r, c = (torch.cat(x) for x in zip(*parts))
+        return cls.from_pairs(b, h, r, c, block_mask.kv_num_blocks.shape, n_kv, int(q_bs))

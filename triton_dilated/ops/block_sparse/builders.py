@@ -1,0 +1,175 @@
+"""Layout builders (DESIGN §4). None of them materialises an N x N mask: each writes, per
+query block, a short list of candidate key blocks, normalised by BlockLayout.from_rows.
+All take the sequence length in tokens and the block size; per-head builders take the
+number of heads. `causal=True` drops key blocks after the query block (the kernel still
+applies the element-level causal mask on the diagonal block)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..common.validation import check_positive_int_list
+from .layout import BlockLayout, check_block_size
+
+
+def _num_blocks(seq_len, block_size) -> int:
+    check_block_size(block_size)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    return math.ceil(seq_len / block_size)
+
+
+def _nonneg_int(name, x) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {x!r}")
+    return x
+
+
+def _finish(rows, nb, block_size, causal):
+    """rows (B|1, H|1, nb, k) candidates, -1 for none; apply causal; build the layout."""
+    if causal:
+        qb = torch.arange(nb).view(1, 1, nb, 1)
+        rows = torch.where(rows <= qb, rows, -1)
+    return BlockLayout.from_rows(rows, block_size, nb)
+
+
+def local(seq_len: int, block_size: int = 128, window: int = 1, causal: bool = False) -> BlockLayout:
+    """Sliding window: query block i reads key blocks i - window .. i + window."""
+    nb = _num_blocks(seq_len, block_size)
+    window = _nonneg_int("window", window)
+    offs = torch.arange(-window, (0 if causal else window) + 1)
+    rows = torch.arange(nb)[:, None] + offs[None, :]
+    rows = torch.where((rows >= 0) & (rows < nb), rows, -1)
+    return _finish(rows[None, None], nb, block_size, causal)
+
+
+def causal(seq_len: int, block_size: int = 128) -> BlockLayout:
+    """Every key block at or before the query block (dense causal attention)."""
+    nb = _num_blocks(seq_len, block_size)
+    r, c = torch.tril_indices(nb, nb)
+    zero = torch.zeros_like(r)
+    return BlockLayout.from_pairs(zero, zero, r, c, (1, 1, nb), nb, block_size)
+
+
+def global_tokens(seq_len: int, block_size: int = 128, num_global_blocks: int = 1, causal: bool = False) -> BlockLayout:
+    """The first `num_global_blocks` blocks attend to everything and everything attends to
+    them (BigBird's global tokens)."""
+    nb = _num_blocks(seq_len, block_size)
+    g = min(_nonneg_int("num_global_blocks", num_global_blocks), nb)
+    everyone, glob = torch.meshgrid(torch.arange(nb), torch.arange(g), indexing="ij")
+    r = torch.cat([everyone.reshape(-1), glob.reshape(-1)])   # all rows read the globals,
+    c = torch.cat([glob.reshape(-1), everyone.reshape(-1)])   # the global rows read all
+    if causal:
+        r, c = r[c <= r], c[c <= r]
+    zero = torch.zeros_like(r)
+    return BlockLayout.from_pairs(zero, zero, r, c, (1, 1, nb), nb, block_size)
+
+
+def random(seq_len: int, block_size: int = 128, num_random: int = 2, seed: int = 0, num_heads: int = 1,
+           batch: int = 1, causal: bool = False) -> BlockLayout:
+    """`num_random` random key blocks per (batch, head, query block), seeded and
+    reproducible (BigBird-style; with causal, drawn among the blocks at or before the query
+    block). Draws are with replacement, so a row may hold fewer distinct blocks."""
+    nb = _num_blocks(seq_len, block_size)
+    k = _nonneg_int("num_random", num_random)
+    gen = torch.Generator().manual_seed(int(seed))
+    u = torch.rand(batch, num_heads, nb, k, generator=gen, dtype=torch.float64)
+    hi = (torch.arange(nb) + 1).view(1, 1, nb, 1) if causal else nb
+    rows = (u * hi).long() if k else torch.full((batch, num_heads, nb, 1), -1)
+    return _finish(rows, nb, block_size, causal)
+
+
+def bigbird(seq_len: int, block_size: int = 128, window: int = 1, num_global_blocks: int = 1, num_random: int = 2,
+            seed: int = 0, num_heads: int = 1, batch: int = 1, causal: bool = False) -> BlockLayout:
+    """BigBird: sliding window | global blocks | random blocks (one union of their pairs)."""
+    parts = [local(seq_len, block_size, window, causal), global_tokens(seq_len, block_size, num_global_blocks, causal),
+             random(seq_len, block_size, num_random, seed, num_heads, batch, causal)]
+    return union(parts)
+
+
+def union(layouts_) -> BlockLayout:
+    """Union of several layouts in one pass (`a | b | c` without the intermediate layouts)."""
+    out = layouts_[0]
+    if len(layouts_) == 1:
+        return out
+    shape = torch.broadcast_shapes(*(lay.kv_num_blocks.shape for lay in layouts_))
+    pairs = [lay.broadcast_pairs(shape) for lay in layouts_]
+    b, h, r, c = (torch.cat(x) for x in zip(*pairs))
+    return BlockLayout.from_pairs(b, h, r, c, shape, out.n_kv_blocks, out.block_size)
+
+
+def hierarchical(seq_len: int, block_size: int = 128, window: int = 1, levels=((4, 1), (16, 1)),
+                 causal: bool = False) -> BlockLayout:
+    """Multi-scale: a fine local window of `window` blocks, then for each (stride, reach) in
+    `levels` the key blocks at multiples of `stride` within `reach` strides of the query
+    block's stride-aligned position (coarser and coarser context)."""
+    nb = _num_blocks(seq_len, block_size)
+    qb = torch.arange(nb)[:, None]
+    win = torch.arange(-window, window + 1)[None, :] + qb
+    parts = [torch.where((win >= 0) & (win < nb), win, -1)]
+    for stride, reach in levels:
+        stride, reach = check_positive_int_list("levels", [stride, reach + 1])
+        reach -= 1
+        base = qb // stride * stride
+        cand = base + stride * torch.arange(-reach, reach + 1)[None, :]
+        parts.append(torch.where((cand >= 0) & (cand < nb), cand, -1))
+    return _finish(torch.cat(parts, dim=1)[None, None], nb, block_size, causal)
+
+
+def dilated(seq_len: int, segment_lengths, dilation_rates, block_size: int = 128, num_heads: int = 1,
+            offsets: str = "modulo", causal: bool = False) -> BlockLayout:
+    """LongNet's patterns at block granularity: segment lengths and rates in tokens, both
+    multiples of the block size. In each segment of w tokens, every (r / block_size)-th
+    block from the head's offset (j % r', or j // ceil(H / r') with offsets="blocked")
+    attends to the same blocks of its segment; the patterns are joined (set union)."""
+    from ..dilated.patterns import check_patterns, head_offsets
+    nb = _num_blocks(seq_len, block_size)
+    patterns = check_patterns(segment_lengths, dilation_rates, "longnet", offsets)
+    for w, r in patterns:
+        if w % block_size or r % block_size and r != 1:
+            raise ValueError(f"segment_lengths and dilation_rates must be multiples of block_size ({block_size}) "
+                             f"(a rate of 1 is also allowed), got w={w}, r={r}")
+    block_patterns = tuple((w // block_size, max(1, r // block_size)) for w, r in patterns)
+    table = head_offsets(num_heads, block_patterns, "longnet", offsets)
+    qb = torch.arange(nb)
+    per_head = []
+    for row in table:
+        parts = []
+        for (w, r), o in zip(block_patterns, row):
+            seg = qb // w * w
+            active = (qb - seg) % r == o
+            cand = seg[:, None] + o + r * torch.arange(math.ceil(w / r))[None, :]
+            cand = torch.where(active[:, None] & (cand < torch.clamp(seg + w, max=nb)[:, None]), cand, -1)
+            parts.append(cand)
+        per_head.append(torch.cat(parts, dim=1))
+    return _finish(torch.stack(per_head)[None], nb, block_size, causal)
+
+
+def topk(q: torch.Tensor, k: torch.Tensor, top_k: int, block_size: int = 128, causal: bool = False) -> BlockLayout:
+    """Content-adaptive: mean-pool q and k per block, score the (query block, key block)
+    pairs by the pooled dot product, keep the `top_k` best key blocks per (batch, head,
+    query block); the diagonal block is always kept. q (B, N, Hq, D), k (B, N, Hkv, D)."""
+    from ..common.validation import check_qkv
+    check_qkv(q, k, k)
+    top_k = _nonneg_int("top_k", top_k)
+    B, N, Hq, D = q.shape
+    nb = _num_blocks(N, block_size)
+    pad = nb * block_size - N
+
+    def pool(x):  # mean over the real tokens of each block
+        x = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, pad)).unflatten(1, (nb, block_size))
+        n = torch.full((nb,), float(block_size), device=x.device)
+        n[-1] = block_size - pad
+        return x.sum(2) / n.view(1, nb, 1, 1)
+
+    pq, pk = pool(q), pool(k).repeat_interleave(Hq // k.shape[2], dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", pq, pk)
+    if causal:
+        scores = scores.masked_fill(torch.ones(nb, nb, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    kk = min(top_k, nb)
+    best = scores.topk(kk, dim=-1).indices if kk else scores.new_zeros(B, Hq, nb, 0, dtype=torch.long)
+    if causal:  # rows with fewer than top_k past blocks picked -inf entries: drop them
+        best = torch.where(torch.gather(scores, -1, best) > float("-inf"), best, -1)
+    diag = torch.arange(nb, device=q.device).view(1, 1, nb, 1).expand(B, Hq, nb, 1)
+    return _finish(torch.cat([best, diag], dim=-1).cpu(), nb, block_size, causal)
