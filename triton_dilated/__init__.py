@@ -1,6 +1,11 @@
 """triton_dilated: Triton kernels for long-context sparse attention."""
+from . import layouts
+from .ops.block_sparse.layout import BlockLayout
+from .ops.block_sparse.naive import block_sparse_attention_naive
+from .ops.block_sparse.parallel import block_sparse_attention
 from .ops.dilated.naive import dilated_attention_naive
 from .ops.dilated.parallel import dilated_attention
 
-__all__ = ["dilated_attention", "dilated_attention_naive"]
+__all__ = ["dilated_attention", "dilated_attention_naive", "block_sparse_attention", "block_sparse_attention_naive",
+           "BlockLayout", "layouts"]
 __version__ = "0.1.0"

@@ -42,3 +42,10 @@ def masked_attention_with_lse(q, k, v, mask, scale: float):
     s = s.masked_fill(~mask, float("-inf"))
     p, lse = safe_lse_weights(s, dim=-1)
     return torch.matmul(p, v), lse
+
+
+def lse_from_stats(row_max, row_sum):
+    """lse = max + ln(denominator) from the kernels' row statistics; -inf for empty rows."""
+    empty = row_sum == 0
+    lse = row_max + torch.log(torch.where(empty, torch.ones_like(row_sum), row_sum))
+    return torch.where(empty, torch.full_like(lse, float("-inf")), lse)

@@ -130,3 +130,14 @@ def select_config(kernel: str, dtype: torch.dtype, head_dim_padded: int, seqlen:
     if near:
         return dict(table[near[0][1]])
     return _fallback_config(head_dim_padded, arch)
+
+
+def kernel_options(dtype, device):
+    """(DOT_FP32, PRECISION) for the kernels: under the interpreter multiply in float32 (its
+    bf16 tl.dot is wrong); float32 inputs use exact float32 products ("ieee"), not tf32."""
+    return device.type != "cuda", ("ieee" if dtype == torch.float32 else "tf32")
+
+
+def last_dim_contiguous(x):
+    """Kernels take any strides but need a unit stride on the head dim: copy only then."""
+    return x if x.stride(-1) == 1 else x.contiguous()

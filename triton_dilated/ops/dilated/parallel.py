@@ -39,7 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.runtime import interpreter_enabled, resolve_backend, portable_compute_dtype, select_config
+from ..common.lse import lse_from_stats
+from ..common.runtime import (kernel_options, last_dim_contiguous, portable_compute_dtype, resolve_backend,
+                              select_config)
 from ..common.triton_helpers import dot, finalize, load_row_stats, online_softmax_step, softmax_grad_block
 from ..common.validation import check_qkv, check_scale
 from .patterns import check_patterns, head_offsets
@@ -322,23 +324,6 @@ def _device_plan(n, patterns, table, num_kv_heads, causal, block, block_inner, k
             as_dev([r for _, r in patterns]), as_dev(table).reshape(-1))
 
 
-def _kernel_options(dtype, device):
-    dot_fp32 = device.type != "cuda"   # interpreter: multiply in float32 (its bf16 tl.dot is wrong)
-    precision = "ieee" if dtype == torch.float32 else "tf32"  # float32 inputs: exact float32 products
-    return dot_fp32, precision
-
-
-def _last_dim_contiguous(x):
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def lse_from_stats(row_max, row_sum):
-    """lse = max + ln(denominator) from the kernels' row statistics; -inf for empty rows."""
-    empty = row_sum == 0
-    lse = row_max + torch.log(torch.where(empty, torch.ones_like(row_sum), row_sum))
-    return torch.where(empty, torch.full_like(lse, float("-inf")), lse)
-
-
 def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None):
     """Launch the fused forward. Returns out (like q, contiguous) and the row statistics
     (row_max, row_sum), float32 (B, Hq, N) each; see lse_from_stats."""
@@ -354,7 +339,7 @@ def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None):
     row_sum = alloc(B, Hq, N, dtype=torch.float32, device=q.device)
     if items.shape[0] == 0:
         return out, row_max, row_sum
-    dot_fp32, precision = _kernel_options(q.dtype, q.device)
+    dot_fp32, precision = kernel_options(q.dtype, q.device)
     _dilated_fwd_kernel[(items.shape[0], B)](
         q, k, v, out, row_max, row_sum, items, pat_w, pat_r, pat_off,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -374,13 +359,13 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     Hkv = k.shape[2]
     block_d = max(16, triton.next_power_of_2(D))
     cfg = config or select_config("dilated_bwd", q.dtype, block_d, N, q.device)
-    do = _last_dim_contiguous(do)
+    do = last_dim_contiguous(do)
     # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta)
     delta = torch.einsum("bnhd,bnhd->bhn", do.float(), out.float())
     if dlse is not None:
         delta = delta - dlse.float()
     delta = delta.contiguous()
-    dot_fp32, precision = _kernel_options(q.dtype, q.device)
+    dot_fp32, precision = kernel_options(q.dtype, q.device)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=dot_fp32, PRECISION=precision,
                   num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
@@ -474,7 +459,7 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
         return (out, lse) if return_lse else out
 
     if path == "triton":
-        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         out, lse = _DilatedAttentionFn.apply(q, k, v, patterns, table, causal, scale)
     else:
         compute = portable_compute_dtype(q.dtype, q.device)

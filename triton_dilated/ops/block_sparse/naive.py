@@ -1,0 +1,37 @@
+"""Float64 oracle for block-sparse attention (DESIGN §4): exact softmax over every key of
+the active blocks of a row (and p' <= p when causal), built from the dense element mask.
+O(N^2) memory: for tests and small inputs."""
+from __future__ import annotations
+
+import torch
+
+from ..common.lse import masked_attention_with_lse
+from ..common.validation import check_qkv, check_scale
+from .layout import BlockLayout
+
+
+def element_mask(layout: BlockLayout, seq_len: int, causal: bool) -> torch.Tensor:
+    """bool (B|1, H|1, N, N): the (query, key) pairs the layout computes."""
+    bs = layout.block_size
+    dense = layout.to_dense()
+    mask = dense.repeat_interleave(bs, dim=-2).repeat_interleave(bs, dim=-1)[..., :seq_len, :seq_len]
+    if causal:
+        mask = mask & torch.ones(seq_len, seq_len, dtype=torch.bool, device=mask.device).tril()
+    return mask
+
+
+def block_sparse_attention_naive(q, k, v, layout: BlockLayout, *, causal=False, scale=None):
+    """Reference block-sparse attention in float64: (out (B, N, Hq, D), lse (B, Hq, N));
+    rows with no key give 0 and -inf. Differentiable."""
+    check_qkv(q, k, v, allow_float64=True)
+    B, N, Hq, D = q.shape
+    layout.check_seq_len(N)
+    layout.check_heads(B, Hq)
+    scale = check_scale(scale, D)
+    group = Hq // k.shape[2]
+    q64 = q.double().transpose(1, 2)
+    k64 = k.double().repeat_interleave(group, dim=2).transpose(1, 2)
+    v64 = v.double().repeat_interleave(group, dim=2).transpose(1, 2)
+    mask = element_mask(layout.to(q.device), N, causal)
+    out, lse = masked_attention_with_lse(q64, k64, v64, mask, scale)
+    return out.transpose(1, 2), lse
