@@ -35,7 +35,8 @@ def multiplicity(n, segment_lengths, dilation_rates, num_heads, *, causal, mode=
 
 
 def dense_reference(q, k, v, counts, scale=None):
-    """Attention with multiplicities in the dtype of q (no upcast): (out, lse). Rows with no
+    """Attention with multiplicities counts ((B|1, Hq, N, N) or (Hq, N, N)) in the dtype of q
+    (no upcast): (out, lse). Rows with no
     key: out 0, lse -inf. Differentiable."""
     B, N, Hq, D = q.shape
     scale = D ** -0.5 if scale is None else scale
@@ -43,7 +44,8 @@ def dense_reference(q, k, v, counts, scale=None):
     kk = k.repeat_interleave(group, dim=2)
     vv = v.repeat_interleave(group, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    cnt = counts.to(device=q.device)[None]
+    cnt = counts.to(device=q.device)
+    cnt = cnt if cnt.dim() == 4 else cnt[None]
     s = s.masked_fill(cnt == 0, float("-inf"))
     m = s.detach().amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

@@ -1,0 +1,232 @@
+"""Block-sparse attention: layouts, builders, and the kernels (interpreter on CPU) and the
+portable backend against the float64 oracle."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from triton_dilated import (BlockLayout, block_sparse_attention, block_sparse_attention_naive, dilated_attention,
+                            layouts)
+from triton_dilated.ops.block_sparse.naive import element_mask
+from conftest import DEVICE
+from reference import FLOOR, assert_rule, dense_reference, finite, seeded
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def run_case(*, B, N, Hq, Hkv, D, layout, causal, dtype=torch.float32, seed=0, backend="triton"):
+    dev = torch.device(DEVICE)
+    q, k, v = (seeded(s, dtype, seed + i, dev).requires_grad_() for i, s in
+               enumerate([(B, N, Hq, D), (B, N, Hkv, D), (B, N, Hkv, D)]))
+    out, lse = block_sparse_attention(q, k, v, layout, causal=causal, return_lse=True, backend=backend)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (B, Hq, N)
+    o_ref, l_ref = block_sparse_attention_naive(q, k, v, layout, causal=causal)
+    counts = element_mask(layout, N, causal).double().expand(B, Hq, N, N)
+    o_same, l_same = dense_reference(q, k, v, counts)
+    floor = FLOOR[dtype]
+    assert_rule("out", out, o_ref, o_same, factor=2, floor=floor)
+    assert_rule("lse", lse, l_ref, l_same, factor=2, floor=floor)
+    assert (out[torch.isinf(l_ref).transpose(1, 2)] == 0).all()
+    g = seeded(out.shape, dtype, seed + 7, dev)
+    gl = seeded(lse.shape, torch.float32, seed + 8, dev)
+
+    def grads(o, l):
+        return torch.autograd.grad((o.double() * g.double()).sum() + (finite(l).double() * gl.double()).sum(),
+                                   (q, k, v), retain_graph=True)
+    for name, a, ref, same in zip("qkv", grads(out, lse), grads(o_ref, l_ref), grads(o_same, l_same)):
+        assert_rule(f"d{name}", a, ref, same, factor=3, floor=floor)
+    return out, lse
+
+
+@st.composite
+def layouts_st(draw):
+    bs = draw(st.sampled_from([16, 32, 64]))
+    N = draw(st.integers(1, 160))
+    nb = math.ceil(N / bs)
+    Lb, Lh = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    density = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    mask = torch.rand(Lb, Lh, nb, nb, generator=g) < density
+    return N, BlockLayout.from_dense(mask, bs)
+
+
+@given(case=layouts_st(), Hkv=st.integers(1, 2), causal=st.booleans(), dtype=st.sampled_from(DTYPES),
+       D=st.sampled_from([8, 12, 16, 32]), backend=st.sampled_from(["triton", "torch"]), seed=st.integers(0, 999))
+def test_matches_oracle(case, Hkv, causal, dtype, D, backend, seed):
+    """Random per-(batch, head) layouts (or broadcast ones), ragged N, GQA, empty rows."""
+    N, layout = case
+    Lb, Lh = layout.kv_num_blocks.shape[:2]
+    Hq = 2                       # a per-head layout has Lh == 2 == Hq; GQA when Hkv == 1
+    run_case(B=Lb, N=N, Hq=Hq, Hkv=Hkv, D=D, layout=layout, causal=causal, dtype=dtype, seed=seed, backend=backend)
+
+
+def test_kernel_tiles_smaller_than_block():
+    """Layout block 64 with kernel tiles of 32 (several sub-tiles per block), ragged N."""
+    layout = layouts.bigbird(150, 64, window=0, num_global_blocks=1, num_random=1, seed=3, num_heads=2)
+    for causal in (False, True):
+        run_case(B=1, N=150, Hq=2, Hkv=1, D=16, layout=layout, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_all_ones_is_dense_attention(causal):
+    dev = torch.device(DEVICE)
+    q, k, v = (seeded((2, 90, 2, 16), torch.float32, s, dev) for s in range(3))
+    layout = BlockLayout.from_dense(torch.ones(3, 3, dtype=torch.bool), 32)
+    for backend in ("triton", "torch"):
+        out = block_sparse_attention(q, k, v, layout, causal=causal, backend=backend)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@given(nq=st.integers(1, 9), lb=st.sampled_from([1, 2]), lh=st.sampled_from([1, 3]), seed=st.integers(0, 999),
+       density=st.sampled_from([0.0, 0.2, 0.6, 1.0]))
+def test_dense_round_trip_and_transpose(nq, lb, lh, seed, density):
+    mask = torch.rand(lb, lh, nq, nq, generator=torch.Generator().manual_seed(seed)) < density
+    layout = BlockLayout.from_dense(mask, 16)
+    assert torch.equal(layout.to_dense(), mask)
+    assert torch.equal(BlockLayout(layout.q_num_blocks, layout.q_indices, 16).to_dense(), mask.transpose(-1, -2))
+    assert layout.sparsity == pytest.approx(1 - mask.float().mean().item())
+    other = BlockLayout.from_dense(torch.rand(1, lh, nq, nq, generator=torch.Generator().manual_seed(seed + 1)) < 0.5, 16)
+    assert torch.equal((layout | other).to_dense(), mask | other.to_dense())
+    assert torch.equal((layout & other).to_dense(), mask & other.to_dense())
+    counts, idx = layout.kv_num_blocks, layout.kv_indices
+    assert idx.dtype == torch.int32 and counts.dtype == torch.int32
+    for row_c, row_i in zip(counts.reshape(-1).tolist(), idx.reshape(-1, idx.shape[-1]).tolist()):
+        assert row_i[:row_c] == sorted(set(row_i[:row_c])) and all(x == 0 for x in row_i[row_c:])
+
+
+def _direct(nb, rule):
+    return torch.tensor([[bool(rule(i, j)) for j in range(nb)] for i in range(nb)])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_builders_match_direct_masks(causal):
+    N, bs = 300, 16
+    nb = math.ceil(N / bs)
+    tri = (lambda i, j: j <= i) if causal else (lambda i, j: True)
+    got = layouts.local(N, bs, window=2, causal=causal).to_dense()[0, 0]
+    assert torch.equal(got, _direct(nb, lambda i, j: abs(i - j) <= 2 and tri(i, j)))
+    got = layouts.global_tokens(N, bs, num_global_blocks=2, causal=causal).to_dense()[0, 0]
+    assert torch.equal(got, _direct(nb, lambda i, j: (i < 2 or j < 2) and tri(i, j)))
+    assert torch.equal(layouts.causal(N, bs).to_dense()[0, 0], _direct(nb, lambda i, j: j <= i))
+    got = layouts.hierarchical(N, bs, window=1, levels=((4, 1), (8, 0)), causal=causal).to_dense()[0, 0]
+    want = _direct(nb, lambda i, j: (abs(i - j) <= 1 or (j % 4 == 0 and abs(j - i // 4 * 4) <= 4)
+                                     or j == i // 8 * 8) and tri(i, j))
+    assert torch.equal(got, want)
+    rnd = layouts.random(N, bs, num_random=3, seed=5, num_heads=2, batch=2, causal=causal)
+    assert rnd.shape == (2, 2, nb, nb) and int(rnd.kv_num_blocks.max()) <= 3 and int(rnd.kv_num_blocks.min()) >= 1
+    assert torch.equal(rnd.to_dense(), layouts.random(N, bs, 3, seed=5, num_heads=2, batch=2, causal=causal).to_dense())
+    assert not torch.equal(rnd.to_dense(), layouts.random(N, bs, 3, seed=6, num_heads=2, batch=2, causal=causal).to_dense())
+    if causal:
+        assert not rnd.to_dense().triu(1).any()
+    bb = layouts.bigbird(N, bs, window=1, num_global_blocks=1, num_random=2, seed=5, num_heads=2, causal=causal)
+    want = (layouts.local(N, bs, 1, causal).to_dense() | layouts.global_tokens(N, bs, 1, causal).to_dense()
+            | layouts.random(N, bs, 2, seed=5, num_heads=2, causal=causal).to_dense())
+    assert torch.equal(bb.to_dense(), want)
+
+
+def test_dilated_builder_matches_direct_mask():
+    N, bs, H = 512, 16, 3
+    lay = layouts.dilated(N, [64, 256], [1, 32], bs, num_heads=H)
+    nb = N // bs
+    for h in range(H):
+        def rule(i, j, h=h):
+            ok = (i // 4 == j // 4)                                     # w=64: 4 blocks, r=1
+            seg_i, seg_j = i // 16, j // 16                             # w=256: 16 blocks, r=32 -> 2 blocks
+            ok |= seg_i == seg_j and (i % 16) % 2 == h % 2 and (j % 16) % 2 == h % 2
+            return ok
+        assert torch.equal(lay.to_dense()[0, h], _direct(nb, rule)), h
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dilated_builder_equals_dilated_attention_where_they_coincide(causal):
+    """Rate-1 patterns with segments a multiple of the block size: block-sparse over the
+    `dilated` builder is dilated_attention."""
+    dev = torch.device(DEVICE)
+    q, k, v = (seeded((1, 128, 2, 16), torch.float32, s, dev) for s in range(3))
+    lay = layouts.dilated(128, [64], [1], 32, num_heads=2)
+    a = block_sparse_attention(q, k, v, lay, causal=causal, backend="triton")
+    b = dilated_attention(q, k, v, [64], [1], causal=causal, backend="triton")
+    torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+
+
+def test_topk_builder():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 200, 4, 8, generator=g), torch.randn(2, 200, 2, 8, generator=g)
+    for causal in (False, True):
+        lay = layouts.topk(q, k, top_k=2, block_size=32, causal=causal)
+        dense = lay.to_dense()
+        nb = 7
+        assert dense.shape == (2, 4, nb, nb)
+        assert dense.diagonal(dim1=-2, dim2=-1).all()                # the diagonal is always kept
+        assert int(lay.kv_num_blocks.max()) <= 3
+        if causal:
+            assert not dense.triu(1).any()
+        # the kept off-diagonal blocks are the best-scoring ones by the pooled dot product
+        pad = nb * 32 - 200
+        pool = lambda x: torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).unflatten(1, (nb, 32)).sum(2) / \
+            torch.tensor([32.0] * (nb - 1) + [32.0 - pad]).view(1, nb, 1, 1)
+        s = torch.einsum("bqhd,bkhd->bhqk", pool(q), pool(k).repeat_interleave(2, dim=2))
+        if causal:
+            s = s.masked_fill(torch.ones(nb, nb, dtype=torch.bool).triu(1), float("-inf"))
+        top = s.topk(2, dim=-1).indices
+        picked = torch.zeros_like(dense).scatter_(-1, top, True) & (s > float("-inf"))
+        assert torch.equal(dense, picked | torch.eye(nb, dtype=torch.bool))
+
+
+def test_layout_validation():
+    with pytest.raises(ValueError, match="block_size"):
+        BlockLayout.from_dense(torch.ones(2, 2, dtype=torch.bool), 24)
+    with pytest.raises(ValueError, match="block_size"):
+        BlockLayout.from_dense(torch.ones(2, 2, dtype=torch.bool), 8)
+    with pytest.raises(TypeError, match="block_mask"):
+        BlockLayout.from_dense(torch.ones(2, 2), 16)
+    with pytest.raises(ValueError, match="block_mask"):
+        BlockLayout.from_dense(torch.ones(2, 2, 2, dtype=torch.bool), 16)
+    with pytest.raises(ValueError, match="kv_indices"):
+        BlockLayout(torch.ones(1, 1, 2, dtype=torch.int32), torch.full((1, 1, 2, 1), 5, dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match="ascending"):
+        BlockLayout(torch.full((1, 1, 2), 2, dtype=torch.int32), torch.tensor([[[[1, 0], [0, 1]]]], dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match="kv_num_blocks"):
+        BlockLayout(torch.full((1, 1, 2), 3, dtype=torch.int32), torch.zeros(1, 1, 2, 2, dtype=torch.int32), 16)
+    with pytest.raises(TypeError, match="kv_indices"):
+        BlockLayout(torch.ones(1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 1), 16)
+    q = torch.randn(1, 64, 2, 8)
+    lay = layouts.local(64, 16)
+    with pytest.raises(ValueError, match="needs 5 x 5"):
+        block_sparse_attention(torch.randn(1, 80, 2, 8), torch.randn(1, 80, 2, 8), torch.randn(1, 80, 2, 8), lay)
+    with pytest.raises(ValueError, match=r"\(B, H\)"):
+        block_sparse_attention(q, q, q, layouts.random(64, 16, 1, num_heads=3))
+    with pytest.raises(TypeError, match="layout must be a BlockLayout"):
+        block_sparse_attention(q, q, q, torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="share block size"):
+        lay | layouts.local(64, 32)
+    with pytest.raises(ValueError, match="seq_len"):
+        layouts.local(0, 16)
+
+
+def test_flex_block_mask_round_trip():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    lay = layouts.bigbird(200, 32, window=1, num_global_blocks=1, num_random=1, seed=1, num_heads=2)
+    for causal in (False, True):
+        bm = lay.to_flex_block_mask(200, causal=causal)
+        back = BlockLayout.from_flex_block_mask(bm).to_dense()
+        want = lay.to_dense() & (torch.ones(7, 7, dtype=torch.bool).tril() if causal else True)
+        assert torch.equal(back, want)
+    q, k, v = (seeded((1, 2, 200, 16), torch.float32, s) for s in range(3))
+    for causal in (False, True):
+        ref = flex.flex_attention(q, k, v, block_mask=lay.to_flex_block_mask(200, causal=causal))
+        ours = block_sparse_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), lay, causal=causal,
+                                      backend="torch").transpose(1, 2)
+        torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_compiled_bf16_block128():
+    lay = layouts.bigbird(1000, 128, window=1, num_global_blocks=1, num_random=2, seed=0, num_heads=4)
+    for causal in (False, True):
+        run_case(B=1, N=1000, Hq=4, Hkv=2, D=128, layout=lay, causal=causal, dtype=torch.bfloat16)
