@@ -211,3 +211,33 @@ def print_table(rows):
         speed = dense.get(key, float("nan")) / r["value"]
         print(f"{r['mode']:8} {r['attn_mode']:12} {r['N']:>6} {str(r['causal']):>6} {r['provider']:16} "
               f"{r['value']:>10.3f} {tf[(r['provider'],) + key]:>8.3f}  {speed:5.2f}x")
+
+
+def time_layout_builders(seq_len: int = 1 << 20, block_size: int = 128, reps: int = 3):
+    """Median build time and size of each layout builder (topk excluded: it needs q, k)."""
+    from .. import layouts
+    builders = {
+        "local": lambda: layouts.local(seq_len, block_size, window=2),
+        "causal_local": lambda: layouts.local(seq_len, block_size, window=2, causal=True),
+        "global_tokens": lambda: layouts.global_tokens(seq_len, block_size, num_global_blocks=2),
+        "random": lambda: layouts.random(seq_len, block_size, num_random=3, num_heads=8),
+        "bigbird": lambda: layouts.bigbird(seq_len, block_size, window=1, num_global_blocks=2, num_random=3),
+        "hierarchical": lambda: layouts.hierarchical(seq_len, block_size, window=1, levels=((8, 2), (64, 2))),
+        "dilated": lambda: layouts.dilated(seq_len, [2048, 8192, 32768], [1, 512, 2048], block_size, num_heads=8),
+    }
+    prov = _provenance()
+    rows = []
+    for name, build in _progress(builders.items(), len(builders), "layouts"):
+        build()   # warm-up (first-call overheads)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            lay = build()
+            times.append(time.perf_counter() - t0)
+        nbytes = sum(t.numel() * t.element_size() for t in (lay.kv_num_blocks, lay.kv_indices, lay.q_num_blocks,
+                                                             lay.q_indices))
+        for metric, value in (("seconds", statistics.median(times)), ("active_blocks", lay.num_active),
+                              ("index_mib", nbytes / 2 ** 20)):
+            rows.append(dict(op="layout_build", provider=name, N=seq_len, block_size=block_size, metric=metric,
+                             value=round(float(value), 4), **prov))
+    return rows
