@@ -34,6 +34,15 @@ def _finish(rows, nb, block_size, causal):
     return BlockLayout.from_rows(rows, block_size, nb)
 
 
+def _global_pairs(nb, g, causal):
+    everyone, glob = torch.meshgrid(torch.arange(nb), torch.arange(g), indexing="ij")
+    r = torch.cat([everyone.reshape(-1), glob.reshape(-1)])   # all rows read the globals,
+    c = torch.cat([glob.reshape(-1), everyone.reshape(-1)])   # the global rows read all
+    if causal:
+        r, c = r[c <= r], c[c <= r]
+    return r, c
+
+
 def local(seq_len: int, block_size: int = 128, window: int = 1, causal: bool = False) -> BlockLayout:
     """Sliding window: query block i reads key blocks i - window .. i + window."""
     nb = _num_blocks(seq_len, block_size)
@@ -57,11 +66,7 @@ def global_tokens(seq_len: int, block_size: int = 128, num_global_blocks: int = 
     them (BigBird's global tokens)."""
     nb = _num_blocks(seq_len, block_size)
     g = min(_nonneg_int("num_global_blocks", num_global_blocks), nb)
-    everyone, glob = torch.meshgrid(torch.arange(nb), torch.arange(g), indexing="ij")
-    r = torch.cat([everyone.reshape(-1), glob.reshape(-1)])   # all rows read the globals,
-    c = torch.cat([glob.reshape(-1), everyone.reshape(-1)])   # the global rows read all
-    if causal:
-        r, c = r[c <= r], c[c <= r]
+    r, c = _global_pairs(nb, g, causal)
     zero = torch.zeros_like(r)
     return BlockLayout.from_pairs(zero, zero, r, c, (1, 1, nb), nb, block_size)
 
@@ -82,21 +87,26 @@ def random(seq_len: int, block_size: int = 128, num_random: int = 2, seed: int =
 
 def bigbird(seq_len: int, block_size: int = 128, window: int = 1, num_global_blocks: int = 1, num_random: int = 2,
             seed: int = 0, num_heads: int = 1, batch: int = 1, causal: bool = False) -> BlockLayout:
-    """BigBird: sliding window | global blocks | random blocks (one union of their pairs)."""
-    parts = [local(seq_len, block_size, window, causal), global_tokens(seq_len, block_size, num_global_blocks, causal),
-             random(seq_len, block_size, num_random, seed, num_heads, batch, causal)]
-    return union(parts)
-
-
-def union(layouts_) -> BlockLayout:
-    """Union of several layouts in one pass (`a | b | c` without the intermediate layouts)."""
-    out = layouts_[0]
-    if len(layouts_) == 1:
-        return out
-    shape = torch.broadcast_shapes(*(lay.kv_num_blocks.shape for lay in layouts_))
-    pairs = [lay.broadcast_pairs(shape) for lay in layouts_]
-    b, h, r, c = (torch.cat(x) for x in zip(*pairs))
-    return BlockLayout.from_pairs(b, h, r, c, shape, out.n_kv_blocks, out.block_size)
+    """BigBird: sliding window | global blocks | random blocks, packed once from their pairs
+    (no intermediate layouts: the global rows make those n_blocks wide)."""
+    nb = _num_blocks(seq_len, block_size)
+    g = min(_nonneg_int("num_global_blocks", num_global_blocks), nb)
+    rnd = random(seq_len, block_size, num_random, seed, num_heads, batch, causal)
+    window = _nonneg_int("window", window)
+    offs = torch.arange(-window, (0 if causal else window) + 1)
+    win = torch.arange(nb)[:, None] + offs[None, :]
+    r_loc = torch.arange(nb)[:, None].expand_as(win)[(win >= 0) & (win < nb)]
+    c_loc = win[(win >= 0) & (win < nb)]
+    r_glob, c_glob = _global_pairs(nb, g, causal)
+    shared_r, shared_c = torch.cat([r_loc, r_glob]), torch.cat([c_loc, c_glob])
+    # the shared (local, global) pairs hold for every (batch, head) of the random part
+    B, H = batch, num_heads
+    bb = torch.arange(B).repeat_interleave(H * shared_r.numel())
+    hh = torch.arange(H).repeat_interleave(shared_r.numel()).repeat(B)
+    b_r, h_r, r_r, c_r = rnd.pairs()
+    cat = lambda x, y: torch.cat([x.long(), y.long()])  # noqa: E731
+    return BlockLayout.from_pairs(cat(bb, b_r), cat(hh, h_r), cat(shared_r.repeat(B * H), r_r),
+                                  cat(shared_c.repeat(B * H), c_r), (B, H, nb), nb, block_size)
 
 
 def hierarchical(seq_len: int, block_size: int = 128, window: int = 1, levels=((4, 1), (16, 1)),
