@@ -24,12 +24,17 @@ def dot(a, b, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
-                        HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                        HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                        log_weight=0.0, HAS_WEIGHT: tl.constexpr = False):
     """Fold one key block (k, v: (BLOCK_N, BLOCK_D)) into the running (acc, m, l) of the
-    query tile q (BLOCK_M, BLOCK_D). `mask` (BLOCK_M, BLOCK_N) keeps pairs when HAS_MASK."""
+    query tile q (BLOCK_M, BLOCK_D). `mask` (BLOCK_M, BLOCK_N) keeps pairs when HAS_MASK.
+    HAS_WEIGHT: `log_weight` (BLOCK_M, BLOCK_N) is added to the scores: ln of how many
+    times a pair counts (a key two dilated patterns select counts twice), -inf for 0."""
     s = dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale
     if HAS_MASK:
         s = tl.where(mask, s, float("-inf"))
+    if HAS_WEIGHT:
+        s = s + log_weight
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2((s - m_safe[:, None]) * 1.4426950408889634)
@@ -59,13 +64,17 @@ def load_row_stats(M, L, offs, mask):
 
 @triton.jit
 def softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
-                       HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                       HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                       log_weight=0.0, HAS_WEIGHT: tl.constexpr = False):
     """Recompute P for a (query block, key block) from the saved row statistics and return
     (p, ds), both (BLOCK_M, BLOCK_N) float32, with ds = P * (dO.V - delta), where delta
-    already includes the gradient on lse (delta = rowsum(dO*O) - dlse)."""
+    already includes the gradient on lse (delta = rowsum(dO*O) - dlse). HAS_WEIGHT: as in
+    online_softmax_step."""
     s = dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale
     if HAS_MASK:
         s = tl.where(mask, s, float("-inf"))
+    if HAS_WEIGHT:
+        s = s + log_weight
     p = tl.math.exp2((s - row_max[:, None]) * 1.4426950408889634 - row_log2l[:, None])
     dp = dot(do, tl.trans(v), DOT_FP32, PRECISION)
     ds = p * (dp - delta[:, None])

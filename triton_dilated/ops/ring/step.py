@@ -1,0 +1,290 @@
+"""The ring-local-block step: this rank's queries against a key/value shard that came from
+another rank, with the mask evaluated on *global* positions, merged into the running
+float32 (out, lse) in place; and its backward (dQ into a local accumulator, dK/dV into
+the accumulators that travel with the shard).
+
+Masks (MASK_KIND): 0 dense; 1 dilated (the weight of a pair is how many of the head's
+patterns select it: p, p' in one segment, both with the head's residue; LongNet's
+multiset union); 2 block layout (a dense (n_blocks x n_blocks) table looked up per
+element). Causal multiplies in p' <= p. Weights enter the softmax as ln(weight) added to
+the score (-inf where 0); a key tile whose weights are all 0 is skipped.
+
+The step's partial (acc / l, its lse) is merged into the running (out, lse) by the
+max-guarded log-sum-exp, exact when either side is -inf: one read and one write of the
+running state per step, no separate pass.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.runtime import kernel_options, select_config
+from ..common.triton_helpers import dot, finalize, online_softmax_step, softmax_grad_block
+
+MASK_DENSE, MASK_DILATED, MASK_LAYOUT = 0, 1, 2
+
+
+@triton.jit
+def _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT, stride_lb, stride_lh, stride_lr,
+                     layout_block, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) ln(weight) of each (query, key) pair, -inf where it does not count."""
+    ok = q_ok[:, None] & k_ok[None, :]
+    if CAUSAL:
+        ok = ok & (kpos[None, :] <= qpos[:, None])
+    if MASK_KIND == 1:
+        count = tl.zeros([qpos.shape[0], kpos.shape[0]], tl.float32)
+        for i in tl.static_range(NUM_PATTERNS):
+            o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
+            w = tl.load(PAT_W + i)
+            r = tl.load(PAT_R + i)
+            q_seg = qpos // w
+            k_seg = kpos // w
+            q_on = (o >= 0) & ((qpos - q_seg * w) % r == o)
+            k_on = (o >= 0) & ((kpos - k_seg * w) % r == o)
+            hit = (q_seg[:, None] == k_seg[None, :]) & q_on[:, None] & k_on[None, :]
+            count += hit.to(tl.float32)
+        ok = ok & (count > 0)
+        return tl.where(ok, tl.log(tl.maximum(count, 1.0)), float("-inf"))
+    if MASK_KIND == 2:
+        qb = qpos // layout_block
+        kb = kpos // layout_block
+        active = tl.load(LAYOUT + b * stride_lb + h * stride_lh + qb[:, None] * stride_lr + kb[None, :], mask=ok, other=0)
+        ok = ok & (active != 0)
+    return tl.where(ok, 0.0, float("-inf"))
+
+
+@triton.jit
+def _ring_step_fwd_kernel(
+        Q, K, V, OUT, LSE, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_ob, stride_on, stride_oh, stride_sb, stride_sh, stride_lb, stride_lh, stride_lr,
+        NQ, NK, NUM_HEADS, HEAD_GROUP, sm_scale, layout_block,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
+        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+        PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // NUM_HEADS).to(tl.int64)
+    h = bh % NUM_HEADS
+    kvh = h // HEAD_GROUP
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_ok = rows < NQ
+    rows64 = rows.to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    tile_mask = q_ok[:, None] & d_ok[None, :]
+    qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k_ok = cols < NK
+        kpos = tl.load(K_POS + cols, mask=k_ok, other=0)
+        log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT, stride_lb, stride_lh,
+                                 stride_lr, layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)
+        if tl.max(log_w) > float("-inf"):   # a tile with no counted pair costs no matmul
+            cols64 = cols.to(tl.int64)
+            k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, q_ok[:, None], False, DOT_FP32,
+                                                PRECISION, log_w, True)
+    # merge (acc / l, lse_step) into the running (out, lse)
+    part = finalize(acc, m_i, l_i)
+    empty = l_i == 0.0
+    lse_step = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    o_ptrs = OUT + b * stride_ob + h * stride_oh + rows64[:, None] * stride_on + d[None, :]
+    s_ptrs = LSE + b * stride_sb + h * stride_sh + rows
+    lse_run = tl.load(s_ptrs, mask=q_ok, other=float("-inf"))
+    out_run = tl.load(o_ptrs, mask=tile_mask, other=0.0)
+    top = tl.maximum(lse_run, lse_step)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    w_run = tl.exp(lse_run - top_safe)
+    w_step = tl.exp(lse_step - top_safe)
+    total = w_run + w_step
+    none = total == 0.0
+    total_safe = tl.where(none, 1.0, total)
+    merged = (out_run * w_run[:, None] + part * w_step[:, None]) / total_safe[:, None]
+    tl.store(o_ptrs, merged, mask=tile_mask)
+    tl.store(s_ptrs, tl.where(none, float("-inf"), top_safe + tl.log(total_safe)), mask=q_ok)
+
+
+@triton.jit
+def _ring_step_bwd_dq_kernel(
+        Q, K, V, DO, LSE, DELTA, DQ, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_don, stride_doh, stride_dqb, stride_dqn, stride_dqh, stride_sb, stride_sh,
+        stride_lb, stride_lh, stride_lr,
+        NQ, NK, NUM_HEADS, HEAD_GROUP, sm_scale, layout_block,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
+        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+        PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // NUM_HEADS).to(tl.int64)
+    h = bh % NUM_HEADS
+    kvh = h // HEAD_GROUP
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_ok = rows < NQ
+    rows64 = rows.to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    tile_mask = q_ok[:, None] & d_ok[None, :]
+    qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_don + d[None, :], mask=tile_mask, other=0.0)
+    lse = tl.load(LSE + b * stride_sb + h * stride_sh + rows, mask=q_ok, other=float("-inf"))
+    row_max = tl.where(lse == float("-inf"), float("inf"), lse)   # the global lse: P = w exp(s - lse)
+    row_log2l = tl.zeros([BLOCK_M], tl.float32)
+    delta = tl.load(DELTA + b * stride_sb + h * stride_sh + rows, mask=q_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k_ok = cols < NK
+        kpos = tl.load(K_POS + cols, mask=k_ok, other=0)
+        log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT, stride_lb, stride_lh,
+                                 stride_lr, layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)
+        if tl.max(log_w) > float("-inf"):
+            cols64 = cols.to(tl.int64)
+            k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, q_ok[:, None], False,
+                                       DOT_FP32, PRECISION, log_w, True)
+            dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqn + d[None, :]
+    tl.store(dq_ptrs, tl.load(dq_ptrs, mask=tile_mask, other=0.0) + dq * sm_scale, mask=tile_mask)
+
+
+@triton.jit
+def _ring_step_bwd_dkdv_kernel(
+        Q, K, V, DO, LSE, DELTA, DK, DV, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_don, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_sb, stride_sh,
+        stride_lb, stride_lh, stride_lr,
+        NQ, NK, NUM_KV_HEADS, HEAD_GROUP, sm_scale, layout_block,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
+        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+        PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // NUM_KV_HEADS).to(tl.int64)
+    kvh = bh % NUM_KV_HEADS
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = cols < NK
+    cols64 = cols.to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    tile_mask = k_ok[:, None] & d_ok[None, :]
+    kpos = tl.load(K_POS + cols, mask=k_ok, other=0)
+    k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)
+    v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
+        for m0 in range(0, NQ, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            q_ok = rows < NQ
+            qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)
+            log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT, stride_lb,
+                                     stride_lh, stride_lr, layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)
+            if tl.max(log_w) > float("-inf"):
+                rows64 = rows.to(tl.int64)
+                q_mask = q_ok[:, None] & d_ok[None, :]
+                q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + d[None, :], mask=q_mask,
+                            other=0.0)
+                do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_don + d[None, :],
+                             mask=q_mask, other=0.0)
+                lse = tl.load(LSE + b * stride_sb + h * stride_sh + rows, mask=q_ok, other=float("-inf"))
+                row_max = tl.where(lse == float("-inf"), float("inf"), lse)
+                delta = tl.load(DELTA + b * stride_sb + h * stride_sh + rows, mask=q_ok, other=0.0)
+                p, ds = softmax_grad_block(q, k, v, do, row_max, tl.zeros([BLOCK_M], tl.float32), delta, sm_scale,
+                                           q_ok[:, None], False, DOT_FP32, PRECISION, log_w, True)
+                dv += dot(tl.trans(p.to(do.dtype)), do, DOT_FP32, PRECISION)
+                dk += dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32, PRECISION)
+    dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + cols64[:, None] * stride_dkn + d[None, :]
+    dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + cols64[:, None] * stride_dkn + d[None, :]
+    tl.store(dk_ptrs, tl.load(dk_ptrs, mask=tile_mask, other=0.0) + dk * sm_scale, mask=tile_mask)
+    tl.store(dv_ptrs, tl.load(dv_ptrs, mask=tile_mask, other=0.0) + dv, mask=tile_mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+class StepMask:
+    """What a ring step computes, on global positions: kind (dense / dilated / layout),
+    causal, and the tables the kernels read."""
+
+    def __init__(self, kind, causal, device, patterns=None, table=None, layout=None):
+        self.kind, self.causal = kind, causal
+        dummy_i32 = torch.zeros(1, dtype=torch.int32, device=device)
+        self.num_patterns = len(patterns) if patterns else 1
+        if kind == MASK_DILATED:
+            as_dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+            self.pat_w = as_dev([w for w, _ in patterns])
+            self.pat_r = as_dev([r for _, r in patterns])
+            self.pat_off = as_dev(table).reshape(-1)
+        else:
+            self.pat_w = self.pat_r = self.pat_off = dummy_i32
+        if kind == MASK_LAYOUT:
+            self.layout = layout.to_dense().to(device=device, dtype=torch.int8)
+            self.layout_block = layout.block_size
+        else:
+            self.layout = torch.zeros(1, 1, 1, 1, dtype=torch.int8, device=device)
+            self.layout_block = 1
+
+    def layout_args(self, B, H):
+        t = self.layout.expand(B, H, *self.layout.shape[2:])
+        return t, (t.stride(0), t.stride(1), t.stride(2))
+
+    def kernel_meta(self):
+        return dict(MASK_KIND=self.kind, NUM_PATTERNS=self.num_patterns, CAUSAL=self.causal)
+
+
+def _config(q, name):
+    D = q.shape[-1]
+    block_d = max(16, triton.next_power_of_2(D))
+    cfg = select_config(name, q.dtype, block_d, q.shape[1], q.device)
+    dot_fp32, precision = kernel_options(q.dtype, q.device)
+    return block_d, cfg, dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                              DOT_FP32=dot_fp32, PRECISION=precision, num_warps=cfg.get("num_warps", 4),
+                              num_stages=cfg.get("num_stages", 2))
+
+
+def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale):
+    """Fold the shard (k, v at global positions k_pos) into the running out (fp32, like q)
+    and lse (fp32 (B, Hq, Nq)) of the local queries q at q_pos, in place."""
+    B, NQ, Hq, D = q.shape
+    NK, Hkv = k.shape[1], k.shape[2]
+    if NQ == 0 or NK == 0 or B == 0:
+        return
+    _, cfg, meta = _config(q, "ring_step_fwd")
+    lay, lay_strides = mask.layout_args(B, Hq)
+    _ring_step_fwd_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]), B * Hq)](
+        q, k, v, out, lse, q_pos, k_pos, mask.pat_w, mask.pat_r, mask.pat_off, lay,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), *lay_strides,
+        NQ, NK, Hq, Hq // Hkv, scale, mask.layout_block, **meta, **mask.kernel_meta())
+
+
+def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepMask, *, scale):
+    """Add this shard's contributions to dq (fp32, local) and dk, dv (fp32, travelling)."""
+    B, NQ, Hq, D = q.shape
+    NK, Hkv = k.shape[1], k.shape[2]
+    if NQ == 0 or NK == 0 or B == 0:
+        return
+    _, cfg, meta = _config(q, "ring_step_bwd")
+    lay, lay_strides = mask.layout_args(B, Hq)
+    common = (q_pos, k_pos, mask.pat_w, mask.pat_r, mask.pat_off, lay,
+              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+              v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+    _ring_step_bwd_dq_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]), B * Hq)](
+        q, k, v, do, lse, delta, dq, *common, dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1),
+        *lay_strides, NQ, NK, Hq, Hq // Hkv, scale, mask.layout_block, **meta, **mask.kernel_meta())
+    _ring_step_bwd_dkdv_kernel[(triton.cdiv(NK, cfg["BLOCK_N"]), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, *common, dk.stride(0), dk.stride(1), dk.stride(2), lse.stride(0),
+        lse.stride(1), *lay_strides, NQ, NK, Hkv, Hq // Hkv, scale, mask.layout_block, **meta, **mask.kernel_meta())
