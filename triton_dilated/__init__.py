@@ -9,3 +9,7 @@ from .ops.dilated.parallel import dilated_attention
 __all__ = ["dilated_attention", "dilated_attention_naive", "block_sparse_attention", "block_sparse_attention_naive",
            "BlockLayout", "layouts"]
 __version__ = "0.1.0"
+from .ops.ring.ring import ring_attention
+from .ops.ring.shard import shard, unshard
+
+__all__ += ["ring_attention", "shard", "unshard"]

@@ -458,11 +458,16 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
         lse = torch.zeros((B, Hq, N), dtype=torch.float32, device=q.device) + tie.float()
         return (out, lse) if return_lse else out
 
-    if path == "triton":
-        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        out, lse = _DilatedAttentionFn.apply(q, k, v, patterns, table, causal, scale)
-    else:
-        compute = portable_compute_dtype(q.dtype, q.device)
-        out, lse = dilated_attention_torch(q, k, v, patterns, table, causal=causal, scale=scale,
-                                           need_lse=return_lse, compute_dtype=compute)
+    out, lse = dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=return_lse,
+                                       backend=path)
     return (out, lse) if return_lse else out
+
+
+def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse=True, backend="auto"):
+    """dilated_attention on validated inputs with an explicit (patterns, per-head offset
+    table); returns (out, lse) (lse None when the portable path was not asked for it)."""
+    if resolve_backend(backend, q.device) == "triton":
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        return _DilatedAttentionFn.apply(q, k, v, patterns, table, causal, scale)
+    return dilated_attention_torch(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=need_lse,
+                                   compute_dtype=portable_compute_dtype(q.dtype, q.device))

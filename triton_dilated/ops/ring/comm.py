@@ -1,0 +1,61 @@
+"""Ring communication over torch.distributed (gloo on CPUs, NCCL on GPUs).
+
+RingComm.shift(tensors) posts, with batch_isend_irecv, the sends of `tensors` to the next
+rank and the receives of the previous rank's tensors (whose shapes the caller knows), and
+returns a handle whose wait() yields the received tensors: the caller computes on the
+current shard while the next one is in flight (double buffering).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class RingComm:
+    def __init__(self, group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ring_attention needs an initialised torch.distributed process group: call "
+                               "torch.distributed.init_process_group(...) first (or pass group=)")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        # batch_isend_irecv takes global ranks
+        to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+        self.next = to_global((self.rank + 1) % self.world)
+        self.prev = to_global((self.rank - 1) % self.world)
+
+    def shift(self, tensors, recv_shapes):
+        """Send `tensors` to the next rank, receive tensors of `recv_shapes` (same dtypes)
+        from the previous one. Returns (received tensors, requests)."""
+        received = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(tensors, recv_shapes)]
+        ops = []
+        for t, r in zip(tensors, received):
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), self.next, self.group))
+            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group))
+        return received, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(requests):
+        for req in requests:
+            req.wait()
+
+    def all_gather_seq(self, x, sizes):
+        """Every rank's x (dim 1 of length sizes[rank]) in rank order. Padded to the
+        largest size for the collective (gloo wants equal shapes), trimmed after."""
+        top = max(sizes)
+        padded = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, top - x.shape[1])) if x.shape[1] < top else x
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded.contiguous(), group=self.group)
+        return [p[:, :s] for p, s in zip(parts, sizes)]
+
+    def reduce_to_owners(self, parts):
+        """parts[i]: this rank's contribution to rank i's tensor; returns the sum over ranks
+        of what belongs to this rank (reduce-scatter; gloo lacks it: all_reduce + slice)."""
+        flat = torch.cat([p.reshape(-1) for p in parts])
+        if dist.get_backend(self.group) == "nccl" and all(p.numel() == parts[0].numel() for p in parts):
+            out = torch.empty_like(parts[self.rank].reshape(-1))
+            dist.reduce_scatter_tensor(out, flat, group=self.group)
+            return out.view_as(parts[self.rank])
+        dist.all_reduce(flat, group=self.group)
+        start = sum(p.numel() for p in parts[:self.rank])
+        return flat[start:start + parts[self.rank].numel()].view_as(parts[self.rank])
