@@ -1,25 +1,100 @@
 #!/usr/bin/env bash
-# One prepared GPU check (single H100/H200; torch + triton already installed, no network):
+# One prepared GPU check for a single H100/H200 (torch + triton already installed, e.g. torch
+# 2.11 / triton 3.6; no network, installs nothing; runs from the source tree via PYTHONPATH):
+#
 #   perf/gpu_check.sh OUTDIR
-# 1. the test suite with compiled kernels on CUDA (bf16 included), 2. the GPU benchmark
-# sweep. Writes logs and CSVs to OUTDIR and prints a short table last. Runs from the source
-# tree (PYTHONPATH), installs nothing. Budget: well under 8 minutes.
+#
+# Stages, each under its own `timeout` (a failing or slow stage never stops the next):
+#   1. environment (GPU, driver, versions)
+#   2. the test suite on CUDA with compiled kernels, bf16 included
+#      (TRITON_DILATED_TEST_DEVICE=cuda; tests/conftest.py then leaves the interpreter off)
+#   3. the GPU benchmark sweep (python -m triton_dilated.perf): Triton kernels vs dense SDPA,
+#      the portable backend, the head-group loop and FlexAttention; rows are written as they
+#      come, so a sweep cut short by its timeout still leaves its CSV
+#   4. a `tune` pass for the main shapes (bf16, D=128) -> OUTDIR/<arch>.json (commit it as
+#      triton_dilated/configs/<arch>.json) and OUTDIR/tune-<arch>.csv
+#   5. a short table of the results, printed last
+# Budget: under 8 minutes in all (stage limits add up to 7.5 minutes).
+# Files left in OUTDIR (7 at most): gpu_check.log (everything), env.txt, tests.log, tests.xml,
+# sweep.csv, <arch>.json, tune-<arch>.csv.
 set -uo pipefail
 OUT=${1:?usage: perf/gpu_check.sh OUTDIR}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_DILATED_TEST_DEVICE=cuda
+export PYTHONUNBUFFERED=1
+export MPLBACKEND=Agg
 unset TRITON_INTERPRET
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-} 2>&1 | tee "$OUT/env.txt"
+if [ -z "${TRITON_DILATED_GIT_SHA:-}" ]; then
+  TRITON_DILATED_GIT_SHA=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  export TRITON_DILATED_GIT_SHA
+fi
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 
-echo "== tests (compiled kernels) =="
-timeout 300 python -m pytest tests -q -x -p no:cacheprovider -o addopts="" \
-  --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log" | tail -25
-echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
+T_START=$(date +%s)
+SUMMARY=()
+# stage NAME LIMIT_SECONDS COMMAND...: run under timeout, record exit code and duration
+stage() {
+  local name=$1 limit=$2
+  shift 2
+  echo
+  echo "== $name (limit ${limit}s, $(( $(date +%s) - T_START ))s elapsed) =="
+  local t0 rc
+  t0=$(date +%s)
+  timeout -k 10 "$limit" "$@"
+  rc=$?
+  local note=""
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && note=" (timed out)"
+  SUMMARY+=("$(printf '%-8s exit %3d%s in %3ds' "$name" "$rc" "$note" "$(( $(date +%s) - t0 ))")")
+  echo "== $name: exit $rc$note after $(( $(date +%s) - t0 ))s =="
+  return 0
+}
 
-echo "== benchmark sweep =="
-timeout 200 python -m triton_dilated.perf --out "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" | tail -30
+env_info() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
+  python - <<'EOF'
+import torch, triton
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
+for mod in ("pytest", "hypothesis", "xdist", "pytest_timeout", "einops", "tqdm", "matplotlib"):
+    try:
+        __import__(mod)
+        print("have", mod)
+    except ImportError:
+        print("missing", mod)
+EOF
+  echo "git sha: $TRITON_DILATED_GIT_SHA"
+}
+export -f env_info
+stage env 30 bash -c 'env_info > "$0/env.txt" 2>&1; rc=$?; cat "$0/env.txt"; exit $rc' "$OUT"
+
+# the test suite: parallel workers when pytest-xdist is there (compiles are CPU-bound),
+# per-test timeout when pytest-timeout is there
+PYTEST_ARGS=(-q -p no:cacheprovider -o addopts= -rfEs --maxfail=25 --durations=15 --junitxml="$OUT/tests.xml")
+python -c "import xdist" 2>/dev/null && PYTEST_ARGS+=(-n 6)
+python -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=150)
+stage tests 180 python -m pytest tests "${PYTEST_ARGS[@]}" > "$OUT/tests.log" 2>&1
+tail -45 "$OUT/tests.log"
+
+stage sweep 150 python -m triton_dilated.perf sweep --out "$OUT/sweep.csv" --no-plot
+
+ARCH=$(python -c "import torch; c = torch.cuda.get_device_capability(); print(f'sm{c[0]}{c[1]}')" 2>/dev/null || echo unknown)
+stage tune 90 python -m triton_dilated.perf tune --out-dir "$OUT" --dtypes bfloat16 --head-dims 128 \
+  --seqlens 16384 65536 --max-candidates 6
+
+echo
+echo "== results =="
+TABLE_IN=()
+[ -s "$OUT/sweep.csv" ] && TABLE_IN+=("$OUT/sweep.csv")
+[ -s "$OUT/tune-$ARCH.csv" ] && TABLE_IN+=("$OUT/tune-$ARCH.csv")
+if [ ${#TABLE_IN[@]} -gt 0 ]; then
+  timeout -k 5 30 python -m triton_dilated.perf table "${TABLE_IN[@]}" || echo "(table failed)"
+else
+  echo "no result CSVs were written"
+fi
+grep -E "passed|failed|error" "$OUT/tests.log" 2>/dev/null | tail -1 | sed 's/^/tests: /'
+echo
+printf '%s\n' "${SUMMARY[@]}"
+echo "total $(( $(date +%s) - T_START ))s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

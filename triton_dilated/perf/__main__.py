@@ -1,41 +1,208 @@
-"""`python -m triton_dilated.perf`: benchmarks on this machine.
+"""`python -m triton_dilated.perf`: benchmarks, autotuning and plots on this machine.
 
-  python -m triton_dilated.perf            the default sweep (GPU: Triton kernels; CPU: the
-                                           portable backend) against the baselines
-  python -m triton_dilated.perf layouts    time the block-layout builders at N = 1M tokens
+  python -m triton_dilated.perf [sweep]   the default sweep: dilated and block-sparse against
+                                          the baselines (dense SDPA, the portable backend, the
+                                          head-group loop, FlexAttention) at the sequence
+                                          lengths that fit this machine; GPU: the Triton
+                                          kernels, CPU: the portable backend
+  python -m triton_dilated.perf tune      autotune the kernel configs, rewrite configs/<arch>.json
+  python -m triton_dilated.perf ring      ring attention: time and per-rank memory vs world size
+  python -m triton_dilated.perf layouts   time the block-layout builders at N = 1M tokens
+  python -m triton_dilated.perf plot      PNG plots from result CSVs
+  python -m triton_dilated.perf table     print the summary table of a result CSV
 
-Prints a table and writes long-format CSV rows (one per op, provider, mode, shape,
-metric) with provenance to perf/out/ (or --out).
+Results are long-format CSV rows (one per op, provider, mode, shape, metric) with provenance
+(machine, arch, torch/triton/CUDA versions, git sha, kernel config, UTC timestamp).
+`python -m triton_dilated.perf COMMAND -h` lists each command's options.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from .bench import default_sweep, print_table, run_sweep, time_layout_builders, write_csv
+COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table")
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="python -m triton_dilated.perf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("sweep", help="the default benchmark sweep (also: no command)")
+    p.add_argument("--out", default="perf/out/sweep.csv", help="CSV to write (default: %(default)s)")
+    p.add_argument("--seqlens", type=int, nargs="+", help="sequence lengths (default: what fits this machine)")
+    p.add_argument("--ops", nargs="+", choices=("dilated", "block_sparse"), default=["dilated", "block_sparse"])
+    p.add_argument("--providers", nargs="+", help="only these providers (triton, portable, head_group_loop, "
+                                                  "flex, sdpa_dense)")
+    p.add_argument("--quick", action="store_true", help="one small sequence length (smoke test)")
+    p.add_argument("--tiny", action="store_true", help="one tiny case per op (tests; interpreter-friendly)")
+    flex = p.add_mutually_exclusive_group()
+    flex.add_argument("--flex", dest="flex", action="store_true", default=None,
+                      help="include FlexAttention (default: on a GPU; on a CPU it runs eagerly and densely)")
+    flex.add_argument("--no-flex", dest="flex", action="store_false")
+    p.add_argument("--budget", type=float, help="seconds of timed calls per measurement "
+                                                "(default 0.2 on a GPU, 1.0 on a CPU)")
+    p.add_argument("--no-plot", action="store_true", help="do not write PNGs next to the CSV")
+
+    p = sub.add_parser("tune", help="autotune kernel configs for this GPU's arch")
+    p.add_argument("--out-dir", help="write <arch>.json (and tune-<arch>.csv) here instead of the package's "
+                                     "configs/ (which it rewrites by default)")
+    p.add_argument("--kernels", nargs="+", choices=("dilated_fwd", "dilated_bwd", "block_sparse_fwd",
+                                                     "block_sparse_bwd"))
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, help="default: bfloat16 float16")
+    p.add_argument("--head-dims", type=int, nargs="+", help="default: 64 128")
+    p.add_argument("--seqlens", type=int, nargs="+", help="tune at these N (one per sequence bucket; "
+                                                          "default 4096 16384 65536)")
+    p.add_argument("--heads", type=int, help="query heads of the tuning shape (default 16)")
+    p.add_argument("--max-candidates", type=int, help="time at most this many candidates per kernel")
+    p.add_argument("--no-causal", action="store_true", help="tune the non-causal kernels (default: causal)")
+
+    p = sub.add_parser("ring", help="ring attention: time and per-rank memory vs world size")
+    p.add_argument("--out", default="perf/out/ring.csv", help="CSV to write (default: %(default)s)")
+    p.add_argument("--world-sizes", type=int, nargs="+", help="default: 1 2 4 8 up to the GPU count; CPU: 1 2 4")
+    p.add_argument("--seqlen", type=int, help="global sequence length (default: GPU 32768, CPU 4096)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    p.add_argument("--variants", nargs="+", choices=("dense", "dilated"), default=["dense", "dilated"])
+    p.add_argument("--comms", nargs="+", choices=("p2p", "allgather"), default=["p2p", "allgather"])
+    p.add_argument("--balance", choices=("contiguous", "zigzag"), default="zigzag")
+    p.add_argument("--no-causal", action="store_true")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per world size")
+
+    p = sub.add_parser("layouts", help="time the block-layout builders")
+    p.add_argument("--out", default="perf/out/layouts.csv")
+    p.add_argument("--seqlen", type=int, default=1 << 20)
+    p.add_argument("--block-size", type=int, default=128)
+
+    p = sub.add_parser("plot", help="PNG plots from result CSVs")
+    p.add_argument("csv", nargs="*", help="result CSVs (default: perf/results/*.csv)")
+    p.add_argument("--out-dir", help="where to write the PNGs (default: next to each CSV)")
+
+    p = sub.add_parser("table", help="print the summary table of result CSVs")
+    p.add_argument("csv", nargs="+")
+    return parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m triton_dilated.perf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="sweep", choices=["sweep", "layouts"])
-    parser.add_argument("--out", default=None, help="CSV file to write (default: perf/out/<command>.csv)")
-    parser.add_argument("--seqlens", type=int, nargs="*", help="sequence lengths to sweep")
-    parser.add_argument("--quick", action="store_true", help="one small shape (smoke test)")
-    args = parser.parse_args(argv)
-    out = args.out or f"perf/out/{args.command}.csv"
-    if args.command == "layouts":
-        rows = time_layout_builders(seq_len=(args.seqlens or [1 << 20])[0])
-        write_csv(rows, out)
-        for r in rows:
-            if r["metric"] == "seconds":
-                print(f"{r['provider']:14} N={r['N']:>8} block={r['block_size']}  {r['value']:.3f} s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["sweep"] + argv
+    args = _parser().parse_args(argv)
+    return {"sweep": _sweep, "tune": _tune, "ring": _ring, "layouts": _layouts, "plot": _plot,
+            "table": _table}[args.command](args)
+
+
+def _sweep(args) -> int:
+    import torch
+
+    from .bench import Timing, default_sweep, print_table, run_sweep, tiny_sweep
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.tiny:
+        cases = [c for c in tiny_sweep(device, (args.seqlens or [128])[0]) if c.op in args.ops]
     else:
-        rows = run_sweep(default_sweep(quick=args.quick, seqlens=args.seqlens))
-        write_csv(rows, out)
-        print_table(rows)
-    print(f"\nwrote {len(rows)} rows to {out}")
+        cases = default_sweep(quick=args.quick, seqlens=args.seqlens, ops=args.ops)
+    if not cases:
+        print("nothing to run")
+        return 1
+    timing = Timing.for_device(device, args.budget)
+    rows = run_sweep(cases, out=args.out, timing=timing, flex=args.flex, only=args.providers)
+    print_table(rows)
+    print(f"\nwrote {len(rows)} rows to {args.out}")
+    if device == "cpu":
+        print("(CPU run: portable-backend and baseline timings only; Triton kernel timings need a GPU.)")
+    if rows and not args.no_plot:
+        try:
+            from .plot import plot_csv
+            for p in plot_csv(args.out):
+                print(f"wrote {p}")
+        except Exception as exc:  # plotting is a convenience: never fail the sweep for it
+            print(f"plots skipped ({type(exc).__name__}: {exc})")
+    return 0 if rows else 1
+
+
+def _tune(args) -> int:
+    import torch
+
+    from .tune import KERNELS, run_tune
+    try:
+        path, table = run_tune(out_dir=args.out_dir, kernels=args.kernels or KERNELS,
+                               dtypes=[getattr(torch, d) for d in args.dtypes] if args.dtypes else None,
+                               head_dims=args.head_dims, seqlens=args.seqlens, causal=not args.no_causal,
+                               heads=args.heads, max_candidates=args.max_candidates)
+    except RuntimeError as exc:
+        print(f"tune: {exc}", file=sys.stderr)
+        return 2
+    n = sum(len(v) for v in table.get("measured", {}).values())
+    print(f"wrote {path} ({n} tuned entries)")
     return 0
+
+
+def _ring(args) -> int:
+    from .ring import RingUnavailable, ring_table, run_ring
+    try:
+        rows = run_ring(world_sizes=args.world_sizes, seqlen=args.seqlen, variants=args.variants, comms=args.comms,
+                        device=args.device, causal=not args.no_causal, balance=args.balance, out=args.out,
+                        timeout_s=args.timeout, quick=args.quick)
+    except RingUnavailable as exc:
+        print(f"ring: {exc}. Nothing was measured.", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"ring: {exc}", file=sys.stderr)
+        return 2
+    print()
+    print(ring_table(rows))
+    print(f"\nwrote {len(rows)} rows to {args.out}")
+    return 0 if rows else 1
+
+
+def _layouts(args) -> int:
+    from .bench import time_layout_builders, write_csv
+    rows = time_layout_builders(seq_len=args.seqlen, block_size=args.block_size)
+    write_csv(rows, args.out)
+    for r in rows:
+        if r["metric"] == "seconds":
+            print(f"{r['provider']:14} N={r['N']:>8} block={r['block_size']}  {r['value']:.3f} s")
+    print(f"\nwrote {len(rows)} rows to {args.out}")
+    return 0
+
+
+def _plot(args) -> int:
+    from .plot import default_results_dir, plot_all
+    paths = args.csv or None
+    if paths is None and not os.path.isdir(default_results_dir()):
+        print("no CSVs given and no perf/results/ directory", file=sys.stderr)
+        return 2
+    written = plot_all(paths, args.out_dir)
+    for p in written:
+        print(f"wrote {p}")
+    return 0 if written else 1
+
+
+def _table(args) -> int:
+    from .bench import read_csv, summary_table
+    from .ring import ring_table
+    rows = read_csv(args.csv)
+    ring = [r for r in rows if r["op"] == "ring_attention"]
+    bench = [r for r in rows if r["op"] in ("dilated_attention", "block_sparse_attention")]
+    machines = sorted({r["machine"] for r in rows if r.get("machine")})
+    print(f"machine: {', '.join(machines) or 'unknown'}")
+    if bench:
+        print(summary_table(bench))
+    if ring:
+        print(ring_table(ring))
+    tune = [r for r in rows if str(r["op"]).startswith("tune:")]
+    if tune:
+        best = {}
+        for r in tune:
+            k = (r["op"], r["dtype"], r["D"], r["N"])
+            if k not in best or r["value"] < best[k]["value"]:
+                best[k] = r
+        print(f"\n{'tuned kernel':24} {'dtype':9} {'D':>4} {'N':>7} {'ms':>9}  config")
+        for k, r in sorted(best.items()):
+            print(f"{k[0][5:]:24} {k[1]:9} {k[2]:>4} {k[3]:>7} {r['value']:>9.3f}  {r['config']}")
+    return 0 if rows else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Baselines measured side by side with the kernels (DESIGN §11)."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -34,3 +36,46 @@ def head_group_loop(q, k, v, segment_lengths, dilation_rates, causal: bool):
         out_view = rearrange(out, "b (n s) h d -> b n s h d", s=s)
         out_view[:, :, offset::r, hmin:hmax] = x
     return out
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+_COMPILED_FLEX = None
+
+
+def _compiled_flex():
+    """torch.compile(flex_attention), once per process (each new shape still recompiles)."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+        for name in ("recompile_limit", "cache_size_limit"):   # one compile per benchmarked shape
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def flex_block_sparse(layout, seq_len: int, causal: bool, device, compiled: bool = True):
+    """FlexAttention with the BlockMask equivalent to `layout` (BlockLayout.to_flex_block_mask):
+    fn(q, k, v) on (B, N, H, D) inputs, like the other providers. The block mask is built
+    once, outside the timed calls. compiled=False runs flex_attention eagerly (CPU: it then
+    evaluates the dense score matrix, so it is no sparse baseline there)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    block_mask = layout.to(device).to_flex_block_mask(seq_len, causal=causal)
+    fa = _compiled_flex() if compiled else flex_attention
+
+    def fn(q, k, v):
+        gqa = q.shape[2] != k.shape[2]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+            out = fa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+                     **({"enable_gqa": True} if gqa else {}))
+        return out.transpose(1, 2)
+    return fn

@@ -1,0 +1,163 @@
+"""The benchmark CLI (`python -m triton_dilated.perf`): sweep rows, FLOP counting, tune JSON,
+plots, ring fallback. Tiny shapes: under the interpreter every Triton call costs ~0.1-1 s."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+import triton_dilated
+from triton_dilated import layouts
+from triton_dilated.ops.block_sparse.naive import element_mask
+from triton_dilated.ops.common import runtime
+from triton_dilated.perf import bench, plot
+from triton_dilated.perf import ring as perf_ring
+from triton_dilated.perf.__main__ import main
+
+ONE_CALL = bench.Timing(warmup=0, budget_s=0.0, min_reps=1, max_reps=1, max_s=0.0)
+PROVENANCE = ("machine", "arch", "device", "torch", "triton", "git_sha", "timestamp")
+
+
+def _read(path):
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def test_tiny_sweep_writes_every_column(tmp_path, device):
+    out = tmp_path / "sweep.csv"
+    cases = bench.tiny_sweep(device.type, n=64)
+    rows = bench.run_sweep(cases, out=str(out), timing=ONE_CALL, flex=False, quiet=True)
+    header, written = _read(out)
+    assert header == bench.COLUMNS
+    assert len(written) == len(rows) > 0
+    main_prov = bench.main_provider(device.type)
+    seen = {(r["op"], r["provider"], r["mode"], r["metric"]) for r in written}
+    for op in ("dilated_attention", "block_sparse_attention"):
+        for prov in (main_prov, "sdpa_dense"):
+            for mode in ("fwd", "fwd_bwd"):
+                for metric in ("ms", "tflops", "pct_matmul_peak"):
+                    assert (op, prov, mode, metric) in seen
+    assert ("dilated_attention", "head_group_loop", "fwd", "ms") in seen
+    for r in written:
+        for col in ("op", "variant", "provider", "mode", "B", "N", "H", "Hkv", "D", "dtype", "causal", "density",
+                    "gflop", "metric", "value", "matmul_peak_tflops") + PROVENANCE:
+            assert r[col] != "", (col, r)
+        value = float(r["value"])
+        assert math.isfinite(value) and value > 0, r
+        assert 0 < float(r["density"]) <= 1
+        if r["provider"] == "triton":
+            assert "BLOCK_M=" in r["config"]
+        if r["op"] == "block_sparse_attention":
+            assert r["layout"].startswith("local(") and r["block_size"] == "32"
+        else:
+            assert r["segment_lengths"] == "32/64" and r["dilation_rates"] == "1/2"
+    table = bench.summary_table(bench.read_csv(out))
+    assert "sdpa_dense" in table and "dilated_attention" in table
+
+
+def test_flop_counts_match_dense_masks():
+    from triton_dilated.perf.plot import dilated_multiplicity
+    for mode, causal in (("longnet", False), ("longnet", True), ("head_groups", True)):
+        case = bench.Case("dilated", mode, 2, 40, 3, 16, causal, torch.float32, "cpu", (16, 40), (1, 3))
+        mult = dilated_multiplicity(40, (16, 40), (1, 3), 3, causal=causal, mode=mode)
+        assert bench.dilated_pairs(case) == 2 * int(mult.sum())   # a key two patterns select counts twice
+    lay = layouts.bigbird(100, 16, window=1, num_global_blocks=1, num_random=2, num_heads=3, causal=True)
+    assert bench.layout_pairs(lay, 2, 3, 100, True) == 2 * int(element_mask(lay, 100, True).sum())
+    lay = layouts.local(100, 32, window=1)
+    assert bench.layout_pairs(lay, 1, 4, 100, False) == 4 * int(element_mask(lay, 100, False).sum())
+    assert bench.dense_pairs(1, 1, 4, True) == 10
+    assert bench.flops(10, 8, "fwd_bwd") == 3.5 * bench.flops(10, 8, "fwd") == 3.5 * 320
+
+
+def test_cli_sweep_table_and_plot(tmp_path, capsys):
+    out = tmp_path / "cli.csv"
+    rc = main(["--tiny", "--seqlens", "64", "--ops", "block_sparse", "--providers", "portable", "sdpa_dense",
+               "--budget", "0", "--no-plot", "--out", str(out)])
+    assert rc == 0
+    header, rows = _read(out)
+    assert header == bench.COLUMNS and {r["provider"] for r in rows} == {"portable", "sdpa_dense"}
+    printed = capsys.readouterr().out
+    assert "times in ms" in printed
+    pngs = tmp_path / "pngs"
+    assert main(["plot", str(out), "--out-dir", str(pngs)]) == 0
+    for kind in ("time", "speedup", "tflops", "sparsity"):
+        assert (pngs / f"cli-{kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["table", str(out)]) == 0
+    assert "portable" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or runtime.interpreter_enabled()),
+                    reason="tune needs a GPU or the interpreter")
+def test_tune_writes_a_table_select_config_reads(tmp_path, monkeypatch, capsys):
+    from triton_dilated.perf import tune
+    kw = {} if not torch.cuda.is_available() else dict(dtypes=[torch.float16], head_dims=[64], seqlens=[1024],
+                                                        max_candidates=2, heads=2)
+    path, table = tune.run_tune(out_dir=str(tmp_path), **kw)
+    with open(path) as f:
+        saved = json.load(f)
+    assert saved == table and saved["tuned"] is True and saved["arch"] == table["arch"]
+    assert set(saved["kernels"]) >= set(tune.KERNELS)
+    for kernel in tune.KERNELS:
+        for key, cfg in saved["measured"][kernel].items():
+            assert set(saved["kernels"][kernel][key]) == set(tune.CONFIG_KEYS)
+            assert cfg["ms"] > 0
+    # select_config (as on a GPU of this arch) finds the tuned entries
+    arch_name = saved["arch"]
+    fake = runtime.Arch(arch_name, (9, 0), 228 * 1024, 132, "fake")
+    monkeypatch.setattr(runtime, "get_arch", lambda index=None: fake)
+    monkeypatch.setattr(runtime, "_load_arch_table", lambda name: saved if name == arch_name else {})
+    dtype, d, n = (torch.float32, 16, 64) if not torch.cuda.is_available() else (torch.float16, 64, 1024)
+    for kernel in tune.KERNELS:
+        got = runtime.select_config(kernel, dtype, d, n, torch.device("cuda", 0))
+        assert got == saved["kernels"][kernel][tune.table_key(dtype, d, n)]
+    if not torch.cuda.is_available():   # the interpreter "tunes" exactly its one config
+        assert got == runtime.INTERPRETER_CONFIG
+    assert (tmp_path / f"tune-{arch_name}.csv").exists()
+
+
+def test_tune_without_gpu_or_interpreter_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("triton_dilated.perf.tune.interpreter_enabled", lambda: False)
+    assert main(["tune", "--out-dir", "/nonexistent"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_ring_says_when_unavailable(monkeypatch, capsys, tmp_path):
+    monkeypatch.delattr(triton_dilated, "ring_attention", raising=False)
+    with pytest.raises(perf_ring.RingUnavailable):
+        perf_ring.load_ring()
+    assert main(["ring", "--out", str(tmp_path / "ring.csv")]) == 2
+    err = capsys.readouterr().err
+    assert "ring attention is not available" in err and "Nothing was measured" in err
+    assert not (tmp_path / "ring.csv").exists()
+
+
+def test_ring_table_and_plot_from_rows(tmp_path):
+    rows = []
+    for p, ms, mem in ((1, 10.0, 400.0), (2, 6.0, 210.0), (4, 4.0, 110.0)):
+        for metric, value in (("ms", ms), ("peak_mem_mib", mem)):
+            rows.append(bench.make_row(op="ring_attention", variant="dense", provider="ring_p2p", mode="fwd", B=1,
+                                       N=4096, H=4, Hkv=4, D=64, dtype="float32", causal=True, world_size=p,
+                                       metric=metric, value=value, machine="test"))
+    path = tmp_path / "ring-test.csv"
+    bench.write_csv(rows, path)
+    assert "ring_p2p" in perf_ring.ring_table(bench.read_csv(path))
+    assert [p.rsplit("/", 1)[-1] for p in plot.plot_csv(str(path))] == ["ring-test-ring.png"]
+
+
+def test_flex_baseline_matches(device):
+    if not bench.flex_available():
+        pytest.skip("this torch has no FlexAttention")
+    if device.type == "cuda":
+        pytest.skip("compiled Flex is covered by the GPU sweep (compiling it here costs minutes)")
+    from triton_dilated import block_sparse_attention
+    from triton_dilated.perf.baselines import flex_block_sparse
+    lay = layouts.local(80, 32, window=1, causal=True)
+    fn = flex_block_sparse(lay, 80, True, device, compiled=False)
+    q, k, v = (torch.randn(1, 80, 2, 16) for _ in range(3))
+    ref = block_sparse_attention(q, k, v, lay, causal=True, backend="torch")
+    torch.testing.assert_close(fn(q, k, v), ref, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,245 @@
+"""`python -m triton_dilated.perf plot`: PNG plots from result CSVs, and the helpers the
+notebooks use (they read only committed CSVs and the pattern builders).
+
+For a sweep CSV `X.csv` it writes X-time.png (median ms vs N per provider), X-speedup.png
+(dense SDPA time / provider time vs N), X-tflops.png (effective TFLOP/s: only the computed
+(query, key) pairs count) and X-sparsity.png (speedup over dense vs the fraction of pairs
+skipped); for a ring CSV, X-ring.png (time and per-rank memory vs world size). Figures are
+drawn with matplotlib's object API and the Agg canvas (no display needed).
+"""
+from __future__ import annotations
+
+import glob
+import math
+import os
+from collections import defaultdict
+
+from .bench import MODES, read_csv
+
+PROVIDER_ORDER = ["triton", "portable", "head_group_loop", "flex", "sdpa_dense"]
+PROVIDER_STYLE = {
+    "triton": dict(color="tab:red", marker="o"),
+    "portable": dict(color="tab:blue", marker="s"),
+    "head_group_loop": dict(color="tab:green", marker="^"),
+    "flex": dict(color="tab:purple", marker="D"),
+    "sdpa_dense": dict(color="black", marker="x", linestyle="--"),
+}
+MAIN_PROVIDERS = ("triton", "portable")
+
+
+def load(paths=None, results_dir=None):
+    """Rows of the given CSVs, or of every CSV in results_dir (default perf/results)."""
+    if paths is None:
+        results_dir = results_dir or default_results_dir()
+        paths = sorted(glob.glob(os.path.join(results_dir, "*.csv")))
+    return read_csv(list(paths)) if paths else []
+
+
+def default_results_dir():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.join(root, "perf", "results")
+
+
+def _providers(rows):
+    seen = {r["provider"] for r in rows}
+    return [p for p in PROVIDER_ORDER if p in seen] + sorted(seen - set(PROVIDER_ORDER))
+
+
+def panel_keys(rows):
+    """(op, variant, causal) combinations with timings, in a stable order."""
+    keys = {(r["op"], r["variant"], r["causal"]) for r in rows if r["metric"] == "ms" and r["op"] != "ring_attention"}
+    return sorted(keys, key=lambda k: (k[0], k[1], k[2]))
+
+
+def values(rows, metric, op, variant, causal, mode, provider, by="N"):
+    """[(x, value)] sorted by x for one series."""
+    pts = [(r[by], r["value"]) for r in rows
+           if r["metric"] == metric and r["op"] == op and r["variant"] == variant and r["causal"] == causal
+           and r["mode"] == mode and r["provider"] == provider and not math.isnan(r["value"])]
+    return sorted(pts)
+
+
+def speedups(rows, op, variant, causal, mode, provider):
+    """[(N, dense ms / provider ms)]."""
+    dense = dict(values(rows, "ms", op, variant, causal, mode, "sdpa_dense"))
+    return [(n, dense[n] / ms) for n, ms in values(rows, "ms", op, variant, causal, mode, provider)
+            if n in dense and ms > 0]
+
+
+def _title(op, variant, causal, mode):
+    short = {"dilated_attention": "dilated", "block_sparse_attention": "block-sparse"}.get(op, op)
+    return f"{short} {variant}{' causal' if causal else ''}: {mode}"
+
+
+def _machine(rows):
+    ms = sorted({r.get("machine", "") for r in rows if r.get("machine")})
+    dt = sorted({r.get("dtype", "") for r in rows if r.get("dtype")})
+    return f"{', '.join(ms)} ({', '.join(dt)})"
+
+
+def _grid(n_panels, ncols=2, w=4.6, h=3.3):
+    from matplotlib.figure import Figure
+    nrows = max(1, math.ceil(n_panels / ncols))
+    fig = Figure(figsize=(w * ncols, h * nrows + 0.6), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax in axes[n_panels:]:
+        ax.set_visible(False)
+    return fig, axes
+
+
+def _log2_x(ax, xs):
+    ax.set_xscale("log", base=2)
+    if xs:
+        ax.set_xticks(sorted(set(xs)))
+        ax.set_xticklabels([f"{x // 1024}K" if x >= 1024 else str(x) for x in sorted(set(xs))])
+        ax.minorticks_off()
+
+
+def figure(rows, kind: str):
+    """One Figure for kind in {"time", "speedup", "tflops"}: a panel per (op, variant,
+    causal, mode), a line per provider, N on the x axis."""
+    keys = [(op, var, causal, mode) for op, var, causal in panel_keys(rows) for mode in MODES]
+    keys = [k for k in keys if any(r["mode"] == k[3] and r["op"] == k[0] and r["variant"] == k[1]
+                                   and r["causal"] == k[2] and r["metric"] == "ms" for r in rows)]
+    fig, axes = _grid(len(keys))
+    label = {"time": "median ms (log)", "speedup": "speedup over dense SDPA (x)", "tflops": "effective TFLOP/s"}[kind]
+    for ax, (op, var, causal, mode) in zip(axes, keys):
+        xs = []
+        for p in _providers(rows):
+            if kind == "speedup":
+                if p == "sdpa_dense":
+                    continue
+                pts = speedups(rows, op, var, causal, mode, p)
+            else:
+                pts = values(rows, "ms" if kind == "time" else "tflops", op, var, causal, mode, p)
+            if not pts:
+                continue
+            xs += [x for x, _ in pts]
+            ax.plot(*zip(*pts), label=p, **PROVIDER_STYLE.get(p, {}))
+        if kind == "time":
+            ax.set_yscale("log")
+        if kind == "speedup":
+            ax.axhline(1.0, color="grey", lw=0.8)
+        _log2_x(ax, xs)
+        ax.set_title(_title(op, var, causal, mode), fontsize=10)
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel(label)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle({"time": "Time", "speedup": "Speedup vs dense", "tflops": "Effective TFLOP/s (computed pairs only)"}
+                 [kind] + " — " + _machine(rows), fontsize=11)
+    return fig
+
+
+def sparsity_figure(rows):
+    """Speedup over dense SDPA of the main provider against the fraction of (query, key)
+    pairs skipped, one point per shape, one panel per mode."""
+    fig, axes = _grid(2)
+    main = next((p for p in MAIN_PROVIDERS if any(r["provider"] == p for r in rows)), None)
+    for ax, mode in zip(axes, MODES):
+        groups = defaultdict(list)
+        for op, var, causal in panel_keys(rows):
+            dens = {r["N"]: r["density"] for r in rows if r["op"] == op and r["variant"] == var
+                    and r["causal"] == causal and r["mode"] == mode and r["provider"] == main and r["metric"] == "ms"}
+            for n, s in speedups(rows, op, var, causal, mode, main) if main else []:
+                if n in dens and not math.isnan(dens[n]):
+                    groups[(op, var, causal)].append((1 - dens[n], s, n))
+        for (op, var, causal), pts in sorted(groups.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    label=_title(op, var, causal, "").rstrip(": "))
+            for x, y, n in pts:
+                ax.annotate(f"{n // 1024}K" if n >= 1024 else str(n), (x, y), fontsize=6, xytext=(2, 2),
+                            textcoords="offset points")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("sparsity (fraction of pairs skipped vs dense)")
+        ax.set_ylabel(f"{main} speedup over dense (x)")
+        ax.set_title(mode, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Speedup vs sparsity — {_machine(rows)}", fontsize=11)
+    return fig
+
+
+def ring_figure(rows):
+    """Time and per-rank peak memory against world size, a line per (variant, comm, mode)."""
+    rows = [r for r in rows if r["op"] == "ring_attention"]
+    fig, axes = _grid(2)
+    for ax, metric in zip(axes, ("ms", "mem")):
+        series = defaultdict(list)
+        for r in rows:
+            if (metric == "ms" and r["metric"] == "ms") or (metric == "mem" and r["metric"].startswith("peak_")):
+                series[(r["variant"], r["provider"], r["mode"])].append((r["world_size"], r["value"]))
+        for (var, prov, mode), pts in sorted(series.items()):
+            pts.sort()
+            ax.plot(*zip(*pts), marker="o", label=f"{var} {prov} {mode}")
+        ax.set_xlabel("world size P")
+        ax.set_ylabel("median ms (slowest rank)" if metric == "ms" else "peak MiB per rank")
+        ax.set_xscale("log", base=2)
+        ps = sorted({r["world_size"] for r in rows})
+        if ps:
+            ax.set_xticks(ps)
+            ax.set_xticklabels([str(p) for p in ps])
+            ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    n = sorted({r["N"] for r in rows})
+    fig.suptitle(f"Ring attention, N = {', '.join(map(str, n))} — {_machine(rows)}", fontsize=11)
+    return fig
+
+
+def plot_csv(csv_path, out_dir=None):
+    """Write the PNGs for one CSV; returns their paths."""
+    rows = read_csv(csv_path)
+    out_dir = out_dir or os.path.dirname(os.path.abspath(csv_path))
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.splitext(os.path.basename(csv_path))[0]
+    written = []
+
+    def save(fig, suffix):
+        path = os.path.join(out_dir, f"{stem}-{suffix}.png")
+        fig.savefig(path, dpi=110)
+        written.append(path)
+
+    if any(r["op"] == "ring_attention" for r in rows):
+        save(ring_figure(rows), "ring")
+    bench = [r for r in rows if r["op"] in ("dilated_attention", "block_sparse_attention")]
+    if bench:
+        for kind in ("time", "speedup", "tflops"):
+            save(figure(bench, kind), kind)
+        save(sparsity_figure(bench), "sparsity")
+    return written
+
+
+def plot_all(csv_paths=None, out_dir=None):
+    paths = csv_paths or sorted(glob.glob(os.path.join(default_results_dir(), "*.csv")))
+    written = []
+    for p in paths:
+        written += plot_csv(p, out_dir)
+    return written
+
+
+# ----------------------------------------------------------------------------- patterns
+
+def dilated_multiplicity(n, segment_lengths, dilation_rates, num_heads, *, causal=False, mode="longnet",
+                         offsets="modulo"):
+    """(H, N, N) int array: how many of head h's patterns select the pair (query p, key p')
+    (DESIGN §3: a key two patterns select counts twice). Small N only."""
+    import numpy as np
+
+    from ..ops.dilated.patterns import check_patterns, head_offsets
+    patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
+    table = head_offsets(num_heads, patterns, mode, offsets)
+    pos = np.arange(n)
+    out = np.zeros((num_heads, n, n), dtype=np.int64)
+    for h, row in enumerate(table):
+        for (w, r), o in zip(patterns, row):
+            if o < 0:
+                continue
+            seg = pos // w * w
+            active = (pos - seg) % r == o
+            m = active[:, None] & active[None, :] & (seg[:, None] == seg[None, :])
+            if causal:
+                m &= pos[None, :] <= pos[:, None]
+            out[h] += m
+    return out

@@ -1,0 +1,258 @@
+"""`python -m triton_dilated.perf tune`: autotune the kernel configs for this GPU's arch
+(DESIGN §8).
+
+For each kernel in {dilated_fwd, dilated_bwd, block_sparse_fwd, block_sparse_bwd}, dtype,
+head dim and sequence bucket, every candidate {BLOCK_M, BLOCK_N, num_warps, num_stages} is
+timed by calling the launchers with `config=...`; a candidate that fails to compile or run
+(shared memory, registers) or disagrees with the first candidate's result is dropped, and
+the fastest of the rest is kept. The result is written as `configs/<arch>.json` in the
+format `runtime.select_config` reads:
+
+    {"arch": "sm90", "tuned": true, "kernels": {kernel: {"<dtype>/d<padded D>/n<bucket>": {...}}},
+     "measured": {kernel: {key: {"ms": ..., "shape": ..., ...}}}}
+
+Entries that were not tuned in this pass are kept from the existing file. The JSON (and a
+CSV of every candidate's time) is rewritten after each kernel, so a run cut short keeps
+what it finished. Under TRITON_INTERPRET=1 there is exactly one config
+(runtime.INTERPRETER_CONFIG), "tuned" on a tiny shape: multi-config tuning needs a GPU.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import time
+from importlib import resources
+
+import torch
+
+from ..ops.common.runtime import INTERPRETER_CONFIG, get_arch, interpreter_enabled, seq_bucket, triton_importable
+from .bench import LONGNET_R, LONGNET_W, CsvSink, Timing, make_row, median_ms, provenance
+
+KERNELS = ("dilated_fwd", "dilated_bwd", "block_sparse_fwd", "block_sparse_bwd")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+def _cfg(m, n, w, s):
+    return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+
+
+# Candidate lists (a GPU): the usual flash-attention tile shapes; pruned per arch by a
+# shared-memory estimate before anything is compiled.
+FWD_CANDIDATES = [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3),
+                  _cfg(64, 64, 4, 4), _cfg(128, 32, 4, 3), _cfg(64, 128, 4, 3), _cfg(128, 64, 8, 2),
+                  _cfg(128, 128, 8, 2), _cfg(64, 32, 4, 2)]
+BWD_CANDIDATES = [_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 2), _cfg(64, 128, 8, 2),
+                  _cfg(128, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(64, 32, 4, 2), _cfg(128, 64, 4, 2),
+                  _cfg(32, 32, 4, 1)]
+
+
+def candidates(kernel: str, head_dim_padded: int, dtype: torch.dtype, arch, limit: int | None = None):
+    """The candidate list for a kernel, pruned where a rough shared-memory estimate exceeds
+    the arch's per-block maximum. Under the interpreter: exactly INTERPRETER_CONFIG."""
+    if arch.capability == (0, 0):
+        return [dict(INTERPRETER_CONFIG)]
+    elt = torch.tensor([], dtype=dtype).element_size()
+    smem = arch.shared_memory or 48 * 1024
+    out = []
+    for c in (BWD_CANDIDATES if kernel.endswith("_bwd") else FWD_CANDIDATES):
+        stages = max(1, c["num_stages"] - 1)
+        if kernel.endswith("_fwd"):   # q tile + pipelined k, v tiles
+            need = c["BLOCK_M"] * head_dim_padded * elt + stages * 2 * c["BLOCK_N"] * head_dim_padded * elt
+        else:                         # q, do tiles pipelined + k, v tiles + score tile
+            need = (stages * 2 * c["BLOCK_M"] + 2 * c["BLOCK_N"]) * head_dim_padded * elt \
+                + c["BLOCK_M"] * c["BLOCK_N"] * 4
+        if need <= smem:
+            out.append(dict(c))
+    return out[:limit] if limit else out
+
+
+# ----------------------------------------------------------------------------- problems
+
+class _Problem:
+    """Inputs for one (kernel family, dtype, D, N); `run(kernel, config)` launches the
+    launcher once and returns its outputs."""
+
+    def __init__(self, family, B, N, H, D, dtype, device, causal, block_size=128):
+        self.family, self.causal = family, causal
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        mk = lambda: torch.randn(B, N, H, D, generator=gen).to(device, dtype)  # noqa: E731
+        self.q, self.k, self.v = mk(), mk(), mk()
+        self.do = mk()
+        self.scale = 1.0 / math.sqrt(D)
+        if family == "dilated":
+            from ..ops.dilated.patterns import head_offsets
+            ws = tuple(min(w, N) for w in LONGNET_W) if N >= 4096 else (N // 4, N // 2, N)
+            rs = LONGNET_R if N >= 4096 else (1, 2, 4)
+            self.patterns = tuple(zip(ws, rs))
+            self.table = head_offsets(H, self.patterns, "longnet", "modulo")
+            self.shape = f"B={B} N={N} H={H} D={D} causal={causal} longnet w={'/'.join(map(str, ws))} " \
+                         f"r={'/'.join(map(str, rs))}"
+        else:
+            from .. import layouts
+            bs = min(block_size, max(16, N // 4))
+            self.layout = layouts.bigbird(N, bs, window=1, num_global_blocks=1, num_random=3, num_heads=H,
+                                          causal=causal).to(device)
+            self.shape = f"B={B} N={N} H={H} D={D} causal={causal} bigbird(window=1,global=1,random=3) block={bs}"
+        self.stats = None
+
+    def _forward(self, config):
+        if self.family == "dilated":
+            from ..ops.dilated.parallel import dilated_forward
+            return dilated_forward(self.q, self.k, self.v, self.patterns, self.table, causal=self.causal,
+                                   scale=self.scale, config=config)
+        from ..ops.block_sparse.parallel import block_sparse_forward
+        return block_sparse_forward(self.q, self.k, self.v, self.layout, causal=self.causal, scale=self.scale,
+                                    config=config)
+
+    def run(self, kernel, config):
+        if kernel.endswith("_fwd"):
+            return self._forward(config)
+        if self.stats is None:   # the backward's inputs: one forward with the default config
+            self.stats = self._forward(None)
+        out, row_max, row_sum = self.stats
+        if self.family == "dilated":
+            from ..ops.dilated.parallel import dilated_backward
+            return dilated_backward(self.do, None, self.q, self.k, self.v, out, row_max, row_sum, self.patterns,
+                                    self.table, causal=self.causal, scale=self.scale, config=config)
+        from ..ops.block_sparse.parallel import block_sparse_backward
+        return block_sparse_backward(self.do, None, self.q, self.k, self.v, out, row_max, row_sum, self.layout,
+                                     causal=self.causal, scale=self.scale, config=config)
+
+
+def _agrees(ref, got) -> bool:
+    """Loose check that a candidate computes the same thing (catches garbage, not rounding)."""
+    for a, b in zip(ref, got):
+        a, b = a.float(), b.float()
+        if not torch.isfinite(b).all():
+            return False
+        if (a - b).abs().max().item() > 0.05 * max(a.abs().max().item(), 1e-3) + 1e-3:
+            return False
+    return True
+
+
+# ----------------------------------------------------------------------------- JSON
+
+def load_table(arch_name: str, out_dir: str | None) -> dict:
+    """The current table for this arch: out_dir/<arch>.json if present, else the package's."""
+    if out_dir and os.path.exists(os.path.join(out_dir, f"{arch_name}.json")):
+        with open(os.path.join(out_dir, f"{arch_name}.json")) as f:
+            return json.load(f)
+    try:
+        return json.loads(resources.files("triton_dilated.configs").joinpath(f"{arch_name}.json").read_text())
+    except (FileNotFoundError, ModuleNotFoundError):
+        return {}
+
+
+def config_path(arch_name: str, out_dir: str | None) -> str:
+    if out_dir:
+        return os.path.join(out_dir, f"{arch_name}.json")
+    return str(resources.files("triton_dilated.configs").joinpath(f"{arch_name}.json"))
+
+
+def _write_json(table: dict, path: str):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def table_key(dtype: torch.dtype, head_dim_padded: int, seqlen: int) -> str:
+    """The select_config key: "<dtype>/d<padded D>/n<sequence bucket>"."""
+    return f"{str(dtype).removeprefix('torch.')}/d{head_dim_padded}/n{seq_bucket(seqlen)}"
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+def run_tune(out_dir=None, kernels=KERNELS, dtypes=None, head_dims=None, seqlens=None, causal=True,
+             heads=None, max_candidates=None, csv_path=None, log=print):
+    """Tune and write the arch's JSON; returns (path, table). See the module docstring."""
+    if torch.cuda.is_available():
+        device = "cuda"
+        arch = get_arch(torch.cuda.current_device())
+        dtypes = dtypes or [torch.bfloat16, torch.float16]
+        head_dims = head_dims or [64, 128]
+        seqlens = seqlens or [4096, 16384, 65536]
+        heads = heads or 16
+        timing = Timing(warmup=2, budget_s=0.15, min_reps=5, max_reps=50, max_s=2.0)
+    elif interpreter_enabled() and triton_importable():
+        device = "cpu"
+        arch = get_arch(None)
+        dtypes = [torch.float32]                  # the interpreter: one config, one tiny shape
+        head_dims = head_dims[:1] if head_dims else [16]
+        seqlens = seqlens[:1] if seqlens else [64]
+        heads = heads or 1
+        timing = Timing(warmup=0, budget_s=0.0, min_reps=1, max_reps=1, max_s=0.0)
+        log("TRITON_INTERPRET=1 on a CPU: 'tuning' the one interpreter config on a tiny shape "
+            "(multi-config autotuning needs a GPU).")
+    else:
+        raise RuntimeError("tune needs a CUDA GPU (or TRITON_INTERPRET=1 for the one-config interpreter pass)")
+
+    path = config_path(arch.name, out_dir)
+    table = load_table(arch.name, out_dir)
+    table["arch"] = arch.name
+    table["tuned"] = True
+    table["note"] = ("Tuned by `python -m triton_dilated.perf tune` on this arch: entries listed under "
+                     "'measured' were timed; the others are kept from the previous file.")
+    table.setdefault("kernels", {})
+    table.setdefault("measured", {})
+    prov = provenance(device)
+    table["device_name"] = arch.device_name
+    csv_path = csv_path or (os.path.join(out_dir, f"tune-{arch.name}.csv") if out_dir else None)
+    jobs = [(kernel, dtype, d, n) for kernel in kernels for dtype in dtypes for d in head_dims for n in seqlens]
+    log(f"tuning {len(jobs)} (kernel, dtype, head dim, N) entries for {arch.name} ({arch.device_name}) -> {path}")
+    problems = {}
+    t_start = time.perf_counter()
+    with CsvSink(csv_path) as sink:
+        for i, (kernel, dtype, d, n) in enumerate(jobs):
+            family = kernel.rsplit("_", 1)[0]
+            block_d = max(16, 1 << (d - 1).bit_length())
+            key = table_key(dtype, block_d, n)
+            pkey = (family, dtype, d, n)
+            if pkey not in problems:
+                problems.clear()                 # one problem's tensors at a time
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                problems[pkey] = _Problem(family, 1, n, heads, d, dtype, device, causal)
+            prob = problems[pkey]
+            cands = candidates(kernel, block_d, dtype, arch, max_candidates)
+            results, ref = [], None
+            for cfg in cands:
+                try:
+                    got = prob.run(kernel, cfg)
+                    if ref is None:
+                        ref = got
+                    elif not _agrees(ref, got):
+                        log(f"  {kernel} {key} {cfg}: result differs from the first candidate, dropped")
+                        continue
+                    ms = median_ms(lambda: prob.run(kernel, cfg), device, timing)
+                except Exception as exc:     # out of shared memory / registers, compile errors
+                    log(f"  {kernel} {key} {cfg}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})")
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    continue
+                results.append((ms, cfg))
+                sink.write([make_row(op=f"tune:{kernel}", variant=family, provider="triton", mode=kernel.rsplit("_", 1)[1],
+                                     B=1, N=n, H=heads, Hkv=heads, D=d, dtype=str(dtype).removeprefix("torch."),
+                                     causal=causal, metric="ms", value=round(ms, 6),
+                                     config=" ".join(f"{k}={v}" for k, v in cfg.items()), layout=prob.shape,
+                                     **prov)])
+            if not results:
+                log(f"[{i + 1}/{len(jobs)}] {kernel} {key}: no candidate ran; entry left as it was")
+                continue
+            best_ms, best = min(results, key=lambda t: t[0])
+            table["kernels"].setdefault(kernel, {})[key] = {k: int(best[k]) for k in CONFIG_KEYS}
+            table["measured"].setdefault(kernel, {})[key] = {
+                "ms": round(best_ms, 4), "worst_ms": round(max(r[0] for r in results), 4),
+                "candidates": len(cands), "ran": len(results), "shape": prob.shape,
+                "device": arch.device_name, "torch": prov["torch"], "triton": prov["triton"],
+                "git_sha": prov["git_sha"],
+                "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            _write_json(table, path)
+            log(f"[{i + 1}/{len(jobs)}] {kernel} {key}: best {best} {best_ms:.3f} ms "
+                f"({len(results)}/{len(cands)} ran, {time.perf_counter() - t_start:.0f} s so far)")
+    _write_json(table, path)
+    return path, table
