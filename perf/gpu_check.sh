@@ -16,7 +16,8 @@
 #   5. a short table of the results, printed last
 # Budget: under 8 minutes in all (stage limits add up to 7.5 minutes).
 # Files left in OUTDIR (7 at most): gpu_check.log (everything), env.txt, tests.log, tests.xml,
-# sweep.csv, <arch>.json, tune-<arch>.csv.
+# <gpu name>.csv (the sweep; commit it as perf/results/<gpu name>.csv), <arch>.json,
+# tune-<arch>.csv.
 set -uo pipefail
 OUT=${1:?usage: perf/gpu_check.sh OUTDIR}
 mkdir -p "$OUT"
@@ -78,16 +79,20 @@ python -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=150)
 stage tests 180 python -m pytest tests "${PYTEST_ARGS[@]}" > "$OUT/tests.log" 2>&1
 tail -45 "$OUT/tests.log"
 
-stage sweep 150 python -m triton_dilated.perf sweep --out "$OUT/sweep.csv" --no-plot
-
+# the card's name as a file name, e.g. nvidia-h100-80gb-hbm3: commit the CSV as perf/results/<that>.csv
+GPU=$(python -c "import re, torch; print(re.sub('[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-'))" \
+      2>/dev/null || echo gpu)
 ARCH=$(python -c "import torch; c = torch.cuda.get_device_capability(); print(f'sm{c[0]}{c[1]}')" 2>/dev/null || echo unknown)
+SWEEP="$OUT/$GPU.csv"
+stage sweep 150 python -m triton_dilated.perf sweep --out "$SWEEP" --no-plot
+
 stage tune 90 python -m triton_dilated.perf tune --out-dir "$OUT" --dtypes bfloat16 --head-dims 128 \
   --seqlens 16384 65536 --max-candidates 6
 
 echo
 echo "== results =="
 TABLE_IN=()
-[ -s "$OUT/sweep.csv" ] && TABLE_IN+=("$OUT/sweep.csv")
+[ -s "$SWEEP" ] && TABLE_IN+=("$SWEEP")
 [ -s "$OUT/tune-$ARCH.csv" ] && TABLE_IN+=("$OUT/tune-$ARCH.csv")
 if [ ${#TABLE_IN[@]} -gt 0 ]; then
   timeout -k 5 30 python -m triton_dilated.perf table "${TABLE_IN[@]}" || echo "(table failed)"

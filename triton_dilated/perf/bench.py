@@ -326,7 +326,7 @@ def providers(case: Case, flex: bool | None = None, only=None):
                 and all(case.N % w == 0 for w in ws):
             provs["head_group_loop"] = lambda q, k, v: head_group_loop(q, k, v, ws, rs, case.causal)
     else:
-        layout = build_layout(case)
+        layout = build_layout(case).to(case.device)     # moved once, not inside every timed call
         provs[main] = lambda q, k, v: block_sparse_attention(q, k, v, layout, causal=case.causal, backend="auto")
         if main == "triton":
             provs["portable"] = lambda q, k, v: block_sparse_attention(q, k, v, layout, causal=case.causal,
@@ -496,11 +496,17 @@ class _Progress:
             self.bar.close()
 
 
+def random_tensors(shapes, device, dtype, seed=0, requires_grad=False):
+    """Seeded standard-normal tensors drawn on `device` (drawing 0.5 GB on the CPU and
+    copying would cost more than the benchmark)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(*s, generator=gen, device=device, dtype=torch.float32).to(dtype)
+            .requires_grad_(requires_grad) for s in shapes]
+
+
 def _inputs(case: Case, requires_grad: bool):
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    mk = lambda h: (torch.randn(case.B, case.N, h, case.D, generator=gen)  # noqa: E731
-                    .to(case.device, case.dtype).requires_grad_(requires_grad))
-    return mk(case.H), mk(case.kv_heads), mk(case.kv_heads)
+    q_shape, kv_shape = (case.B, case.N, case.H, case.D), (case.B, case.N, case.kv_heads, case.D)
+    return random_tensors([q_shape, kv_shape, kv_shape], case.device, case.dtype, requires_grad=requires_grad)
 
 
 def measure(case: Case, fn, mode: str, timing: Timing):

@@ -85,8 +85,8 @@ def _ring_worker(rank, world, init_file, spec, out_dir):
     base_rss = _rss_mib()
     dtype = getattr(torch, spec["dtype"])
     B, N, H, D = spec["B"], spec["N"], spec["H"], spec["D"]
-    gen = torch.Generator().manual_seed(1234 + rank)
-    mk = lambda: torch.randn(B, N // world, H, D, generator=gen).to(device, dtype)  # noqa: E731
+    gen = torch.Generator(device=device).manual_seed(1234 + rank)
+    mk = lambda: torch.randn(B, N // world, H, D, generator=gen, device=device).to(dtype)  # noqa: E731
     results = []
     try:
         for variant in spec["variants"]:
