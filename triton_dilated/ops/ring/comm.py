@@ -26,7 +26,10 @@ class RingComm:
 
     def shift(self, tensors, recv_shapes):
         """Send `tensors` to the next rank, receive tensors of `recv_shapes` (same dtypes)
-        from the previous one. Returns (received tensors, requests)."""
+        from the previous one. Returns (received tensors, requests). With one rank the
+        ring is the identity (gloo cannot send to itself)."""
+        if self.world == 1:
+            return list(tensors), []
         received = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(tensors, recv_shapes)]
         ops = []
         for t, r in zip(tensors, received):

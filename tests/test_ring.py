@@ -1,0 +1,166 @@
+"""Ring attention with several gloo processes (spawned, one file-store rendezvous per
+group, timeouts on init and join, many cases per group), the step kernel alone, shards."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+
+from triton_dilated import block_sparse_attention_naive, dilated_attention_naive, layouts, ring_attention, shard, unshard
+from triton_dilated.ops.dilated.patterns import head_offsets
+from triton_dilated.ops.ring.shard import shard_positions
+from triton_dilated.ops.ring.step import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask, step_backward, step_forward
+from ring_worker import worker
+
+TOL = 2e-5   # float32 against the float64 oracle (values and gradients are O(1) here)
+
+CASES = [
+    dict(kind="dense", B=1, N=48, Hq=2, Hkv=1, D=16, causal=True),
+    dict(kind="dense", B=2, N=48, Hq=2, Hkv=2, D=12, causal=False, comm="allgather"),
+    dict(kind="dense", B=1, N=48, Hq=2, Hkv=1, D=16, causal=True, balance="zigzag"),
+    dict(kind="dense", B=1, N=48, Hq=2, Hkv=1, D=16, causal=True, balance="zigzag", comm="allgather"),
+    dict(kind="dilated", B=1, N=48, Hq=4, Hkv=2, D=8, causal=True, ws=[8, 48], rs=[1, 3]),
+    dict(kind="dilated", B=1, N=48, Hq=4, Hkv=2, D=8, causal=False, ws=[4, 24, 48], rs=[1, 2, 4], offsets="blocked",
+         balance="zigzag"),
+    dict(kind="dilated", B=1, N=48, Hq=3, Hkv=1, D=8, causal=True, ws=[8, 48], rs=[2, 5], mode="head_groups",
+         comm="allgather"),
+    dict(kind="layout", B=1, N=96, Hq=2, Hkv=1, D=8, causal=True, bs=16),
+    dict(kind="layout", B=1, N=96, Hq=2, Hkv=2, D=8, causal=False, bs=16, balance="zigzag", comm="allgather"),
+]
+
+
+def run_world(world, cases, fail_rank=None, timeout_s=60, join_s=400):
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    init_file = os.path.join(tempfile.mkdtemp(), "rendezvous")
+    procs = [ctx.Process(target=worker, args=(r, world, init_file, cases, queue, fail_rank, timeout_s))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + join_s
+    try:
+        for _ in procs:
+            rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            results[rank] = (status, payload)
+    finally:
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+def world_results(request):
+    world = request.param
+    cases = [c for c in CASES if c["N"] % (world * (2 if c.get("balance") == "zigzag" else 1)) == 0]
+    return world, cases, run_world(world, cases)
+
+
+def test_ring_matches_oracle(world_results):
+    """Forward, lse and gradients (through a loss that also uses lse) of every rank's shard
+    equal the float64 oracle's shard; the loss summed over ranks equals the oracle's, so it
+    does not depend on the world size."""
+    world, cases, results = world_results
+    assert sorted(results) == list(range(world))
+    for rank, (status, payload) in results.items():
+        assert status == "ok", payload
+        for case, errs in zip(cases, payload):
+            assert not errs["nan"] and errs["lse_inf_match"], (case, errs)
+            for name in ("out", "lse", "dq", "dk", "dv"):
+                assert errs[name] <= TOL, (world, rank, case, name, errs[name])
+            assert errs["loss"] <= 1e-4, (world, case, errs["loss"])
+
+
+def test_p2p_memory_falls_with_world_size():
+    """Per-rank key/value bytes held at once with comm="p2p": own shard + the one in use +
+    the one in flight = 3 N/P rows, so it falls as 1/P at fixed N."""
+    case = dict(kind="dense", B=1, N=96, Hq=1, Hkv=1, D=16, causal=False)
+    held = {}
+    for world in (1, 2, 4):
+        results = run_world(world, [case])
+        held[world] = max(payload[0]["max_kv_bytes_held"] for status, payload in results.values())
+    shard_bytes = lambda p: 2 * 96 // p * 16 * 4  # noqa: E731  (k and v, float32)
+    assert held[1] == shard_bytes(1)
+    for world in (2, 4):
+        assert held[world] <= 3 * shard_bytes(world), held
+    assert held[4] < held[2] < 2 * held[1], held
+
+
+def test_a_failing_rank_does_not_hang_the_others():
+    start = time.monotonic()
+    results = run_world(3, [CASES[0]], fail_rank=1, timeout_s=10, join_s=120)
+    assert time.monotonic() - start < 120
+    assert results[1][0] == "error" and "fails on purpose" in results[1][1]
+    for rank in (0, 2):   # the others fail (timeout or peer gone) instead of hanging
+        assert rank not in results or results[rank][0] == "error"
+
+
+def test_without_process_group_is_a_clear_error():
+    x = torch.randn(1, 8, 1, 8)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ring_attention(x, x, x)
+
+
+@pytest.mark.parametrize("balance", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shard_unshard_round_trip(balance, world):
+    x = torch.arange(2 * 24 * 3, dtype=torch.float32).view(2, 24, 3)
+    parts = [shard(x, r, world, balance) for r in range(world)]
+    assert all(p.shape[1] == 24 // world for p in parts)
+    assert torch.equal(unshard(parts, balance), x)
+    for r, p in enumerate(parts):
+        assert torch.equal(p[0, :, 0], x[0, shard_positions(24, r, world, balance).long(), 0])
+    if balance == "zigzag" and world == 2:
+        assert shard_positions(24, 0, 2, "zigzag").tolist() == list(range(0, 6)) + list(range(18, 24))
+
+
+def test_shard_rejects_indivisible_lengths():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        shard(torch.randn(1, 10, 2), 0, 2, "zigzag")
+    with pytest.raises(ValueError, match="balance"):
+        shard(torch.randn(1, 10, 2), 0, 2, "striped")
+
+
+@pytest.mark.parametrize("kind", [MASK_DENSE, MASK_DILATED, MASK_LAYOUT])
+@pytest.mark.parametrize("causal", [False, True])
+def test_step_kernel_alone_against_oracle(kind, causal):
+    """The ring-local-block kernel, shard by shard on one process (interpreter on CPU):
+    merged steps equal the float64 oracle, forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    B, N, Hq, Hkv, D = 1, 72, 4, 2, 16
+    q, k, v, do = (torch.randn(B, N, h, D, generator=g) for h in (Hq, Hkv, Hkv, Hq))
+    pats, lay = ((8, 1), (24, 2), (72, 3)), layouts.bigbird(N, 16, 1, 1, 1, seed=0, num_heads=Hq)
+    table = head_offsets(Hq, pats, "longnet", "modulo")
+    mask = StepMask(kind, causal, q.device, patterns=pats, table=table, layout=lay)
+    qq, kk, vv = (x.double().requires_grad_() for x in (q, k, v))
+    if kind == MASK_DILATED:
+        ref, ref_lse = dilated_attention_naive(qq, kk, vv, [w for w, _ in pats], [r for _, r in pats], causal=causal)
+    elif kind == MASK_LAYOUT:
+        ref, ref_lse = block_sparse_attention_naive(qq, kk, vv, lay, causal=causal)
+    else:
+        from triton_dilated import BlockLayout
+        ref, ref_lse = block_sparse_attention_naive(qq, kk, vv, BlockLayout.from_dense(torch.ones(5, 5, dtype=torch.bool), 16),
+                                                    causal=causal)
+    pos = torch.arange(N, dtype=torch.int32)
+    out = torch.zeros(B, N, Hq, D)
+    lse = torch.full((B, Hq, N), float("-inf"))
+    shards = [slice(48, 72), slice(0, 24), slice(24, 48)]      # any order
+    for s in shards:
+        step_forward(q, k[:, s], v[:, s], pos, pos[s].contiguous(), out, lse, mask, scale=D ** -0.5)
+    assert (out - ref).abs().max() <= TOL
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    gq, gk, gv = torch.autograd.grad((ref * do.double()).sum(), (qq, kk, vv))
+    delta = (do * out).sum(-1).transpose(1, 2).contiguous()
+    dq = torch.zeros(B, N, Hq, D)
+    dk, dv = torch.zeros(B, N, Hkv, D), torch.zeros(B, N, Hkv, D)
+    for s in shards:
+        dks, dvs = dk[:, s].clone(), dv[:, s].clone()
+        step_backward(q, k[:, s], v[:, s], do, lse, delta, pos, pos[s].contiguous(), dq, dks, dvs, mask, scale=D ** -0.5)
+        dk[:, s], dv[:, s] = dks, dvs
+    for a, b in ((dq, gq), (dk, gk), (dv, gv)):
+        assert (a - b).abs().max() <= TOL
