@@ -62,11 +62,16 @@ def _check_path(path: str) -> None:
         raise ValueError(f"path must be one of {_PATHS}, got {path!r}")
 
 
-@torch.compiler.assume_constant_result
 def _resolve_path(backend: str, device: str) -> str:
     """resolve_backend, evaluated once at trace time under torch.compile (it reads the
     environment and asks whether triton imports: facts that do not change in a process)."""
     return resolve_backend(backend, torch.device(device))
+
+
+# = torch.compiler.assume_constant_result(_resolve_path), which only sets this flag but
+# imports torch._dynamo (~3 s) to do it. Should the flag ever stop working, dynamo traces
+# resolve_backend instead (it can; it only warns about the lru_cache inside).
+_resolve_path._dynamo_marked_constant = True
 
 
 def _empty_stats(q: Tensor) -> Tensor:
