@@ -1,0 +1,360 @@
+"""Drop-in nn.Modules around the attention functions.
+
+* `DilatedAttention`: dilated_attention on (B, N, H, D) q/k/v.
+* `MultiheadDilatedAttention`: the constructor arguments, parameter names, initialisation
+  and forward convention of dilated-attention-pytorch's `MultiheadDilatedAttention`
+  (q/k/v projections, a MAGNETO sub-LayerNorm before out_proj, forward(query, key, value,
+  is_causal=False) -> (out, None)), so switching is a change of import; plus GQA
+  (`num_kv_heads`), `mode`, `offsets`, and sequence parallelism through
+  `triton_dilated.ring_attention` (`group`).
+* `BlockSparseAttention`: block_sparse_attention with a fixed BlockLayout or a builder.
+
+Under `torch.compile` the modules call the custom ops of `triton_dilated.ops.custom_ops`
+(traceable with fullgraph=True, forward and backward); in eager mode they call the plain
+functions (which keep the portable backend's autograd graph instead of recomputing it).
+Both give the same results.
+
+Differences from dilated-attention-pytorch, on purpose:
+* `mode="longnet"` (the default) is the paper's attention: every head uses every
+  pattern, mixed by their softmax denominators. `mode="head_groups"` is that library's
+  head grouping, without its extra `out / num_groups` and per-segment output
+  normalisation.
+* The kernels have no attention-probability dropout: `dropout` is applied to the
+  attention output, after the sub-LayerNorm, on the input of out_proj (dilated-attention-
+  pytorch stores `dropout` but never applies it).
+* The head dim may be any size up to 256 (no multiple-of-8 / <= 128 limits), and with
+  `mode="head_groups"` num_heads need not be a multiple of the number of patterns (groups
+  differ by at most one head; every pattern needs at least one head).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from .ops.block_sparse.layout import BlockLayout
+from .ops.block_sparse.parallel import block_sparse_attention
+from .ops.common.runtime import BACKENDS
+from .ops.common.validation import check_choice, check_scale
+from .ops.custom_ops import block_sparse_attention_op, dilated_attention_op, layout_from_tensors
+from .ops.dilated.parallel import dilated_attention
+from .ops.dilated.patterns import check_patterns
+
+__all__ = ["DilatedAttention", "MultiheadDilatedAttention", "BlockSparseAttention"]
+
+RING_COMMS = ("p2p", "allgather")
+RING_BALANCES = ("contiguous", "zigzag")
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _check_bool(name, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _check_int(name, value, minimum=1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_real(name, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_module_scale(scale):
+    return None if scale is None else check_scale(scale, 1)
+
+
+def _check_backend(backend):
+    return check_choice("backend", backend, BACKENDS)
+
+
+# ----------------------------------------------------------------------------- dilated
+
+class DilatedAttention(nn.Module):
+    """LongNet dilated attention over (B, N, H, D) tensors (see `dilated_attention`).
+
+    Args:
+        segment_lengths, dilation_rates: one (w, r) per pattern.
+        causal: the default for forward's `causal`.
+        mode: "longnet" (default) or "head_groups"; offsets: "modulo" or "blocked".
+        scale: score scale, default 1/sqrt(D).
+        backend: "auto", "triton" or "torch".
+
+    forward(query, key, value, causal=None, return_lse=False): query (B, N, Hq, D),
+    key/value (B, N, Hkv, D) with Hq % Hkv == 0; returns out like query, or (out, lse).
+    The module has no parameters.
+    """
+
+    def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int], *, causal: bool = False,
+                 mode: str = "longnet", offsets: str = "modulo", scale: Optional[float] = None,
+                 backend: str = "auto"):
+        super().__init__()
+        patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
+        self.segment_lengths = [w for w, _ in patterns]
+        self.dilation_rates = [r for _, r in patterns]
+        self.causal = _check_bool("causal", causal)
+        self.mode, self.offsets = mode, offsets
+        self.scale = _check_module_scale(scale)
+        self.backend = _check_backend(backend)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, causal: Optional[bool] = None,
+                return_lse: bool = False):
+        causal = self.causal if causal is None else causal
+        fn = dilated_attention_op if _compiling() else dilated_attention
+        return fn(query, key, value, self.segment_lengths, self.dilation_rates, causal=causal, scale=self.scale,
+                  mode=self.mode, offsets=self.offsets, return_lse=return_lse, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return (f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, "
+                f"causal={self.causal}, mode={self.mode!r}, offsets={self.offsets!r}, scale={self.scale}, "
+                f"backend={self.backend!r}")
+
+
+class MultiheadDilatedAttention(nn.Module):
+    """Multi-head dilated attention with the interface of dilated-attention-pytorch's
+    `MultiheadDilatedAttention` (same positional arguments, parameter names and state_dict
+    keys when num_kv_heads == num_heads):
+
+        q_proj, k_proj, v_proj -> dilated attention -> norm (sub-LayerNorm, MAGNETO)
+        -> dropout -> out_proj
+
+    Args:
+        embed_dim, num_heads: embed_dim % num_heads == 0; head_dim = embed_dim // num_heads
+            (at most 256).
+        dilation_rates, segment_lengths: one (w, r) per pattern (note the order, as in
+            dilated-attention-pytorch).
+        dropout: dropout probability on the attention output (the input of out_proj); the
+            kernels have no attention-probability dropout.
+        bias: biases in the four projections.
+        layer_norm, layer_norm_eps: the LayerNorm before out_proj.
+        gamma_init: xavier-normal gain of v_proj and out_proj (q_proj, k_proj: gain 1);
+            biases start at 0.
+        device, dtype: of the parameters.
+        num_kv_heads: key/value heads (GQA/MQA); k_proj, v_proj map to
+            num_kv_heads * head_dim. Default num_heads.
+        mode, offsets, scale, backend: as for `dilated_attention`.
+        group: a torch.distributed process group (e.g. torch.distributed.group.WORLD) for
+            sequence parallelism: each rank passes its shard (B, N_local, E) of the
+            sequence (see `triton_dilated.shard`) and gets its shard of the output, through
+            `triton_dilated.ring_attention` with `comm` and `balance`. Default None: one
+            device.
+
+    forward(query, key, value, is_causal=False) on (B, N, embed_dim) tensors (self-
+    attention layout: key and value have the length of query) returns (out, None), out
+    (B, N, embed_dim).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, dilation_rates: Sequence[int], segment_lengths: Sequence[int],
+                 dropout: float = 0.0, bias: bool = True, layer_norm: bool = True, layer_norm_eps: float = 1e-5,
+                 gamma_init: float = 1.0, device: Optional[Union[torch.device, str]] = None,
+                 dtype: Optional[torch.dtype] = None, *, num_kv_heads: Optional[int] = None, mode: str = "longnet",
+                 offsets: str = "modulo", scale: Optional[float] = None, backend: str = "auto", group=None,
+                 comm: str = "p2p", balance: str = "contiguous"):
+        super().__init__()
+        embed_dim = _check_int("embed_dim", embed_dim)
+        num_heads = _check_int("num_heads", num_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else _check_int("num_kv_heads", num_kv_heads)
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+        head_dim = embed_dim // num_heads
+        if head_dim > 256:
+            raise ValueError(f"head_dim (embed_dim / num_heads = {head_dim}) must be <= 256")
+        patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
+        if mode == "head_groups" and num_heads < len(patterns):
+            raise ValueError(f"mode='head_groups' needs at least one head per pattern: num_heads ({num_heads}) < "
+                             f"len(dilation_rates) ({len(patterns)})")
+        dropout = _check_real("dropout", dropout)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        _check_bool("bias", bias)
+        _check_bool("layer_norm", layer_norm)
+        layer_norm_eps = _check_real("layer_norm_eps", layer_norm_eps)
+        if layer_norm_eps <= 0:
+            raise ValueError(f"layer_norm_eps must be > 0, got {layer_norm_eps}")
+        gamma_init = _check_real("gamma_init", gamma_init)
+        check_choice("comm", comm, RING_COMMS)
+        check_choice("balance", balance, RING_BALANCES)
+        if group is not None:
+            if not torch.distributed.is_available():
+                raise ValueError("group (sequence parallelism) needs torch.distributed, which this torch build lacks")
+            if backend != "auto":
+                raise ValueError(f"backend={backend!r} cannot be combined with group: ring_attention picks its "
+                                 "own kernels; leave backend='auto'")
+
+        self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = embed_dim, num_heads, num_kv_heads, head_dim
+        self.layer_norm = layer_norm
+        self.gamma_init = gamma_init
+        self.group, self.comm, self.balance = group, comm, balance
+        factory = dict(device=device, dtype=dtype)
+        kv_dim = num_kv_heads * head_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.attention = DilatedAttention([w for w, _ in patterns], [r for _, r in patterns], mode=mode,
+                                          offsets=offsets, scale=scale, backend=backend)
+        self.norm: Optional[nn.LayerNorm] = (nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory)
+                                             if layer_norm else None)
+        self.dropout = nn.Dropout(dropout)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        # MAGNETO (arXiv 2210.06423, Fig. 2): gain gamma_init on v_proj and out_proj.
+        for proj, gain in ((self.q_proj, 1.0), (self.k_proj, 1.0), (self.v_proj, self.gamma_init),
+                           (self.out_proj, self.gamma_init)):
+            nn.init.xavier_normal_(proj.weight, gain=gain)
+            if proj.bias is not None:
+                nn.init.constant_(proj.bias, 0)
+
+    def _check_inputs(self, query, key, value):
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+                raise ValueError(f"{name} must be (batch, seq_len, embed_dim={self.embed_dim}), "
+                                 f"got shape {tuple(x.shape)}")
+        if key.shape != value.shape or key.shape[:2] != query.shape[:2]:
+            raise ValueError(f"query, key and value must share (batch, seq_len) (dilated attention aligns query "
+                             f"and key positions), got {tuple(query.shape)}, {tuple(key.shape)}, "
+                             f"{tuple(value.shape)}")
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, is_causal: bool = False):
+        self._check_inputs(query, key, value)
+        _check_bool("is_causal", is_causal)
+        q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.group is None:
+            x = self.attention(q, k, v, causal=is_causal)
+        else:
+            x = self._ring(q, k, v, is_causal)
+        x = x.flatten(-2)
+        # MAGNETO sub-LayerNorm before the output projection (unlike nn.MultiheadAttention)
+        if self.norm is not None:
+            x = self.norm(x)
+        x = self.out_proj(self.dropout(x))
+        return x, None
+
+    def _ring(self, q, k, v, is_causal):
+        try:
+            from triton_dilated import ring_attention
+        except ImportError:
+            raise RuntimeError("MultiheadDilatedAttention(group=...) runs sequence parallelism through "
+                               "triton_dilated.ring_attention, which this installation does not provide yet; "
+                               "use group=None") from None
+        att = self.attention
+        return ring_attention(q, k, v, group=self.group, segment_lengths=att.segment_lengths,
+                              dilation_rates=att.dilation_rates, causal=is_causal, scale=att.scale, mode=att.mode,
+                              offsets=att.offsets, comm=self.comm, balance=self.balance)
+
+    def extra_repr(self) -> str:
+        extra = f", group={self.group!r}, comm={self.comm!r}, balance={self.balance!r}" if self.group is not None else ""
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"dropout={self.dropout.p}{extra}")
+
+
+# ----------------------------------------------------------------------------- block-sparse
+
+BUILDER_INPUTS = ("seq_len", "qk")
+
+
+class BlockSparseAttention(nn.Module):
+    """Block-sparse attention over (B, N, H, D) tensors (see `block_sparse_attention`).
+
+    Args:
+        layout: a fixed `BlockLayout` (held as non-persistent buffers, so `.to(device)`
+            moves it; it is configuration, not state: state_dict stays empty), or a
+            builder callable returning a BlockLayout:
+              * builder_input="seq_len" (default): called as `layout(seq_len)`, once per
+                sequence length (cached per (seq_len, device)), e.g.
+                `functools.partial(layouts.local, block_size=64, window=2)` or
+                `lambda n: layouts.bigbird(n, 64)`.
+              * builder_input="qk": called as `layout(q, k)` on every forward, with q, k
+                detached (content-adaptive builders), e.g.
+                `lambda q, k: layouts.topk(q, k, top_k=4, block_size=64)`.
+        causal: the default for forward's `causal`.
+        scale: default 1/sqrt(D). backend: "auto", "triton" or "torch".
+
+    forward(query, key, value, causal=None, return_lse=False) returns out like query, or
+    (out, lse). torch.compile(fullgraph=True) needs a fixed layout (the builders use
+    data-dependent shapes); with a builder, build outside the compiled region.
+    """
+
+    def __init__(self, layout: Union[BlockLayout, Callable], *, causal: bool = False, scale: Optional[float] = None,
+                 backend: str = "auto", builder_input: str = "seq_len"):
+        super().__init__()
+        check_choice("builder_input", builder_input, BUILDER_INPUTS)
+        self.causal = _check_bool("causal", causal)
+        self.scale = _check_module_scale(scale)
+        self.backend = _check_backend(backend)
+        self.builder_input = builder_input
+        self.builder: Optional[Callable] = None
+        self.block_size: Optional[int] = None
+        self._cache: dict = {}
+        if isinstance(layout, BlockLayout):
+            if builder_input != "seq_len":
+                raise ValueError("builder_input applies to a builder callable, not to a fixed BlockLayout")
+            self.block_size = layout.block_size
+            for name in ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices"):
+                self.register_buffer(name, getattr(layout, name), persistent=False)
+        elif callable(layout):
+            self.builder = layout
+        else:
+            raise TypeError(f"layout must be a BlockLayout or a callable returning one, got {type(layout).__name__}")
+
+    @property
+    def layout(self) -> Optional[BlockLayout]:
+        """The fixed layout (None with a builder)."""
+        if self.builder is not None:
+            return None
+        return layout_from_tensors(self.kv_num_blocks, self.kv_indices, self.q_num_blocks, self.q_indices,
+                                   self.block_size)
+
+    def _built(self, q, k) -> BlockLayout:
+        if self.builder_input == "qk":
+            with torch.no_grad():
+                layout = self.builder(q.detach(), k.detach())
+        else:
+            key = (q.shape[1], q.device)
+            layout = self._cache.get(key)
+            if layout is None:
+                layout = self.builder(q.shape[1])
+        if not isinstance(layout, BlockLayout):
+            raise TypeError(f"the layout builder must return a BlockLayout, got {type(layout).__name__}")
+        if layout.kv_indices.device != q.device:
+            layout = layout.to(q.device)
+        if self.builder_input == "seq_len":
+            self._cache[(q.shape[1], q.device)] = layout
+        return layout
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, causal: Optional[bool] = None,
+                return_lse: bool = False):
+        causal = self.causal if causal is None else causal
+        layout = self.layout if self.builder is None else self._built(query, key)
+        fn = block_sparse_attention_op if _compiling() else block_sparse_attention
+        return fn(query, key, value, layout, causal=causal, scale=self.scale, return_lse=return_lse,
+                  backend=self.backend)
+
+    def extra_repr(self) -> str:
+        src = (f"builder={getattr(self.builder, '__name__', type(self.builder).__name__)}, "
+               f"builder_input={self.builder_input!r}" if self.builder is not None
+               else f"layout={self.layout!r}")
+        return f"{src}, causal={self.causal}, scale={self.scale}, backend={self.backend!r}"
