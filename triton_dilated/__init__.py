@@ -13,3 +13,8 @@ from .ops.ring.ring import ring_attention
 from .ops.ring.shard import shard, unshard
 
 __all__ += ["ring_attention", "shard", "unshard"]
+from .modules import BlockSparseAttention, DilatedAttention, MultiheadDilatedAttention
+from .ops.custom_ops import block_sparse_attention_op, dilated_attention_op
+
+__all__ += ["DilatedAttention", "MultiheadDilatedAttention", "BlockSparseAttention", "dilated_attention_op",
+            "block_sparse_attention_op"]
