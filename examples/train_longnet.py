@@ -1,6 +1,6 @@
 """Train a small LongNet-style decoder on a synthetic copy task, on a CPU in about a minute.
 
-    python examples/train_longnet.py               # 300 steps
+    python examples/train_longnet.py               # 300 steps, ~40 s on one CPU core
     python examples/train_longnet.py --steps 50 --log-every 10
 
 The model: token embedding + learned positions, `--layers` pre-LayerNorm blocks of
@@ -99,6 +99,9 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (0: torch's choice). The model is tiny: with more threads a busy "
+                        "machine can be several times slower (oversubscription)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--compile", action="store_true", help="torch.compile the model (custom ops, fullgraph)")
     return p.parse_args(argv)
@@ -107,6 +110,8 @@ def parse_args(argv=None):
 def main(argv=None):
     """Train; print the loss every --log-every steps; return the per-step losses."""
     args = parse_args(argv)
+    if args.threads > 0 and args.device == "cpu":
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed + 1)
     device = torch.device(args.device)

@@ -366,12 +366,11 @@ def test_train_longnet_example_smoke(capsys):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
         losses = example.main(["--steps", "30", "--batch", "8", "--half", "16", "--dim", "32", "--layers", "1",
                                "--heads", "2", "--kv-heads", "1", "--segment-lengths", "8", "32",
                                "--dilation-rates", "1", "2", "--backend", "torch", "--device", "cpu",
-                               "--log-every", "10"])
+                               "--log-every", "10", "--threads", "1"])
     finally:
         torch.set_num_threads(threads)
     assert len(losses) == 30 and all(map(lambda x: x == x, losses))
