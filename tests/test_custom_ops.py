@@ -67,9 +67,9 @@ def test_opcheck_block_sparse(device, path):
     q, k, v = qkv(device, N=32, Hq=2, Hkv=1)
     lay = layouts.local(32, 16, 1, causal=True).to(device)
     lists = (lay.kv_num_blocks, lay.kv_indices, lay.q_num_blocks, lay.q_indices)
-    torch.library.opcheck(co._block_sparse_fwd, (q, k, v, *lists, 16, True, 0.25, path))
+    torch.library.opcheck(co._block_sparse_fwd, (q, k, v, *lists, 16, True, 0.25, True, path))
     with torch.no_grad():
-        out, lse, row_max, row_sum = co._block_sparse_fwd(q, k, v, *lists, 16, True, 0.25, path)
+        out, lse, row_max, row_sum = co._block_sparse_fwd(q, k, v, *lists, 16, True, 0.25, False, path)
     do = seeded(out.shape, out.dtype, 9, device)
     torch.library.opcheck(co._block_sparse_bwd, (do, None, q.detach(), k.detach(), v.detach(), out, row_max,
                                                  row_sum, *lists, 16, True, 0.25, path))

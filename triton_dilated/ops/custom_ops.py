@@ -234,8 +234,10 @@ def layout_from_tensors(kv_num_blocks: Tensor, kv_indices: Tensor, q_num_blocks:
 @torch.library.custom_op("triton_dilated::block_sparse_fwd", mutates_args=())
 def _block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Tensor, kv_indices: Tensor,
                       q_num_blocks: Tensor, q_indices: Tensor, block_size: int, causal: bool, scale: float,
-                      path: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, row_max, row_sum); row statistics are zero-length on the portable path."""
+                      need_lse: bool, path: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, row_max, row_sum); row statistics are zero-length on the portable path.
+    lse is always computed (both paths get it for free); need_lse only tells the autograd
+    formula whether the caller saw it."""
     _check_path(path)
     layout = layout_from_tensors(kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size)
     if path == "triton":
@@ -248,7 +250,7 @@ def _block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Tensor, kv
 
 
 @_block_sparse_fwd.register_fake
-def _(q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, causal, scale, path):
+def _(q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, causal, scale, need_lse, path):
     B, N, Hq, D = q.shape
     stats = N if path == "triton" else 0
     return (q.new_empty((B, N, Hq, D)), q.new_empty((B, Hq, N), dtype=torch.float32),
@@ -284,8 +286,9 @@ def _(do, dlse, q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices, q_num
 
 
 def _block_sparse_setup(ctx, inputs, output):
-    q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, causal, scale, path = inputs
+    q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, causal, scale, need_lse, path = inputs
     out, _, row_max, row_sum = output
+    ctx.need_lse = need_lse
     ctx.save_for_backward(q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices, q_num_blocks, q_indices)
     ctx.mark_non_differentiable(row_max, row_sum)
     ctx.args = (block_size, causal, scale, path)
@@ -296,9 +299,11 @@ def _block_sparse_backward(ctx, do, dlse, _dmax, _dsum):
     block_size, causal, scale, path = ctx.args
     if do is None:
         do = torch.zeros_like(out)
+    if not ctx.need_lse:
+        dlse = None   # the caller never saw lse: its gradient is the materialised zero
     dq, dk, dv = _block_sparse_bwd(do, dlse, q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices,
                                    q_num_blocks, q_indices, block_size, causal, scale, path)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 _block_sparse_fwd.register_autograd(_block_sparse_backward, setup_context=_block_sparse_setup)
@@ -322,5 +327,5 @@ def block_sparse_attention_op(q, k, v, layout, *, causal=False, scale=None, retu
     layout.check_seq_len(N)
     layout.check_heads(B, Hq)
     lists = [x.to(q.device) for x in (layout.kv_num_blocks, layout.kv_indices, layout.q_num_blocks, layout.q_indices)]
-    out, lse, _, _ = _block_sparse_fwd(q, k, v, *lists, layout.block_size, causal, scale, path)
+    out, lse, _, _ = _block_sparse_fwd(q, k, v, *lists, layout.block_size, causal, scale, return_lse, path)
     return (out, lse) if return_lse else out
