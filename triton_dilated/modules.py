@@ -152,8 +152,8 @@ class MultiheadDilatedAttention(nn.Module):
         group: a torch.distributed process group (e.g. torch.distributed.group.WORLD) for
             sequence parallelism: each rank passes its shard (B, N_local, E) of the
             sequence (see `triton_dilated.shard`) and gets its shard of the output, through
-            `triton_dilated.ring_attention` with `comm` and `balance`. Default None: one
-            device.
+            `triton_dilated.ring_attention` with `comm` and `balance` (eager only: the
+            ring is not traced by torch.compile). Default None: one device.
 
     forward(query, key, value, is_causal=False) on (B, N, embed_dim) tensors (self-
     attention layout: key and value have the length of query) returns (out, None), out
