@@ -184,3 +184,16 @@ def test_compile_fullgraph_triton(device):
         return dilated_attention_op(q, k, v, WS, RS, causal=True, backend="triton").square().sum()
 
     _compile_matches_eager(fn, (q, k, v))
+
+
+def test_compile_fullgraph_public_functions_triton(device):
+    """The public functions themselves trace with fullgraph=True on the Triton path: under
+    torch.compile they route through the custom ops."""
+    q, k, v = qkv(device, N=32, Hq=2, Hkv=1)
+    lay = layouts.local(32, 16, 1)
+
+    def fn(q, k, v):
+        o = dilated_attention(q, k, v, WS, RS, causal=True, backend="triton")
+        return (o * block_sparse_attention(q, k, v, lay, backend="triton")).sum()
+
+    _compile_matches_eager(fn, (q, k, v))

@@ -46,7 +46,7 @@ from .block_sparse.layout import BlockLayout
 from .block_sparse.parallel import block_sparse_backward, block_sparse_forward
 from .block_sparse.torch_impl import block_sparse_attention_torch
 from .common.lse import lse_from_stats
-from .common.runtime import last_dim_contiguous, portable_compute_dtype, resolve_backend
+from .common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from .common.validation import check_qkv, check_scale
 from .dilated.parallel import dilated_backward, dilated_forward
 from .dilated.patterns import check_patterns, head_offsets
@@ -187,14 +187,6 @@ def _dilated_backward(ctx, do, dlse, _dmax, _dsum):
 _dilated_fwd.register_autograd(_dilated_backward, setup_context=_dilated_setup)
 
 
-def _empty_result(q, k, v, return_lse):
-    B, N, Hq, _ = q.shape
-    tie = (q.sum() + k.sum() + v.sum()) * 0
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device) + tie
-    lse = torch.zeros((B, Hq, N), dtype=torch.float32, device=q.device) + tie.float()
-    return (out, lse) if return_lse else out
-
-
 def dilated_attention_op(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, mode="longnet",
                          offsets="modulo", return_lse=False, backend="auto"):
     """`triton_dilated.dilated_attention` through the `triton_dilated::dilated_fwd/_bwd`
@@ -211,7 +203,7 @@ def dilated_attention_op(q, k, v, segment_lengths, dilation_rates, *, causal=Fal
     scale = check_scale(scale, D)
     path = _resolve_path(backend, str(q.device))
     if B == 0 or N == 0:
-        return _empty_result(q, k, v, return_lse)
+        return empty_result(q, k, v, return_lse)
     out, lse, _, _ = _dilated_fwd(q, k, v, [w for w, _ in patterns], [r for _, r in patterns], causal, scale,
                                   mode, offsets, return_lse, path)
     return (out, lse) if return_lse else out
@@ -323,7 +315,7 @@ def block_sparse_attention_op(q, k, v, layout, *, causal=False, scale=None, retu
     scale = check_scale(scale, D)
     path = _resolve_path(backend, str(q.device))
     if B == 0 or N == 0:
-        return _empty_result(q, k, v, return_lse)
+        return empty_result(q, k, v, return_lse)
     layout.check_seq_len(N)
     layout.check_heads(B, Hq)
     lists = [x.to(q.device) for x in (layout.kv_num_blocks, layout.kv_indices, layout.q_num_blocks, layout.q_indices)]

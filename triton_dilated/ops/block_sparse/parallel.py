@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..common.lse import lse_from_stats
-from ..common.runtime import (kernel_options, last_dim_contiguous, portable_compute_dtype, resolve_backend,
+from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, portable_compute_dtype, resolve_backend,
                               select_config)
 from ..common.triton_helpers import dot, finalize, load_row_stats, online_softmax_step, softmax_grad_block
 from ..common.validation import check_qkv, check_scale
@@ -339,11 +339,12 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
     B, N, Hq, D = q.shape
     scale = check_scale(scale, D)
     path = resolve_backend(backend, q.device)
+    if path == "triton" and torch.compiler.is_compiling():   # a custom op: traceable, no graph break
+        from ..custom_ops import block_sparse_attention_op
+        return block_sparse_attention_op(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse,
+                                         backend=backend)
     if B == 0 or N == 0:
-        tie = (q.sum() + k.sum() + v.sum()) * 0
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device) + tie
-        lse = torch.zeros((B, Hq, N), dtype=torch.float32, device=q.device) + tie.float()
-        return (out, lse) if return_lse else out
+        return empty_result(q, k, v, return_lse)
     layout.check_seq_len(N)
     layout.check_heads(B, Hq)
     layout = layout.to(q.device) if layout.kv_indices.device != q.device else layout

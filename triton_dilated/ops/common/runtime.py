@@ -141,3 +141,13 @@ def kernel_options(dtype, device):
 def last_dim_contiguous(x):
     """Kernels take any strides but need a unit stride on the head dim: copy only then."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def empty_result(q, k, v, return_lse: bool):
+    """The result for an empty batch or sequence: empty out (and lse), still connected to
+    q, k and v so that backward runs."""
+    B, N, Hq, _ = q.shape
+    tie = (q.sum() + k.sum() + v.sum()) * 0
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device) + tie
+    lse = torch.zeros((B, Hq, N), dtype=torch.float32, device=q.device) + tie.float()
+    return (out, lse) if return_lse else out

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ..common.lse import lse_from_stats
-from ..common.runtime import (kernel_options, last_dim_contiguous, portable_compute_dtype, resolve_backend,
+from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, portable_compute_dtype, resolve_backend,
                               select_config)
 from ..common.triton_helpers import dot, finalize, load_row_stats, online_softmax_step, softmax_grad_block
 from ..common.validation import check_qkv, check_scale
@@ -450,13 +450,14 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     B, N, Hq, D = q.shape
     scale = check_scale(scale, D)
     path = resolve_backend(backend, q.device)
+    if path == "triton" and torch.compiler.is_compiling():   # a custom op: traceable, no graph break
+        from ..custom_ops import dilated_attention_op
+        return dilated_attention_op(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
+                                    offsets=offsets, return_lse=return_lse, backend=backend)
     table = head_offsets(Hq, patterns, mode, offsets)
 
-    if B == 0 or N == 0:   # empty output, still connected to the inputs for autograd
-        tie = (q.sum() + k.sum() + v.sum()) * 0
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device) + tie
-        lse = torch.zeros((B, Hq, N), dtype=torch.float32, device=q.device) + tie.float()
-        return (out, lse) if return_lse else out
+    if B == 0 or N == 0:
+        return empty_result(q, k, v, return_lse)
 
     out, lse = dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=return_lse,
                                        backend=path)
