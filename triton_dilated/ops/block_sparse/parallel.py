@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.lse import lse_from_stats
+from ..common.lse import lse_from_stats, softmax_delta
 from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, portable_compute_dtype, resolve_backend,
                               select_config)
 from ..common.triton_helpers import dot, finalize, load_row_stats, online_softmax_step, softmax_grad_block
@@ -38,8 +38,8 @@ def _block_sparse_fwd_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // NUM_HEADS).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
+    b = bh // NUM_HEADS
     h = bh % NUM_HEADS
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -104,8 +104,8 @@ def _block_sparse_bwd_dq_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // NUM_HEADS).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
+    b = bh // NUM_HEADS
     h = bh % NUM_HEADS
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -170,8 +170,8 @@ def _block_sparse_bwd_dkdv_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     # this program: BLOCK_N keys of one key/value head; walks BLOCK_M query sub-tiles
     tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // NUM_KV_HEADS).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
+    b = bh // NUM_KV_HEADS
     kvh = bh % NUM_KV_HEADS
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     key_ok = keys < N
@@ -268,10 +268,7 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
     cfg = config or select_config("block_sparse_bwd", q.dtype, block_d, N, q.device)
     bm, bn = _tiles(cfg, layout.block_size)
     do = last_dim_contiguous(do)
-    delta = torch.einsum("bnhd,bnhd->bhn", do.float(), out.float())
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    delta = softmax_delta(do, out, dlse)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
                   DOT_FP32=dot_fp32, PRECISION=precision, num_warps=cfg.get("num_warps", 4),

@@ -49,3 +49,17 @@ def lse_from_stats(row_max, row_sum):
     empty = row_sum == 0
     lse = row_max + torch.log(torch.where(empty, torch.ones_like(row_sum), row_sum))
     return torch.where(empty, torch.full_like(lse, float("-inf")), lse)
+
+
+def softmax_delta(do, out, dlse=None, rows_per_chunk: int = 1 << 16):
+    """delta = rowsum(dO * O) - dlse, float32 (B, H, N): the lse gradient enters the
+    backward as dS = P * (dP - delta). Computed in chunks of rows so the float32 upcasts
+    never cost a full copy of O and dO."""
+    B, N, H, _ = out.shape
+    delta = torch.empty(B, H, N, dtype=torch.float32, device=out.device)
+    for s in range(0, N, rows_per_chunk):
+        e = min(N, s + rows_per_chunk)
+        delta[:, :, s:e] = torch.einsum("bnhd,bnhd->bhn", do[:, s:e].float(), out[:, s:e].float())
+    if dlse is not None:
+        delta -= dlse.float()
+    return delta

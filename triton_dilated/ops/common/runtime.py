@@ -134,8 +134,9 @@ def select_config(kernel: str, dtype: torch.dtype, head_dim_padded: int, seqlen:
 
 def kernel_options(dtype, device):
     """(DOT_FP32, PRECISION) for the kernels: under the interpreter multiply in float32 (its
-    bf16 tl.dot is wrong); float32 inputs use exact float32 products ("ieee"), not tf32."""
-    return device.type != "cuda", ("ieee" if dtype == torch.float32 else "tf32")
+    bf16 tl.dot is wrong). float32 inputs use "tf32x3" (three tf32 products: float32-level
+    accuracy on tensor cores); "ieee" would mean plain FMA loops and compiles of minutes."""
+    return device.type != "cuda", ("tf32x3" if dtype == torch.float32 else "tf32")
 
 
 def last_dim_contiguous(x):

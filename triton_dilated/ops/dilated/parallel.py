@@ -39,11 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.lse import lse_from_stats
+from ..common.lse import lse_from_stats, softmax_delta
 from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, portable_compute_dtype, resolve_backend,
                               select_config)
 from ..common.triton_helpers import dot, finalize, load_row_stats, online_softmax_step, softmax_grad_block
-from ..common.validation import check_qkv, check_scale
+from ..common.validation import check_positive_int_list, check_qkv, check_scale
 from .patterns import check_patterns, head_offsets
 from .plan import build_items, key_unit_triples, query_unit_triples
 from .torch_impl import dilated_attention_torch
@@ -67,19 +67,33 @@ def _key_range(first_row, last_row, seg, seg_end, r, o, uniform_active, CAUSAL: 
 
 
 @triton.jit
+def _load_item(ITEMS, item):
+    """Work item: first row, chunk end, unit (head), tile stride, document [start, end)."""
+    base = ITEMS + item * 6
+    # the head is int64: head * head-stride overflows int32 for long strided inputs
+    return (tl.load(base), tl.load(base + 1), tl.load(base + 2).to(tl.int64), tl.load(base + 3), tl.load(base + 4),
+            tl.load(base + 5))
+
+
+@triton.jit
+def _segment(first_row, w, doc_start, doc_end):
+    """[start, end) of the segment of length w holding first_row; segments restart at each
+    document (packed variable-length sequences; one document = the whole sequence)."""
+    seg = doc_start + ((first_row - doc_start) // w) * w
+    return seg, tl.minimum(seg + w, doc_end)
+
+
+@triton.jit
 def _dilated_fwd_kernel(
         Q, K, V, O, ROW_MAX, ROW_SUM, ITEMS, PAT_W, PAT_R, PAT_OFF,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-        N, HEAD_GROUP, sm_scale,
+        HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     item = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    first_row = tl.load(ITEMS + item * 4)
-    chunk_end = tl.load(ITEMS + item * 4 + 1)
-    h = tl.load(ITEMS + item * 4 + 2)
-    T = tl.load(ITEMS + item * 4 + 3)
+    first_row, chunk_end, h, T, doc_start, doc_end = _load_item(ITEMS, item)
     kvh = h // HEAD_GROUP
 
     u = tl.arange(0, BLOCK_M)
@@ -98,13 +112,12 @@ def _dilated_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for i in tl.static_range(NUM_PATTERNS):
+    for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
         o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
         if o >= 0:
             w = tl.load(PAT_W + i)
             r = tl.load(PAT_R + i)
-            seg = (first_row // w) * w
-            seg_end = tl.minimum(seg + w, N)
+            seg, seg_end = _segment(first_row, w, doc_start, doc_end)
             row_active = row_ok & ((rows - seg) % r == o)
             # T % r == 0: every row has the residue of the first row (all on or all off)
             uniform_active = ((T % r) == 0) & ((first_row - seg) % r == o)
@@ -146,15 +159,12 @@ def _dilated_bwd_dq_kernel(
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
         stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
-        N, HEAD_GROUP, sm_scale,
+        HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     item = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    first_row = tl.load(ITEMS + item * 4)
-    chunk_end = tl.load(ITEMS + item * 4 + 1)
-    h = tl.load(ITEMS + item * 4 + 2)
-    T = tl.load(ITEMS + item * 4 + 3)
+    first_row, chunk_end, h, T, doc_start, doc_end = _load_item(ITEMS, item)
     kvh = h // HEAD_GROUP
 
     u = tl.arange(0, BLOCK_M)
@@ -175,13 +185,12 @@ def _dilated_bwd_dq_kernel(
     v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for i in tl.static_range(NUM_PATTERNS):
+    for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
         o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
         if o >= 0:
             w = tl.load(PAT_W + i)
             r = tl.load(PAT_R + i)
-            seg = (first_row // w) * w
-            seg_end = tl.minimum(seg + w, N)
+            seg, seg_end = _segment(first_row, w, doc_start, doc_end)
             row_active = row_ok & ((rows - seg) % r == o)
             uniform_active = ((T % r) == 0) & ((first_row - seg) % r == o)
             uniform_idle = ((T % r) == 0) & ((first_row - seg) % r != o)
@@ -218,16 +227,13 @@ def _dilated_bwd_dkdv_kernel(
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
         stride_dkb, stride_dkn, stride_dkh, stride_lb, stride_lh,
-        N, HEAD_GROUP, sm_scale,
+        HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     # BLOCK_N: the key tile this program owns; BLOCK_M: the query blocks it walks.
     item = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    first_key = tl.load(ITEMS + item * 4)
-    chunk_end = tl.load(ITEMS + item * 4 + 1)
-    kvh = tl.load(ITEMS + item * 4 + 2)
-    T = tl.load(ITEMS + item * 4 + 3)
+    first_key, chunk_end, kvh, T, doc_start, doc_end = _load_item(ITEMS, item)
 
     u = tl.arange(0, BLOCK_N)
     keys = first_key + T * u
@@ -247,13 +253,12 @@ def _dilated_bwd_dkdv_kernel(
         q_base = Q + b * stride_qb + h * stride_qh + d[None, :]
         do_base = DO + b * stride_dob + h * stride_doh + d[None, :]
         stats_off = b * stride_lb + h * stride_lh
-        for i in tl.static_range(NUM_PATTERNS):
+        for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
             o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
             if o >= 0:
                 w = tl.load(PAT_W + i)
                 r = tl.load(PAT_R + i)
-                seg = (first_key // w) * w
-                seg_end = tl.minimum(seg + w, N)
+                seg, seg_end = _segment(first_key, w, doc_start, doc_end)
                 key_active = key_ok & ((keys - seg) % r == o)
                 uniform_active = ((T % r) == 0) & ((first_key - seg) % r == o)
                 uniform_idle = ((T % r) == 0) & ((first_key - seg) % r != o)
@@ -315,16 +320,16 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats_of
 # ----------------------------------------------------------------------------- launchers
 
 @functools.lru_cache(maxsize=128)
-def _device_plan(n, patterns, table, num_kv_heads, causal, block, block_inner, keys_side, device):
-    """Items and pattern tables as device tensors, cached per shape."""
+def _device_plan(n, patterns, table, num_kv_heads, causal, block, block_inner, keys_side, device, doc_bounds=None):
+    """Items and pattern tables as device tensors, cached per shape (and documents)."""
     units = key_unit_triples(patterns, table, num_kv_heads) if keys_side else query_unit_triples(patterns, table)
-    items, full = build_items(n, units, block, block_inner, causal, keys_side)
+    items, full = build_items(n, units, block, block_inner, causal, keys_side, doc_bounds)
     as_dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return (torch.from_numpy(items).to(device), full, as_dev([w for w, _ in patterns]),
             as_dev([r for _, r in patterns]), as_dev(table).reshape(-1))
 
 
-def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None):
+def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None, doc_bounds=None):
     """Launch the fused forward. Returns out (like q, contiguous) and the row statistics
     (row_max, row_sum), float32 (B, Hq, N) each; see lse_from_stats."""
     B, N, Hq, D = q.shape
@@ -332,7 +337,7 @@ def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None):
     block_d = max(16, triton.next_power_of_2(D))
     cfg = config or select_config("dilated_fwd", q.dtype, block_d, N, q.device)
     items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_M"],
-                                                      cfg["BLOCK_N"], False, q.device)
+                                                      cfg["BLOCK_N"], False, q.device, doc_bounds)
     alloc = torch.empty if full else torch.zeros   # rows no tile covers: 0 output, l = 0
     out = alloc(B, N, Hq, D, dtype=q.dtype, device=q.device)
     row_max = alloc(B, Hq, N, dtype=torch.float32, device=q.device)
@@ -345,7 +350,7 @@ def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         row_max.stride(0), row_max.stride(1),
-        N, Hq // Hkv, scale,
+        Hq // Hkv, scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=dot_fp32, PRECISION=precision,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
@@ -353,18 +358,14 @@ def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None):
 
 
 def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, *, causal, scale,
-                     config=None):
+                     config=None, doc_bounds=None):
     """dQ, dK, dV for dO (like out) and an optional dlse (B, Hq, N)."""
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
     block_d = max(16, triton.next_power_of_2(D))
     cfg = config or select_config("dilated_bwd", q.dtype, block_d, N, q.device)
     do = last_dim_contiguous(do)
-    # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta)
-    delta = torch.einsum("bnhd,bnhd->bhn", do.float(), out.float())
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    delta = softmax_delta(do, out, dlse)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=dot_fp32, PRECISION=precision,
@@ -373,17 +374,17 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
 
     items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_M"],
-                                                      cfg["BLOCK_N"], False, q.device)
+                                                      cfg["BLOCK_N"], False, q.device, doc_bounds)
     dq = (torch.empty if full else torch.zeros)(B, N, Hq, D, dtype=q.dtype, device=q.device)
     if items.shape[0]:
         _dilated_bwd_dq_kernel[(items.shape[0], B)](
             q, k, v, do, row_max, row_sum, delta, dq, items, pat_w, pat_r, pat_off, *strides,
             dq.stride(0), dq.stride(1), dq.stride(2), row_max.stride(0), row_max.stride(1),
-            N, Hq // Hkv, scale, **common)
+            Hq // Hkv, scale, **common)
 
     # key side: tiles of BLOCK_N keys, walking query blocks of BLOCK_M
     items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_N"],
-                                                      cfg["BLOCK_M"], True, q.device)
+                                                      cfg["BLOCK_M"], True, q.device, doc_bounds)
     alloc = torch.empty if full else torch.zeros
     dk = alloc(B, N, Hkv, D, dtype=k.dtype, device=q.device)
     dv = alloc(B, N, Hkv, D, dtype=v.dtype, device=q.device)
@@ -391,33 +392,34 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
         _dilated_bwd_dkdv_kernel[(items.shape[0], B)](
             q, k, v, do, row_max, row_sum, delta, dk, dv, items, pat_w, pat_r, pat_off, *strides,
             dk.stride(0), dk.stride(1), dk.stride(2), row_max.stride(0), row_max.stride(1),
-            N, Hq // Hkv, scale, **common)
+            Hq // Hkv, scale, **common)
     return dq, dk, dv
 
 
 class _DilatedAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, patterns, table, causal, scale):
-        out, row_max, row_sum = dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale)
+    def forward(ctx, q, k, v, patterns, table, causal, scale, doc_bounds=None):
+        out, row_max, row_sum = dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale,
+                                                doc_bounds=doc_bounds)
         ctx.save_for_backward(q, k, v, out, row_max, row_sum)
-        ctx.args = (patterns, table, causal, scale)
+        ctx.args = (patterns, table, causal, scale, doc_bounds)
         return out, lse_from_stats(row_max, row_sum)
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, out, row_max, row_sum = ctx.saved_tensors
-        patterns, table, causal, scale = ctx.args
+        patterns, table, causal, scale, doc_bounds = ctx.args
         if do is None:
             do = torch.zeros_like(out)
         dq, dk, dv = dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table,
-                                      causal=causal, scale=scale)
-        return dq, dk, dv, None, None, None, None
+                                      causal=causal, scale=scale, doc_bounds=doc_bounds)
+        return dq, dk, dv, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- public
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
-                      mode="longnet", offsets="modulo", return_lse=False, backend="auto"):
+                      mode="longnet", offsets="modulo", return_lse=False, backend="auto", cu_seqlens=None):
     """LongNet dilated attention (arXiv 2307.02486 §2.2-2.4), exact, forward and backward.
 
     Args:
@@ -436,6 +438,10 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
         return_lse: also return lse, float32 (B, Hq, N), natural log, differentiable.
         backend: "auto" (Triton on CUDA, or on CPU under TRITON_INTERPRET=1; else the
             portable PyTorch path), "triton" or "torch".
+        cu_seqlens: packed variable-length sequences: with B == 1, the documents
+            [cu_seqlens[i], cu_seqlens[i+1]) of the sequence (0 first, N last, ascending).
+            Segments restart at each document and no query sees another document: the
+            result equals separate calls per document.
 
     Returns:
         out (B, N, Hq, D) like q, contiguous; with return_lse, (out, lse). A query with no
@@ -450,7 +456,8 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     B, N, Hq, D = q.shape
     scale = check_scale(scale, D)
     path = resolve_backend(backend, q.device)
-    if path == "triton" and torch.compiler.is_compiling():   # a custom op: traceable, no graph break
+    doc_bounds = check_cu_seqlens(cu_seqlens, B, N)
+    if path == "triton" and torch.compiler.is_compiling() and doc_bounds is None:   # traceable custom op
         from ..custom_ops import dilated_attention_op
         return dilated_attention_op(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
                                     offsets=offsets, return_lse=return_lse, backend=backend)
@@ -460,15 +467,42 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
         return empty_result(q, k, v, return_lse)
 
     out, lse = dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=return_lse,
-                                       backend=path)
+                                       backend=path, doc_bounds=doc_bounds)
     return (out, lse) if return_lse else out
 
 
-def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse=True, backend="auto"):
+def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse=True, backend="auto",
+                            doc_bounds=None):
     """dilated_attention on validated inputs with an explicit (patterns, per-head offset
-    table); returns (out, lse) (lse None when the portable path was not asked for it)."""
+    table) and optional documents; returns (out, lse) (lse None when the portable path
+    was not asked for it)."""
     if resolve_backend(backend, q.device) == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        return _DilatedAttentionFn.apply(q, k, v, patterns, table, causal, scale)
-    return dilated_attention_torch(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=need_lse,
-                                   compute_dtype=portable_compute_dtype(q.dtype, q.device))
+        return _DilatedAttentionFn.apply(q, k, v, patterns, table, causal, scale, doc_bounds)
+    run = lambda a, b, c: dilated_attention_torch(a, b, c, patterns, table, causal=causal, scale=scale,  # noqa: E731
+                                                  need_lse=need_lse,
+                                                  compute_dtype=portable_compute_dtype(q.dtype, q.device))
+    if doc_bounds is None:
+        return run(q, k, v)
+    parts = [run(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in zip(doc_bounds[:-1], doc_bounds[1:]) if e > s]
+    out = torch.cat([p[0] for p in parts], dim=1)
+    return out, (torch.cat([p[1] for p in parts], dim=2) if need_lse else None)
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int):
+    """cu_seqlens -> a tuple of document bounds (0, ..., N), or None."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
+                            f"{tuple(cu_seqlens.shape)}")
+        cu_seqlens = cu_seqlens.tolist()
+    bounds = tuple(check_positive_int_list("cu_seqlens", [x + 1 for x in cu_seqlens]))
+    bounds = tuple(x - 1 for x in bounds)
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs documents into one sequence: the batch size must be 1, got {batch}")
+    if bounds[0] != 0 or bounds[-1] != seq_len or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, end at the sequence length ({seq_len}) and not decrease, "
+                         f"got {list(bounds)}")
+    return bounds

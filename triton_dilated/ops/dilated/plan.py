@@ -17,8 +17,10 @@ included), over T in {lcm of every subset of rates}.
 For the LongNet schedule (rates 1, 2, 4, 6, 12; segments of 2048..32768) T = 12: a chunk of
 2048 rows is 12 classes of 170-171 rows, each padded to BLOCK_M; nothing else is wasted.
 
-Item rows (int32): [first_row, chunk_end, unit (head), T]. Items are sorted by descending
-cost (longest first) so causal work balances over the GPU.
+Item rows (int32): [first_row, chunk_end, unit (head), T, doc_start, doc_end]. Packed
+variable-length sequences plan each document on its own (segments restart at its start);
+one document is the whole sequence. Items are sorted by descending cost (longest first)
+so causal work balances over the GPU.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import math
 
 import numpy as np
 
-ITEM_FIELDS = 4
+ITEM_FIELDS = 6
 
 
 def _chunk_starts_ends(n: int, ws):
@@ -84,13 +86,15 @@ def _tiles(n: int, triples, T: int, block: int, block_inner: int, causal: bool, 
     return first, chunk_end, cost, full_coverage
 
 
-def _candidate_strides(rates, n: int):
+def _candidate_strides(rates, limit: int):
+    """1 and the lcm of every subset of rates, up to `limit` (the shortest segment: a
+    stride past it leaves one-row tiles and is never best)."""
     rates = sorted(set(rates))
     out = {1}
     for k in range(1, len(rates) + 1):
         for subset in itertools.combinations(rates, k):
             t = math.lcm(*subset)
-            if t <= max(n, 1):
+            if t <= max(limit, 1):
                 out.add(t)
     return sorted(out)
 
@@ -100,7 +104,7 @@ def choose_stride(n: int, triples: tuple, block: int, block_inner: int, causal: 
                   keys_side: bool = False) -> int:
     """The tile stride T with the fewest computed (row, key) pairs for this unit."""
     best = None
-    for T in _candidate_strides([r for _, r, _ in triples], n):
+    for T in _candidate_strides([r for _, r, _ in triples], min(n, *(w for w, _, _ in triples))):
         cost = _tiles(n, triples, T, block, block_inner, causal, keys_side)[2].sum()
         if best is None or cost < best[0]:
             best = (cost, T)
@@ -109,28 +113,32 @@ def choose_stride(n: int, triples: tuple, block: int, block_inner: int, causal: 
 
 @functools.lru_cache(maxsize=256)
 def build_items(n: int, unit_triples: tuple, block: int, block_inner: int, causal: bool,
-                keys_side: bool = False):
-    """Work items for all units. unit_triples[u] = tuple of (w, r, o). Returns
-    (items int32 (n_items, 4) numpy array, full_coverage)."""
-    firsts, ends, units, strides, costs = [], [], [], [], []
+                keys_side: bool = False, doc_bounds: tuple | None = None):
+    """Work items for all units over documents doc_bounds = (0, e1, e2, ..., n) (None: one
+    document). unit_triples[u] = tuple of (w, r, o). Returns (items int32 (n_items, 6)
+    numpy array, full_coverage)."""
+    docs = list(zip(doc_bounds[:-1], doc_bounds[1:])) if doc_bounds else [(0, n)]
+    columns, costs = [], []
     full = True
     for u, triples in enumerate(unit_triples):
         if not triples:
             full = False
             continue
-        # T depends on the patterns and the causal shape, not on the offsets: pick it once
-        # per signature, with the unit's own offsets standing in for the others.
-        T = choose_stride(n, triples, block, block_inner, causal, keys_side)
-        first, chunk_end, cost, covered = _tiles(n, triples, T, block, block_inner, causal, keys_side)
-        full &= covered
-        firsts.append(first)
-        ends.append(chunk_end)
-        units.append(np.full(first.shape, u))
-        strides.append(np.full(first.shape, T))
-        costs.append(cost)
-    if not firsts:
+        for start, end in docs:
+            if end <= start:
+                continue
+            length = end - start
+            # T depends on the patterns, the causal shape and the length, not the offsets: pick
+            # it once per signature, with this unit's offsets standing in for the others.
+            T = choose_stride(length, triples, block, block_inner, causal, keys_side)
+            first, chunk_end, cost, covered = _tiles(length, triples, T, block, block_inner, causal, keys_side)
+            full &= covered
+            fill = lambda x: np.full(first.shape, x)  # noqa: E731
+            columns.append(np.stack([first + start, chunk_end + start, fill(u), fill(T), fill(start), fill(end)], 1))
+            costs.append(cost)
+    if not columns:
         return np.zeros((0, ITEM_FIELDS), dtype=np.int32), False
-    items = np.stack([np.concatenate(x) for x in (firsts, ends, units, strides)], axis=1)
+    items = np.concatenate(columns)
     order = np.argsort(-np.concatenate(costs), kind="stable")
     return np.ascontiguousarray(items[order].astype(np.int32)), full
 

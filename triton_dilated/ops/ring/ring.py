@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.lse import merge_partials
+from ..common.lse import merge_partials, softmax_delta
 from ..common.runtime import last_dim_contiguous, resolve_backend
 from ..common.validation import check_choice, check_qkv, check_scale
 from ..block_sparse.layout import BlockLayout
@@ -118,10 +118,7 @@ class _RingFn(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dout = last_dim_contiguous(dout)
-        delta = torch.einsum("bnhd,bnhd->bhn", dout.float(), out.float())
-        if dlse is not None:
-            delta = delta - dlse.float()
-        delta = delta.contiguous()
+        delta = softmax_delta(dout, out, dlse)
         q_pos = plan.positions[plan.rank]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = [plan.payload(k), plan.payload(v)]

@@ -34,7 +34,7 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT
         ok = ok & (kpos[None, :] <= qpos[:, None])
     if MASK_KIND == 1:
         count = tl.zeros([qpos.shape[0], kpos.shape[0]], tl.float32)
-        for i in tl.static_range(NUM_PATTERNS):
+        for i in range(NUM_PATTERNS):
             o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
             w = tl.load(PAT_W + i)
             r = tl.load(PAT_R + i)
@@ -64,8 +64,8 @@ def _ring_step_fwd_kernel(
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
         PRECISION: tl.constexpr):
     tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // NUM_HEADS).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
+    b = bh // NUM_HEADS
     h = bh % NUM_HEADS
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -124,8 +124,8 @@ def _ring_step_bwd_dq_kernel(
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
         PRECISION: tl.constexpr):
     tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // NUM_HEADS).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
+    b = bh // NUM_HEADS
     h = bh % NUM_HEADS
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -172,8 +172,8 @@ def _ring_step_bwd_dkdv_kernel(
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
         PRECISION: tl.constexpr):
     tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // NUM_KV_HEADS).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
+    b = bh // NUM_KV_HEADS
     kvh = bh % NUM_KV_HEADS
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     k_ok = cols < NK
