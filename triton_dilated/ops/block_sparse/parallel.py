@@ -312,7 +312,8 @@ class _BlockSparseAttentionFn(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- public
 
-def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_lse=False, backend="auto"):
+def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_lse=False, backend="auto",
+                           cu_seqlens=None):
     """Exact attention over the active blocks of a BlockLayout (DESIGN §4).
 
     Args:
@@ -324,17 +325,25 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
         scale: default 1/sqrt(D).
         return_lse: also return lse, float32 (B, Hq, N), differentiable.
         backend: "auto", "triton" or "torch" (DESIGN §7).
+        cu_seqlens: packed variable-length sequences (B == 1): documents
+            [cu_seqlens[i], cu_seqlens[i+1]); blocks restart at each document and no query
+            sees another document. `layout` is then one BlockLayout per document (a list),
+            or a builder called with each document's length (e.g.
+            `lambda n: layouts.local(n, 64, 2)`).
 
     Returns out (B, N, Hq, D) like q (and lse). Rows with no active key: 0, lse = -inf.
     """
     check_qkv(q, k, v)
-    if not isinstance(layout, BlockLayout):
+    if not isinstance(layout, BlockLayout) and cu_seqlens is None:
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     for name, flag in (("causal", causal), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     B, N, Hq, D = q.shape
     scale = check_scale(scale, D)
+    if cu_seqlens is not None:
+        return _packed(q, k, v, layout, cu_seqlens, causal=causal, scale=scale, return_lse=return_lse,
+                       backend=backend)
     path = resolve_backend(backend, q.device)
     if path == "triton" and torch.compiler.is_compiling():   # a custom op: traceable, no graph break
         from ..custom_ops import block_sparse_attention_op
@@ -351,4 +360,28 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
     else:
         out, lse = block_sparse_attention_torch(q, k, v, layout, causal=causal, scale=scale,
                                                 compute_dtype=portable_compute_dtype(q.dtype, q.device))
+    return (out, lse) if return_lse else out
+
+
+def _packed(q, k, v, layout, cu_seqlens, **kw):
+    """Documents one after another, each with its own layout (blocks restart per document)."""
+    from ..dilated.parallel import check_cu_seqlens
+    bounds = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
+    docs = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    if isinstance(layout, (list, tuple)):
+        if len(layout) != len(bounds) - 1:
+            raise ValueError(f"layout must hold one BlockLayout per document ({len(bounds) - 1}), got {len(layout)}")
+        per_doc = [lay for lay, (s, e) in zip(layout, zip(bounds[:-1], bounds[1:])) if e > s]
+    elif callable(layout) and not isinstance(layout, BlockLayout):
+        per_doc = [layout(e - s) for s, e in docs]
+    else:
+        per_doc = [layout] * len(docs)
+    return_lse = kw.pop("return_lse")
+    outs = [block_sparse_attention(q[:, s:e], k[:, s:e], v[:, s:e], lay, return_lse=True, **kw)
+            for lay, (s, e) in zip(per_doc, docs)]
+    if not outs:
+        from ..common.runtime import empty_result
+        return empty_result(q, k, v, return_lse)
+    out = torch.cat([o for o, _ in outs], dim=1)
+    lse = torch.cat([l for _, l in outs], dim=2)
     return (out, lse) if return_lse else out
