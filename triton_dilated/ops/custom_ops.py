@@ -47,7 +47,7 @@ from .block_sparse.parallel import block_sparse_backward, block_sparse_forward
 from .block_sparse.torch_impl import block_sparse_attention_torch
 from .common.lse import lse_from_stats
 from .common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
-from .common.validation import check_qkv, check_scale
+from .common.validation import check_flags, check_qkv, check_scale
 from .dilated.parallel import dilated_backward, dilated_forward
 from .dilated.patterns import check_patterns, head_offsets
 from .dilated.torch_impl import dilated_attention_torch
@@ -195,10 +195,7 @@ def dilated_attention_op(q, k, v, segment_lengths, dilation_rates, *, causal=Fal
     arguments."""
     check_qkv(q, k, v)
     patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_flags(causal=causal, return_lse=return_lse)
     B, N, Hq, D = q.shape
     scale = check_scale(scale, D)
     path = _resolve_path(backend, str(q.device))
@@ -308,9 +305,7 @@ def block_sparse_attention_op(q, k, v, layout, *, causal=False, scale=None, retu
     check_qkv(q, k, v)
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
-    for name, flag in (("causal", causal), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    check_flags(causal=causal, return_lse=return_lse)
     B, N, Hq, D = q.shape
     scale = check_scale(scale, D)
     path = _resolve_path(backend, str(q.device))

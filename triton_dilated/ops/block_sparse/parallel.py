@@ -23,7 +23,7 @@ from ..common.lse import lse_from_stats, softmax_delta
 from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, portable_compute_dtype, resolve_backend,
                               select_config)
 from ..common.triton_helpers import dot, finalize, load_row_stats, online_softmax_step, softmax_grad_block
-from ..common.validation import check_qkv, check_scale
+from ..common.validation import check_flags, check_qkv, check_scale
 from .layout import BlockLayout
 from .torch_impl import block_sparse_attention_torch
 
@@ -336,9 +336,7 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
     check_qkv(q, k, v)
     if not isinstance(layout, BlockLayout) and cu_seqlens is None:
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
-    for name, flag in (("causal", causal), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    check_flags(causal=causal, return_lse=return_lse)
     B, N, Hq, D = q.shape
     scale = check_scale(scale, D)
     if cu_seqlens is not None:

@@ -79,3 +79,10 @@ def check_positive_int_list(name: str, values) -> list[int]:
             raise ValueError(f"{name} must hold positive ints, got {xi}")
         out.append(xi)
     return out
+
+
+def check_flags(**flags) -> None:
+    """Each keyword must be a real bool (causal=1 or return_lse="yes" are errors)."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")

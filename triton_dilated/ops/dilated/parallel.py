@@ -43,7 +43,7 @@ from ..common.lse import lse_from_stats, softmax_delta
 from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, portable_compute_dtype, resolve_backend,
                               select_config)
 from ..common.triton_helpers import dot, finalize, load_row_stats, online_softmax_step, softmax_grad_block
-from ..common.validation import check_positive_int_list, check_qkv, check_scale
+from ..common.validation import check_flags, check_positive_int_list, check_qkv, check_scale
 from .patterns import check_patterns, head_offsets
 from .plan import build_items, key_unit_triples, query_unit_triples
 from .torch_impl import dilated_attention_torch
@@ -449,10 +449,7 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     """
     check_qkv(q, k, v)
     patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_flags(causal=causal, return_lse=return_lse)
     B, N, Hq, D = q.shape
     scale = check_scale(scale, D)
     path = resolve_backend(backend, q.device)

@@ -18,7 +18,7 @@ import torch
 
 from ..common.lse import merge_partials, softmax_delta
 from ..common.runtime import last_dim_contiguous, resolve_backend
-from ..common.validation import check_choice, check_qkv, check_scale
+from ..common.validation import check_choice, check_flags, check_qkv, check_scale
 from ..block_sparse.layout import BlockLayout
 from ..dilated.parallel import dilated_attention_table
 from ..dilated.patterns import check_patterns, head_offsets
@@ -197,9 +197,7 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     check_qkv(q, k, v)
     check_choice("comm", comm, COMMS)
     check_choice("balance", balance, BALANCES)
-    for name, flag in (("causal", causal), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    check_flags(causal=causal, return_lse=return_lse)
     dilated = segment_lengths is not None or dilation_rates is not None
     if dilated and layout is not None:
         raise ValueError("give either segment_lengths/dilation_rates (dilated) or layout (block-sparse), not both")
