@@ -43,7 +43,7 @@ def _parser():
                       help="include FlexAttention (default: on a GPU; on a CPU it runs eagerly and densely)")
     flex.add_argument("--no-flex", dest="flex", action="store_false")
     p.add_argument("--budget", type=float, help="seconds of timed calls per measurement "
-                                                "(default 0.2 on a GPU, 1.0 on a CPU)")
+                                                "(default 0.2 on a GPU, 1.5 on a CPU)")
     p.add_argument("--no-plot", action="store_true", help="do not write PNGs next to the CSV")
 
     p = sub.add_parser("tune", help="autotune kernel configs for this GPU's arch")

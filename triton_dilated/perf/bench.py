@@ -235,7 +235,7 @@ class Timing:
         if device == "cuda":
             t = cls(warmup=2, budget_s=0.2, min_reps=5, max_reps=50, max_s=2.0)
         else:
-            t = cls(warmup=1, budget_s=1.0, min_reps=3, max_reps=30, max_s=6.0)
+            t = cls(warmup=1, budget_s=1.5, min_reps=5, max_reps=30, max_s=8.0)
         return replace(t, budget_s=budget_s) if budget_s is not None else t
 
 
@@ -543,6 +543,9 @@ def run_sweep(cases, out=None, timing: Timing | None = None, flex=None, only=Non
     log = (lambda *a: None) if quiet else print
     if device != "cuda":
         log(CPU_NOTE)
+        if hasattr(os, "getloadavg"):
+            log(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores "
+                "(other work on the machine distorts CPU timings)")
         if main_provider(device) == "triton":
             log("TRITON_INTERPRET=1: the 'triton' rows time Triton's interpreter, not a kernel.")
     prov = provenance(device)
@@ -602,6 +605,8 @@ def run_sweep(cases, out=None, timing: Timing | None = None, flex=None, only=Non
                 bar.step(label, f"{ms:.3f} ms, {tflops:.3f} TFLOP/s")
     if bar:
         bar.close()
+    if device != "cuda" and hasattr(os, "getloadavg"):
+        log(f"load average at the end: {os.getloadavg()[0]:.2f}")
     return rows
 
 
