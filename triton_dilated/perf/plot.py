@@ -116,6 +116,11 @@ def figure(rows, kind: str):
                 continue
             xs += [x for x, _ in pts]
             ax.plot(*zip(*pts), label=p, **PROVIDER_STYLE.get(p, {}))
+        if kind == "tflops":
+            peaks = [r["matmul_peak_tflops"] for r in rows if r["op"] == op and r["metric"] == "tflops"
+                     and not math.isnan(r["matmul_peak_tflops"])]
+            if peaks:
+                ax.axhline(max(peaks), color="grey", ls=":", lw=1, label="matmul peak (same run)")
         if kind == "time":
             ax.set_yscale("log")
         if kind == "speedup":
