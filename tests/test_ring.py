@@ -14,6 +14,7 @@ from triton_dilated import block_sparse_attention_naive, dilated_attention_naive
 from triton_dilated.ops.dilated.patterns import head_offsets
 from triton_dilated.ops.ring.shard import shard_positions
 from triton_dilated.ops.ring.step import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask, step_backward, step_forward
+from conftest import DEVICE
 from ring_worker import worker
 
 TOL = 2e-5   # float32 against the float64 oracle (values and gradients are O(1) here)
@@ -129,11 +130,12 @@ def test_shard_rejects_indivisible_lengths():
 @pytest.mark.parametrize("kind", [MASK_DENSE, MASK_DILATED, MASK_LAYOUT])
 @pytest.mark.parametrize("causal", [False, True])
 def test_step_kernel_alone_against_oracle(kind, causal):
-    """The ring-local-block kernel, shard by shard on one process (interpreter on CPU):
-    merged steps equal the float64 oracle, forward and backward."""
+    """The ring-local-block kernel, shard by shard on one process (interpreter on CPU,
+    compiled on CUDA): merged steps equal the float64 oracle, forward and backward."""
+    dev = torch.device(DEVICE)
     g = torch.Generator().manual_seed(0)
     B, N, Hq, Hkv, D = 1, 72, 4, 2, 16
-    q, k, v, do = (torch.randn(B, N, h, D, generator=g) for h in (Hq, Hkv, Hkv, Hq))
+    q, k, v, do = (torch.randn(B, N, h, D, generator=g).to(dev) for h in (Hq, Hkv, Hkv, Hq))
     pats, lay = ((8, 1), (24, 2), (72, 3)), layouts.bigbird(N, 16, 1, 1, 1, seed=0, num_heads=Hq)
     table = head_offsets(Hq, pats, "longnet", "modulo")
     mask = StepMask(kind, causal, q.device, patterns=pats, table=table, layout=lay)
@@ -146,9 +148,9 @@ def test_step_kernel_alone_against_oracle(kind, causal):
         from triton_dilated import BlockLayout
         ref, ref_lse = block_sparse_attention_naive(qq, kk, vv, BlockLayout.from_dense(torch.ones(5, 5, dtype=torch.bool), 16),
                                                     causal=causal)
-    pos = torch.arange(N, dtype=torch.int32)
-    out = torch.zeros(B, N, Hq, D)
-    lse = torch.full((B, Hq, N), float("-inf"))
+    pos = torch.arange(N, dtype=torch.int32, device=dev)
+    out = torch.zeros(B, N, Hq, D, device=dev)
+    lse = torch.full((B, Hq, N), float("-inf"), device=dev)
     shards = [slice(48, 72), slice(0, 24), slice(24, 48)]      # any order
     for s in shards:
         step_forward(q, k[:, s], v[:, s], pos, pos[s].contiguous(), out, lse, mask, scale=D ** -0.5)
@@ -156,8 +158,8 @@ def test_step_kernel_alone_against_oracle(kind, causal):
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     gq, gk, gv = torch.autograd.grad((ref * do.double()).sum(), (qq, kk, vv))
     delta = (do * out).sum(-1).transpose(1, 2).contiguous()
-    dq = torch.zeros(B, N, Hq, D)
-    dk, dv = torch.zeros(B, N, Hkv, D), torch.zeros(B, N, Hkv, D)
+    dq = torch.zeros(B, N, Hq, D, device=dev)
+    dk, dv = torch.zeros(B, N, Hkv, D, device=dev), torch.zeros(B, N, Hkv, D, device=dev)
     for s in shards:
         dks, dvs = dk[:, s].clone(), dv[:, s].clone()
         step_backward(q, k[:, s], v[:, s], do, lse, delta, pos, pos[s].contiguous(), dq, dks, dvs, mask, scale=D ** -0.5)
