@@ -95,7 +95,7 @@ def test_p2p_memory_falls_with_world_size():
 def test_a_failing_rank_does_not_hang_the_others():
     start = time.monotonic()
     results = run_world(3, [CASES[0]], fail_rank=1, timeout_s=10, join_s=120)
-    assert time.monotonic() - start < 120
+    assert time.monotonic() - start < 60   # init and op timeouts are 10 s; 11 s measured
     assert results[1][0] == "error" and "fails on purpose" in results[1][1]
     for rank in (0, 2):   # the others fail (timeout or peer gone) instead of hanging
         assert rank not in results or results[rank][0] == "error"

@@ -22,7 +22,7 @@ import triton.language as tl
 from ..common.lse import lse_from_stats, softmax_delta
 from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, portable_compute_dtype, resolve_backend,
                               select_config)
-from ..common.triton_helpers import dot, finalize, load_row_stats, online_softmax_step, softmax_grad_block
+from ..common.triton_helpers import dot, finalize, load_key_block, load_row_stats, online_softmax_step, softmax_grad_block
 from ..common.validation import check_flags, check_qkv, check_scale
 from .layout import BlockLayout
 from .torch_impl import block_sparse_attention_torch
@@ -47,7 +47,6 @@ def _block_sparse_fwd_kernel(
     qblock = (tile * BLOCK_M) // BLOCK_SIZE
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    n_off = tl.arange(0, BLOCK_N)
     rows64 = rows.to(tl.int64)
 
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + d[None, :],
@@ -72,20 +71,15 @@ def _block_sparse_fwd_kernel(
         if CAUSAL:
             needs_mask = needs_mask | (start + BLOCK_SIZE > tile * BLOCK_M)
         for n0 in range(start, end, BLOCK_N):
-            cols = n0 + n_off
             if needs_mask:
-                col_ok = cols < end
-                k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kn, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-                v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vn, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-                mask = col_ok[None, :]
-                if CAUSAL:
-                    mask = mask & (cols[None, :] <= rows[:, None])
+                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
+                                            d_ok, CAUSAL, True, BLOCK_N)
                 acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, True, DOT_FP32, PRECISION)
             else:
-                k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kn, mask=d_ok[None, :], other=0.0)
-                v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vn, mask=d_ok[None, :], other=0.0)
-                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, row_ok[:, None], False,
-                                                    DOT_FP32, PRECISION)
+                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
+                                            d_ok, CAUSAL, False, BLOCK_N)
+                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, False, DOT_FP32,
+                                                    PRECISION)
     out = finalize(acc, m_i, l_i)
     tl.store(O + b * stride_ob + h * stride_oh + rows64[:, None] * stride_on + d[None, :],
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -113,7 +107,6 @@ def _block_sparse_bwd_dq_kernel(
     qblock = (tile * BLOCK_M) // BLOCK_SIZE
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    n_off = tl.arange(0, BLOCK_N)
     rows64 = rows.to(tl.int64)
     tile_mask = row_ok[:, None] & d_ok[None, :]
 
@@ -138,20 +131,15 @@ def _block_sparse_bwd_dq_kernel(
         if CAUSAL:
             needs_mask = needs_mask | (start + BLOCK_SIZE > tile * BLOCK_M)
         for n0 in range(start, end, BLOCK_N):
-            cols = n0 + n_off
             if needs_mask:
-                col_ok = cols < end
-                k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kn, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-                v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vn, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-                mask = col_ok[None, :]
-                if CAUSAL:
-                    mask = mask & (cols[None, :] <= rows[:, None])
+                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
+                                            d_ok, CAUSAL, True, BLOCK_N)
                 p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, True,
                                            DOT_FP32, PRECISION)
             else:
-                k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kn, mask=d_ok[None, :], other=0.0)
-                v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vn, mask=d_ok[None, :], other=0.0)
-                p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, row_ok[:, None], False,
+                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
+                                            d_ok, CAUSAL, False, BLOCK_N)
+                p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, False,
                                            DOT_FP32, PRECISION)
             dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqn + d[None, :],

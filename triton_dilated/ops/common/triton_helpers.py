@@ -23,6 +23,30 @@ def dot(a, b, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, rows, row_active, d_ok,
+               CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys at positions key0 + r*t, t in [t0, t0 + BLOCK_N) (r = 1: a contiguous block; r > 1:
+    a dilated one), for the query rows `rows`: (k, v, mask). The mask keeps t < key_end,
+    active rows and, when causal, key <= query. Without HAS_MASK (the fast path) every key
+    is valid and every row active: no masks at all."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    kpos = key0 + r * t
+    kpos64 = kpos.to(tl.int64)
+    if HAS_MASK:
+        key_ok = t < key_end
+        k = tl.load(k_base + kpos64[:, None] * stride_kn, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_base + kpos64[:, None] * stride_vn, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        mask = row_active[:, None] & key_ok[None, :]
+        if CAUSAL:
+            mask = mask & (kpos[None, :] <= rows[:, None])
+    else:
+        k = tl.load(k_base + kpos64[:, None] * stride_kn, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_base + kpos64[:, None] * stride_vn, mask=d_ok[None, :], other=0.0)
+        mask = row_active[:, None]   # unused on the fast path
+    return k, v, mask
+
+
+@triton.jit
 def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
                         HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
                         log_weight=0.0, HAS_WEIGHT: tl.constexpr = False):

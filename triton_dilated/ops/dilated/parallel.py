@@ -42,7 +42,7 @@ import triton.language as tl
 from ..common.lse import lse_from_stats, softmax_delta
 from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, portable_compute_dtype, resolve_backend,
                               select_config)
-from ..common.triton_helpers import dot, finalize, load_row_stats, online_softmax_step, softmax_grad_block
+from ..common.triton_helpers import dot, finalize, load_key_block, load_row_stats, online_softmax_step, softmax_grad_block
 from ..common.validation import check_flags, check_positive_int_list, check_qkv, check_scale
 from .patterns import check_patterns, head_offsets
 from .plan import build_items, key_unit_triples, query_unit_triples
@@ -102,7 +102,6 @@ def _dilated_fwd_kernel(
     last_row = first_row + T * (tl.minimum(BLOCK_M, (chunk_end - first_row + T - 1) // T) - 1)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    t_off = tl.arange(0, BLOCK_N)
 
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_qn + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -127,22 +126,13 @@ def _dilated_fwd_kernel(
             key_end = tl.where(uniform_idle, 0, key_end)
             key0 = seg + o
             for t0 in range(0, full_end, BLOCK_N):
-                kpos = (key0 + r * (t0 + t_off)).to(tl.int64)
-                k = tl.load(k_base + kpos[:, None] * stride_kn, mask=d_ok[None, :], other=0.0)
-                v = tl.load(v_base + kpos[:, None] * stride_vn, mask=d_ok[None, :], other=0.0)
-                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, row_ok[:, None],
+                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, rows, row_ok,
+                                        d_ok, CAUSAL, False, BLOCK_N)
+                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
                                                     False, DOT_FP32, PRECISION)
             for t0 in range(full_end, key_end, BLOCK_N):
-                t = t0 + t_off
-                kpos = key0 + r * t
-                key_ok = t < key_end
-                k = tl.load(k_base + kpos.to(tl.int64)[:, None] * stride_kn,
-                            mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-                v = tl.load(v_base + kpos.to(tl.int64)[:, None] * stride_vn,
-                            mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-                mask = row_active[:, None] & key_ok[None, :]
-                if CAUSAL:
-                    mask = mask & (kpos[None, :] <= rows[:, None])
+                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, rows, row_active,
+                                        d_ok, CAUSAL, True, BLOCK_N)
                 acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
                                                     True, DOT_FP32, PRECISION)
     out = finalize(acc, m_i, l_i)
@@ -173,7 +163,6 @@ def _dilated_bwd_dq_kernel(
     last_row = first_row + T * (tl.minimum(BLOCK_M, (chunk_end - first_row + T - 1) // T) - 1)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    t_off = tl.arange(0, BLOCK_N)
     rows64 = rows.to(tl.int64)
     tile_mask = row_ok[:, None] & d_ok[None, :]
 
@@ -199,21 +188,14 @@ def _dilated_bwd_dq_kernel(
             key_end = tl.where(uniform_idle, 0, key_end)
             key0 = seg + o
             for t0 in range(0, full_end, BLOCK_N):
-                kpos = (key0 + r * (t0 + t_off)).to(tl.int64)
-                k = tl.load(k_base + kpos[:, None] * stride_kn, mask=d_ok[None, :], other=0.0)
-                v = tl.load(v_base + kpos[:, None] * stride_vn, mask=d_ok[None, :], other=0.0)
-                p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, row_ok[:, None],
+                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, rows, row_ok,
+                                        d_ok, CAUSAL, False, BLOCK_N)
+                p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
                                            False, DOT_FP32, PRECISION)
                 dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
             for t0 in range(full_end, key_end, BLOCK_N):
-                t = t0 + t_off
-                kpos = key0 + r * t
-                key_ok = t < key_end
-                k = tl.load(k_base + kpos.to(tl.int64)[:, None] * stride_kn, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-                v = tl.load(v_base + kpos.to(tl.int64)[:, None] * stride_vn, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-                mask = row_active[:, None] & key_ok[None, :]
-                if CAUSAL:
-                    mask = mask & (kpos[None, :] <= rows[:, None])
+                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, rows, row_active,
+                                        d_ok, CAUSAL, True, BLOCK_N)
                 p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
                                            True, DOT_FP32, PRECISION)
                 dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
