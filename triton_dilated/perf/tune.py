@@ -220,8 +220,9 @@ def run_tune(out_dir=None, kernels=KERNELS, dtypes=None, head_dims=None, seqlens
             if len(cands) > 1:
                 try:    # the reference: the config select_config picks today (the one the tests cover)
                     ref = prob.run(kernel, None)
-                except Exception:
-                    pass
+                except Exception as exc:   # the first candidate that runs becomes the reference
+                    log(f"  {kernel} {key}: the default config failed ({type(exc).__name__}); "
+                        "comparing candidates with each other")
             results = []
             for cfg in cands:
                 try:
