@@ -7,10 +7,16 @@ last segment. Those go through scaled_dot_product_attention (causal inside the d
 rows is causal in positions) when a head uses one pattern and no lse is wanted;
 otherwise through an explicit float32 path that also returns lse. Patterns are mixed by
 a float32 lse merge. Memory is O(N*w/r) per pattern, never O(N^2).
+
+The views are taken and written back by two small autograd functions rather than by
+plain slicing: autograd's own backward of a slice (and of a write into a slice) builds a
+full-size zero tensor per view, so every pattern would cost three full-size fills and
+sums per input. Here each input gets one gradient buffer that every view adds into
+(fwd+bwd ~15% faster on CPU than the slicing loop of the dilated-attention-pytorch family).
 """
 from __future__ import annotations
 
-import itertools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,28 +34,117 @@ def _head_index(heads: list[int]):
     return torch.tensor(heads)
 
 
-def _select_heads(x, index):
-    if isinstance(index, slice):
-        return x[:, :, :, index]
-    return x.index_select(3, index.to(x.device))
+class _Rows(NamedTuple):
+    """The dilated rows of pattern (w, r) at offset o, for the full segments or for the
+    short last one (tail), of some heads: x (B, N, H, ...) -> (B, nseg, L, Hs, ...)."""
+    w: int
+    r: int
+    o: int
+    tail: bool
+    heads: slice | torch.Tensor
+
+    def rows(self, x):
+        """All heads of these rows: a view. Whole-range slices are skipped (cheaper)."""
+        n_full = (x.shape[1] // self.w) * self.w
+        if self.tail:
+            y = x[:, n_full:].unsqueeze(1)
+        else:
+            y = (x if n_full == x.shape[1] else x[:, :n_full]).unflatten(1, (n_full // self.w, self.w))
+        return y[:, :, self.o::self.r] if self.r > 1 else y
+
+    def take(self, x):
+        """x at these rows and heads: a view, or a copy for an irregular head list."""
+        if isinstance(self.heads, slice):
+            return self.rows(x)[:, :, :, self.heads]
+        return self.rows(x).index_select(3, self.heads.to(x.device))
+
+    def add_into(self, buf, value):
+        """buf[these rows and heads] += value (repeated heads accumulate)."""
+        if isinstance(self.heads, slice):
+            self.rows(buf)[:, :, :, self.heads].add_(value)
+        else:
+            self.rows(buf).index_add_(3, self.heads.to(buf.device), value)
+
+    def put(self, buf, value):
+        """buf[these rows and heads] = value."""
+        if isinstance(self.heads, slice):
+            self.rows(buf)[:, :, :, self.heads] = value
+        else:
+            self.rows(buf)[:, :, :, self.heads.to(buf.device)] = value
 
 
-def _segment_views(x, w: int, r: int, o: int):
-    """Dilated rows of x (B, N, H, D) per segment: (B, nseg, L, H, D) views, the full
-    segments then the short last one. A generator: when the caller writes into one view,
-    the next is made afterwards (autograd refuses writes through a view that an earlier
-    in-place write has made stale)."""
-    N = x.shape[1]
+def _row_specs(N: int, w: int, r: int, o: int, heads) -> list[_Rows]:
+    """The non-empty row sets of a pattern at offset o: full segments, then the tail."""
     n_full = (N // w) * w
+    specs = []
     if n_full > 0 and o < w:
-        yield x[:, :n_full].unflatten(1, (n_full // w, w))[:, :, o::r]
+        specs.append(_Rows(w, r, o, False, heads))
     if n_full < N and o < N - n_full:
-        yield x[:, n_full:].unsqueeze(1)[:, :, o::r]
+        specs.append(_Rows(w, r, o, True, heads))
+    return specs
+
+
+class _GatherRows(torch.autograd.Function):
+    """x -> (spec.take(x) for spec in specs); backward adds every view's gradient into one
+    buffer (one fill per input instead of one per view)."""
+
+    @staticmethod
+    def forward(ctx, x, specs):
+        ctx.specs, ctx.shape = specs, x.shape
+        ctx.set_materialize_grads(False)
+        return tuple(spec.take(x) for spec in specs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        present = [g for g in grads if g is not None]
+        if not present:
+            return None, None
+        buf = present[0].new_zeros(ctx.shape)
+        for spec, g in zip(ctx.specs, grads):
+            if g is not None:
+                spec.add_into(buf, g)
+        return buf, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Writes parts[i] at specs[i] (specs do not overlap) into the caller's buffer and
+    returns it; backward hands each part its view of the gradient. The buffer comes in a
+    list so that autograd does not take it for an input: the caller allocates it before
+    the attention calls, because allocated after them it tends to land on fresh pages
+    (~1 ms of page faults per call at N=2048 on CPU, measured)."""
+
+    @staticmethod
+    def forward(ctx, holder, specs, *parts):
+        (buf,) = holder
+        ctx.specs, ctx.part_dtypes = specs, [p.dtype for p in parts]
+        for spec, part in zip(specs, parts):
+            spec.put(buf, part.to(buf.dtype))
+        return buf
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None) + tuple(spec.take(grad).to(dt) for spec, dt in zip(ctx.specs, ctx.part_dtypes))
+
+
+def _gather(x, specs):
+    """spec.take(x) for each spec; through _GatherRows only when x needs a gradient."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _GatherRows.apply(x, specs)
+    return tuple(spec.take(x) for spec in specs)
+
+
+def _scatter(buf, specs, parts):
+    """buf with parts written at specs, differentiable in the parts when they need it."""
+    if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
+        return _ScatterRows.apply([buf], specs, *parts)
+    for spec, part in zip(specs, parts):
+        spec.put(buf, part.to(buf.dtype))
+    return buf
 
 
 def _attend(qs, ks, vs, causal: bool, scale: float, need_lse: bool, compute_dtype):
     """qs: (B, nseg, L, Hs, D), ks/vs: (B, nseg, L, Hs, D). Returns out (same layout) and
-    lse (B, nseg, Hs, L) or None."""
+    lse (B, nseg, L, Hs, 1) or None."""
     B, nseg, L, Hs, D = qs.shape
     to_bhld = lambda x: x.permute(0, 1, 3, 2, 4).reshape(B * nseg, Hs, L, D)  # noqa: E731
     qb, kb, vb = (to_bhld(x).to(compute_dtype) for x in (qs, ks, vs))
@@ -59,7 +154,7 @@ def _attend(qs, ks, vs, causal: bool, scale: float, need_lse: bool, compute_dtyp
             keep = keep.tril()
         acc = torch.promote_types(compute_dtype, torch.float32)  # scores and lse in float32
         out, lse = masked_attention_with_lse(qb.to(acc), kb.to(acc), vb.to(acc), keep, scale)
-        lse = lse.reshape(B, nseg, Hs, L)
+        lse = lse.reshape(B, nseg, Hs, L).transpose(2, 3).unsqueeze(-1)
     else:
         out, lse = F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=scale), None
     return out.reshape(B, nseg, Hs, L, D).permute(0, 1, 3, 2, 4), lse
@@ -75,51 +170,37 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
     compute_dtype = compute_dtype or q.dtype
     merge = max(sum(o >= 0 for o in row) for row in table) > 1  # some head mixes patterns
     want_lse = need_lse or merge
-
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
 
-    def new_buffers():
-        out = q.new_zeros(B, N, Hq, D, dtype=acc_dtype if merge else q.dtype)
-        lse = q.new_full((B, N, Hq), float("-inf"), dtype=acc_dtype) if want_lse else None
-        return out, lse
-
-    # Without mixing, every head writes one pattern into one shared buffer; with mixing,
-    # each pattern gets its own float32 (out, lse), merged at the end.
-    parts = [] if merge else [new_buffers()]
+    # One job per (pattern, offset, full segments | tail): query rows and key rows.
+    # Without mixing, every head writes its one pattern into one shared output; with
+    # mixing, each pattern gets its own float32 (out, lse), merged at the end.
+    jobs: list[tuple[int, _Rows, _Rows]] = []
     for i, (w, r) in enumerate(patterns):
         by_offset: dict[int, list[int]] = {}
         for h, row in enumerate(table):
             if row[i] >= 0:
                 by_offset.setdefault(row[i], []).append(h)
-        if not by_offset:
-            continue
-        if merge:
-            parts.append(new_buffers())
-        out_i, lse_i = parts[-1]
         for o, heads in by_offset.items():
-            q_idx = _head_index(heads)
-            kv_idx = _head_index([h // group for h in heads])
-            views = zip(_segment_views(q, w, r, o), _segment_views(k, w, r, o), _segment_views(v, w, r, o),
-                        _segment_views(out_i, w, r, o),
-                        _segment_views(lse_i.unsqueeze(-1), w, r, o) if want_lse else itertools.repeat(None))
-            for qv, kv, vv, ov, lv in views:
-                res, lse = _attend(_select_heads(qv, q_idx), _select_heads(kv, kv_idx),
-                                   _select_heads(vv, kv_idx), causal, scale, want_lse, compute_dtype)
-                _scatter(ov, q_idx, res)
-                if want_lse:
-                    _scatter(lv, q_idx, lse.transpose(2, 3).unsqueeze(-1))
-
+            kv_heads = _head_index([h // group for h in heads])
+            for spec in _row_specs(N, w, r, o, _head_index(heads)):
+                jobs.append((i if merge else 0, spec, spec._replace(heads=kv_heads)))
+    q_parts, k_parts, v_parts = (_gather(x, tuple(j[n] for j in jobs)) for x, n in ((q, 1), (k, 2), (v, 2)))
+    n_bufs = len(patterns) if merge else 1
+    out_bufs = [q.new_zeros((B, N, Hq, D), dtype=acc_dtype if merge else q.dtype) for _ in range(n_bufs)]
+    lse_bufs = [q.new_full((B, N, Hq, 1), float("-inf"), dtype=acc_dtype) for _ in range(n_bufs if want_lse else 0)]
+    results = [_attend(qs, ks, vs, causal, scale, want_lse, compute_dtype)
+               for qs, ks, vs in zip(q_parts, k_parts, v_parts)]
+    outs, lses = [], []
+    for b in range(n_bufs):
+        mine = [n for n, job in enumerate(jobs) if job[0] == b]
+        specs = tuple(jobs[n][1] for n in mine)
+        outs.append(_scatter(out_bufs[b], specs, [results[n][0] for n in mine]))
+        if want_lse:
+            lses.append(_scatter(lse_bufs[b], specs, [results[n][1] for n in mine]).squeeze(-1))
     if merge:
-        out, lse = merge_partials([p[0] for p in parts], [p[1] for p in parts])
+        out, lse = merge_partials(outs, lses)
     else:
-        out, lse = parts[0]
+        out, lse = outs[0], (lses[0] if want_lse else None)
     out = out.to(q.dtype)
     return out, (lse.permute(0, 2, 1).contiguous() if need_lse else None)
-
-
-def _scatter(dst_view, index, value):
-    """dst_view[..., index, :] = value (in place on a view of a fresh buffer; autograd-safe)."""
-    if isinstance(index, slice):
-        dst_view[:, :, :, index] = value.to(dst_view.dtype)
-    else:
-        dst_view[:, :, :, index.to(dst_view.device)] = value.to(dst_view.dtype)
