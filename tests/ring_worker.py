@@ -26,9 +26,9 @@ def reference(case):
         out, lse = dilated_attention_naive(q, k, v, case["ws"], case["rs"], causal=case["causal"],
                                            mode=case.get("mode", "longnet"), offsets=case.get("offsets", "modulo"))
     else:
-        layout = (layouts.bigbird(case["N"], case["bs"], 1, 1, 1, seed=1, num_heads=case["Hq"]) if kind == "layout"
-                  else layouts.causal(case["N"], 16) if False else None)
-        if layout is None:
+        if kind == "layout":
+            layout = layouts.bigbird(case["N"], case["bs"], 1, 1, 1, seed=1, num_heads=case["Hq"])
+        else:   # dense: every block active
             from triton_dilated import BlockLayout
             nb = -(-case["N"] // 16)
             layout = BlockLayout.from_dense(torch.ones(nb, nb, dtype=torch.bool), 16)

@@ -124,23 +124,36 @@ class _RingFn(torch.autograd.Function):
         kv = [plan.payload(k), plan.payload(v)]
         acc_shape = lambda src: (k.shape[0], plan.sent_pos[src].numel(), *k.shape[2:])  # noqa: E731
         if use_p2p:
-            dkv = [torch.zeros(acc_shape(plan.rank), dtype=torch.float32, device=q.device) for _ in range(2)]
+            # Each step computes into fresh dK/dV blocks while the accumulators of the previous
+            # step are still in flight; it then waits for the accumulator of the shard it holds,
+            # adds its block and posts it onward (after the last step it reaches the owner).
+            acc_in = None   # (received accumulators, requests) of the shard now held
             for step in range(plan.world):
                 src = (plan.rank - step) % plan.world
                 pending = None
                 if step < plan.world - 1:
                     nxt = (src - 1) % plan.world
                     pending = plan.comm.shift(kv, [acc_shape(nxt)] * 2)
+                block = None
                 if plan.may_count(src):
-                    bwd(q, kv[0], kv[1], dout, lse, delta, q_pos, plan.sent_pos[src], dq, dkv[0], dkv[1], plan.mask,
-                        scale=scale)
-                # the accumulators follow their shard; after the last step they reach its owner
-                dkv, reqs = plan.comm.shift(dkv, [acc_shape((src - 1) % plan.world)] * 2)
-                plan.comm.wait(reqs)
+                    block = [torch.zeros(acc_shape(src), dtype=torch.float32, device=q.device) for _ in range(2)]
+                    bwd(q, kv[0], kv[1], dout, lse, delta, q_pos, plan.sent_pos[src], dq, block[0], block[1],
+                        plan.mask, scale=scale)
+                if acc_in is None:   # step 0: this rank's own shard starts its accumulators here
+                    acc = block or [torch.zeros(acc_shape(src), dtype=torch.float32, device=q.device)
+                                    for _ in range(2)]
+                else:
+                    plan.comm.wait(acc_in[1])
+                    acc = acc_in[0]
+                    if block is not None:
+                        acc[0] += block[0]
+                        acc[1] += block[1]
+                acc_in = plan.comm.shift(acc, [acc_shape((src - 1) % plan.world)] * 2)
                 if pending is not None:
                     plan.comm.wait(pending[1])
                     kv = pending[0]
-            dk_rows, dv_rows = dkv
+            plan.comm.wait(acc_in[1])
+            dk_rows, dv_rows = acc_in[0]
         else:
             sizes = [p.numel() for p in plan.sent_pos]
             ks, vs = plan.comm.all_gather_seq(kv[0], sizes), plan.comm.all_gather_seq(kv[1], sizes)
