@@ -389,3 +389,41 @@ def test_rows_without_keys(name, ragged, causal):
             x, o = finite_lse(x), finite_lse(o)
         tol = (1e-5 if i < 2 else 3e-5) * max(1.0, amax(o))
         assert max_err(x, o) <= tol, f"{name}: err {max_err(x, o):.3g} > {tol:.3g}"
+
+
+# ----------------------------------------------------------------------------- (f) attention with lse
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("last_dim_strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_with_lse_both_paths(dtype, last_dim_strided, causal):
+    """ops.common.lse.attention_with_lse (the portable path's per-pattern attention): the
+    fused CPU kernel (ordinary scores) and the explicit path (scores above FUSED_MAX_SCORE)
+    against float64, out, lse and the gradients of a loss that uses both."""
+    from triton_dilated.ops.common import lse as lse_mod
+    gen = torch.Generator().manual_seed(3)
+    B, H, L, D = 2, 3, 37, 16
+
+    def make(*shape):
+        x = torch.randn(*shape, generator=gen)
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2) if last_dim_strided else x
+    q, k, v = (make(B, H, L, D) for _ in range(3))
+    g, gl = torch.randn(B, H, L, D, generator=gen), torch.randn(B, H, L, generator=gen)
+    keep = torch.ones(L, L, dtype=torch.bool)
+    keep = keep.tril() if causal else keep
+
+    def grads(fn, dt, scale):   # inputs rounded to `dtype` first, then cast to dt
+        xs = [x.to(dtype).to(dt).detach().requires_grad_() for x in (q, k, v)]
+        out, lse = fn(*xs, scale)
+        loss = (out.double() * g.double()).sum() + (lse.double() * gl.double()).sum()
+        return [out, lse, *torch.autograd.grad(loss, xs)]
+
+    for scale, fused in ((D ** -0.5, True), (40.0, False)):   # bound ~ 40 * 6 * 6 > FUSED_MAX_SCORE
+        assert lse_mod._use_cpu_flash(q.to(dtype), k.to(dtype), scale) == fused
+        ref = grads(lambda a, b, c, s: lse_mod.masked_attention_with_lse(a, b, c, keep, s), torch.float64, scale)
+        got = grads(lambda a, b, c, s: lse_mod.attention_with_lse(a, b, c, causal, s), dtype, scale)
+        same = grads(lambda a, b, c, s: lse_mod.masked_attention_with_lse(a, b, c, keep, s),
+                     torch.float32, scale)   # the same-dtype reference: explicit float32 on the rounded inputs
+        for i, (name, x, sd, o) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), got, same, ref)):
+            tol = (2 if i < 2 else 3) * max_err(sd, o) + (1e-5 if dtype == torch.float32 else 1e-2) * max(1.0, amax(o))
+            assert max_err(x, o) <= tol, f"{name} (fused={fused}): err {max_err(x, o):.3g} > {tol:.3g}"

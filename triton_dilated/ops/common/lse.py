@@ -44,6 +44,77 @@ def masked_attention_with_lse(q, k, v, mask, scale: float):
     return torch.matmul(p, v), lse
 
 
+class _CpuFlashWithLse(torch.autograd.Function):
+    """PyTorch's fused CPU flash attention, which also returns lse, made differentiable in
+    lse. Its backward takes dS = P * (dP - delta) with delta = rowsum(grad_out * out); an
+    lse gradient must enter as delta - dlse. So the backward runs on inputs padded with one
+    zero column (scores and P unchanged), grad_out's extra column 1 and out's extra column
+    -dlse: delta picks up -dlse, dP does not (v's extra column is 0), and the extra
+    columns of the gradients are dropped."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        if dlse is None:
+            dq, dk, dv = bwd(dout, q, k, v, out, lse, 0.0, ctx.causal, scale=ctx.scale)
+            return dq, dk, dv, None, None
+
+        def pad(x, column=None):
+            extra = torch.zeros_like(x[..., :1]) if column is None else column.unsqueeze(-1).to(x.dtype)
+            return torch.cat([x, extra], dim=-1)
+        dq, dk, dv = bwd(pad(dout, torch.ones_like(dlse)), pad(q), pad(k), pad(v), pad(out, -dlse), lse, 0.0,
+                         ctx.causal, scale=ctx.scale)
+        return dq[..., :-1], dk[..., :-1], dv[..., :-1], None, None
+
+
+# The fused backward recomputes P = exp(s - lse) from a float32 lse, which is off by
+# |lse| * eps32: harmless for ordinary scores, but for scores of size 1e3-1e4 it gives
+# gradients several times less exact than a max-subtracted float32 softmax. Above this
+# bound on |score| the explicit path is used.
+FUSED_MAX_SCORE = 100.0
+
+
+def _use_cpu_flash(q, k, scale) -> bool:
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
+            or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        return False
+    if q.numel() == 0 or k.numel() == 0:
+        return True
+    with torch.no_grad():   # |q.k| * scale <= scale * max|q| * max|k| (Cauchy-Schwarz)
+        bound = abs(scale) * q.float().norm(dim=-1).amax() * k.float().norm(dim=-1).amax()
+    return bool(bound <= FUSED_MAX_SCORE)
+
+
+def attention_with_lse(q, k, v, causal: bool, scale: float):
+    """Attention on (B, H, L, D) tensors (any strides), every row with at least one key
+    (causal keeps the diagonal). Returns out (B, H, L, D) and lse (B, H, L) in float32 (or
+    float64), both differentiable: PyTorch's fused CPU kernel on CPU (about 10x faster than
+    the explicit path; out in q's dtype there) unless scores may exceed FUSED_MAX_SCORE,
+    else the explicit float32 softmax."""
+    if _use_cpu_flash(q, k, scale):
+        # the fused op reads rows as if the last dimension were contiguous (wrong results
+        # otherwise, measured): copy the rare inputs where it is not
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        return _CpuFlashWithLse.apply(q, k, v, causal, scale)
+    L = q.shape[-2]
+    keep = torch.ones(L, L, dtype=torch.bool, device=q.device)
+    if causal:
+        keep = keep.tril()
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out, lse = masked_attention_with_lse(q.to(acc), k.to(acc), v.to(acc), keep, scale)
+    return out, lse
+
+
 def lse_from_stats(row_max, row_sum):
     """lse = max + ln(denominator) from the kernels' row statistics; -inf for empty rows."""
     empty = row_sum == 0

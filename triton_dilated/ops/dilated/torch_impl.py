@@ -5,8 +5,9 @@ Per pattern (w, r) and per group of heads sharing an offset o, the dilated rows
 x[:, :N_full].unflatten(1, (N_full // w, w))[:, :, o::r], plus one view for the short
 last segment. Those go through scaled_dot_product_attention (causal inside the dilated
 rows is causal in positions) when a head uses one pattern and no lse is wanted;
-otherwise through an explicit float32 path that also returns lse. Patterns are mixed by
-a float32 lse merge. Memory is O(N*w/r) per pattern, never O(N^2).
+otherwise through attention that also returns a differentiable lse (PyTorch's fused CPU
+kernel on CPU, an explicit float32 softmax elsewhere). Patterns are mixed by a float32
+lse merge. Memory is O(N*w/r) per pattern, never O(N^2).
 
 The views are taken and written back by two small autograd functions rather than by
 plain slicing: autograd's own backward of a slice (and of a write into a slice) builds a
@@ -21,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..common.lse import masked_attention_with_lse, merge_partials
+from ..common.lse import attention_with_lse, merge_partials
 
 
 def _head_index(heads: list[int]):
@@ -149,11 +150,7 @@ def _attend(qs, ks, vs, causal: bool, scale: float, need_lse: bool, compute_dtyp
     to_bhld = lambda x: x.permute(0, 1, 3, 2, 4).reshape(B * nseg, Hs, L, D)  # noqa: E731
     qb, kb, vb = (to_bhld(x).to(compute_dtype) for x in (qs, ks, vs))
     if need_lse:
-        keep = torch.ones(L, L, dtype=torch.bool, device=qs.device)
-        if causal:
-            keep = keep.tril()
-        acc = torch.promote_types(compute_dtype, torch.float32)  # scores and lse in float32
-        out, lse = masked_attention_with_lse(qb.to(acc), kb.to(acc), vb.to(acc), keep, scale)
+        out, lse = attention_with_lse(qb, kb, vb, causal, scale)
         lse = lse.reshape(B, nseg, Hs, L).transpose(2, 3).unsqueeze(-1)
     else:
         out, lse = F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=scale), None
