@@ -50,31 +50,33 @@ class _CpuFlashWithLse(torch.autograd.Function):
     lse gradient must enter as delta - dlse. So the backward runs on inputs padded with one
     zero column (scores and P unchanged), grad_out's extra column 1 and out's extra column
     -dlse: delta picks up -dlse, dP does not (v's extra column is 0), and the extra
-    columns of the gradients are dropped."""
+    columns of the gradients are dropped. `bias`: an additive float mask or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, bias, causal, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                             scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, bias)
         ctx.causal, ctx.scale = causal, scale
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, bias = ctx.saved_tensors
         bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        kw = dict(attn_mask=bias, scale=ctx.scale)
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         if dlse is None:
-            dq, dk, dv = bwd(dout, q, k, v, out, lse, 0.0, ctx.causal, scale=ctx.scale)
-            return dq, dk, dv, None, None
+            dq, dk, dv = bwd(dout, q, k, v, out, lse, 0.0, ctx.causal, **kw)
+            return dq, dk, dv, None, None, None
 
         def pad(x, column=None):
             extra = torch.zeros_like(x[..., :1]) if column is None else column.unsqueeze(-1).to(x.dtype)
             return torch.cat([x, extra], dim=-1)
         dq, dk, dv = bwd(pad(dout, torch.ones_like(dlse)), pad(q), pad(k), pad(v), pad(out, -dlse), lse, 0.0,
-                         ctx.causal, scale=ctx.scale)
-        return dq[..., :-1], dk[..., :-1], dv[..., :-1], None, None
+                         ctx.causal, **kw)
+        return dq[..., :-1], dk[..., :-1], dv[..., :-1], None, None, None
 
 
 # The fused backward recomputes P = exp(s - lse) from a float32 lse, which is off by
@@ -89,30 +91,35 @@ def _use_cpu_flash(q, k, scale) -> bool:
             or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
         return False
     if q.numel() == 0 or k.numel() == 0:
-        return True
+        return False
     with torch.no_grad():   # |q.k| * scale <= scale * max|q| * max|k| (Cauchy-Schwarz)
         bound = abs(scale) * q.float().norm(dim=-1).amax() * k.float().norm(dim=-1).amax()
     return bool(bound <= FUSED_MAX_SCORE)
 
 
-def attention_with_lse(q, k, v, causal: bool, scale: float):
-    """Attention on (B, H, L, D) tensors (any strides), every row with at least one key
-    (causal keeps the diagonal). Returns out (B, H, L, D) and lse (B, H, L) in float32 (or
-    float64), both differentiable: PyTorch's fused CPU kernel on CPU (about 10x faster than
-    the explicit path; out in q's dtype there) unless scores may exceed FUSED_MAX_SCORE,
-    else the explicit float32 softmax."""
+def attention_with_lse(q, k, v, causal: bool, scale: float, keep=None):
+    """Attention on (B, H, L, D) queries and (B, H, S, D) keys/values (any strides) with
+    either `causal` or a boolean keep-mask broadcastable to (B, H, L, S). Returns out
+    (B, H, L, D) and lse (B, H, L) in float32 (or float64); a row with no key gets 0 and
+    -inf. Both are differentiable. On CPU this is PyTorch's fused flash kernel (out in q's
+    dtype; several times faster than the explicit path) unless scores may exceed
+    FUSED_MAX_SCORE; elsewhere the explicit float32 softmax."""
     if _use_cpu_flash(q, k, scale):
         # the fused op reads rows as if the last dimension were contiguous (wrong results
         # otherwise, measured): copy the rare inputs where it is not
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        return _CpuFlashWithLse.apply(q, k, v, causal, scale)
-    L = q.shape[-2]
-    keep = torch.ones(L, L, dtype=torch.bool, device=q.device)
-    if causal:
-        keep = keep.tril()
+        if keep is None:
+            return _CpuFlashWithLse.apply(q, k, v, None, causal, scale)
+        bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
+        out, lse = _CpuFlashWithLse.apply(q, k, v, bias, False, scale)   # keyless rows: out 0, lse 0
+        return out, lse.masked_fill(~keep.any(dim=-1), float("-inf"))
+    if keep is None:
+        L, S = q.shape[-2], k.shape[-2]
+        keep = torch.ones(L, S, dtype=torch.bool, device=q.device)
+        if causal:
+            keep = keep.tril()
     acc = torch.promote_types(q.dtype, torch.float32)
-    out, lse = masked_attention_with_lse(q.to(acc), k.to(acc), v.to(acc), keep, scale)
-    return out, lse
+    return masked_attention_with_lse(q.to(acc), k.to(acc), v.to(acc), keep, scale)
 
 
 def lse_from_stats(row_max, row_sum):
