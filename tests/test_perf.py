@@ -161,3 +161,33 @@ def test_flex_baseline_matches(device):
     q, k, v = (torch.randn(1, 80, 2, 16) for _ in range(3))
     ref = block_sparse_attention(q, k, v, lay, causal=True, backend="torch")
     torch.testing.assert_close(fn(q, k, v), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("capability, smem_kib", [((9, 0), 227), ((8, 0), 163), ((8, 6), 99), ((7, 0), 96)],
+                         ids=["sm90", "sm80", "sm86", "sm70"])
+def test_default_configs_fit_the_arch(capability, smem_kib):
+    """Untuned defaults (no entry in configs/<arch>.json): every kernel family, dtype and head
+    dim gets a launchable config: power-of-two tiles of 16..128, and a shared-memory estimate
+    within the arch's limit, so tune's pruning keeps it (as its first candidate)."""
+    from triton_dilated.perf import tune
+    arch = runtime.Arch("sm%d%d" % capability, capability, smem_kib * 1024, 100, "fake")
+    kernels = ("dilated_fwd", "dilated_bwd", "block_sparse_fwd", "block_sparse_bwd", "ring_step_fwd", "ring_step_bwd")
+    for kernel in kernels:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for d in (16, 32, 64, 128, 256):
+                cfg = runtime.default_config(kernel, d, arch, dtype)
+                assert set(cfg) == set(tune.CONFIG_KEYS), (kernel, d, cfg)
+                for tile in (cfg["BLOCK_M"], cfg["BLOCK_N"]):
+                    assert 16 <= tile <= 128 and tile & (tile - 1) == 0, (kernel, d, cfg)
+                elt = torch.tensor([], dtype=dtype).element_size()
+                assert runtime.shared_memory_estimate(kernel, cfg, d, elt) <= arch.shared_memory, (kernel, d, dtype, cfg)
+                assert tune.candidates(kernel, d, dtype, arch)[0] == cfg
+
+
+def test_select_config_without_tuned_entries_uses_the_default(monkeypatch):
+    arch = runtime.Arch("sm90", (9, 0), 227 * 1024, 132, "fake")
+    monkeypatch.setattr(runtime, "get_arch", lambda index=None: arch)
+    monkeypatch.setattr(runtime, "_load_arch_table", lambda name: {"arch": "sm90", "tuned": False, "kernels": {}})
+    for kernel in ("dilated_bwd", "block_sparse_fwd", "ring_step_bwd"):
+        got = runtime.select_config(kernel, torch.bfloat16, 128, 8192, torch.device("cuda", 0))
+        assert got == runtime.default_config(kernel, 128, arch, torch.bfloat16)

@@ -10,6 +10,8 @@
   python -m triton_dilated.perf layouts   time the block-layout builders at N = 1M tokens
   python -m triton_dilated.perf plot      PNG plots from result CSVs
   python -m triton_dilated.perf table     print the summary table of a result CSV
+  python -m triton_dilated.perf aot       compile every kernel for sm90/sm80 without a GPU:
+                                          compile errors, registers, spills, shared memory
 
 Results are long-format CSV rows (one per op, provider, mode, shape, metric) with provenance
 (machine, arch, torch/triton/CUDA versions, git sha, kernel config, UTC timestamp).
@@ -21,7 +23,7 @@ import argparse
 import os
 import sys
 
-COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table")
+COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot")
 DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -82,6 +84,15 @@ def _parser():
 
     p = sub.add_parser("table", help="print the summary table of result CSVs")
     p.add_argument("csv", nargs="+")
+
+    p = sub.add_parser("aot", help="compile every kernel ahead of time for NVIDIA archs (no GPU needed)")
+    p.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (default: 90 80)")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16", "fp32"), default=["bf16"])
+    p.add_argument("--kernels", nargs="+", help="default: all")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--jobs", type=int, default=2, help="parallel compiles")
+    p.add_argument("--out", default="perf/out/aot.csv")
     return parser
 
 
@@ -91,7 +102,7 @@ def main(argv=None) -> int:
         argv = ["sweep"] + argv
     args = _parser().parse_args(argv)
     return {"sweep": _sweep, "tune": _tune, "ring": _ring, "layouts": _layouts, "plot": _plot,
-            "table": _table}[args.command](args)
+            "table": _table, "aot": _aot}[args.command](args)
 
 
 def _sweep(args) -> int:
@@ -205,5 +216,24 @@ def _table(args) -> int:
     return 0 if rows else 1
 
 
+def _aot(args) -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("aot: TRITON_INTERPRET=1 replaces the compiled kernels by the interpreter: unset it", file=sys.stderr)
+        return 2
+    from .aot import KERNELS, run_aot
+    unknown = set(args.kernels or ()) - set(KERNELS)
+    if unknown:
+        print(f"aot: unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}", file=sys.stderr)
+        return 2
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    rows = run_aot(archs=args.arch, head_dims=args.head_dims, dtypes=args.dtypes, causal=causal,
+                   kernels=args.kernels, out=args.out, jobs=args.jobs)
+    failed = [r for r in rows if r["error"]]
+    spilled = [r for r in rows if not r["error"] and r["spill_stores"]]
+    print(f"\n{len(rows)} compiles: {len(failed)} failed, {len(spilled)} spill registers; wrote {args.out}")
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -27,7 +27,8 @@ from importlib import resources
 
 import torch
 
-from ..ops.common.runtime import INTERPRETER_CONFIG, get_arch, interpreter_enabled, seq_bucket, triton_importable
+from ..ops.common.runtime import INTERPRETER_CONFIG, default_config, get_arch, interpreter_enabled, seq_bucket, \
+    shared_memory_estimate, triton_importable
 from .bench import LONGNET_R, LONGNET_W, CsvSink, Timing, make_row, median_ms, provenance, random_tensors
 
 KERNELS = ("dilated_fwd", "dilated_bwd", "block_sparse_fwd", "block_sparse_bwd")
@@ -40,12 +41,14 @@ def _cfg(m, n, w, s):
 
 # Candidate lists (a GPU): the usual flash-attention tile shapes; pruned per arch by a
 # shared-memory estimate before anything is compiled.
+# The arch's default (runtime.default_config) always goes first, so a short tune
+# (max_candidates) still compares against it.
 FWD_CANDIDATES = [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3),
-                  _cfg(64, 64, 4, 4), _cfg(128, 32, 4, 3), _cfg(64, 128, 4, 3), _cfg(128, 64, 8, 2),
-                  _cfg(128, 128, 8, 2), _cfg(64, 32, 4, 2)]
-BWD_CANDIDATES = [_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 2), _cfg(64, 128, 8, 2),
-                  _cfg(128, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(64, 32, 4, 2), _cfg(128, 64, 4, 2),
-                  _cfg(32, 32, 4, 1)]
+                  _cfg(64, 64, 8, 3), _cfg(64, 64, 4, 4), _cfg(128, 32, 4, 3), _cfg(64, 128, 4, 3),
+                  _cfg(128, 64, 8, 2), _cfg(128, 128, 8, 2), _cfg(64, 32, 4, 2)]
+BWD_CANDIDATES = [_cfg(64, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 2),
+                  _cfg(64, 128, 8, 2), _cfg(128, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(64, 32, 4, 2),
+                  _cfg(128, 64, 4, 2), _cfg(32, 32, 4, 2), _cfg(32, 32, 4, 1)]
 
 
 def candidates(kernel: str, head_dim_padded: int, dtype: torch.dtype, arch, limit: int | None = None):
@@ -55,16 +58,10 @@ def candidates(kernel: str, head_dim_padded: int, dtype: torch.dtype, arch, limi
         return [dict(INTERPRETER_CONFIG)]
     elt = torch.tensor([], dtype=dtype).element_size()
     smem = arch.shared_memory or 48 * 1024
-    out = []
-    for c in (BWD_CANDIDATES if kernel.endswith("_bwd") else FWD_CANDIDATES):
-        stages = max(1, c["num_stages"] - 1)
-        if kernel.endswith("_fwd"):   # q tile + pipelined k, v tiles
-            need = c["BLOCK_M"] * head_dim_padded * elt + stages * 2 * c["BLOCK_N"] * head_dim_padded * elt
-        else:                         # q, do tiles pipelined + k, v tiles + score tile
-            need = (stages * 2 * c["BLOCK_M"] + 2 * c["BLOCK_N"]) * head_dim_padded * elt \
-                + c["BLOCK_M"] * c["BLOCK_N"] * 4
-        if need <= smem:
-            out.append(dict(c))
+    first = default_config(kernel, head_dim_padded, arch, dtype)
+    pool = BWD_CANDIDATES if kernel.endswith("_bwd") else FWD_CANDIDATES
+    out = [dict(c) for c in [first] + [c for c in pool if c != first]
+           if shared_memory_estimate(kernel, c, head_dim_padded, elt) <= smem]
     return out[:limit] if limit else out
 
 

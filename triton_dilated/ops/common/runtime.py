@@ -93,14 +93,60 @@ def _load_arch_table(arch_name: str) -> dict:
     return json.loads(text)
 
 
-def _fallback_config(head_dim_padded: int, arch: Arch) -> dict:
+def _cfg(block_m: int, block_n: int, warps: int, stages: int) -> dict:
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+
+
+# Untuned backward defaults: (Hopper?, padded head dim <= 64?) -> family -> config. Chosen
+# from an ahead-of-time compile of every kernel for sm90 and sm80 (triton 3.9, ptxas -v,
+# bf16, num_stages 2, no GPU needed): the largest tile with which both the dQ and the dK/dV
+# kernel (they share one config) keep everything in registers, or else the one that spills
+# least. dK/dV holds k, v, dk and dv in registers, so it is what forces the smaller tiles.
+_BWD_DEFAULTS = {
+    (True, True): {"dilated": _cfg(64, 64, 8, 2), "block_sparse": _cfg(64, 64, 8, 2), "ring_step": _cfg(64, 64, 8, 2)},
+    (True, False): {"dilated": _cfg(32, 32, 4, 2),   # every candidate spills in dK/dV; this one 24 B
+                    "block_sparse": _cfg(64, 32, 4, 2), "ring_step": _cfg(64, 32, 4, 2)},
+    (False, True): {"dilated": _cfg(64, 32, 4, 2),   # dK/dV spills 8 B
+                    "block_sparse": _cfg(64, 32, 4, 2), "ring_step": _cfg(64, 32, 4, 2)},
+    (False, False): {"dilated": _cfg(64, 64, 8, 2), "block_sparse": _cfg(64, 32, 4, 2), "ring_step": _cfg(64, 64, 8, 2)},
+}
+
+
+def shared_memory_estimate(kernel: str, config: dict, head_dim_padded: int, element_size: int) -> int:
+    """Rough shared memory of a launch, in bytes: forward, the q tile plus the pipelined k, v
+    tiles; backward, the pipelined q, dO tiles, the k, v tiles and a float32 score tile."""
+    stages = max(1, config["num_stages"] - 1)
+    m, n, d = config["BLOCK_M"], config["BLOCK_N"], head_dim_padded
+    if kernel.endswith("_fwd"):
+        return (m + stages * 2 * n) * d * element_size
+    return (stages * 2 * m + 2 * n) * d * element_size + m * n * 4
+
+
+def default_config(kernel: str, head_dim_padded: int, arch: Arch, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The config used where configs/<arch>.json has no tuned entry. Forward kernels:
+    64x64 tiles, 4 warps up to D=64 and 8 up to D=128 (no spills on sm80 or sm90); the
+    backward kernels: _BWD_DEFAULTS; D > 128 (not compiled ahead of time): small tiles.
+    Then fewer stages, then smaller tiles, until the shared-memory estimate fits the arch."""
     big_smem = arch.shared_memory >= 160 * 1024
+    backward = kernel.endswith("_bwd")
     if head_dim_padded > 128:
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2 if big_smem else 1}
-    if head_dim_padded > 64:
-        return {"BLOCK_M": 128 if big_smem else 64, "BLOCK_N": 64, "num_warps": 8 if big_smem else 4,
-                "num_stages": 3 if big_smem else 2}
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3 if big_smem else 2}
+        cfg = _cfg(32, 32, 4, 2) if backward else _cfg(64, 32, 4, 2)
+    elif not backward:
+        cfg = _cfg(64, 64, 4 if head_dim_padded <= 64 else 8, 3 if big_smem else 2)
+    else:
+        family = kernel.rsplit("_", 1)[0]
+        cfg = dict(_BWD_DEFAULTS[(arch.capability >= (9, 0), head_dim_padded <= 64)][family])
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    limit = arch.shared_memory or 48 * 1024
+    while shared_memory_estimate(kernel, cfg, head_dim_padded, element_size) > limit:
+        if cfg["num_stages"] > 1:
+            cfg["num_stages"] -= 1
+        elif max(cfg["BLOCK_M"], cfg["BLOCK_N"]) > 16:
+            cfg["BLOCK_M" if cfg["BLOCK_M"] >= cfg["BLOCK_N"] else "BLOCK_N"] //= 2
+            cfg["num_warps"] = 4   # smaller tiles than chosen: 8 warps would sit idle
+        else:
+            break
+    return cfg
 
 
 def seq_bucket(n: int) -> int:
@@ -114,8 +160,8 @@ def seq_bucket(n: int) -> int:
 def select_config(kernel: str, dtype: torch.dtype, head_dim_padded: int, seqlen: int,
                   device: torch.device) -> dict:
     """Tuned kernel config: one fixed config under the interpreter; on a GPU, the entry of
-    configs/<arch>.json for (kernel, dtype, head dim, sequence bucket), else a default
-    sized by head dim and shared memory."""
+    configs/<arch>.json for (kernel, dtype, head dim, sequence bucket) that `perf tune`
+    wrote, else default_config."""
     if device.type != "cuda":
         return dict(INTERPRETER_CONFIG)
     arch = get_arch(device.index if device.index is not None else torch.cuda.current_device())
@@ -129,7 +175,7 @@ def select_config(kernel: str, dtype: torch.dtype, head_dim_padded: int, seqlen:
                   for k in table if k.startswith(prefix))
     if near:
         return dict(table[near[0][1]])
-    return _fallback_config(head_dim_padded, arch)
+    return default_config(kernel, head_dim_padded, arch, dtype)
 
 
 def kernel_options(dtype, device):

@@ -42,7 +42,10 @@ def load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, r
     else:
         k = tl.load(k_base + kpos64[:, None] * stride_kn, mask=d_ok[None, :], other=0.0)
         v = tl.load(v_base + kpos64[:, None] * stride_vn, mask=d_ok[None, :], other=0.0)
-        mask = row_active[:, None]   # unused on the fast path
+        # unused on the fast path, but (BLOCK_M, BLOCK_N) like the masked one: callers pick
+        # the path with a runtime `if`, and compiled Triton rejects a variable whose type
+        # differs between the branches (the interpreter does not)
+        mask = row_active[:, None] & (t >= t0)[None, :]
     return k, v, mask
 
 
