@@ -117,6 +117,8 @@ def shared_memory_estimate(kernel: str, config: dict, head_dim_padded: int, elem
     tiles; backward, the pipelined q, dO tiles, the k, v tiles and a float32 score tile."""
     stages = max(1, config["num_stages"] - 1)
     m, n, d = config["BLOCK_M"], config["BLOCK_N"], head_dim_padded
+    if element_size == 4:   # float32 dots are three tf32 products: split operands, about twice the space
+        element_size = 8
     if kernel.endswith("_fwd"):
         return (m + stages * 2 * n) * d * element_size
     return (stages * 2 * m + 2 * n) * d * element_size + m * n * 4
@@ -125,11 +127,16 @@ def shared_memory_estimate(kernel: str, config: dict, head_dim_padded: int, elem
 def default_config(kernel: str, head_dim_padded: int, arch: Arch, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The config used where configs/<arch>.json has no tuned entry. Forward kernels:
     64x64 tiles, 4 warps up to D=64 and 8 up to D=128 (no spills on sm80 or sm90); the
-    backward kernels: _BWD_DEFAULTS; D > 128 (not compiled ahead of time): small tiles.
+    backward kernels: _BWD_DEFAULTS; float32 and D > 128: small tiles.
     Then fewer stages, then smaller tiles, until the shared-memory estimate fits the arch."""
     big_smem = arch.shared_memory >= 160 * 1024
     backward = kernel.endswith("_bwd")
-    if head_dim_padded > 128:
+    if dtype == torch.float32:
+        # three tf32 products per dot need about twice the registers and shared memory: every
+        # tile spills at D=128 and 64x64 (s3) overflows an H100 block; 32x32 keeps spills
+        # moderate (block-sparse backward: 64x32, where 32x32 spills 20 KB)
+        cfg = _cfg(64 if kernel == "block_sparse_bwd" else 32, 32, 4, 2)
+    elif head_dim_padded > 128:
         cfg = _cfg(32, 32, 4, 2) if backward else _cfg(64, 32, 4, 2)
     elif not backward:
         cfg = _cfg(64, 64, 4 if head_dim_padded <= 64 else 8, 3 if big_smem else 2)
