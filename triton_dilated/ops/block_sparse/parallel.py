@@ -151,7 +151,7 @@ def _block_sparse_bwd_dkdv_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DK, DV, Q_COUNT, Q_INDEX,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
-        stride_dkb, stride_dkn, stride_dkh, stride_lb, stride_lh,
+        stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh,
         stride_cb, stride_ch, stride_ib, stride_ih, stride_ir,
         N, NUM_HEADS, NUM_KV_HEADS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
@@ -209,7 +209,7 @@ def _block_sparse_bwd_dkdv_kernel(
                 dk += dot(tl.trans(ds.to(qt.dtype)), qt, DOT_FP32, PRECISION)
     tl.store(DK + b * stride_dkb + kvh * stride_dkh + keys64[:, None] * stride_dkn + d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=tile_mask)
-    tl.store(DV + b * stride_dkb + kvh * stride_dkh + keys64[:, None] * stride_dkn + d[None, :],
+    tl.store(DV + b * stride_dvb + kvh * stride_dvh + keys64[:, None] * stride_dvn + d[None, :],
              dv.to(DV.dtype.element_ty), mask=tile_mask)
 
 
@@ -274,7 +274,8 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
     counts, index, lay_strides = _layout_args(layout.q_num_blocks, layout.q_indices, B, Hq)
     _block_sparse_bwd_dkdv_kernel[(triton.cdiv(N, bn), B * Hkv)](
         q, k, v, do, row_max, row_sum, delta, dk, dv, counts, index, *strides,
-        dk.stride(0), dk.stride(1), dk.stride(2), row_max.stride(0), row_max.stride(1), *lay_strides,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        row_max.stride(0), row_max.stride(1), *lay_strides,
         N, Hq, Hkv, Hq // Hkv, scale, **common)
     return dq, dk, dv
 

@@ -208,7 +208,7 @@ def _dilated_bwd_dkdv_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DK, DV, ITEMS, PAT_W, PAT_R, PAT_OFF,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
-        stride_dkb, stride_dkn, stride_dkh, stride_lb, stride_lh,
+        stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh,
         HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
@@ -273,7 +273,7 @@ def _dilated_bwd_dkdv_kernel(
                                          sm_scale, CAUSAL, True, DOT_FP32, PRECISION)
     tl.store(DK + b * stride_dkb + kvh * stride_dkh + keys64[:, None] * stride_dkn + d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=tile_mask)
-    tl.store(DV + b * stride_dkb + kvh * stride_dkh + keys64[:, None] * stride_dkn + d[None, :],
+    tl.store(DV + b * stride_dvb + kvh * stride_dvh + keys64[:, None] * stride_dvn + d[None, :],
              dv.to(DV.dtype.element_ty), mask=tile_mask)
 
 
@@ -373,7 +373,8 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     if items.shape[0]:
         _dilated_bwd_dkdv_kernel[(items.shape[0], B)](
             q, k, v, do, row_max, row_sum, delta, dk, dv, items, pat_w, pat_r, pat_off, *strides,
-            dk.stride(0), dk.stride(1), dk.stride(2), row_max.stride(0), row_max.stride(1),
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            row_max.stride(0), row_max.stride(1),
             Hq // Hkv, scale, **common)
     return dq, dk, dv
 

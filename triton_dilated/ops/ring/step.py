@@ -165,7 +165,8 @@ def _ring_step_bwd_dq_kernel(
 def _ring_step_bwd_dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DK, DV, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        stride_dob, stride_don, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_sb, stride_sh,
+        stride_dob, stride_don, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+        stride_sb, stride_sh,
         stride_lb, stride_lh, stride_lr,
         NQ, NK, NUM_KV_HEADS, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
@@ -208,7 +209,7 @@ def _ring_step_bwd_dkdv_kernel(
                 dv += dot(tl.trans(p.to(do.dtype)), do, DOT_FP32, PRECISION)
                 dk += dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32, PRECISION)
     dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + cols64[:, None] * stride_dkn + d[None, :]
-    dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + cols64[:, None] * stride_dkn + d[None, :]
+    dv_ptrs = DV + b * stride_dvb + kvh * stride_dvh + cols64[:, None] * stride_dvn + d[None, :]
     tl.store(dk_ptrs, tl.load(dk_ptrs, mask=tile_mask, other=0.0) + dk * sm_scale, mask=tile_mask)
     tl.store(dv_ptrs, tl.load(dv_ptrs, mask=tile_mask, other=0.0) + dv, mask=tile_mask)
 
@@ -286,5 +287,6 @@ def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepM
         q, k, v, do, lse, delta, dq, *common, dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1),
         *lay_strides, NQ, NK, Hq, Hq // Hkv, scale, mask.layout_block, **meta, **mask.kernel_meta())
     _ring_step_bwd_dkdv_kernel[(triton.cdiv(NK, cfg["BLOCK_N"]), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, *common, dk.stride(0), dk.stride(1), dk.stride(2), lse.stride(0),
+        q, k, v, do, lse, delta, dk, dv, *common, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
+        dv.stride(2), lse.stride(0),
         lse.stride(1), *lay_strides, NQ, NK, Hkv, Hq // Hkv, scale, mask.layout_block, **meta, **mask.kernel_meta())
