@@ -63,6 +63,16 @@ def test_matches_oracle(case, Hkv, causal, dtype, D, backend, seed):
     run_case(B=Lb, N=N, Hq=Hq, Hkv=Hkv, D=D, layout=layout, causal=causal, dtype=dtype, seed=seed, backend=backend)
 
 
+@given(case=layouts_st(), Hkv=st.integers(1, 2), causal=st.booleans(), D=st.sampled_from([8, 12, 16, 32]),
+       seed=st.integers(0, 999))
+def test_portable_bfloat16_matches_oracle(case, Hkv, causal, D, seed):
+    """The portable backend in bfloat16 on CPU (the fused CPU kernel; the interpreter's
+    bfloat16 dot is what keeps bf16 out of test_matches_oracle there)."""
+    N, layout = case
+    run_case(B=layout.kv_num_blocks.shape[0], N=N, Hq=2, Hkv=Hkv, D=D, layout=layout, causal=causal,
+             dtype=torch.bfloat16, seed=seed, backend="torch")
+
+
 def test_kernel_tiles_smaller_than_block():
     """Layout block 64 with kernel tiles of 32 (several sub-tiles per block), ragged N."""
     layout = layouts.bigbird(150, 64, window=0, num_global_blocks=1, num_random=1, seed=3, num_heads=2)
