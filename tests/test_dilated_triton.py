@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from triton_dilated import dilated_attention, dilated_attention_naive
 from triton_dilated.ops.dilated.patterns import head_offsets

@@ -23,8 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..ops.common.runtime import INTERPRETER_CONFIG, _load_arch_table, get_arch, resolve_backend, seq_bucket, \
-    select_config
+from ..ops.common.runtime import _load_arch_table, get_arch, resolve_backend, seq_bucket, select_config
 from ..ops.dilated.patterns import head_offsets
 from .baselines import flex_available, flex_block_sparse, head_group_loop, sdpa_dense
 
