@@ -4,6 +4,10 @@ Every rejected input raises TypeError (wrong kind of object) or ValueError (righ
 wrong value) with a message naming the offending argument. Plus the edge cases that must
 be *accepted*: empty batch, empty sequence, non-contiguous last dimension, D = 256.
 """
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -162,6 +166,24 @@ def test_backend_triton_on_cpu_without_interpreter(monkeypatch):
     out = dilated_attention(q, k, v, [4, 8], [1, 2], backend="auto")
     ref = dilated_attention(q, k, v, [4, 8], [1, 2], backend="torch")
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_interpreter_set_after_import_is_a_clear_error():
+    """TRITON_INTERPRET=1 set after the package was imported does not switch the already
+    defined kernels: "auto" takes the portable path and "triton" says what to do, instead
+    of triton's "0 active drivers"."""
+    code = ("import os, torch, triton_dilated as td\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "q = torch.randn(1, 8, 2, 8)\n"
+            "assert td.dilated_attention(q, q, q, [4, 8], [1, 2]).shape == q.shape\n"
+            "try:\n"
+            "    td.dilated_attention(q, q, q, [4, 8], [1, 2], backend='triton')\n"
+            "except ValueError as e:\n"
+            "    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "set it before importing triton_dilated" in proc.stdout
 
 
 def test_pattern_lists_accept_tuples_numpy_ints_and_tensors():

@@ -332,7 +332,9 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
         return _packed(q, k, v, layout, cu_seqlens, causal=causal, scale=scale, return_lse=return_lse,
                        backend=backend)
     path = resolve_backend(backend, q.device)
-    if path == "triton" and torch.compiler.is_compiling():   # a custom op: traceable, no graph break
+    # under torch.compile: the custom op (either path). It traces without a graph break; the
+    # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
+    if torch.compiler.is_compiling():
         from ..custom_ops import block_sparse_attention_op
         return block_sparse_attention_op(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse,
                                          backend=backend)

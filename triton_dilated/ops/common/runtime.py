@@ -17,7 +17,20 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages"
 
 
 def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when the Triton kernels run under Triton's interpreter. Triton reads
+    TRITON_INTERPRET when a kernel is decorated, i.e. when triton_dilated is imported:
+    setting it later does not switch the kernels, so the kernels themselves are asked."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1" and kernels_interpreted()
+
+
+def kernels_interpreted() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from ..dilated.parallel import _dilated_fwd_kernel
+    except Exception:  # noqa: BLE001 - no triton, or called while the package is importing
+        return False
+    return isinstance(_dilated_fwd_kernel, InterpretedFunction)
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,6 +80,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return "triton"
     if backend == "auto":
         return "torch"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise ValueError(
+            "backend='triton' on a CPU tensor: TRITON_INTERPRET=1 is set, but only after triton_dilated "
+            "was imported, and triton reads it when the kernels are defined; set it before importing "
+            "triton_dilated (or use backend='auto' or 'torch' for the portable path)")
     if device.type == "cpu":
         raise ValueError(
             "backend='triton' needs a CUDA tensor, or TRITON_INTERPRET=1 set before triton is "

@@ -437,7 +437,9 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     scale = check_scale(scale, D)
     path = resolve_backend(backend, q.device)
     doc_bounds = check_cu_seqlens(cu_seqlens, B, N)
-    if path == "triton" and torch.compiler.is_compiling() and doc_bounds is None:   # traceable custom op
+    # under torch.compile: the custom op (either path). It traces without a graph break; the
+    # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
+    if torch.compiler.is_compiling() and doc_bounds is None:
         from ..custom_ops import dilated_attention_op
         return dilated_attention_op(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
                                     offsets=offsets, return_lse=return_lse, backend=backend)
