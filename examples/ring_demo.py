@@ -56,9 +56,9 @@ def main():
         else:
             ref = dilated_attention(*full, ws, rs, causal=True)
         err = (out.float() - shard(ref, rank, world, args.balance).float()).abs().max().item()
-        mem = torch.cuda.max_memory_allocated(device) / 2 ** 20 if cuda else float("nan")
+        mem = f"{torch.cuda.max_memory_allocated(device) / 2 ** 20:.0f} MiB" if cuda else "n/a (CPU)"
         print(f"[rank {rank}/{world}] {name}: fwd+bwd {ms:.1f} ms, max |ring - single device| = {err:.2e}, "
-              f"peak memory {mem:.0f} MiB")
+              f"peak GPU memory {mem}")
         q.grad = k.grad = v.grad = None
     dist.destroy_process_group()
 

@@ -1,6 +1,6 @@
 """Train a small LongNet-style decoder on a synthetic copy task, on a CPU in about a minute.
 
-    python examples/train_longnet.py               # 300 steps, ~40 s on one CPU core
+    python examples/train_longnet.py               # 300 steps, under a minute on 2 CPU cores
     python examples/train_longnet.py --steps 50 --log-every 10
 
 The model: token embedding + learned positions, `--layers` pre-LayerNorm blocks of
