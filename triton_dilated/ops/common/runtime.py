@@ -130,6 +130,16 @@ _BWD_DEFAULTS = {
 }
 
 
+# 16-bit defaults for head dims over 128 (D = 256), from the same ahead-of-time compile over
+# 6-7 candidates on sm90 and sm80 (perf/aot/d256-bf16.csv): 8 warps halve the registers a
+# thread needs for its rows of the wide accumulators. Every choice keeps both archs free of
+# spills except block-sparse dK/dV on sm80 (484 B; 4-warp tiles spill 5-11 KB there).
+_WIDE_HEAD_DEFAULTS = {
+    "dilated_fwd": _cfg(64, 32, 8, 2), "block_sparse_fwd": _cfg(64, 32, 8, 2), "ring_step_fwd": _cfg(32, 64, 4, 2),
+    "dilated_bwd": _cfg(32, 32, 8, 2), "block_sparse_bwd": _cfg(64, 16, 8, 2), "ring_step_bwd": _cfg(32, 32, 8, 2),
+}
+
+
 def shared_memory_estimate(kernel: str, config: dict, head_dim_padded: int, element_size: int) -> int:
     """Rough shared memory of a launch, in bytes: forward, the q tile plus the pipelined k, v
     tiles; backward, the pipelined q, dO tiles, the k, v tiles and a float32 score tile."""
@@ -145,7 +155,7 @@ def shared_memory_estimate(kernel: str, config: dict, head_dim_padded: int, elem
 def default_config(kernel: str, head_dim_padded: int, arch: Arch, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The config used where configs/<arch>.json has no tuned entry. Forward kernels:
     64x64 tiles, 4 warps up to D=64 and 8 up to D=128 (no spills on sm80 or sm90); the
-    backward kernels: _BWD_DEFAULTS; float32 and D > 128: small tiles.
+    backward kernels: _BWD_DEFAULTS; D > 128: _WIDE_HEAD_DEFAULTS; float32: small tiles.
     Then fewer stages, then smaller tiles, until the shared-memory estimate fits the arch."""
     big_smem = arch.shared_memory >= 160 * 1024
     backward = kernel.endswith("_bwd")
@@ -155,7 +165,7 @@ def default_config(kernel: str, head_dim_padded: int, arch: Arch, dtype: torch.d
         # moderate (block-sparse backward: 64x32, where 32x32 spills 20 KB)
         cfg = _cfg(64 if kernel == "block_sparse_bwd" else 32, 32, 4, 2)
     elif head_dim_padded > 128:
-        cfg = _cfg(32, 32, 4, 2) if backward else _cfg(64, 32, 4, 2)
+        cfg = dict(_WIDE_HEAD_DEFAULTS[kernel])
     elif not backward:
         cfg = _cfg(64, 64, 4 if head_dim_padded <= 64 else 8, 3 if big_smem else 2)
     else:
