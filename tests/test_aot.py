@@ -1,7 +1,8 @@
 """Every Triton kernel compiled ahead of time for sm90 and sm80 (no GPU needed): the CPU
 interpreter cannot see compile-only errors (a variable whose type differs between the
 branches of a runtime `if` once broke the block-sparse kernels on GPUs only), so CI
-compiles each kernel once with the config the library picks on those archs."""
+compiles each kernel with the config the library picks on those archs, at head dims 64 and
+256 (the widest, with its own defaults)."""
 from __future__ import annotations
 
 import csv
@@ -27,11 +28,12 @@ def test_every_kernel_compiles_for_sm90_and_sm80(tmp_path):
     out = tmp_path / "aot.csv"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", "90", "80", "--head-dims",
-                           "64", "--causal", "yes", "--out", str(out)], env=env, capture_output=True, text=True,
+                           "64", "256", "--causal", "yes", "--out", str(out)], env=env, capture_output=True, text=True,
                           timeout=900)
     with open(out) as f:
         rows = list(csv.DictReader(f))
-    assert {(r["arch"], r["kernel"]) for r in rows} == {(a, k) for a in ("sm90", "sm80") for k in KERNELS}
+    assert {(r["arch"], r["kernel"], r["D"]) for r in rows} == {(a, k, d) for a in ("sm90", "sm80") for k in KERNELS
+                                                                for d in ("64", "256")}
     failed = [f"{r['arch']} {r['kernel']}: {r['error']}" for r in rows if r["error"]]
     assert not failed, "\n".join(failed)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
