@@ -163,14 +163,15 @@ def test_flex_baseline_matches(device):
     torch.testing.assert_close(fn(q, k, v), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("capability, smem_kib", [((9, 0), 227), ((8, 0), 163), ((8, 6), 99), ((7, 0), 96)],
-                         ids=["sm90", "sm80", "sm86", "sm70"])
+@pytest.mark.parametrize("capability, smem_kib", [((9, 0), 227), ((8, 0), 163), ((8, 6), 99), ((7, 5), 64),
+                                                  ((7, 0), 96)], ids=["sm90", "sm80", "sm86", "sm75", "sm70"])
 def test_default_configs_fit_the_arch(capability, smem_kib):
     """Untuned defaults (no entry in configs/<arch>.json): every kernel family, dtype and head
     dim gets power-of-two tiles of 16..128 whose (conservative) shared-memory estimate fits
-    the arch, so tune's pruning keeps it as its first candidate; where nothing fits the
-    estimate, the smallest tile (float32 D=256 backward on 99 KiB cards: the real compile
-    needs 96 KiB, `perf aot --arch 86`)."""
+    the arch (twice the estimate before Ampere), so tune's pruning keeps it as its first
+    candidate; where nothing fits, the smallest tile (float32 D=256 backward on 99 KiB cards:
+    the real compile needs 96 KiB, `perf aot --arch 86`; before Ampere, float32 D=256 and
+    D=256 backward on a 64 KiB Turing block, where the dispatcher takes the portable path)."""
     from triton_dilated.perf import tune
     arch = runtime.Arch("sm%d%d" % capability, capability, smem_kib * 1024, 100, "fake")
     kernels = ("dilated_fwd", "dilated_bwd", "block_sparse_fwd", "block_sparse_bwd", "ring_step_fwd", "ring_step_bwd")
@@ -181,11 +182,14 @@ def test_default_configs_fit_the_arch(capability, smem_kib):
                 assert set(cfg) == set(tune.CONFIG_KEYS), (kernel, d, cfg)
                 for tile in (cfg["BLOCK_M"], cfg["BLOCK_N"]):
                     assert 16 <= tile <= 128 and tile & (tile - 1) == 0, (kernel, d, cfg)
-                elt = torch.tensor([], dtype=dtype).element_size()
-                if runtime.shared_memory_estimate(kernel, cfg, d, elt) <= arch.shared_memory:
+                if runtime.config_fits(kernel, cfg, d, arch, dtype):
                     assert tune.candidates(kernel, d, dtype, arch)[0] == cfg
-                else:   # only float32 D=256 backward on <= 99 KiB cards: the smallest tile
-                    assert (dtype, d, kernel.endswith("_bwd"), smem_kib <= 99) == (torch.float32, 256, True, True)
+                else:   # float32 before Ampere (the dispatcher takes the portable path there);
+                    # D=256 backward: float32 on <= 99 KiB cards, 16-bit on sm75
+                    pre_ampere, bwd = capability < (8, 0), kernel.endswith("_bwd")
+                    assert (dtype == torch.float32 and pre_ampere
+                            or d == 256 and bwd and (dtype == torch.float32 and smem_kib <= 99
+                                                     or capability == (7, 5))), (kernel, dtype, d, cfg)
                     assert cfg == {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
 
@@ -196,3 +200,24 @@ def test_select_config_without_tuned_entries_uses_the_default(monkeypatch):
     for kernel in ("dilated_bwd", "block_sparse_fwd", "ring_step_bwd"):
         got = runtime.select_config(kernel, torch.bfloat16, 128, 8192, torch.device("cuda", 0))
         assert got == runtime.default_config(kernel, 128, arch, torch.bfloat16)
+
+
+def test_dispatch_takes_the_portable_path_where_no_tile_fits(monkeypatch):
+    """A GPU where the kernels cannot run the problem (D=256 backward on a 64 KiB Turing
+    block; float32 without TF32 tensor cores): "auto" takes the portable path, "triton" is
+    a clear error; an sm80 takes the kernels. (Faked GPUs: the logic, not a launch.)"""
+    dev = torch.device("cuda", 0)
+    arch = {"now": None}
+    monkeypatch.setattr(runtime, "triton_can_target", lambda device: True)
+    monkeypatch.setattr(runtime, "get_arch", lambda index=None: arch["now"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    need = ("dilated_fwd", "dilated_bwd")
+    arch["now"] = runtime.Arch("sm75", (7, 5), 64 * 1024, 40, "fake")
+    assert runtime.resolve_backend("auto", dev, need, 256, torch.float16) == "torch"
+    assert runtime.resolve_backend("auto", dev, need, 128, torch.float16) == "triton"
+    assert runtime.resolve_backend("auto", dev, need, 64, torch.float32) == "torch"
+    with pytest.raises(ValueError, match="backend='triton': .* cannot run head dim 256"):
+        runtime.resolve_backend("triton", dev, need, 256, torch.float16)
+    arch["now"] = runtime.Arch("sm80", (8, 0), 163 * 1024, 108, "fake")
+    assert runtime.resolve_backend("auto", dev, need, 256, torch.float16) == "triton"
+    assert runtime.resolve_backend("auto", dev, need, 256, torch.float32) == "triton"

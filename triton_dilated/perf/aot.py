@@ -27,7 +27,7 @@ _FP32 = {"ROW_MAX", "ROW_SUM", "DELTA", "LSE", "OUT"}
 _I32 = {"ITEMS", "PAT_W", "PAT_R", "PAT_OFF", "KV_COUNT", "KV_INDEX", "Q_COUNT", "Q_INDEX", "Q_POS", "K_POS"}
 _I8 = {"LAYOUT"}
 _RING_FP32 = {"DQ", "DK", "DV"}   # the ring step accumulates dQ, dK, dV in float32
-_INTS = {"N", "NQ", "NK", "NUM_HEADS", "NUM_KV_HEADS", "HEAD_GROUP"}   # upper-case sizes, not pointers
+_INTS = {"N", "NQ", "NK", "NUM_HEADS", "NUM_KV_HEADS", "HEAD_GROUP", "NUM_ITEMS"}   # upper-case sizes, not pointers
 # strides the JIT would see as multiples of 16 (tensor strides), except layout-table ones
 _ODD_STRIDES = {"stride_cb", "stride_ch", "stride_ib", "stride_ih", "stride_ir"}
 _RING_ODD_STRIDES = {"stride_lb", "stride_lh", "stride_lr"}
@@ -48,7 +48,7 @@ KERNELS = {
 }
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
           "spill_stores", "spill_loads", "shared_bytes", "compile_s", "error"]
-_SMEM = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}   # opt-in bytes per block
+_SMEM = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}   # opt-in bytes per block
 
 
 def _signature(name, fn, dtype: str, D: int, causal: bool, cfg: dict):

@@ -27,8 +27,8 @@ from importlib import resources
 
 import torch
 
-from ..ops.common.runtime import INTERPRETER_CONFIG, default_config, get_arch, interpreter_enabled, seq_bucket, \
-    shared_memory_estimate, triton_importable
+from ..ops.common.runtime import INTERPRETER_CONFIG, config_fits, default_config, get_arch, interpreter_enabled, \
+    seq_bucket, triton_importable
 from .bench import LONGNET_R, LONGNET_W, CsvSink, Timing, make_row, median_ms, provenance, random_tensors
 
 KERNELS = ("dilated_fwd", "dilated_bwd", "block_sparse_fwd", "block_sparse_bwd")
@@ -56,12 +56,10 @@ def candidates(kernel: str, head_dim_padded: int, dtype: torch.dtype, arch, limi
     the arch's per-block maximum. Under the interpreter: exactly INTERPRETER_CONFIG."""
     if arch.capability == (0, 0):
         return [dict(INTERPRETER_CONFIG)]
-    elt = torch.tensor([], dtype=dtype).element_size()
-    smem = arch.shared_memory or 48 * 1024
     first = default_config(kernel, head_dim_padded, arch, dtype)
     pool = BWD_CANDIDATES if kernel.endswith("_bwd") else FWD_CANDIDATES
     out = [dict(c) for c in [first] + [c for c in pool if c != first]
-           if shared_memory_estimate(kernel, c, head_dim_padded, elt) <= smem]
+           if config_fits(kernel, c, head_dim_padded, arch, dtype)]
     return out[:limit] if limit else out
 
 

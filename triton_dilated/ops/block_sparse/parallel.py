@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from ..common.lse import lse_from_stats, softmax_delta
-from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, portable_compute_dtype, resolve_backend,
-                              select_config)
+from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, on_tensor_device,
+                              portable_compute_dtype, resolve_backend, select_config)
 from ..common.triton_helpers import dot, finalize, load_key_block, load_row_stats, online_softmax_step, softmax_grad_block
 from ..common.validation import check_flags, check_qkv, check_scale
 from .layout import BlockLayout
@@ -37,8 +37,10 @@ def _block_sparse_fwd_kernel(
         N, NUM_HEADS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
+    # one flat grid axis, tiles of a head adjacent (a second axis caps batch x heads at 65,535)
+    n_tiles = tl.cdiv(N, BLOCK_M)
+    tile = tl.program_id(0) % n_tiles
+    bh = (tl.program_id(0) // n_tiles).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
     b = bh // NUM_HEADS
     h = bh % NUM_HEADS
     kvh = h // HEAD_GROUP
@@ -54,7 +56,7 @@ def _block_sparse_fwd_kernel(
     k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
     count = tl.load(KV_COUNT + b * stride_cb + h * stride_ch + qblock)
-    index_base = KV_INDEX + b * stride_ib + h * stride_ih + qblock * stride_ir
+    index_base = KV_INDEX + b * stride_ib + h * stride_ih + qblock.to(tl.int64) * stride_ir
     last_row = tl.minimum(tile * BLOCK_M + BLOCK_M, N) - 1
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -97,8 +99,10 @@ def _block_sparse_bwd_dq_kernel(
         N, NUM_HEADS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
+    # one flat grid axis, tiles of a head adjacent (a second axis caps batch x heads at 65,535)
+    n_tiles = tl.cdiv(N, BLOCK_M)
+    tile = tl.program_id(0) % n_tiles
+    bh = (tl.program_id(0) // n_tiles).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
     b = bh // NUM_HEADS
     h = bh % NUM_HEADS
     kvh = h // HEAD_GROUP
@@ -117,7 +121,7 @@ def _block_sparse_bwd_dq_kernel(
     k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
     count = tl.load(KV_COUNT + b * stride_cb + h * stride_ch + qblock)
-    index_base = KV_INDEX + b * stride_ib + h * stride_ih + qblock * stride_ir
+    index_base = KV_INDEX + b * stride_ib + h * stride_ih + qblock.to(tl.int64) * stride_ir
     last_row = tl.minimum(tile * BLOCK_M + BLOCK_M, N) - 1
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -157,8 +161,10 @@ def _block_sparse_bwd_dkdv_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     # this program: BLOCK_N keys of one key/value head; walks BLOCK_M query sub-tiles
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
+    # one flat grid axis, tiles of a head adjacent (a second axis caps batch x heads at 65,535)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0) % n_tiles
+    bh = (tl.program_id(0) // n_tiles).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
     b = bh // NUM_KV_HEADS
     kvh = bh % NUM_KV_HEADS
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,7 +185,7 @@ def _block_sparse_bwd_dkdv_kernel(
         do_base = DO + b * stride_dob + h * stride_doh + d[None, :]
         stats = b * stride_lb + h * stride_lh
         count = tl.load(Q_COUNT + b * stride_cb + h * stride_ch + kblock)
-        index_base = Q_INDEX + b * stride_ib + h * stride_ih + kblock * stride_ir
+        index_base = Q_INDEX + b * stride_ib + h * stride_ih + kblock.to(tl.int64) * stride_ir
         for j in range(0, count):
             qblock = tl.load(index_base + j)
             start = qblock * BLOCK_SIZE
@@ -227,6 +233,7 @@ def _tiles(cfg, block_size):
     return bm, bn
 
 
+@on_tensor_device
 def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -238,7 +245,7 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
     row_sum = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     counts, index, lay_strides = _layout_args(layout.kv_num_blocks, layout.kv_indices, B, Hq)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
-    _block_sparse_fwd_kernel[(triton.cdiv(N, bm), B * Hq)](
+    _block_sparse_fwd_kernel[(triton.cdiv(N, bm) * B * Hq,)](
         q, k, v, out, row_max, row_sum, counts, index,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -249,6 +256,7 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
     return out, row_max, row_sum
 
 
+@on_tensor_device
 def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, causal, scale, config=None):
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -265,14 +273,14 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     dq = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
     counts, index, lay_strides = _layout_args(layout.kv_num_blocks, layout.kv_indices, B, Hq)
-    _block_sparse_bwd_dq_kernel[(triton.cdiv(N, bm), B * Hq)](
+    _block_sparse_bwd_dq_kernel[(triton.cdiv(N, bm) * B * Hq,)](
         q, k, v, do, row_max, row_sum, delta, dq, counts, index, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2), row_max.stride(0), row_max.stride(1), *lay_strides,
         N, Hq, Hq // Hkv, scale, **common)
     dk = torch.empty(B, N, Hkv, D, dtype=k.dtype, device=q.device)
     dv = torch.empty(B, N, Hkv, D, dtype=v.dtype, device=q.device)
     counts, index, lay_strides = _layout_args(layout.q_num_blocks, layout.q_indices, B, Hq)
-    _block_sparse_bwd_dkdv_kernel[(triton.cdiv(N, bn), B * Hkv)](
+    _block_sparse_bwd_dkdv_kernel[(triton.cdiv(N, bn) * B * Hkv,)](
         q, k, v, do, row_max, row_sum, delta, dk, dv, counts, index, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         row_max.stride(0), row_max.stride(1), *lay_strides,
@@ -331,7 +339,7 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
     if cu_seqlens is not None:
         return _packed(q, k, v, layout, cu_seqlens, causal=causal, scale=scale, return_lse=return_lse,
                        backend=backend)
-    path = resolve_backend(backend, q.device)
+    path = resolve_backend(backend, q.device, ("block_sparse_fwd", "block_sparse_bwd"), D, q.dtype)
     # under torch.compile: the custom op (either path). It traces without a graph break; the
     # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
     if torch.compiler.is_compiling():

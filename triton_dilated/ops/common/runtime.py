@@ -1,6 +1,7 @@
 """Backend dispatch (DESIGN §7), GPU architecture detection and tuned configs (DESIGN §8)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -63,6 +64,19 @@ def get_arch(device_index: int | None = None) -> Arch:
     return Arch(f"sm{cap[0]}{cap[1]}", cap, smem, props.multi_processor_count, props.name)
 
 
+def on_tensor_device(launcher):
+    """Run a kernel launcher with its first tensor's CUDA device current: Triton launches
+    on the current device and stream, which need not be the inputs' (q on cuda:1 while
+    cuda:0 is current)."""
+    @functools.wraps(launcher)
+    def wrapper(*args, **kwargs):
+        t = args[0]
+        ctx = torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            return launcher(*args, **kwargs)
+    return wrapper
+
+
 def triton_can_target(device: torch.device) -> bool:
     """Triton compiles for Volta (sm70) and newer; older cards take the portable path."""
     if device.type == "cuda":
@@ -70,13 +84,22 @@ def triton_can_target(device: torch.device) -> bool:
     return device.type == "cpu" and interpreter_enabled() and triton_importable()
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map `backend` to "triton" or "torch" for tensors on `device` (DESIGN §7)."""
+def resolve_backend(backend: str, device: torch.device, kernels=(), head_dim: int = 0,
+                    dtype: torch.dtype = torch.float16) -> str:
+    """Map `backend` to "triton" or "torch" for tensors on `device` (DESIGN §7). With
+    `kernels`, a GPU where none of their tiles fits shared memory at `head_dim` takes the
+    portable path ("auto") or is an error ("triton")."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend == "torch":
         return "torch"
     if triton_can_target(device):
+        if kernels and not kernels_fit(kernels, head_dim, dtype, device):
+            if backend == "auto":
+                return "torch"
+            raise ValueError(f"backend='triton': the {'/'.join(kernels)} kernels cannot run head dim {head_dim} in "
+                             f"{dtype} on {torch.cuda.get_device_name(device)} (no tile fits its shared memory, or "
+                             "float32 without TF32 tensor cores); use backend='auto' or 'torch' (the portable path)")
         return "triton"
     if backend == "auto":
         return "torch"
@@ -152,6 +175,30 @@ def shared_memory_estimate(kernel: str, config: dict, head_dim_padded: int, elem
     return (stages * 2 * m + 2 * n) * d * element_size + m * n * 4
 
 
+def config_fits(kernel: str, config: dict, head_dim_padded: int, arch: Arch, dtype: torch.dtype) -> bool:
+    """Whether the shared-memory estimate of `config` fits one block of `arch`. Before
+    Ampere (no async copies) Triton lays operands out differently: the ahead-of-time compile
+    for sm75/sm70 needs up to about twice the estimate."""
+    factor = 2 if (7, 0) <= arch.capability < (8, 0) else 1
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    limit = arch.shared_memory or 48 * 1024
+    return factor * shared_memory_estimate(kernel, config, head_dim_padded, element_size) <= limit
+
+
+def kernels_fit(kernels, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the Triton kernels in `kernels` can run this problem on this GPU: a config of
+    each fits shared memory (no tile fits a Turing block for the backward at D = 256), and
+    the GPU has TF32 tensor cores for float32 (Ampere on; before, the kernels' float32 dots
+    are slow FMA loops with tiles that do not fit). Off-GPU: True."""
+    if device.type != "cuda":
+        return True
+    padded = max(16, 1 << (head_dim - 1).bit_length())
+    arch = get_arch(device.index if device.index is not None else torch.cuda.current_device())
+    if dtype == torch.float32 and arch.capability < (8, 0):
+        return False
+    return all(config_fits(k, select_config(k, dtype, padded, 1024, device), padded, arch, dtype) for k in kernels)
+
+
 def default_config(kernel: str, head_dim_padded: int, arch: Arch, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The config used where configs/<arch>.json has no tuned entry. Forward kernels:
     64x64 tiles, 4 warps up to D=64 and 8 up to D=128 (no spills on sm80 or sm90); the
@@ -171,9 +218,7 @@ def default_config(kernel: str, head_dim_padded: int, arch: Arch, dtype: torch.d
     else:
         family = kernel.rsplit("_", 1)[0]
         cfg = dict(_BWD_DEFAULTS[(arch.capability >= (9, 0), head_dim_padded <= 64)][family])
-    element_size = torch.tensor([], dtype=dtype).element_size()
-    limit = arch.shared_memory or 48 * 1024
-    while shared_memory_estimate(kernel, cfg, head_dim_padded, element_size) > limit:
+    while not config_fits(kernel, cfg, head_dim_padded, arch, dtype):
         if cfg["num_stages"] > 1:
             cfg["num_stages"] -= 1
         elif max(cfg["BLOCK_M"], cfg["BLOCK_N"]) > 16:

@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from ..common.lse import lse_from_stats, softmax_delta
-from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, portable_compute_dtype, resolve_backend,
-                              select_config)
+from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, on_tensor_device,
+                              portable_compute_dtype, resolve_backend, select_config)
 from ..common.triton_helpers import dot, finalize, load_key_block, load_row_stats, online_softmax_step, softmax_grad_block
 from ..common.validation import check_flags, check_positive_int_list, check_qkv, check_scale
 from .patterns import check_patterns, head_offsets
@@ -88,11 +88,11 @@ def _dilated_fwd_kernel(
         Q, K, V, O, ROW_MAX, ROW_SUM, ITEMS, PAT_W, PAT_R, PAT_OFF,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-        HEAD_GROUP, sm_scale,
+        NUM_ITEMS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    item = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    item = tl.program_id(0) % NUM_ITEMS   # one flat grid axis over (batch, item): a second caps at 65,535
+    b = (tl.program_id(0) // NUM_ITEMS).to(tl.int64)
     first_row, chunk_end, h, T, doc_start, doc_end = _load_item(ITEMS, item)
     kvh = h // HEAD_GROUP
 
@@ -149,11 +149,11 @@ def _dilated_bwd_dq_kernel(
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
         stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
-        HEAD_GROUP, sm_scale,
+        NUM_ITEMS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    item = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    item = tl.program_id(0) % NUM_ITEMS   # one flat grid axis over (batch, item): a second caps at 65,535
+    b = (tl.program_id(0) // NUM_ITEMS).to(tl.int64)
     first_row, chunk_end, h, T, doc_start, doc_end = _load_item(ITEMS, item)
     kvh = h // HEAD_GROUP
 
@@ -209,12 +209,12 @@ def _dilated_bwd_dkdv_kernel(
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
         stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh,
-        HEAD_GROUP, sm_scale,
+        NUM_ITEMS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     # BLOCK_N: the key tile this program owns; BLOCK_M: the query blocks it walks.
-    item = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    item = tl.program_id(0) % NUM_ITEMS   # one flat grid axis over (batch, item): a second caps at 65,535
+    b = (tl.program_id(0) // NUM_ITEMS).to(tl.int64)
     first_key, chunk_end, kvh, T, doc_start, doc_end = _load_item(ITEMS, item)
 
     u = tl.arange(0, BLOCK_N)
@@ -311,6 +311,7 @@ def _device_plan(n, patterns, table, num_kv_heads, causal, block, block_inner, k
             as_dev([r for _, r in patterns]), as_dev(table).reshape(-1))
 
 
+@on_tensor_device
 def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None, doc_bounds=None):
     """Launch the fused forward. Returns out (like q, contiguous) and the row statistics
     (row_max, row_sum), float32 (B, Hq, N) each; see lse_from_stats."""
@@ -327,18 +328,19 @@ def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None, doc
     if items.shape[0] == 0:
         return out, row_max, row_sum
     dot_fp32, precision = kernel_options(q.dtype, q.device)
-    _dilated_fwd_kernel[(items.shape[0], B)](
+    _dilated_fwd_kernel[(items.shape[0] * B,)](
         q, k, v, out, row_max, row_sum, items, pat_w, pat_r, pat_off,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         row_max.stride(0), row_max.stride(1),
-        Hq // Hkv, scale,
+        items.shape[0], Hq // Hkv, scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=dot_fp32, PRECISION=precision,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return out, row_max, row_sum
 
 
+@on_tensor_device
 def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, *, causal, scale,
                      config=None, doc_bounds=None):
     """dQ, dK, dV for dO (like out) and an optional dlse (B, Hq, N)."""
@@ -359,10 +361,10 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
                                                       cfg["BLOCK_N"], False, q.device, doc_bounds)
     dq = (torch.empty if full else torch.zeros)(B, N, Hq, D, dtype=q.dtype, device=q.device)
     if items.shape[0]:
-        _dilated_bwd_dq_kernel[(items.shape[0], B)](
+        _dilated_bwd_dq_kernel[(items.shape[0] * B,)](
             q, k, v, do, row_max, row_sum, delta, dq, items, pat_w, pat_r, pat_off, *strides,
             dq.stride(0), dq.stride(1), dq.stride(2), row_max.stride(0), row_max.stride(1),
-            Hq // Hkv, scale, **common)
+            items.shape[0], Hq // Hkv, scale, **common)
 
     # key side: tiles of BLOCK_N keys, walking query blocks of BLOCK_M
     items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_N"],
@@ -371,11 +373,11 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     dk = alloc(B, N, Hkv, D, dtype=k.dtype, device=q.device)
     dv = alloc(B, N, Hkv, D, dtype=v.dtype, device=q.device)
     if items.shape[0]:
-        _dilated_bwd_dkdv_kernel[(items.shape[0], B)](
+        _dilated_bwd_dkdv_kernel[(items.shape[0] * B,)](
             q, k, v, do, row_max, row_sum, delta, dk, dv, items, pat_w, pat_r, pat_off, *strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             row_max.stride(0), row_max.stride(1),
-            Hq // Hkv, scale, **common)
+            items.shape[0], Hq // Hkv, scale, **common)
     return dq, dk, dv
 
 
@@ -435,7 +437,7 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     check_flags(causal=causal, return_lse=return_lse)
     B, N, Hq, D = q.shape
     scale = check_scale(scale, D)
-    path = resolve_backend(backend, q.device)
+    path = resolve_backend(backend, q.device, ("dilated_fwd", "dilated_bwd"), D, q.dtype)
     doc_bounds = check_cu_seqlens(cu_seqlens, B, N)
     # under torch.compile: the custom op (either path). It traces without a graph break; the
     # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.

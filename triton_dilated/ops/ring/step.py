@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.runtime import kernel_options, select_config
+from ..common.runtime import kernel_options, on_tensor_device, select_config
 from ..common.triton_helpers import dot, finalize, online_softmax_step, softmax_grad_block
 
 MASK_DENSE, MASK_DILATED, MASK_LAYOUT = 0, 1, 2
@@ -47,8 +47,8 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT
         ok = ok & (count > 0)
         return tl.where(ok, tl.log(tl.maximum(count, 1.0)), float("-inf"))
     if MASK_KIND == 2:
-        qb = qpos // layout_block
-        kb = kpos // layout_block
+        qb = (qpos // layout_block).to(tl.int64)   # qb * row stride passes 2^31 past ~46K blocks
+        kb = (kpos // layout_block).to(tl.int64)
         active = tl.load(LAYOUT + b * stride_lb + h * stride_lh + qb[:, None] * stride_lr + kb[None, :], mask=ok, other=0)
         ok = ok & (active != 0)
     return tl.where(ok, 0.0, float("-inf"))
@@ -63,8 +63,10 @@ def _ring_step_fwd_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
         PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
+    # one flat grid axis, tiles of a head adjacent (a second axis caps batch x heads at 65,535)
+    n_tiles = tl.cdiv(NQ, BLOCK_M)
+    tile = tl.program_id(0) % n_tiles
+    bh = (tl.program_id(0) // n_tiles).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
     b = bh // NUM_HEADS
     h = bh % NUM_HEADS
     kvh = h // HEAD_GROUP
@@ -123,8 +125,10 @@ def _ring_step_bwd_dq_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
         PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
+    # one flat grid axis, tiles of a head adjacent (a second axis caps batch x heads at 65,535)
+    n_tiles = tl.cdiv(NQ, BLOCK_M)
+    tile = tl.program_id(0) % n_tiles
+    bh = (tl.program_id(0) // n_tiles).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
     b = bh // NUM_HEADS
     h = bh % NUM_HEADS
     kvh = h // HEAD_GROUP
@@ -172,8 +176,10 @@ def _ring_step_bwd_dkdv_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
         PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
+    # one flat grid axis, tiles of a head adjacent (a second axis caps batch x heads at 65,535)
+    n_tiles = tl.cdiv(NK, BLOCK_N)
+    tile = tl.program_id(0) % n_tiles
+    bh = (tl.program_id(0) // n_tiles).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
     b = bh // NUM_KV_HEADS
     kvh = bh % NUM_KV_HEADS
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -256,6 +262,7 @@ def _config(q, name):
                               num_stages=cfg.get("num_stages", 2))
 
 
+@on_tensor_device
 def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale):
     """Fold the shard (k, v at global positions k_pos) into the running out (fp32, like q)
     and lse (fp32 (B, Hq, Nq)) of the local queries q at q_pos, in place."""
@@ -265,13 +272,14 @@ def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale):
         return
     _, cfg, meta = _config(q, "ring_step_fwd")
     lay, lay_strides = mask.layout_args(B, Hq)
-    _ring_step_fwd_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]), B * Hq)](
+    _ring_step_fwd_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
         q, k, v, out, lse, q_pos, k_pos, mask.pat_w, mask.pat_r, mask.pat_off, lay,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), *lay_strides,
         NQ, NK, Hq, Hq // Hkv, scale, mask.layout_block, **meta, **mask.kernel_meta())
 
 
+@on_tensor_device
 def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepMask, *, scale):
     """Add this shard's contributions to dq (fp32, local) and dk, dv (fp32, travelling)."""
     B, NQ, Hq, D = q.shape
@@ -283,10 +291,10 @@ def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepM
     common = (q_pos, k_pos, mask.pat_w, mask.pat_r, mask.pat_off, lay,
               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
               v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-    _ring_step_bwd_dq_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]), B * Hq)](
+    _ring_step_bwd_dq_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
         q, k, v, do, lse, delta, dq, *common, dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1),
         *lay_strides, NQ, NK, Hq, Hq // Hkv, scale, mask.layout_block, **meta, **mask.kernel_meta())
-    _ring_step_bwd_dkdv_kernel[(triton.cdiv(NK, cfg["BLOCK_N"]), B * Hkv)](
+    _ring_step_bwd_dkdv_kernel[(triton.cdiv(NK, cfg["BLOCK_N"]) * B * Hkv,)](
         q, k, v, do, lse, delta, dk, dv, *common, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
         dv.stride(2), lse.stride(0),
         lse.stride(1), *lay_strides, NQ, NK, Hkv, Hq // Hkv, scale, mask.layout_block, **meta, **mask.kernel_meta())
