@@ -126,3 +126,30 @@ def test_ring_step_reads_and_writes_only_inside_its_tensors(kind):
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), run(True), run(False)):
         assert not torch.isnan(a).any(), f"{name}: NaN from a read outside the input views"
         assert torch.equal(a, b), f"{name}: differs from the same step on contiguous tensors"
+
+
+def test_ring_layout_lookup_past_int32_offsets():
+    """The ring step's block-layout lookup at 46,342 blocks of 16 (N = 741,472): the last
+    query block's row of the layout table starts at 46,341 * 46,342 > 2^31 - 1. With int32
+    block indices the offset wrapped and the read left the table (a segfault under the
+    interpreter, a fault or a wrong mask on a GPU). Against the portable step. Needs a
+    2.1 GB int8 table: the dense per-rank layout table is itself O(blocks^2)."""
+    from triton_dilated.ops.ring import step_torch
+    dev = torch.device(DEVICE)
+    nb, bs = 46_342, 16
+    mask = StepMask(MASK_LAYOUT, False, dev, layout=layouts.local(4 * bs, bs, 1))
+    mask.layout = torch.zeros(1, 1, nb, nb, dtype=torch.int8, device=dev)
+    mask.layout[0, 0, nb - 1, 0] = 1                      # the last query block sees key block 0
+    mask.layout_block = bs
+    q_pos = torch.arange((nb - 1) * bs, nb * bs, dtype=torch.int32, device=dev)
+    k_pos = torch.arange(0, bs, dtype=torch.int32, device=dev)
+    q, k, v = (seeded((1, bs, 1, 32), torch.float32, s, dev) for s in range(3))
+    results = []
+    for step in (step_forward, step_torch.step_forward):
+        out, lse = torch.zeros(1, bs, 1, 32, device=dev), torch.full((1, 1, bs), float("-inf"), device=dev)
+        step(q, k, v, q_pos, k_pos, out, lse, mask, scale=32 ** -0.5)
+        results.append((out, lse))
+    (out, lse), (ref_out, ref_lse) = results
+    assert torch.isfinite(lse).all()
+    torch.testing.assert_close(lse, ref_lse)
+    torch.testing.assert_close(out, ref_out)

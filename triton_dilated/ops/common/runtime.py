@@ -65,12 +65,12 @@ def get_arch(device_index: int | None = None) -> Arch:
 
 
 def on_tensor_device(launcher):
-    """Run a kernel launcher with its first tensor's CUDA device current: Triton launches
+    """Run a kernel launcher with its first tensor argument's CUDA device current: Triton launches
     on the current device and stream, which need not be the inputs' (q on cuda:1 while
     cuda:0 is current)."""
     @functools.wraps(launcher)
     def wrapper(*args, **kwargs):
-        t = args[0]
+        t = next(a for a in args if isinstance(a, torch.Tensor))
         ctx = torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
         with ctx:
             return launcher(*args, **kwargs)
