@@ -11,13 +11,15 @@
 #   3. the GPU benchmark sweep (python -m triton_dilated.perf): Triton kernels vs dense SDPA,
 #      the portable backend, the head-group loop and FlexAttention; rows are written as they
 #      come, so a sweep cut short by its timeout still leaves its CSV
-#   4. a `tune` pass for the main shapes (bf16, D=128) -> OUTDIR/<arch>.json (commit it as
+#   4. issue 4's one-GPU ring check: P ring-local-block steps vs one call and SDPA
+#      (perf/ring_step_vs_dense.py -> OUTDIR/ring_step_vs_dense.txt)
+#   5. a `tune` pass for the main shapes (bf16, D=128) -> OUTDIR/<arch>.json (commit it as
 #      triton_dilated/configs/<arch>.json) and OUTDIR/tune-<arch>.csv
-#   5. a short table of the results, printed last
-# Budget: under 8 minutes in all (the stage limits add up to 7 min 20 s).
-# Files left in OUTDIR (7 at most): gpu_check.log (everything), env.txt, tests.log, tests.xml,
+#   6. a short table of the results, printed last
+# Budget: under 8 minutes in all (the stage limits add up to 7 min 40 s).
+# Files left in OUTDIR (8 at most): gpu_check.log (everything), env.txt, tests.log, tests.xml,
 # <gpu name>.csv (the sweep; commit it as perf/results/<gpu name>.csv), <arch>.json,
-# tune-<arch>.csv.
+# tune-<arch>.csv, ring_step_vs_dense.txt.
 set -uo pipefail
 OUT=${1:?usage: perf/gpu_check.sh OUTDIR}
 mkdir -p "$OUT"
@@ -89,7 +91,10 @@ GPU=$(python -c "import re, torch; print(re.sub('[^a-z0-9]+', '-', torch.cuda.ge
       2>/dev/null || echo gpu)
 ARCH=$(python -c "import torch; c = torch.cuda.get_device_capability(); print(f'sm{c[0]}{c[1]}')" 2>/dev/null || echo unknown)
 SWEEP="$OUT/$GPU.csv"
-stage sweep 140 python -m triton_dilated.perf sweep --out "$SWEEP" --no-plot
+stage sweep 130 python -m triton_dilated.perf sweep --out "$SWEEP" --no-plot
+
+# issue 4: the ring simulated on one GPU, P steps of the ring-local-block kernel vs one call
+stage ringstep 30 bash -c 'python perf/ring_step_vs_dense.py > "$0/ring_step_vs_dense.txt" 2>&1; rc=$?; cat "$0/ring_step_vs_dense.txt"; exit $rc' "$OUT"
 
 stage tune 90 python -m triton_dilated.perf tune --out-dir "$OUT" --dtypes bfloat16 --head-dims 128 \
   --seqlens 16384 65536 --max-candidates 6

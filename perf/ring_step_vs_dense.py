@@ -1,0 +1,64 @@
+"""Issue 4's one-GPU check: the ring simulated step by step on one device. The ring-local-
+block step kernel folds P key/value shards into the running (out, lse) one call at a time
+(what a rank does over a ring of P); the reference is one call of the same kernel over all
+keys, and dense SDPA (FlashAttention on a GPU) on the same work. Target: P steps cost at
+most 5% more than the single call. Medians; every provider measured in the same run.
+
+    python perf/ring_step_vs_dense.py                 # GPU: N=16384, H=16, D=128, bf16, P=2,4,8
+    TRITON_INTERPRET=1 python perf/ring_step_vs_dense.py --seqlen 256 --heads 2 --head-dim 32 \\
+        --dtype float32 --worlds 2     # CPU smoke run (interpreter: timings mean nothing)
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from triton_dilated.ops.ring.step import MASK_DENSE, StepMask, step_forward
+from triton_dilated.perf.bench import Timing, median_ms
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlen", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    args = p.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    B, N, H, D = 1, args.seqlen, args.heads, args.head_dim
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, N, H, D, generator=gen).to(dev, dtype) for _ in range(3))
+    pos = torch.arange(N, dtype=torch.int32, device=dev)
+    scale = D ** -0.5
+    timing = Timing.for_device(dev.type)
+    print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU (interpreter: timings mean nothing)'}; "
+          f"B={B} N={N} H={H} D={D} {args.dtype}, forward, median ms")
+    print(f"{'causal':>6} {'P':>3} {'P steps':>9} {'one call':>9} {'SDPA':>8} {'steps/one':>10}")
+    for causal in (False, True):
+        mask = StepMask(MASK_DENSE, causal, dev)
+
+        def steps(world):
+            out = torch.zeros(B, N, H, D, device=dev, dtype=torch.float32)
+            lse = torch.full((B, H, N), float("-inf"), device=dev)
+            for s in torch.arange(N).chunk(world):
+                sl = slice(int(s[0]), int(s[-1]) + 1)
+                step_forward(q, k[:, sl], v[:, sl], pos, pos[sl], out, lse, mask, scale=scale)
+            return out
+
+        one = median_ms(lambda: steps(1), dev.type, timing)
+        sdpa = median_ms(lambda: F.scaled_dot_product_attention(
+            *(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal, scale=scale), dev.type, timing)
+        ref = steps(1)
+        for world in args.worlds:
+            err = (steps(world) - ref).abs().max().item()
+            assert err < 1e-2, f"P={world}: steps differ from one call by {err}"
+            t = median_ms(lambda: steps(world), dev.type, timing)
+            print(f"{str(causal):>6} {world:>3} {t:9.3f} {one:9.3f} {sdpa:8.3f} {t / one:10.3f}")
+
+
+if __name__ == "__main__":
+    main()
