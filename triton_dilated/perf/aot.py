@@ -21,6 +21,8 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+from ..ops.common.runtime import padded_head_dim
+
 # Pointer arguments: float32 statistics and accumulators, int32 tables, the rest the
 # activation dtype. Every other non-constexpr argument is an int32 (sm_scale: float32).
 _FP32 = {"ROW_MAX", "ROW_SUM", "DELTA", "LSE", "OUT"}
@@ -53,7 +55,7 @@ _SMEM = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1
 
 def _signature(name, fn, dtype: str, D: int, causal: bool, cfg: dict):
     """(signature, constexprs, attrs) for triton.compile, read off the kernel's parameters."""
-    constexprs = dict(HEAD_DIM=D, BLOCK_D=max(16, 1 << (D - 1).bit_length()), CAUSAL=causal,
+    constexprs = dict(HEAD_DIM=D, BLOCK_D=padded_head_dim(D), CAUSAL=causal,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=False,
                       PRECISION="tf32x3" if dtype == "fp32" else "tf32",
                       NUM_PATTERNS=3, BLOCK_SIZE=128, MASK_KIND=1)   # 3 patterns; block 128; ring: dilated mask
@@ -139,7 +141,7 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
             family = KERNELS[name][2]
             for dtype in dtypes:
                 for D in head_dims:
-                    cfgs = configs or [default_config(family, max(16, 1 << (D - 1).bit_length()), fake,
+                    cfgs = configs or [default_config(family, padded_head_dim(D), fake,
                                                       torch_dtype[dtype])]
                     work += [(name, arch, dtype, D, c, dict(cfg)) for c in causal for cfg in cfgs]
     rows = []

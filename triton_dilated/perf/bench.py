@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..ops.common.runtime import _load_arch_table, get_arch, resolve_backend, seq_bucket, select_config
+from ..ops.common.runtime import _load_arch_table, get_arch, padded_head_dim, resolve_backend, seq_bucket, select_config
 from ..ops.dilated.patterns import head_offsets
 from .baselines import flex_available, flex_block_sparse, head_group_loop, sdpa_dense
 
@@ -279,7 +279,7 @@ def main_provider(device: str) -> str:
 
 
 def _config_label(kernel: str, case: Case) -> str:
-    block_d = max(16, 1 << (case.D - 1).bit_length())
+    block_d = padded_head_dim(case.D)
     dev = torch.device(case.device)
     cfg = select_config(kernel, case.dtype, block_d, case.N, dev)
     if dev.type != "cuda":

@@ -28,7 +28,7 @@ from importlib import resources
 import torch
 
 from ..ops.common.runtime import INTERPRETER_CONFIG, config_fits, default_config, get_arch, interpreter_enabled, \
-    seq_bucket, triton_importable
+    padded_head_dim, seq_bucket, triton_importable
 from .bench import LONGNET_R, LONGNET_W, CsvSink, Timing, make_row, median_ms, provenance, random_tensors
 
 KERNELS = ("dilated_fwd", "dilated_bwd", "block_sparse_fwd", "block_sparse_bwd")
@@ -201,7 +201,7 @@ def run_tune(out_dir=None, kernels=KERNELS, dtypes=None, head_dims=None, seqlens
     with CsvSink(csv_path) as sink:
         for i, (kernel, dtype, d, n) in enumerate(jobs):
             family = kernel.rsplit("_", 1)[0]
-            block_d = max(16, 1 << (d - 1).bit_length())
+            block_d = padded_head_dim(d)
             key = table_key(dtype, block_d, n)
             pkey = (family, dtype, d, n)
             if pkey not in problems:

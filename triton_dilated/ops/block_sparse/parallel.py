@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..common.lse import lse_from_stats, softmax_delta
-from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, on_tensor_device,
+from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, on_tensor_device, padded_head_dim,
                               portable_compute_dtype, resolve_backend, select_config)
 from ..common.triton_helpers import dot, finalize, load_key_block, load_row_stats, online_softmax_step, softmax_grad_block
 from ..common.validation import check_flags, check_qkv, check_scale
@@ -237,7 +237,7 @@ def _tiles(cfg, block_size):
 def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = padded_head_dim(D)
     cfg = config or select_config("block_sparse_fwd", q.dtype, block_d, N, q.device)
     bm, bn = _tiles(cfg, layout.block_size)
     out = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
@@ -260,7 +260,7 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
 def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, causal, scale, config=None):
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = padded_head_dim(D)
     cfg = config or select_config("block_sparse_bwd", q.dtype, block_d, N, q.device)
     bm, bn = _tiles(cfg, layout.block_size)
     do = last_dim_contiguous(do)

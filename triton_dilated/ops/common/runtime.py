@@ -175,6 +175,11 @@ def shared_memory_estimate(kernel: str, config: dict, head_dim_padded: int, elem
     return (stages * 2 * m + 2 * n) * d * element_size + m * n * 4
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The kernels' head-dim tile: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
 def config_fits(kernel: str, config: dict, head_dim_padded: int, arch: Arch, dtype: torch.dtype) -> bool:
     """Whether the shared-memory estimate of `config` fits one block of `arch`. Before
     Ampere (no async copies) Triton lays operands out differently: the ahead-of-time compile
@@ -192,7 +197,7 @@ def kernels_fit(kernels, head_dim: int, dtype: torch.dtype, device: torch.device
     are slow FMA loops with tiles that do not fit). Off-GPU: True."""
     if device.type != "cuda":
         return True
-    padded = max(16, 1 << (head_dim - 1).bit_length())
+    padded = padded_head_dim(head_dim)
     arch = get_arch(device.index if device.index is not None else torch.cuda.current_device())
     if dtype == torch.float32 and arch.capability < (8, 0):
         return False

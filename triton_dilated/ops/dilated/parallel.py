@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ..common.lse import lse_from_stats, softmax_delta
-from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, on_tensor_device,
+from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, on_tensor_device, padded_head_dim,
                               portable_compute_dtype, resolve_backend, select_config)
 from ..common.triton_helpers import dot, finalize, load_key_block, load_row_stats, online_softmax_step, softmax_grad_block
 from ..common.validation import check_flags, check_positive_int_list, check_qkv, check_scale
@@ -317,7 +317,7 @@ def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None, doc
     (row_max, row_sum), float32 (B, Hq, N) each; see lse_from_stats."""
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = padded_head_dim(D)
     cfg = config or select_config("dilated_fwd", q.dtype, block_d, N, q.device)
     items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_M"],
                                                       cfg["BLOCK_N"], False, q.device, doc_bounds)
@@ -346,7 +346,7 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     """dQ, dK, dV for dO (like out) and an optional dlse (B, Hq, N)."""
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = padded_head_dim(D)
     cfg = config or select_config("dilated_bwd", q.dtype, block_d, N, q.device)
     do = last_dim_contiguous(do)
     delta = softmax_delta(do, out, dlse)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.runtime import kernel_options, on_tensor_device, select_config
+from ..common.runtime import kernel_options, on_tensor_device, padded_head_dim, select_config
 from ..common.triton_helpers import dot, finalize, online_softmax_step, softmax_grad_block
 
 MASK_DENSE, MASK_DILATED, MASK_LAYOUT = 0, 1, 2
@@ -254,7 +254,7 @@ class StepMask:
 
 def _config(q, name):
     D = q.shape[-1]
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = padded_head_dim(D)
     cfg = select_config(name, q.dtype, block_d, q.shape[1], q.device)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     return block_d, cfg, dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
