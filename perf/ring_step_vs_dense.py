@@ -15,7 +15,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from triton_dilated.ops.ring.step import MASK_DENSE, StepMask, step_forward
+from triton_dilated.ops.ring.mask import MASK_DENSE, StepMask
+from triton_dilated.ops.ring.step_kernels import step_forward
 from triton_dilated.perf.bench import Timing, median_ms
 
 

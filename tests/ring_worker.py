@@ -41,7 +41,7 @@ def reference(case):
 
 def run_case(case, rank, world):
     from triton_dilated import layouts, ring_attention, shard
-    from triton_dilated.ops.ring import ring as ring_mod
+    from triton_dilated.ops.ring import interface as ring_mod
     q, k, v, g, gl = make_inputs(case)
     bal = case.get("balance", "contiguous")
     loc = lambda x: shard(x, rank, world, bal).clone()  # noqa: E731

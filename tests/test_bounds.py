@@ -16,7 +16,8 @@ import torch
 
 from triton_dilated import block_sparse_attention, dilated_attention, layouts
 from triton_dilated.ops.dilated.patterns import head_offsets
-from triton_dilated.ops.ring.step import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask, step_backward, step_forward
+from triton_dilated.ops.ring.mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask
+from triton_dilated.ops.ring.step_kernels import step_backward, step_forward
 from conftest import DEVICE
 from reference import seeded
 
@@ -134,7 +135,7 @@ def test_ring_layout_lookup_past_int32_offsets():
     block indices the offset wrapped and the read left the table (a segfault under the
     interpreter, a fault or a wrong mask on a GPU). Against the portable step. Needs a
     2.1 GB int8 table: the dense per-rank layout table is itself O(blocks^2)."""
-    from triton_dilated.ops.ring import step_torch
+    from triton_dilated.ops.ring import step_portable as step_torch
     dev = torch.device(DEVICE)
     nb, bs = 46_342, 16
     mask = StepMask(MASK_LAYOUT, False, dev, layout=layouts.local(4 * bs, bs, 1))

@@ -1,4 +1,4 @@
-"""torch.library custom ops (triton_dilated.ops.custom_ops): opcheck on tiny shapes, the
+"""torch.library custom ops (each variant's interface.py): opcheck on tiny shapes, the
 wrappers against the plain functions (bit for bit: same launchers / portable functions),
 and torch.compile(fullgraph=True) forward + backward against eager."""
 from __future__ import annotations
@@ -8,8 +8,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from triton_dilated import block_sparse_attention, dilated_attention, layouts
-from triton_dilated.ops import custom_ops as co
-from triton_dilated.ops.custom_ops import block_sparse_attention_op, dilated_attention_op
+from triton_dilated import block_sparse_attention_op, dilated_attention_op
+from triton_dilated.ops.block_sparse import interface as block_sparse_interface
+from triton_dilated.ops.dilated import interface as dilated_interface
 from reference import seeded
 
 PATHS = ["torch", "triton"]
@@ -43,22 +44,22 @@ def assert_same(a, b):
 def test_opcheck_dilated_fwd(device, path, need_lse):
     q, k, v = qkv(device, N=32)
     args = (q, k, v, WS, RS, True, 0.25, "longnet", "modulo", need_lse, path)
-    torch.library.opcheck(co._dilated_fwd, args)
+    torch.library.opcheck(dilated_interface._dilated_fwd, args)
 
 
 def test_opcheck_dilated_fwd_head_groups_gqa(device):
     q, k, v = qkv(device, N=33, Hq=4, Hkv=2, D=8)
-    torch.library.opcheck(co._dilated_fwd, (q, k, v, [8, 33], [2, 3], False, 0.3, "head_groups", "modulo", True,
+    torch.library.opcheck(dilated_interface._dilated_fwd, (q, k, v, [8, 33], [2, 3], False, 0.3, "head_groups", "modulo", True,
                                             "torch"))
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_opcheck_dilated_bwd(device, path):
     q, k, v = qkv(device, N=32, grad=False)
-    out, lse, row_max, row_sum = co._dilated_fwd(q, k, v, WS, RS, True, 0.25, "longnet", "modulo", True, path)
+    out, lse, row_max, row_sum = dilated_interface._dilated_fwd(q, k, v, WS, RS, True, 0.25, "longnet", "modulo", True, path)
     do = seeded(out.shape, out.dtype, 9, device)
     dlse = seeded(lse.shape, torch.float32, 10, device) if path == "triton" else None
-    torch.library.opcheck(co._dilated_bwd, (do, dlse, q, k, v, out, row_max, row_sum, WS, RS, True, 0.25,
+    torch.library.opcheck(dilated_interface._dilated_bwd, (do, dlse, q, k, v, out, row_max, row_sum, WS, RS, True, 0.25,
                                             "longnet", "modulo", path))
 
 
@@ -67,11 +68,11 @@ def test_opcheck_block_sparse(device, path):
     q, k, v = qkv(device, N=32, Hq=2, Hkv=1)
     lay = layouts.local(32, 16, 1, causal=True).to(device)
     lists = (lay.kv_num_blocks, lay.kv_indices, lay.q_num_blocks, lay.q_indices)
-    torch.library.opcheck(co._block_sparse_fwd, (q, k, v, *lists, 16, True, 0.25, True, path))
+    torch.library.opcheck(block_sparse_interface._block_sparse_fwd, (q, k, v, *lists, 16, True, 0.25, True, path))
     with torch.no_grad():
-        out, lse, row_max, row_sum = co._block_sparse_fwd(q, k, v, *lists, 16, True, 0.25, False, path)
+        out, lse, row_max, row_sum = block_sparse_interface._block_sparse_fwd(q, k, v, *lists, 16, True, 0.25, False, path)
     do = seeded(out.shape, out.dtype, 9, device)
-    torch.library.opcheck(co._block_sparse_bwd, (do, None, q.detach(), k.detach(), v.detach(), out, row_max,
+    torch.library.opcheck(block_sparse_interface._block_sparse_bwd, (do, None, q.detach(), k.detach(), v.detach(), out, row_max,
                                                  row_sum, *lists, 16, True, 0.25, path))
 
 
@@ -129,7 +130,7 @@ def test_empty_inputs_and_validation(device):
     with pytest.raises(ValueError, match="blocks"):
         block_sparse_attention_op(q, k, v, layouts.local(64, 16))
     with pytest.raises(ValueError, match="path"):
-        co._dilated_fwd(q, k, v, WS, RS, False, 0.25, "longnet", "modulo", False, "auto")
+        dilated_interface._dilated_fwd(q, k, v, WS, RS, False, 0.25, "longnet", "modulo", False, "auto")
 
 
 def test_portable_backward_under_dispatch_mode(device):

@@ -12,7 +12,9 @@ import torch
 import triton_dilated
 from triton_dilated import layouts
 from triton_dilated.ops.block_sparse.naive import element_mask
+from triton_dilated import configs
 from triton_dilated.ops.common import runtime
+from triton_dilated.ops.common.hardware import Arch
 from triton_dilated.perf import bench, plot
 from triton_dilated.perf import ring as perf_ring
 from triton_dilated.perf.__main__ import main
@@ -107,15 +109,15 @@ def test_tune_writes_a_table_select_config_reads(tmp_path, monkeypatch, capsys):
             assert cfg["ms"] > 0
     # select_config (as on a GPU of this arch) finds the tuned entries
     arch_name = saved["arch"]
-    fake = runtime.Arch(arch_name, (9, 0), 228 * 1024, 132, "fake")
-    monkeypatch.setattr(runtime, "get_arch", lambda index=None: fake)
-    monkeypatch.setattr(runtime, "_load_arch_table", lambda name: saved if name == arch_name else {})
+    fake = Arch(arch_name, (9, 0), 228 * 1024, 132, "fake")
+    monkeypatch.setattr(configs, "device_arch", lambda device: fake)
+    monkeypatch.setattr(configs, "load_arch_table", lambda name: saved if name == arch_name else {})
     dtype, d, n = (torch.float32, 16, 64) if not torch.cuda.is_available() else (torch.float16, 64, 1024)
     for kernel in tune.KERNELS:
-        got = runtime.select_config(kernel, dtype, d, n, torch.device("cuda", 0))
+        got = configs.select_config(kernel, dtype, d, n, torch.device("cuda", 0))
         assert got == saved["kernels"][kernel][tune.table_key(dtype, d, n)]
     if not torch.cuda.is_available():   # the interpreter "tunes" exactly its one config
-        assert got == runtime.INTERPRETER_CONFIG
+        assert got == configs.INTERPRETER_CONFIG
     assert (tmp_path / f"tune-{arch_name}.csv").exists()
 
 
@@ -173,16 +175,16 @@ def test_default_configs_fit_the_arch(capability, smem_kib):
     the real compile needs 96 KiB, `perf aot --arch 86`; before Ampere, float32 D=256 and
     D=256 backward on a 64 KiB Turing block, where the dispatcher takes the portable path)."""
     from triton_dilated.perf import tune
-    arch = runtime.Arch("sm%d%d" % capability, capability, smem_kib * 1024, 100, "fake")
+    arch = Arch("sm%d%d" % capability, capability, smem_kib * 1024, 100, "fake")
     kernels = ("dilated_fwd", "dilated_bwd", "block_sparse_fwd", "block_sparse_bwd", "ring_step_fwd", "ring_step_bwd")
     for kernel in kernels:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for d in (16, 32, 64, 128, 256):
-                cfg = runtime.default_config(kernel, d, arch, dtype)
+                cfg = configs.default_config(kernel, d, arch, dtype)
                 assert set(cfg) == set(tune.CONFIG_KEYS), (kernel, d, cfg)
                 for tile in (cfg["BLOCK_M"], cfg["BLOCK_N"]):
                     assert 16 <= tile <= 128 and tile & (tile - 1) == 0, (kernel, d, cfg)
-                if runtime.config_fits(kernel, cfg, d, arch, dtype):
+                if configs.config_fits(kernel, cfg, d, arch, dtype):
                     assert tune.candidates(kernel, d, dtype, arch)[0] == cfg
                 else:   # float32 before Ampere (the dispatcher takes the portable path there);
                     # D=256 backward: float32 on <= 99 KiB cards, 16-bit on sm75
@@ -194,12 +196,12 @@ def test_default_configs_fit_the_arch(capability, smem_kib):
 
 
 def test_select_config_without_tuned_entries_uses_the_default(monkeypatch):
-    arch = runtime.Arch("sm90", (9, 0), 227 * 1024, 132, "fake")
-    monkeypatch.setattr(runtime, "get_arch", lambda index=None: arch)
-    monkeypatch.setattr(runtime, "_load_arch_table", lambda name: {"arch": "sm90", "tuned": False, "kernels": {}})
+    arch = Arch("sm90", (9, 0), 227 * 1024, 132, "fake")
+    monkeypatch.setattr(configs, "device_arch", lambda device: arch)
+    monkeypatch.setattr(configs, "load_arch_table", lambda name: {"arch": "sm90", "tuned": False, "kernels": {}})
     for kernel in ("dilated_bwd", "block_sparse_fwd", "ring_step_bwd"):
-        got = runtime.select_config(kernel, torch.bfloat16, 128, 8192, torch.device("cuda", 0))
-        assert got == runtime.default_config(kernel, 128, arch, torch.bfloat16)
+        got = configs.select_config(kernel, torch.bfloat16, 128, 8192, torch.device("cuda", 0))
+        assert got == configs.default_config(kernel, 128, arch, torch.bfloat16)
 
 
 def test_dispatch_takes_the_portable_path_where_no_tile_fits(monkeypatch):
@@ -209,15 +211,15 @@ def test_dispatch_takes_the_portable_path_where_no_tile_fits(monkeypatch):
     dev = torch.device("cuda", 0)
     arch = {"now": None}
     monkeypatch.setattr(runtime, "triton_can_target", lambda device: True)
-    monkeypatch.setattr(runtime, "get_arch", lambda index=None: arch["now"])
+    monkeypatch.setattr(configs, "device_arch", lambda device: arch["now"])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
     need = ("dilated_fwd", "dilated_bwd")
-    arch["now"] = runtime.Arch("sm75", (7, 5), 64 * 1024, 40, "fake")
+    arch["now"] = Arch("sm75", (7, 5), 64 * 1024, 40, "fake")
     assert runtime.resolve_backend("auto", dev, need, 256, torch.float16) == "torch"
     assert runtime.resolve_backend("auto", dev, need, 128, torch.float16) == "triton"
     assert runtime.resolve_backend("auto", dev, need, 64, torch.float32) == "torch"
     with pytest.raises(ValueError, match="backend='triton': .* cannot run head dim 256"):
         runtime.resolve_backend("triton", dev, need, 256, torch.float16)
-    arch["now"] = runtime.Arch("sm80", (8, 0), 163 * 1024, 108, "fake")
+    arch["now"] = Arch("sm80", (8, 0), 163 * 1024, 108, "fake")
     assert runtime.resolve_backend("auto", dev, need, 256, torch.float16) == "triton"
     assert runtime.resolve_backend("auto", dev, need, 256, torch.float32) == "triton"

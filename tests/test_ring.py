@@ -13,7 +13,8 @@ import torch
 from triton_dilated import block_sparse_attention_naive, dilated_attention_naive, layouts, ring_attention, shard, unshard
 from triton_dilated.ops.dilated.patterns import head_offsets
 from triton_dilated.ops.ring.shard import shard_positions
-from triton_dilated.ops.ring.step import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask, step_backward, step_forward
+from triton_dilated.ops.ring.mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask
+from triton_dilated.ops.ring.step_kernels import step_backward, step_forward
 from conftest import DEVICE
 from ring_worker import worker
 

@@ -168,22 +168,34 @@ def test_backend_triton_on_cpu_without_interpreter(monkeypatch):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
-def test_interpreter_set_after_import_is_a_clear_error():
-    """TRITON_INTERPRET=1 set after the package was imported does not switch the already
-    defined kernels: "auto" takes the portable path and "triton" says what to do, instead
-    of triton's "0 active drivers"."""
-    code = ("import os, torch, triton_dilated as td\n"
-            "os.environ['TRITON_INTERPRET'] = '1'\n"
-            "q = torch.randn(1, 8, 2, 8)\n"
-            "assert td.dilated_attention(q, q, q, [4, 8], [1, 2]).shape == q.shape\n"
-            "try:\n"
-            "    td.dilated_attention(q, q, q, [4, 8], [1, 2], backend='triton')\n"
-            "except ValueError as e:\n"
-            "    print(e)\n")
+def test_interpreter_set_after_import():
+    """The kernel files are imported at the first Triton call, and triton reads
+    TRITON_INTERPRET when it defines them: set after `import triton_dilated` but before that
+    call, the interpreter runs the kernels; set after the kernels were defined (here: loaded
+    without it), "auto" takes the portable path and "triton" says what to do, instead of
+    triton's "0 active drivers"."""
+    before_first_call = ("import os, torch, triton_dilated as td\n"
+                         "os.environ['TRITON_INTERPRET'] = '1'\n"
+                         "q = torch.randn(1, 8, 2, 8)\n"
+                         "out = td.dilated_attention(q, q, q, [4, 8], [1, 2], backend='triton')\n"
+                         "ref = td.dilated_attention(q, q, q, [4, 8], [1, 2], backend='torch')\n"
+                         "assert (out - ref).abs().max() < 1e-5\n"
+                         "print('interpreted')\n")
+    after_kernels_loaded = ("import os, torch, triton_dilated as td\n"
+                            "import triton_dilated.ops.dilated.kernels\n"
+                            "os.environ['TRITON_INTERPRET'] = '1'\n"
+                            "q = torch.randn(1, 8, 2, 8)\n"
+                            "assert td.dilated_attention(q, q, q, [4, 8], [1, 2]).shape == q.shape\n"
+                            "try:\n"
+                            "    td.dilated_attention(q, q, q, [4, 8], [1, 2], backend='triton')\n"
+                            "except ValueError as e:\n"
+                            "    print(e)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "set it before importing triton_dilated" in proc.stdout
+    for code, expected in ((before_first_call, "interpreted"),
+                           (after_kernels_loaded, "set it before importing triton_dilated")):
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert expected in proc.stdout, proc.stdout
 
 
 def test_pattern_lists_accept_tuples_numpy_ints_and_tensors():

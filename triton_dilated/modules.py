@@ -9,7 +9,7 @@
   `triton_dilated.ring_attention` (`group`).
 * `BlockSparseAttention`: block_sparse_attention with a fixed BlockLayout or a builder.
 
-Under `torch.compile` the modules call the custom ops of `triton_dilated.ops.custom_ops`
+Under `torch.compile` the modules call the custom ops (`dilated_attention_op`, `block_sparse_attention_op`)
 (traceable with fullgraph=True, forward and backward); in eager mode they call the plain
 functions (which keep the portable backend's autograd graph instead of recomputing it).
 Both give the same results.
@@ -35,28 +35,20 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from .ops.block_sparse.layout import BlockLayout
-from .ops.block_sparse.parallel import block_sparse_attention
+from .ops.block_sparse import BlockLayout, block_sparse_attention, block_sparse_attention_op
 from .ops.common.runtime import BACKENDS
-from .ops.common.validation import check_choice, check_scale
-from .ops.custom_ops import block_sparse_attention_op, dilated_attention_op, layout_from_tensors
-from .ops.dilated.parallel import dilated_attention
+from .ops.common.validation import check_bool, check_choice, check_scale
+from .ops.dilated import dilated_attention, dilated_attention_op
 from .ops.dilated.patterns import check_patterns
+from .ops.ring import ring_attention
+from .ops.ring.comm import COMMS
+from .ops.ring.shard import BALANCES
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention", "BlockSparseAttention"]
-
-RING_COMMS = ("p2p", "allgather")
-RING_BALANCES = ("contiguous", "zigzag")
 
 
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
-
-
-def _check_bool(name, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
 
 
 def _check_int(name, value, minimum=1) -> int:
@@ -108,7 +100,7 @@ class DilatedAttention(nn.Module):
         patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
         self.segment_lengths = [w for w, _ in patterns]
         self.dilation_rates = [r for _, r in patterns]
-        self.causal = _check_bool("causal", causal)
+        self.causal = check_bool("causal", causal)
         self.mode, self.offsets = mode, offsets
         self.scale = _check_module_scale(scale)
         self.backend = _check_backend(backend)
@@ -184,14 +176,14 @@ class MultiheadDilatedAttention(nn.Module):
         dropout = _check_real("dropout", dropout)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        _check_bool("bias", bias)
-        _check_bool("layer_norm", layer_norm)
+        check_bool("bias", bias)
+        check_bool("layer_norm", layer_norm)
         layer_norm_eps = _check_real("layer_norm_eps", layer_norm_eps)
         if layer_norm_eps <= 0:
             raise ValueError(f"layer_norm_eps must be > 0, got {layer_norm_eps}")
         gamma_init = _check_real("gamma_init", gamma_init)
-        check_choice("comm", comm, RING_COMMS)
-        check_choice("balance", balance, RING_BALANCES)
+        check_choice("comm", comm, COMMS)
+        check_choice("balance", balance, BALANCES)
         if group is not None:
             if not torch.distributed.is_available():
                 raise ValueError("group (sequence parallelism) needs torch.distributed, which this torch build lacks")
@@ -238,7 +230,7 @@ class MultiheadDilatedAttention(nn.Module):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, is_causal: bool = False):
         self._check_inputs(query, key, value)
-        _check_bool("is_causal", is_causal)
+        check_bool("is_causal", is_causal)
         q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -254,12 +246,6 @@ class MultiheadDilatedAttention(nn.Module):
         return x, None
 
     def _ring(self, q, k, v, is_causal):
-        try:
-            from triton_dilated import ring_attention
-        except ImportError:
-            raise RuntimeError("MultiheadDilatedAttention(group=...) runs sequence parallelism through "
-                               "triton_dilated.ring_attention, which this installation does not provide yet; "
-                               "use group=None") from None
         att = self.attention
         return ring_attention(q, k, v, group=self.group, segment_lengths=att.segment_lengths,
                               dilation_rates=att.dilation_rates, causal=is_causal, scale=att.scale, mode=att.mode,
@@ -302,7 +288,7 @@ class BlockSparseAttention(nn.Module):
                  backend: str = "auto", builder_input: str = "seq_len"):
         super().__init__()
         check_choice("builder_input", builder_input, BUILDER_INPUTS)
-        self.causal = _check_bool("causal", causal)
+        self.causal = check_bool("causal", causal)
         self.scale = _check_module_scale(scale)
         self.backend = _check_backend(backend)
         self.builder_input = builder_input
@@ -325,8 +311,8 @@ class BlockSparseAttention(nn.Module):
         """The fixed layout (None with a builder)."""
         if self.builder is not None:
             return None
-        return layout_from_tensors(self.kv_num_blocks, self.kv_indices, self.q_num_blocks, self.q_indices,
-                                   self.block_size)
+        return BlockLayout.from_canonical_lists(self.kv_num_blocks, self.kv_indices, self.q_num_blocks,
+                                                self.q_indices, self.block_size)
 
     def _built(self, q, k) -> BlockLayout:
         if self.builder_input == "qk":

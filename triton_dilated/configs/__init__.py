@@ -1,0 +1,180 @@
+"""Kernel launch configs (DESIGN §8): the default-config rule and the tuned tables, together.
+
+A config is {BLOCK_M, BLOCK_N, num_warps, num_stages}, chosen per *config family* (one per
+launcher: "dilated_fwd", "dilated_bwd", "block_sparse_fwd", ..., named in each variant's
+spec.py), dtype, padded head dim and sequence bucket:
+
+* under the interpreter: INTERPRETER_CONFIG, always;
+* on a GPU: the entry of `configs/<arch>.json` (written by `python -m triton_dilated.perf
+  tune`) for config_key(dtype, head dim, bucket), or the nearest tuned bucket;
+* else `default_config`: tiles chosen from an ahead-of-time register/spill analysis
+  (perf/aot/*.csv), shrunk until a shared-memory estimate fits the arch.
+
+A new family needs no entry here: it gets the generic forward/backward rule.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+
+import torch
+
+from ..ops.common.hardware import Arch, device_arch, padded_head_dim
+
+# Exactly one configuration under TRITON_INTERPRET=1: small tiles keep the interpreter
+# (~10 ms per program x key-block step) fast enough for tests.
+INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+def make_config(block_m: int, block_n: int, warps: int, stages: int) -> dict:
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+
+
+# Untuned backward defaults: (Hopper?, padded head dim <= 64?) -> family -> config. Chosen
+# from an ahead-of-time compile of every kernel for sm90 and sm80 (ptxas -v, bf16, no GPU
+# needed): the largest tile with which both the dQ and the dK/dV kernel (they share one
+# config) keep everything in registers, or else the one that spills least. dK/dV holds k,
+# v, dk and dv in registers, so it is what forces the smaller tiles.
+BWD_DEFAULTS = {
+    (True, True): {"dilated_bwd": make_config(64, 64, 8, 2), "block_sparse_bwd": make_config(64, 64, 8, 2),
+                   "ring_step_bwd": make_config(64, 64, 8, 2)},
+    (True, False): {"dilated_bwd": make_config(32, 32, 4, 2),   # every candidate spills in dK/dV; this one 24 B
+                    "block_sparse_bwd": make_config(64, 32, 4, 2), "ring_step_bwd": make_config(64, 32, 4, 2)},
+    (False, True): {"dilated_bwd": make_config(64, 32, 4, 2),   # dK/dV spills 8 B
+                    "block_sparse_bwd": make_config(64, 32, 4, 2), "ring_step_bwd": make_config(64, 32, 4, 2)},
+    (False, False): {"dilated_bwd": make_config(64, 64, 8, 2), "block_sparse_bwd": make_config(64, 32, 4, 2),
+                     "ring_step_bwd": make_config(64, 64, 8, 2)},
+}
+
+# 16-bit defaults for head dims over 128 (D = 256), from the same ahead-of-time compile over
+# 6-7 candidates on sm90 and sm80 (perf/aot/d256-bf16.csv): 8 warps halve the registers a
+# thread needs for its rows of the wide accumulators. Every choice keeps both archs free of
+# spills except block-sparse dK/dV on sm80 (484 B; 4-warp tiles spill 5-11 KB there).
+WIDE_HEAD_DEFAULTS = {
+    "dilated_fwd": make_config(64, 32, 8, 2), "block_sparse_fwd": make_config(64, 32, 8, 2),
+    "ring_step_fwd": make_config(32, 64, 4, 2),
+    "dilated_bwd": make_config(32, 32, 8, 2), "block_sparse_bwd": make_config(64, 16, 8, 2),
+    "ring_step_bwd": make_config(32, 32, 8, 2),
+}
+
+
+def is_backward(family: str) -> bool:
+    return family.endswith("_bwd")
+
+
+def shared_memory_estimate(family: str, config: dict, head_dim_padded: int, element_size: int) -> int:
+    """Rough shared memory of a launch, in bytes: forward, the q tile plus the pipelined k, v
+    tiles; backward, the pipelined q, dO tiles, the k, v tiles and a float32 score tile."""
+    stages = max(1, config["num_stages"] - 1)
+    m, n, d = config["BLOCK_M"], config["BLOCK_N"], head_dim_padded
+    if element_size == 4:   # float32 dots are three tf32 products: split operands, about twice the space
+        element_size = 8
+    if not is_backward(family):
+        return (m + stages * 2 * n) * d * element_size
+    return (stages * 2 * m + 2 * n) * d * element_size + m * n * 4
+
+
+def config_fits(family: str, config: dict, head_dim_padded: int, arch: Arch, dtype: torch.dtype) -> bool:
+    """Whether the shared-memory estimate of `config` fits one block of `arch`. Before
+    Ampere (no async copies) Triton lays operands out differently: the ahead-of-time compile
+    for sm75/sm70 needs up to about twice the estimate."""
+    factor = 2 if (7, 0) <= arch.capability < (8, 0) else 1
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    limit = arch.shared_memory or 48 * 1024
+    return factor * shared_memory_estimate(family, config, head_dim_padded, element_size) <= limit
+
+
+def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The config used where configs/<arch>.json has no tuned entry. Forward kernels:
+    64x64 tiles, 4 warps up to D=64 and 8 up to D=128 (no spills on sm80 or sm90); backward
+    kernels: BWD_DEFAULTS; D > 128: WIDE_HEAD_DEFAULTS; float32: small tiles. Then fewer
+    stages, then smaller tiles, until the shared-memory estimate fits the arch."""
+    big_smem = arch.shared_memory >= 160 * 1024
+    backward = is_backward(family)
+    if dtype == torch.float32:
+        # three tf32 products per dot need about twice the registers and shared memory: every
+        # tile spills at D=128 and 64x64 (s3) overflows an H100 block; 32x32 keeps spills
+        # moderate (block-sparse backward: 64x32, where 32x32 spills 20 KB)
+        cfg = make_config(64 if family == "block_sparse_bwd" else 32, 32, 4, 2)
+    elif head_dim_padded > 128 and family in WIDE_HEAD_DEFAULTS:
+        cfg = dict(WIDE_HEAD_DEFAULTS[family])
+    elif backward:
+        by_family = BWD_DEFAULTS[(arch.capability >= (9, 0), head_dim_padded <= 64)]
+        cfg = dict(by_family.get(family, make_config(64, 32, 4, 2)))
+    else:
+        cfg = make_config(64, 64, 4 if head_dim_padded <= 64 else 8, 3 if big_smem else 2)
+    while not config_fits(family, cfg, head_dim_padded, arch, dtype):
+        if cfg["num_stages"] > 1:
+            cfg["num_stages"] -= 1
+        elif max(cfg["BLOCK_M"], cfg["BLOCK_N"]) > 16:
+            cfg["BLOCK_M" if cfg["BLOCK_M"] >= cfg["BLOCK_N"] else "BLOCK_N"] //= 2
+            cfg["num_warps"] = 4   # smaller tiles than chosen: 8 warps would sit idle
+        else:
+            break
+    return cfg
+
+
+def seq_bucket(n: int) -> int:
+    """Sequence-length bucket: the next power of two, at least 1024, at most 1M."""
+    b = 1024
+    while b < n and b < (1 << 20):
+        b *= 2
+    return b
+
+
+def config_key(dtype: torch.dtype, head_dim_padded: int, seqlen: int) -> str:
+    """The key of a tuned entry in configs/<arch>.json: "<dtype>/d<padded D>/n<bucket>"."""
+    return f"{str(dtype).removeprefix('torch.')}/d{head_dim_padded}/n{seq_bucket(seqlen)}"
+
+
+@functools.lru_cache(maxsize=None)
+def load_arch_table(arch_name: str) -> dict:
+    """The parsed configs/<arch>.json ({} when there is none)."""
+    try:
+        text = resources.files("triton_dilated.configs").joinpath(f"{arch_name}.json").read_text()
+    except (FileNotFoundError, ModuleNotFoundError):
+        return {}
+    return json.loads(text)
+
+
+def tuned_entry(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen: int, arch_name: str):
+    """(config, source) from configs/<arch>.json: the exact bucket ("<arch>.json"), else the
+    nearest tuned bucket of the same dtype and head dim ("<arch>.json nearest bucket"), else
+    (None, "fallback")."""
+    table = load_arch_table(arch_name).get("kernels", {}).get(family, {})
+    key = config_key(dtype, head_dim_padded, seqlen)
+    if key in table:
+        return dict(table[key]), f"{arch_name}.json"
+    prefix = key.rsplit("/", 1)[0] + "/n"
+    near = sorted((abs(int(k.rsplit("n", 1)[1]).bit_length() - seq_bucket(seqlen).bit_length()), k)
+                  for k in table if k.startswith(prefix))
+    if near:
+        return dict(table[near[0][1]]), f"{arch_name}.json nearest bucket"
+    return None, "fallback"
+
+
+def select_config(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen: int,
+                  device: torch.device) -> dict:
+    """The launch config: one fixed config off-GPU (the interpreter); on a GPU, the tuned
+    entry of configs/<arch>.json, else default_config."""
+    if device.type != "cuda":
+        return dict(INTERPRETER_CONFIG)
+    arch = device_arch(device)
+    cfg, _ = tuned_entry(family, dtype, head_dim_padded, seqlen, arch.name)
+    return cfg if cfg is not None else default_config(family, head_dim_padded, arch, dtype)
+
+
+def kernels_fit(families, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the Triton kernels of `families` can run this problem on this GPU: a config of
+    each fits shared memory (no tile fits a Turing block for the backward at D = 256), and
+    the GPU has TF32 tensor cores for float32 (Ampere on; before, the kernels' float32 dots
+    are slow FMA loops with tiles that do not fit). Off-GPU: True."""
+    if device.type != "cuda":
+        return True
+    padded = padded_head_dim(head_dim)
+    arch = device_arch(device)
+    if dtype == torch.float32 and arch.capability < (8, 0):
+        return False
+    return all(config_fits(f, select_config(f, dtype, padded, 1024, device), padded, arch, dtype) for f in families)

@@ -3,7 +3,7 @@
 The CPU interpreter runs kernels as Python, so it cannot see what only the compiler
 rejects (a variable whose type differs between the branches of a runtime `if`, dot
 shapes, shared memory) or what ptxas reports (registers, spills). This compiles each
-kernel with the config the library would pick on that arch (runtime.default_config, or
+kernel with the config the library would pick on that arch (configs.default_config, or
 --configs), runs Triton's own ptxas with -v, and writes one CSV row per compile:
 registers, spill stores/loads, shared memory, or the error.
 
@@ -21,60 +21,38 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from ..ops.common.runtime import padded_head_dim
+from ..ops import SPECS, kernel_specs
+from ..ops.common.hardware import padded_head_dim
 
-# Pointer arguments: float32 statistics and accumulators, int32 tables, the rest the
-# activation dtype. Every other non-constexpr argument is an int32 (sm_scale: float32).
-_FP32 = {"ROW_MAX", "ROW_SUM", "DELTA", "LSE", "OUT"}
-_I32 = {"ITEMS", "PAT_W", "PAT_R", "PAT_OFF", "KV_COUNT", "KV_INDEX", "Q_COUNT", "Q_INDEX", "Q_POS", "K_POS"}
-_I8 = {"LAYOUT"}
-_RING_FP32 = {"DQ", "DK", "DV"}   # the ring step accumulates dQ, dK, dV in float32
-_INTS = {"N", "NQ", "NK", "NUM_HEADS", "NUM_KV_HEADS", "HEAD_GROUP", "NUM_ITEMS"}   # upper-case sizes, not pointers
-# strides the JIT would see as multiples of 16 (tensor strides), except layout-table ones
-_ODD_STRIDES = {"stride_cb", "stride_ch", "stride_ib", "stride_ih", "stride_ir"}
-_RING_ODD_STRIDES = {"stride_lb", "stride_lh", "stride_lr"}
-
-# name: (module, kernel attribute, config family)
-KERNELS = {
-    "dilated_fwd": ("triton_dilated.ops.dilated.parallel", "_dilated_fwd_kernel", "dilated_fwd"),
-    "dilated_bwd_dq": ("triton_dilated.ops.dilated.parallel", "_dilated_bwd_dq_kernel", "dilated_bwd"),
-    "dilated_bwd_dkdv": ("triton_dilated.ops.dilated.parallel", "_dilated_bwd_dkdv_kernel", "dilated_bwd"),
-    "block_sparse_fwd": ("triton_dilated.ops.block_sparse.parallel", "_block_sparse_fwd_kernel", "block_sparse_fwd"),
-    "block_sparse_bwd_dq": ("triton_dilated.ops.block_sparse.parallel", "_block_sparse_bwd_dq_kernel",
-                            "block_sparse_bwd"),
-    "block_sparse_bwd_dkdv": ("triton_dilated.ops.block_sparse.parallel", "_block_sparse_bwd_dkdv_kernel",
-                              "block_sparse_bwd"),
-    "ring_step_fwd": ("triton_dilated.ops.ring.step", "_ring_step_fwd_kernel", "ring_step_fwd"),
-    "ring_step_bwd_dq": ("triton_dilated.ops.ring.step", "_ring_step_bwd_dq_kernel", "ring_step_bwd"),
-    "ring_step_bwd_dkdv": ("triton_dilated.ops.ring.step", "_ring_step_bwd_dkdv_kernel", "ring_step_bwd"),
-}
+KERNELS = kernel_specs()   # name -> KernelSpec, from the variants' spec.py
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
           "spill_stores", "spill_loads", "shared_bytes", "compile_s", "error"]
 _SMEM = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}   # opt-in bytes per block
 
 
-def _signature(name, fn, dtype: str, D: int, causal: bool, cfg: dict):
-    """(signature, constexprs, attrs) for triton.compile, read off the kernel's parameters."""
+def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict):
+    """(signature, constexprs, attrs) for triton.compile, read off the kernel's parameters
+    and its KernelSpec (pointer element types, odd strides)."""
     constexprs = dict(HEAD_DIM=D, BLOCK_D=padded_head_dim(D), CAUSAL=causal,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=False,
-                      PRECISION="tf32x3" if dtype == "fp32" else "tf32",
-                      NUM_PATTERNS=3, BLOCK_SIZE=128, MASK_KIND=1)   # 3 patterns; block 128; ring: dilated mask
+                      PRECISION="tf32x3" if dtype == "fp32" else "tf32")
+    for variant in SPECS:
+        if spec in variant.kernels:
+            constexprs.update(variant.aot_constexprs)
     sig, given, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         a = p.name
         if p.is_constexpr:
             if a not in constexprs:
-                raise ValueError(f"{name}: no value for constexpr {a}")
+                raise ValueError(f"{spec.name}: no value for constexpr {a}")
             sig[a], given[a] = "constexpr", constexprs[a]
-        elif a.isupper() and a not in _INTS:   # a pointer
-            ty = ("fp32" if a in _FP32 or (name.startswith("ring") and a in _RING_FP32) else
-                  "i32" if a in _I32 else "i8" if a in _I8 else dtype)
-            sig[a] = "*" + ty
+        elif a in spec.pointers:
+            ty = spec.pointers[a]
+            sig[a] = "*" + (dtype if ty == "act" else ty)
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            sig[a] = "fp32" if a == "sm_scale" else "i32"
-            odd = _ODD_STRIDES | (_RING_ODD_STRIDES if name.startswith("ring") else set())
-            if a.startswith("stride_") and a not in odd:
+            sig[a] = "fp32" if a in spec.floats else "i32"
+            if a.startswith("stride_") and a not in spec.odd_strides:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, given, attrs
 
@@ -90,16 +68,14 @@ def compile_one(job) -> dict:
     row.update(arch=f"sm{arch}", kernel=name, dtype=dtype, D=D, causal=int(causal), **cfg)
     start = time.time()
     try:
-        import importlib
-
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.compiler import get_ptxas
-        module, attr, _ = KERNELS[name]
-        fn = getattr(importlib.import_module(module), attr)
+        spec = KERNELS[name]
+        fn = spec.load()
         if not hasattr(fn, "params"):
             raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): unset it to compile them")
-        sig, constexprs, attrs = _signature(name, fn, dtype, D, causal, cfg)
+        sig, constexprs, attrs = _signature(spec, fn, dtype, D, causal, cfg)
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
@@ -132,13 +108,14 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
     that arch (or each of `configs`). Returns the rows (also written to `out`)."""
     import torch
 
-    from ..ops.common.runtime import Arch, default_config
+    from ..configs import default_config
+    from ..ops.common.hardware import Arch
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     work = []
     for arch in archs:
         fake = Arch(f"sm{arch}", (arch // 10, arch % 10), _SMEM.get(arch, 99 * 1024), 1, f"sm{arch} (ahead of time)")
         for name in kernels or KERNELS:
-            family = KERNELS[name][2]
+            family = KERNELS[name].family
             for dtype in dtypes:
                 for D in head_dims:
                     cfgs = configs or [default_config(family, padded_head_dim(D), fake,

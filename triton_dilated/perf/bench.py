@@ -23,12 +23,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..ops.common.runtime import _load_arch_table, get_arch, padded_head_dim, resolve_backend, seq_bucket, select_config
+from ..configs import load_arch_table, select_config, tuned_entry
+from ..ops.common.hardware import device_arch, get_arch, padded_head_dim
+from ..ops.common.runtime import resolve_backend
 from ..ops.dilated.patterns import head_offsets
+from ..ops.dilated.spec import LONGNET_R, LONGNET_W
 from .baselines import flex_available, flex_block_sparse, head_group_loop, sdpa_dense
-
-LONGNET_W = (2048, 4096, 8192, 16384, 32768)
-LONGNET_R = (1, 2, 4, 6, 12)
 
 OPS = ("dilated", "block_sparse")
 OP_NAMES = {"dilated": "dilated_attention", "block_sparse": "block_sparse_attention"}
@@ -285,16 +285,10 @@ def _config_label(kernel: str, case: Case) -> str:
     if dev.type != "cuda":
         source = "interpreter"
     else:
-        arch = get_arch(dev.index if dev.index is not None else torch.cuda.current_device())
-        table = _load_arch_table(arch.name)
-        key = f"{str(case.dtype).removeprefix('torch.')}/d{block_d}/n{seq_bucket(case.N)}"
-        entry = table.get("kernels", {}).get(kernel, {})
-        if key in entry:
-            source = f"{arch.name}.json{' tuned' if table.get('tuned') else ' untuned'}"
-        elif entry:
-            source = f"{arch.name}.json nearest bucket"
-        else:
-            source = "fallback"
+        arch = device_arch(dev)
+        _, source = tuned_entry(kernel, case.dtype, block_d, case.N, arch.name)
+        if source == f"{arch.name}.json":
+            source += " tuned" if load_arch_table(arch.name).get("tuned") else " untuned"
     body = " ".join(f"{k}={v}" for k, v in cfg.items())
     return f"{kernel}: {body} [{source}]"
 
@@ -311,8 +305,8 @@ def provider_config(case: Case, provider: str, mode: str) -> str:
 def providers(case: Case, flex: bool | None = None, only=None):
     """{name: fn(q, k, v) -> out} for every provider that can run this case; inputs
     (B, N, H, D)."""
-    from ..ops.block_sparse.parallel import block_sparse_attention
-    from ..ops.dilated.parallel import dilated_attention
+    from ..ops.block_sparse import block_sparse_attention
+    from ..ops.dilated import dilated_attention
     main = main_provider(case.device)
     provs = {}
     if case.op == "dilated":

@@ -234,22 +234,7 @@ def plot_all(csv_paths=None, out_dir=None):
 def dilated_multiplicity(n, segment_lengths, dilation_rates, num_heads, *, causal=False, mode="longnet",
                          offsets="modulo"):
     """(H, N, N) int array: how many of head h's patterns select the pair (query p, key p')
-    (DESIGN §3: a key two patterns select counts twice). Small N only."""
-    import numpy as np
-
-    from ..ops.dilated.patterns import check_patterns, head_offsets
-    patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
-    table = head_offsets(num_heads, patterns, mode, offsets)
-    pos = np.arange(n)
-    out = np.zeros((num_heads, n, n), dtype=np.int64)
-    for h, row in enumerate(table):
-        for (w, r), o in zip(patterns, row):
-            if o < 0:
-                continue
-            seg = pos // w * w
-            active = (pos - seg) % r == o
-            m = active[:, None] & active[None, :] & (seg[:, None] == seg[None, :])
-            if causal:
-                m &= pos[None, :] <= pos[:, None]
-            out[h] += m
-    return out
+    (ops.dilated.naive.dilated_multiplicity as numpy). Small N only."""
+    from ..ops.dilated.naive import dilated_multiplicity as counts
+    return counts(n, segment_lengths, dilation_rates, num_heads, causal=causal, mode=mode,
+                  offsets=offsets).long().numpy()

@@ -1,12 +1,12 @@
 """`python -m triton_dilated.perf tune`: autotune the kernel configs for this GPU's arch
 (DESIGN §8).
 
-For each kernel in {dilated_fwd, dilated_bwd, block_sparse_fwd, block_sparse_bwd}, dtype,
-head dim and sequence bucket, every candidate {BLOCK_M, BLOCK_N, num_warps, num_stages} is
+For each config family (the variants' spec.py: dilated_fwd, dilated_bwd, block_sparse_fwd,
+block_sparse_bwd, ring_step_fwd, ring_step_bwd), dtype, head dim and sequence bucket, every candidate {BLOCK_M, BLOCK_N, num_warps, num_stages} is
 timed by calling the launchers with `config=...`; a candidate that fails to compile or run
 (shared memory, registers) or disagrees with the current default config's result is dropped, and
 the fastest of the rest is kept. The result is written as `configs/<arch>.json` in the
-format `runtime.select_config` reads:
+format `configs.select_config` reads:
 
     {"arch": "sm90", "tuned": true, "kernels": {kernel: {"<dtype>/d<padded D>/n<bucket>": {...}}},
      "measured": {kernel: {key: {"ms": ..., "shape": ..., ...}}}}
@@ -14,34 +14,34 @@ format `runtime.select_config` reads:
 Entries that were not tuned in this pass are kept from the existing file. The JSON (and a
 CSV of every candidate's time) is rewritten after each kernel, so a run cut short keeps
 what it finished. Under TRITON_INTERPRET=1 there is exactly one config
-(runtime.INTERPRETER_CONFIG), "tuned" on a tiny shape: multi-config tuning needs a GPU.
+(configs.INTERPRETER_CONFIG), "tuned" on a tiny shape: multi-config tuning needs a GPU.
 """
 from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import time
 from importlib import resources
 
 import torch
 
-from ..ops.common.runtime import INTERPRETER_CONFIG, config_fits, default_config, get_arch, interpreter_enabled, \
-    padded_head_dim, seq_bucket, triton_importable
-from .bench import LONGNET_R, LONGNET_W, CsvSink, Timing, make_row, median_ms, provenance, random_tensors
+from ..configs import CONFIG_FIELDS, INTERPRETER_CONFIG, config_fits, config_key, default_config
+from ..configs import make_config as _cfg
+from ..ops import SPECS
+from ..ops.common.hardware import get_arch, padded_head_dim
+from ..ops.common.runtime import interpreter_enabled
+from .bench import CsvSink, Timing, make_row, median_ms, provenance
 
-KERNELS = ("dilated_fwd", "dilated_bwd", "block_sparse_fwd", "block_sparse_bwd")
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
-
-
-def _cfg(m, n, w, s):
-    return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+# config family -> the variant spec whose problem exercises it
+FAMILIES = {family: spec for spec in SPECS for family in spec.families}
+KERNELS = tuple(FAMILIES)
+CONFIG_KEYS = CONFIG_FIELDS
 
 
 # Candidate lists (a GPU): the usual flash-attention tile shapes; pruned per arch by a
 # shared-memory estimate before anything is compiled.
-# The arch's default (runtime.default_config) always goes first, so a short tune
+# The arch's default (configs.default_config) always goes first, so a short tune
 # (max_candidates) still compares against it.
 FWD_CANDIDATES = [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3),
                   _cfg(64, 64, 8, 3), _cfg(64, 64, 4, 4), _cfg(128, 32, 4, 3), _cfg(64, 128, 4, 3),
@@ -65,52 +65,10 @@ def candidates(kernel: str, head_dim_padded: int, dtype: torch.dtype, arch, limi
 
 # ----------------------------------------------------------------------------- problems
 
-class _Problem:
-    """Inputs for one (kernel family, dtype, D, N); `run(kernel, config)` launches the
-    launcher once and returns its outputs."""
-
-    def __init__(self, family, B, N, H, D, dtype, device, causal, block_size=128):
-        self.family, self.causal = family, causal
-        self.q, self.k, self.v, self.do = random_tensors([(B, N, H, D)] * 4, device, dtype)
-        self.scale = 1.0 / math.sqrt(D)
-        if family == "dilated":
-            from ..ops.dilated.patterns import head_offsets
-            ws = tuple(min(w, N) for w in LONGNET_W) if N >= 4096 else (N // 4, N // 2, N)
-            rs = LONGNET_R if N >= 4096 else (1, 2, 4)
-            self.patterns = tuple(zip(ws, rs))
-            self.table = head_offsets(H, self.patterns, "longnet", "modulo")
-            self.shape = f"B={B} N={N} H={H} D={D} causal={causal} longnet w={'/'.join(map(str, ws))} " \
-                         f"r={'/'.join(map(str, rs))}"
-        else:
-            from .. import layouts
-            bs = min(block_size, max(16, N // 4))
-            self.layout = layouts.bigbird(N, bs, window=1, num_global_blocks=1, num_random=3, num_heads=H,
-                                          causal=causal).to(device)
-            self.shape = f"B={B} N={N} H={H} D={D} causal={causal} bigbird(window=1,global=1,random=3) block={bs}"
-        self.stats = None
-
-    def _forward(self, config):
-        if self.family == "dilated":
-            from ..ops.dilated.parallel import dilated_forward
-            return dilated_forward(self.q, self.k, self.v, self.patterns, self.table, causal=self.causal,
-                                   scale=self.scale, config=config)
-        from ..ops.block_sparse.parallel import block_sparse_forward
-        return block_sparse_forward(self.q, self.k, self.v, self.layout, causal=self.causal, scale=self.scale,
-                                    config=config)
-
-    def run(self, kernel, config):
-        if kernel.endswith("_fwd"):
-            return self._forward(config)
-        if self.stats is None:   # the backward's inputs: one forward with the default config
-            self.stats = self._forward(None)
-        out, row_max, row_sum = self.stats
-        if self.family == "dilated":
-            from ..ops.dilated.parallel import dilated_backward
-            return dilated_backward(self.do, None, self.q, self.k, self.v, out, row_max, row_sum, self.patterns,
-                                    self.table, causal=self.causal, scale=self.scale, config=config)
-        from ..ops.block_sparse.parallel import block_sparse_backward
-        return block_sparse_backward(self.do, None, self.q, self.k, self.v, out, row_max, row_sum, self.layout,
-                                     causal=self.causal, scale=self.scale, config=config)
+def run_problem(problem, family: str, config):
+    """Launch the kernels of a config family once on `problem` (the variant spec's
+    problem object) with `config` (None: the library's pick)."""
+    return problem.backward(config) if family.endswith("_bwd") else problem.forward(config)
 
 
 def _agrees(ref, got) -> bool:
@@ -152,9 +110,7 @@ def _write_json(table: dict, path: str):
     os.replace(tmp, path)
 
 
-def table_key(dtype: torch.dtype, head_dim_padded: int, seqlen: int) -> str:
-    """The select_config key: "<dtype>/d<padded D>/n<sequence bucket>"."""
-    return f"{str(dtype).removeprefix('torch.')}/d{head_dim_padded}/n{seq_bucket(seqlen)}"
+table_key = config_key   # the key of an entry in configs/<arch>.json
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -170,7 +126,7 @@ def run_tune(out_dir=None, kernels=KERNELS, dtypes=None, head_dims=None, seqlens
         seqlens = seqlens or [4096, 16384, 65536]
         heads = heads or 16
         timing = Timing(warmup=2, budget_s=0.15, min_reps=5, max_reps=50, max_s=2.0)
-    elif interpreter_enabled() and triton_importable():
+    elif interpreter_enabled():
         device = "cpu"
         arch = get_arch(None)
         dtypes = [torch.float32]                  # the interpreter: one config, one tiny shape
@@ -200,41 +156,40 @@ def run_tune(out_dir=None, kernels=KERNELS, dtypes=None, head_dims=None, seqlens
     t_start = time.perf_counter()
     with CsvSink(csv_path) as sink:
         for i, (kernel, dtype, d, n) in enumerate(jobs):
-            family = kernel.rsplit("_", 1)[0]
             block_d = padded_head_dim(d)
             key = table_key(dtype, block_d, n)
-            pkey = (family, dtype, d, n)
+            pkey = (FAMILIES[kernel].name, dtype, d, n)
             if pkey not in problems:
                 problems.clear()                 # one problem's tensors at a time
                 if device == "cuda":
                     torch.cuda.empty_cache()
-                problems[pkey] = _Problem(family, 1, n, heads, d, dtype, device, causal)
+                problems[pkey] = FAMILIES[kernel].problem(1, n, heads, d, dtype, device, causal)
             prob = problems[pkey]
             cands = candidates(kernel, block_d, dtype, arch, max_candidates)
             ref = None
             if len(cands) > 1:
                 try:    # the reference: the config select_config picks today (the one the tests cover)
-                    ref = prob.run(kernel, None)
+                    ref = run_problem(prob, kernel, None)
                 except Exception as exc:   # the first candidate that runs becomes the reference
                     log(f"  {kernel} {key}: the default config failed ({type(exc).__name__}); "
                         "comparing candidates with each other")
             results = []
             for cfg in cands:
                 try:
-                    got = prob.run(kernel, cfg)
+                    got = run_problem(prob, kernel, cfg)
                     if ref is None:
                         ref = got
                     elif not _agrees(ref, got):
                         log(f"  {kernel} {key} {cfg}: result differs from the default config's, dropped")
                         continue
-                    ms = median_ms(lambda: prob.run(kernel, cfg), device, timing)
+                    ms = median_ms(lambda: run_problem(prob, kernel, cfg), device, timing)
                 except Exception as exc:     # out of shared memory / registers, compile errors
                     log(f"  {kernel} {key} {cfg}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})")
                     if device == "cuda":
                         torch.cuda.synchronize()
                     continue
                 results.append((ms, cfg))
-                sink.write([make_row(op=f"tune:{kernel}", variant=family, provider="triton", mode=kernel.rsplit("_", 1)[1],
+                sink.write([make_row(op=f"tune:{kernel}", variant=FAMILIES[kernel].name, provider="triton", mode=kernel.rsplit("_", 1)[1],
                                      B=1, N=n, H=heads, Hkv=heads, D=d, dtype=str(dtype).removeprefix("torch."),
                                      causal=causal, metric="ms", value=round(ms, 6),
                                      config=" ".join(f"{k}={v}" for k, v in cfg.items()), layout=prob.shape,

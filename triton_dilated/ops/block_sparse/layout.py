@@ -138,6 +138,18 @@ class BlockLayout:
         return layout
 
     @classmethod
+    def from_canonical_lists(cls, kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, q_num_blocks: torch.Tensor,
+                             q_indices: torch.Tensor, block_size: int) -> "BlockLayout":
+        """Around the four lists of an existing layout (already canonical and transposed), with
+        no validation or re-transposition: O(1). The custom ops rebuild layouts this way."""
+        layout = object.__new__(cls)
+        layout.block_size = int(block_size)
+        layout.kv_num_blocks, layout.kv_indices = kv_num_blocks, kv_indices
+        layout.q_num_blocks, layout.q_indices = q_num_blocks, q_indices
+        layout.n_q_blocks, layout.n_kv_blocks = kv_num_blocks.shape[2], q_num_blocks.shape[2]
+        return layout
+
+    @classmethod
     def from_rows(cls, rows: torch.Tensor, block_size: int, n_kv_blocks: int | None = None) -> "BlockLayout":
         """From per-row candidate lists (B|1, H|1, n_q_blocks, k) with -1 for "none";
         duplicates and order do not matter."""

@@ -81,8 +81,34 @@ def check_positive_int_list(name: str, values) -> list[int]:
     return out
 
 
+def check_bool(name: str, value) -> bool:
+    """A real bool (causal=1 or return_lse="yes" are errors)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_flags(**flags) -> None:
-    """Each keyword must be a real bool (causal=1 or return_lse="yes" are errors)."""
+    """Each keyword must be a real bool."""
     for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        check_bool(name, flag)
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int):
+    """cu_seqlens (packed variable-length documents) -> a tuple of document bounds
+    (0, ..., N), or None."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
+                            f"{tuple(cu_seqlens.shape)}")
+        cu_seqlens = cu_seqlens.tolist()
+    bounds = tuple(check_positive_int_list("cu_seqlens", [x + 1 for x in cu_seqlens]))
+    bounds = tuple(x - 1 for x in bounds)
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs documents into one sequence: the batch size must be 1, got {batch}")
+    if bounds[0] != 0 or bounds[-1] != seq_len or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, end at the sequence length ({seq_len}) and not decrease, "
+                         f"got {list(bounds)}")
+    return bounds

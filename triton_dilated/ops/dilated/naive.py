@@ -53,3 +53,31 @@ def dilated_attention_naive(q, k, v, segment_lengths, dilation_rates, *, causal=
         head_outs.append(out_h.double())
         head_lses.append(lse_h.double())
     return torch.stack(head_outs, dim=2), torch.stack(head_lses, dim=1)
+
+
+def pattern_multiplicity(q_pos, k_pos, patterns, table, *, causal=False) -> torch.Tensor:
+    """(Hq, Nq, Nk) float64: how many of head h's patterns select the pair (query at q_pos[i],
+    key at k_pos[j]) (DESIGN §3: a key two patterns select counts twice; 0: not computed).
+    Positions are global (long or int tensors); `table` is head_offsets(Hq, patterns, ...)."""
+    qp, kp = q_pos.long()[:, None], k_pos.long()[None, :]
+    counts = torch.zeros(len(table), qp.shape[0], kp.shape[1], dtype=torch.float64, device=qp.device)
+    for h, row in enumerate(table):
+        for (w, r), o in zip(patterns, row):
+            if o < 0:
+                continue
+            q_on = (qp - qp // w * w) % r == o
+            k_on = (kp - kp // w * w) % r == o
+            counts[h] += ((qp // w == kp // w) & q_on & k_on).double()
+    if causal:
+        counts *= (kp <= qp).double()
+    return counts
+
+
+def dilated_multiplicity(n, segment_lengths, dilation_rates, num_heads, *, causal=False, mode="longnet",
+                         offsets="modulo") -> torch.Tensor:
+    """(num_heads, N, N) float64 multiplicity matrix of a sequence of length n: the pairs each
+    head's patterns compute and how often (pattern pictures, dense references). O(N^2)."""
+    patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
+    table = head_offsets(num_heads, patterns, mode, offsets)
+    pos = torch.arange(n)
+    return pattern_multiplicity(pos, pos, patterns, table, causal=causal)

@@ -1,14 +1,39 @@
 """Ring communication over torch.distributed (gloo on CPUs, NCCL on GPUs).
 
-RingComm.shift(tensors) posts, with batch_isend_irecv, the sends of `tensors` to the next
-rank and the receives of the previous rank's tensors (whose shapes the caller knows), and
-returns a handle whose wait() yields the received tensors: the caller computes on the
-current shard while the next one is in flight (double buffering).
+`RingComm.shift(tensors, recv_shapes)` posts, with batch_isend_irecv, the sends of
+`tensors` to the next rank and the receives of the previous rank's tensors (whose shapes
+the caller knows), and returns a `Transfer`: the caller computes on the current shard while
+the next one is in flight (double buffering), then `transfer.wait()` hands over the
+received tensors. RingComm also keeps the peak of key/value bytes a schedule reports as
+held (`note_held`), which the tests use to check the O(N/P) memory bound.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+COMMS = ("p2p", "allgather")
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Transfer:
+    """Tensors in flight from the previous rank: `wait()` returns them once they arrived."""
+
+    def __init__(self, tensors, requests):
+        self.tensors, self._requests = list(tensors), list(requests)
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.tensors)
+
+    def wait(self):
+        for req in self._requests:
+            req.wait()
+        self._requests = []
+        return self.tensors
 
 
 class RingComm:
@@ -23,24 +48,24 @@ class RingComm:
         to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
         self.next = to_global((self.rank + 1) % self.world)
         self.prev = to_global((self.rank - 1) % self.world)
+        self.max_bytes_held = 0
 
-    def shift(self, tensors, recv_shapes):
-        """Send `tensors` to the next rank, receive tensors of `recv_shapes` (same dtypes)
-        from the previous one. Returns (received tensors, requests). With one rank the
-        ring is the identity (gloo cannot send to itself)."""
+    def note_held(self, nbytes_now: int) -> None:
+        """Record how many key/value bytes the schedule holds at this point."""
+        self.max_bytes_held = max(self.max_bytes_held, nbytes_now)
+
+    def shift(self, tensors, recv_shapes) -> Transfer:
+        """Send `tensors` to the next rank and receive tensors of `recv_shapes` (same dtypes)
+        from the previous one. With one rank the ring is the identity (gloo cannot send to
+        itself)."""
         if self.world == 1:
-            return list(tensors), []
+            return Transfer(tensors, [])
         received = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(tensors, recv_shapes)]
         ops = []
         for t, r in zip(tensors, received):
             ops.append(dist.P2POp(dist.isend, t.contiguous(), self.next, self.group))
             ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group))
-        return received, dist.batch_isend_irecv(ops)
-
-    @staticmethod
-    def wait(requests):
-        for req in requests:
-            req.wait()
+        return Transfer(received, dist.batch_isend_irecv(ops))
 
     def all_gather_seq(self, x, sizes):
         """Every rank's x (dim 1 of length sizes[rank]) in rank order. Padded to the

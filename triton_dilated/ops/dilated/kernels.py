@@ -1,5 +1,6 @@
-"""Fused Triton dilated attention: one forward launch for all patterns, three-kernel-free
-backward (dQ and dK/dV kernels, no atomics), autograd, and the public function.
+"""Fused Triton dilated attention kernels and their launchers: one forward launch for all
+patterns; backward in a dQ and a dK/dV kernel, no atomics. The public function, its
+autograd and custom ops are in interface.py.
 
 Design (the arithmetic behind it)
 ---------------------------------
@@ -39,14 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.lse import lse_from_stats, softmax_delta
-from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, on_tensor_device, padded_head_dim,
-                              portable_compute_dtype, resolve_backend, select_config)
-from ..common.triton_helpers import dot, finalize, load_key_block, load_row_stats, online_softmax_step, softmax_grad_block
-from ..common.validation import check_flags, check_positive_int_list, check_qkv, check_scale
-from .patterns import check_patterns, head_offsets
+from ...configs import select_config
+from ..common.hardware import padded_head_dim
+from ..common.kernels import dot, finalize, load_key_block, load_row_stats, online_softmax_step, softmax_grad_block
+from ..common.lse import softmax_delta
+from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device
 from .plan import build_items, key_unit_triples, query_unit_triples
-from .torch_impl import dilated_attention_torch
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -379,114 +378,3 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
             row_max.stride(0), row_max.stride(1),
             items.shape[0], Hq // Hkv, scale, **common)
     return dq, dk, dv
-
-
-class _DilatedAttentionFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, patterns, table, causal, scale, doc_bounds=None):
-        out, row_max, row_sum = dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale,
-                                                doc_bounds=doc_bounds)
-        ctx.save_for_backward(q, k, v, out, row_max, row_sum)
-        ctx.args = (patterns, table, causal, scale, doc_bounds)
-        return out, lse_from_stats(row_max, row_sum)
-
-    @staticmethod
-    def backward(ctx, do, dlse):
-        q, k, v, out, row_max, row_sum = ctx.saved_tensors
-        patterns, table, causal, scale, doc_bounds = ctx.args
-        if do is None:
-            do = torch.zeros_like(out)
-        dq, dk, dv = dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table,
-                                      causal=causal, scale=scale, doc_bounds=doc_bounds)
-        return dq, dk, dv, None, None, None, None, None
-
-
-# ----------------------------------------------------------------------------- public
-
-def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
-                      mode="longnet", offsets="modulo", return_lse=False, backend="auto", cu_seqlens=None):
-    """LongNet dilated attention (arXiv 2307.02486 §2.2-2.4), exact, forward and backward.
-
-    Args:
-        q: (B, N, Hq, D); k, v: (B, N, Hkv, D) with Hq % Hkv == 0 (GQA/MQA). float16,
-            bfloat16 or float32; any strides with a contiguous last dimension (others are
-            copied once).
-        segment_lengths, dilation_rates: one (w, r) per pattern. N % w != 0, w % r != 0
-            and w >= N are all legal; the last segment may be shorter.
-        causal: each query attends only to keys at or before its position.
-        scale: score scale, default 1/sqrt(D).
-        mode: "longnet" (every head uses every pattern; patterns mixed by their softmax
-            denominators, i.e. one softmax over the multiset union of their keys) or
-            "head_groups" (heads split into one contiguous group per pattern).
-        offsets: per-head offset of pattern i, "modulo" (j % r_i) or "blocked"
-            (j // ceil(Hq / r_i)); longnet mode only.
-        return_lse: also return lse, float32 (B, Hq, N), natural log, differentiable.
-        backend: "auto" (Triton on CUDA, or on CPU under TRITON_INTERPRET=1; else the
-            portable PyTorch path), "triton" or "torch".
-        cu_seqlens: packed variable-length sequences: with B == 1, the documents
-            [cu_seqlens[i], cu_seqlens[i+1]) of the sequence (0 first, N last, ascending).
-            Segments restart at each document and no query sees another document: the
-            result equals separate calls per document.
-
-    Returns:
-        out (B, N, Hq, D) like q, contiguous; with return_lse, (out, lse). A query with no
-        key in any of its patterns gets 0 and lse = -inf.
-    """
-    check_qkv(q, k, v)
-    patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
-    check_flags(causal=causal, return_lse=return_lse)
-    B, N, Hq, D = q.shape
-    scale = check_scale(scale, D)
-    path = resolve_backend(backend, q.device, ("dilated_fwd", "dilated_bwd"), D, q.dtype)
-    doc_bounds = check_cu_seqlens(cu_seqlens, B, N)
-    # under torch.compile: the custom op (either path). It traces without a graph break; the
-    # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
-    if torch.compiler.is_compiling() and doc_bounds is None:
-        from ..custom_ops import dilated_attention_op
-        return dilated_attention_op(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
-                                    offsets=offsets, return_lse=return_lse, backend=backend)
-    table = head_offsets(Hq, patterns, mode, offsets)
-
-    if B == 0 or N == 0:
-        return empty_result(q, k, v, return_lse)
-
-    out, lse = dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=return_lse,
-                                       backend=path, doc_bounds=doc_bounds)
-    return (out, lse) if return_lse else out
-
-
-def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse=True, backend="auto",
-                            doc_bounds=None):
-    """dilated_attention on validated inputs with an explicit (patterns, per-head offset
-    table) and optional documents; returns (out, lse) (lse None when the portable path
-    was not asked for it)."""
-    if resolve_backend(backend, q.device) == "triton":
-        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        return _DilatedAttentionFn.apply(q, k, v, patterns, table, causal, scale, doc_bounds)
-    run = lambda a, b, c: dilated_attention_torch(a, b, c, patterns, table, causal=causal, scale=scale,  # noqa: E731
-                                                  need_lse=need_lse,
-                                                  compute_dtype=portable_compute_dtype(q.dtype, q.device))
-    if doc_bounds is None:
-        return run(q, k, v)
-    parts = [run(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in zip(doc_bounds[:-1], doc_bounds[1:]) if e > s]
-    out = torch.cat([p[0] for p in parts], dim=1)
-    return out, (torch.cat([p[1] for p in parts], dim=2) if need_lse else None)
-
-
-def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int):
-    """cu_seqlens -> a tuple of document bounds (0, ..., N), or None."""
-    if cu_seqlens is None:
-        return None
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise TypeError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
-                            f"{tuple(cu_seqlens.shape)}")
-        cu_seqlens = cu_seqlens.tolist()
-    bounds = tuple(check_positive_int_list("cu_seqlens", [x + 1 for x in cu_seqlens]))
-    bounds = tuple(x - 1 for x in bounds)
-    if batch != 1:
-        raise ValueError(f"cu_seqlens packs documents into one sequence: the batch size must be 1, got {batch}")
-    if bounds[0] != 0 or bounds[-1] != seq_len or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must start at 0, end at the sequence length ({seq_len}) and not decrease, "
-                         f"got {list(bounds)}")
-    return bounds

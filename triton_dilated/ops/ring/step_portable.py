@@ -1,12 +1,14 @@
 """Portable PyTorch ring step (CPU without the interpreter, pre-Volta GPUs): the same
-contract as step.py, with an explicit float32 (N_local x N_shard) score matrix per step."""
+contract as step_kernels.py, with an explicit float32 (N_local x N_shard) score matrix per
+step."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from .step import MASK_DILATED, MASK_LAYOUT
+from ..dilated.naive import pattern_multiplicity
+from .mask import MASK_DILATED, MASK_LAYOUT
 
 
 def pair_log_weight(q_pos, k_pos, mask, num_heads, batch):
@@ -14,20 +16,8 @@ def pair_log_weight(q_pos, k_pos, mask, num_heads, batch):
     qp, kp = q_pos.long()[:, None], k_pos.long()[None, :]
     ok = (kp <= qp) if mask.causal else torch.ones(qp.shape[0], kp.shape[1], dtype=torch.bool, device=qp.device)
     if mask.kind == MASK_DILATED:
-        ws, rs = mask.pat_w.tolist(), mask.pat_r.tolist()
-        table = mask.pat_off.view(num_heads, -1).tolist()
-        counts = []
-        for h in range(num_heads):
-            c = torch.zeros(qp.shape[0], kp.shape[1], device=qp.device)
-            for (w, r), o in zip(zip(ws, rs), table[h]):
-                if o < 0:
-                    continue
-                q_on = (qp - qp // w * w) % r == o
-                k_on = (kp - kp // w * w) % r == o
-                c += ((qp // w == kp // w) & q_on & k_on).float()
-            counts.append(c)
-        c = torch.stack(counts)[None]
-        return torch.where(ok & (c > 0), torch.log(c.clamp_min(1.0)), torch.full_like(c, -math.inf))
+        c = pattern_multiplicity(q_pos, k_pos, mask.patterns, mask.table, causal=mask.causal).float()[None]
+        return torch.where(c > 0, torch.log(c.clamp_min(1.0)), torch.full_like(c, -math.inf))
     if mask.kind == MASK_LAYOUT:
         bs = mask.layout_block
         active = mask.layout[:, :, q_pos.long() // bs][:, :, :, k_pos.long() // bs].bool()

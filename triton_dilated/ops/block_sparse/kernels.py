@@ -1,6 +1,6 @@
-"""Triton block-sparse attention: forward and dQ walk each query tile's kv block list, dK/dV
-walk each key tile's transposed q block list (deterministic, no atomics), autograd, and
-the public function.
+"""Triton block-sparse attention kernels and their launchers: forward and dQ walk each query
+tile's kv block list, dK/dV walk each key tile's transposed q block list (deterministic, no
+atomics). The public function and its autograd are in interface.py.
 
 A program owns BLOCK_M query rows (BLOCK_M divides the layout block size) and, for each
 active key block of its layout row, streams the block in BLOCK_N sub-tiles through the
@@ -19,13 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.lse import lse_from_stats, softmax_delta
-from ..common.runtime import (empty_result, kernel_options, last_dim_contiguous, on_tensor_device, padded_head_dim,
-                              portable_compute_dtype, resolve_backend, select_config)
-from ..common.triton_helpers import dot, finalize, load_key_block, load_row_stats, online_softmax_step, softmax_grad_block
-from ..common.validation import check_flags, check_qkv, check_scale
-from .layout import BlockLayout
-from .torch_impl import block_sparse_attention_torch
+from ...configs import select_config
+from ..common.hardware import padded_head_dim
+from ..common.kernels import dot, finalize, load_key_block, load_row_stats, online_softmax_step, softmax_grad_block
+from ..common.lse import softmax_delta
+from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device
 
 
 @triton.jit
@@ -286,99 +284,3 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
         row_max.stride(0), row_max.stride(1), *lay_strides,
         N, Hq, Hkv, Hq // Hkv, scale, **common)
     return dq, dk, dv
-
-
-class _BlockSparseAttentionFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, layout, causal, scale):
-        out, row_max, row_sum = block_sparse_forward(q, k, v, layout, causal=causal, scale=scale)
-        ctx.save_for_backward(q, k, v, out, row_max, row_sum)
-        ctx.args = (layout, causal, scale)
-        return out, lse_from_stats(row_max, row_sum)
-
-    @staticmethod
-    def backward(ctx, do, dlse):
-        q, k, v, out, row_max, row_sum = ctx.saved_tensors
-        layout, causal, scale = ctx.args
-        if do is None:
-            do = torch.zeros_like(out)
-        dq, dk, dv = block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, causal=causal,
-                                           scale=scale)
-        return dq, dk, dv, None, None, None
-
-
-# ----------------------------------------------------------------------------- public
-
-def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_lse=False, backend="auto",
-                           cu_seqlens=None):
-    """Exact attention over the active blocks of a BlockLayout (DESIGN §4).
-
-    Args:
-        q: (B, N, Hq, D); k, v: (B, N, Hkv, D), Hq % Hkv == 0 (GQA); float16/bfloat16/float32.
-        layout: a BlockLayout with ceil(N / block_size) blocks per side, laid out for
-            (B|1, Hq|1) (query heads).
-        causal: also require key position <= query position (the diagonal block is masked
-            per element).
-        scale: default 1/sqrt(D).
-        return_lse: also return lse, float32 (B, Hq, N), differentiable.
-        backend: "auto", "triton" or "torch" (DESIGN §7).
-        cu_seqlens: packed variable-length sequences (B == 1): documents
-            [cu_seqlens[i], cu_seqlens[i+1]); blocks restart at each document and no query
-            sees another document. `layout` is then one BlockLayout per document (a list),
-            or a builder called with each document's length (e.g.
-            `lambda n: layouts.local(n, 64, 2)`).
-
-    Returns out (B, N, Hq, D) like q (and lse). Rows with no active key: 0, lse = -inf.
-    """
-    check_qkv(q, k, v)
-    if not isinstance(layout, BlockLayout) and cu_seqlens is None:
-        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
-    check_flags(causal=causal, return_lse=return_lse)
-    B, N, Hq, D = q.shape
-    scale = check_scale(scale, D)
-    if cu_seqlens is not None:
-        return _packed(q, k, v, layout, cu_seqlens, causal=causal, scale=scale, return_lse=return_lse,
-                       backend=backend)
-    path = resolve_backend(backend, q.device, ("block_sparse_fwd", "block_sparse_bwd"), D, q.dtype)
-    # under torch.compile: the custom op (either path). It traces without a graph break; the
-    # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
-    if torch.compiler.is_compiling():
-        from ..custom_ops import block_sparse_attention_op
-        return block_sparse_attention_op(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse,
-                                         backend=backend)
-    if B == 0 or N == 0:
-        return empty_result(q, k, v, return_lse)
-    layout.check_seq_len(N)
-    layout.check_heads(B, Hq)
-    layout = layout.to(q.device) if layout.kv_indices.device != q.device else layout
-    if path == "triton":
-        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        out, lse = _BlockSparseAttentionFn.apply(q, k, v, layout, causal, scale)
-    else:
-        out, lse = block_sparse_attention_torch(q, k, v, layout, causal=causal, scale=scale,
-                                                compute_dtype=portable_compute_dtype(q.dtype, q.device))
-    return (out, lse) if return_lse else out
-
-
-def _packed(q, k, v, layout, cu_seqlens, **kw):
-    """Documents one after another, each with its own layout (blocks restart per document)."""
-    from ..dilated.parallel import check_cu_seqlens
-    bounds = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
-    docs = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
-    if isinstance(layout, (list, tuple)):
-        if len(layout) != len(bounds) - 1:
-            raise ValueError(f"layout must hold one BlockLayout per document ({len(bounds) - 1}), got {len(layout)}")
-        per_doc = [lay for lay, (s, e) in zip(layout, zip(bounds[:-1], bounds[1:])) if e > s]
-    elif callable(layout) and not isinstance(layout, BlockLayout):
-        per_doc = [layout(e - s) for s, e in docs]
-    else:
-        per_doc = [layout] * len(docs)
-    return_lse = kw.pop("return_lse")
-    outs = [block_sparse_attention(q[:, s:e], k[:, s:e], v[:, s:e], lay, return_lse=True, **kw)
-            for lay, (s, e) in zip(per_doc, docs)]
-    if not outs:
-        from ..common.runtime import empty_result
-        return empty_result(q, k, v, return_lse)
-    out = torch.cat([o for o, _ in outs], dim=1)
-    lse = torch.cat([l for _, l in outs], dim=2)
-    return (out, lse) if return_lse else out

@@ -1,5 +1,5 @@
-"""The ring-local-block step: this rank's queries against a key/value shard that came from
-another rank, with the mask evaluated on *global* positions, merged into the running
+"""The ring-local-block step kernels and their launchers: this rank's queries against a
+key/value shard that came from another rank, with the mask evaluated on *global* positions, merged into the running
 float32 (out, lse) in place; and its backward (dQ into a local accumulator, dK/dV into
 the accumulators that travel with the shard).
 
@@ -15,14 +15,19 @@ running state per step, no separate pass.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ..common.runtime import kernel_options, on_tensor_device, padded_head_dim, select_config
-from ..common.triton_helpers import dot, finalize, online_softmax_step, softmax_grad_block
+from ...configs import select_config
+from ..common.hardware import padded_head_dim
+from ..common.kernels import dot, finalize, online_softmax_step, softmax_grad_block
+from ..common.runtime import kernel_options, on_tensor_device
+from . import mask as step_mask
+from .mask import StepMask
 
-MASK_DENSE, MASK_DILATED, MASK_LAYOUT = 0, 1, 2
+# the mask kinds as compile-time constants of the kernels
+MASK_DILATED: tl.constexpr = tl.constexpr(step_mask.MASK_DILATED)
+MASK_LAYOUT: tl.constexpr = tl.constexpr(step_mask.MASK_LAYOUT)
 
 
 @triton.jit
@@ -32,7 +37,7 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT
     ok = q_ok[:, None] & k_ok[None, :]
     if CAUSAL:
         ok = ok & (kpos[None, :] <= qpos[:, None])
-    if MASK_KIND == 1:
+    if MASK_KIND == MASK_DILATED:
         count = tl.zeros([qpos.shape[0], kpos.shape[0]], tl.float32)
         for i in range(NUM_PATTERNS):
             o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
@@ -46,7 +51,7 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT
             count += hit.to(tl.float32)
         ok = ok & (count > 0)
         return tl.where(ok, tl.log(tl.maximum(count, 1.0)), float("-inf"))
-    if MASK_KIND == 2:
+    if MASK_KIND == MASK_LAYOUT:
         qb = (qpos // layout_block).to(tl.int64)   # qb * row stride passes 2^31 past ~46K blocks
         kb = (kpos // layout_block).to(tl.int64)
         active = tl.load(LAYOUT + b * stride_lb + h * stride_lh + qb[:, None] * stride_lr + kb[None, :], mask=ok, other=0)
@@ -222,40 +227,10 @@ def _ring_step_bwd_dkdv_kernel(
 
 # ----------------------------------------------------------------------------- launchers
 
-class StepMask:
-    """What a ring step computes, on global positions: kind (dense / dilated / layout),
-    causal, and the tables the kernels read."""
-
-    def __init__(self, kind, causal, device, patterns=None, table=None, layout=None):
-        self.kind, self.causal = kind, causal
-        dummy_i32 = torch.zeros(1, dtype=torch.int32, device=device)
-        self.num_patterns = len(patterns) if patterns else 1
-        if kind == MASK_DILATED:
-            as_dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-            self.pat_w = as_dev([w for w, _ in patterns])
-            self.pat_r = as_dev([r for _, r in patterns])
-            self.pat_off = as_dev(table).reshape(-1)
-        else:
-            self.pat_w = self.pat_r = self.pat_off = dummy_i32
-        if kind == MASK_LAYOUT:
-            self.layout = layout.to_dense().to(device=device, dtype=torch.int8)
-            self.layout_block = layout.block_size
-        else:
-            self.layout = torch.zeros(1, 1, 1, 1, dtype=torch.int8, device=device)
-            self.layout_block = 1
-
-    def layout_args(self, B, H):
-        t = self.layout.expand(B, H, *self.layout.shape[2:])
-        return t, (t.stride(0), t.stride(1), t.stride(2))
-
-    def kernel_meta(self):
-        return dict(MASK_KIND=self.kind, NUM_PATTERNS=self.num_patterns, CAUSAL=self.causal)
-
-
-def _config(q, name):
+def _config(q, name, config=None):
     D = q.shape[-1]
     block_d = padded_head_dim(D)
-    cfg = select_config(name, q.dtype, block_d, q.shape[1], q.device)
+    cfg = config or select_config(name, q.dtype, block_d, q.shape[1], q.device)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     return block_d, cfg, dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                               DOT_FP32=dot_fp32, PRECISION=precision, num_warps=cfg.get("num_warps", 4),
@@ -263,14 +238,14 @@ def _config(q, name):
 
 
 @on_tensor_device
-def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale):
+def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale, config=None):
     """Fold the shard (k, v at global positions k_pos) into the running out (fp32, like q)
     and lse (fp32 (B, Hq, Nq)) of the local queries q at q_pos, in place."""
     B, NQ, Hq, D = q.shape
     NK, Hkv = k.shape[1], k.shape[2]
     if NQ == 0 or NK == 0 or B == 0:
         return
-    _, cfg, meta = _config(q, "ring_step_fwd")
+    _, cfg, meta = _config(q, "ring_step_fwd", config)
     lay, lay_strides = mask.layout_args(B, Hq)
     _ring_step_fwd_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
         q, k, v, out, lse, q_pos, k_pos, mask.pat_w, mask.pat_r, mask.pat_off, lay,
@@ -280,13 +255,13 @@ def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale):
 
 
 @on_tensor_device
-def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepMask, *, scale):
+def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepMask, *, scale, config=None):
     """Add this shard's contributions to dq (fp32, local) and dk, dv (fp32, travelling)."""
     B, NQ, Hq, D = q.shape
     NK, Hkv = k.shape[1], k.shape[2]
     if NQ == 0 or NK == 0 or B == 0:
         return
-    _, cfg, meta = _config(q, "ring_step_bwd")
+    _, cfg, meta = _config(q, "ring_step_bwd", config)
     lay, lay_strides = mask.layout_args(B, Hq)
     common = (q_pos, k_pos, mask.pat_w, mask.pat_r, mask.pat_off, lay,
               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),

@@ -1,4 +1,5 @@
-"""Shared @triton.jit pieces: the online-softmax step and its backward counterparts.
+"""Shared @triton.jit pieces: the online-softmax step and its backward counterparts. With
+the variants' kernels.py files, the only module that imports triton.
 
 Scores s = q.k * scale stay in natural units; exponentials are exp2((s - max) * log2(e)),
 so log2(e) multiplies a difference near 0 rather than a score: with |s| ~ 1e4 a score is
@@ -10,8 +11,14 @@ masked keeps m = -inf; the max is replaced by 0 before it is subtracted so that 
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)   # exp(x) = exp2(x * LOG2E)
+
+
+def is_interpreted() -> bool:
+    """Whether the kernels were defined under Triton's interpreter (TRITON_INTERPRET=1 set
+    before import): the jit functions are then interpreted Python."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(dot, InterpretedFunction)
 
 
 @triton.jit
@@ -64,8 +71,8 @@ def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
         s = s + log_weight
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2((s - m_safe[:, None]) * 1.4426950408889634)
-    alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
+    p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
+    alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_FP32, PRECISION)
     return acc, m_new, l_i
@@ -102,7 +109,7 @@ def softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
         s = tl.where(mask, s, float("-inf"))
     if HAS_WEIGHT:
         s = s + log_weight
-    p = tl.math.exp2((s - row_max[:, None]) * 1.4426950408889634 - row_log2l[:, None])
+    p = tl.math.exp2((s - row_max[:, None]) * LOG2E - row_log2l[:, None])
     dp = dot(do, tl.trans(v), DOT_FP32, PRECISION)
     ds = p * (dp - delta[:, None])
     return p, ds

@@ -1,0 +1,132 @@
+"""The package's shape (DESIGN §9), checked: it imports and runs without triton, only the
+kernel files import triton, imports run downward (common imports no variant, no variant
+imports another's kernel file) and there is no import cycle."""
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "triton_dilated"
+KERNEL_FILES = {"ops/common/kernels.py", "ops/dilated/kernels.py", "ops/block_sparse/kernels.py",
+                "ops/ring/step_kernels.py"}
+TOOLS = {"perf/aot.py", "perf/bench.py"}   # compile kernels / report triton's version: lazily, inside functions
+
+NO_TRITON = r"""
+import sys
+sys.modules["triton"] = None          # triton made unimportable
+import torch
+import triton_dilated as td
+from triton_dilated import layouts
+q, k, v = (torch.randn(1, 64, 2, 16) for _ in range(3))
+out = td.dilated_attention(q, k, v, [16, 32], [1, 2], causal=True)
+ref, _ = td.dilated_attention_naive(q, k, v, [16, 32], [1, 2], causal=True)
+assert (out.double() - ref).abs().max() < 1e-5
+lay = layouts.local(64, 16, 1)
+out = td.block_sparse_attention(q, k, v, lay)
+ref, _ = td.block_sparse_attention_naive(q, k, v, lay)
+assert (out.double() - ref).abs().max() < 1e-5
+m = td.MultiheadDilatedAttention(32, 2, [1, 2], [16, 32])
+x = torch.randn(1, 64, 32, requires_grad=True)
+m(x, x, x, is_causal=True)[0].sum().backward()
+assert x.grad is not None
+b = td.BlockSparseAttention(lambda n: layouts.local(n, 16, 1))
+assert b(q, k, v).shape == q.shape
+try:
+    td.dilated_attention(q, k, v, [16], [1], backend="triton")
+except ValueError as e:
+    assert "triton is not installed" in str(e), e
+else:
+    raise AssertionError("backend='triton' without triton did not raise")
+assert not any(name.startswith("triton_dilated") and "kernels" in name for name in sys.modules)
+print("OK")
+"""
+
+
+def test_package_runs_without_triton():
+    proc = subprocess.run([sys.executable, "-c", NO_TRITON], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def _imports(path: pathlib.Path):
+    """(module imported, lineno) for every import in a file, relative ones resolved."""
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            yield mod, node.lineno
+            for alias in node.names:   # `from . import kernels` imports a module
+                yield f"{mod}.{alias.name}", node.lineno
+
+
+def _package_files():
+    return sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+def test_only_kernel_files_import_triton():
+    offenders = []
+    for path in _package_files():
+        name = path.relative_to(PACKAGE).as_posix()
+        if name in KERNEL_FILES or name in TOOLS:
+            continue
+        for mod, line in _imports(path):
+            if mod == "triton" or mod.startswith("triton."):
+                offenders.append(f"{name}:{line} imports {mod}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_imports_run_downward():
+    offenders = []
+    variants = ("dilated", "block_sparse", "ring")
+    for path in _package_files():
+        name = path.relative_to(PACKAGE).as_posix()
+        for mod, line in _imports(path):
+            if not mod.startswith("triton_dilated."):
+                continue
+            target = mod.split(".")
+            if name.startswith("ops/common/") and len(target) > 2 and target[1] == "ops" and target[2] in variants:
+                offenders.append(f"{name}:{line}: common imports the variant module {mod}")
+            if name.startswith("ops/") and len(target) > 3 and target[1] == "ops" and target[2] in variants:
+                own = name.split("/")[1]
+                if target[2] != own and target[-1] in ("kernels", "step_kernels"):
+                    offenders.append(f"{name}:{line}: imports another variant's kernel file {mod}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_no_import_cycles():
+    graph = {}
+    modules = {}
+    for path in _package_files():
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        mod = ".".join(rel.parts[:-1] if rel.parts[-1] == "__init__" else rel.parts)
+        modules[mod] = path
+    for mod, path in modules.items():
+        graph[mod] = {m for m, _ in _imports(path) if m in modules and m != mod}
+    # a package's __init__ importing its own submodules is not a cycle worth reporting
+    state, cycles = {}, []
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in graph[node]:
+            if nxt.startswith(node + "."):
+                continue
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "\n".join(cycles)

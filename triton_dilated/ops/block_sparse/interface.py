@@ -1,0 +1,230 @@
+"""The front door of block-sparse attention: `block_sparse_attention` (validation, backend
+dispatch, packed documents), the autograd Function over the Triton launchers, and the
+torch.library custom ops (`block_sparse_attention_op`) that torch.compile traces.
+
+The Triton kernels (kernels.py) are imported only when used: the package runs without
+triton. A BlockLayout travels through the custom ops as its four int32 tensors and its
+block size.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..common.lse import lse_from_stats
+from ..common.op_support import check_path, empty_stats, fresh, recompute_grads, resolve_path
+from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
+from ..common.validation import check_cu_seqlens, check_flags, check_qkv, check_scale
+from .layout import BlockLayout
+from .portable import block_sparse_attention_torch
+
+CONFIG_FAMILIES = ("block_sparse_fwd", "block_sparse_bwd")
+
+
+@functools.cache
+def _kernels():
+    """kernels.py (imports triton): loaded on the first Triton call only."""
+    from . import kernels
+    return kernels
+
+
+def _check_args(q, k, v, layout, causal, scale, return_lse, *, packed=False):
+    """Validation shared by block_sparse_attention and block_sparse_attention_op: the scale."""
+    check_qkv(q, k, v)
+    if not packed and not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    check_flags(causal=causal, return_lse=return_lse)
+    return check_scale(scale, q.shape[-1])
+
+
+# ----------------------------------------------------------------------------- eager autograd
+
+class _BlockSparseAttentionFn(torch.autograd.Function):
+    """The Triton path: forward (out and the row statistics), dQ and dK/dV kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, causal, scale):
+        out, row_max, row_sum = _kernels().block_sparse_forward(q, k, v, layout, causal=causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, row_max, row_sum)
+        ctx.args = (layout, causal, scale)
+        return out, lse_from_stats(row_max, row_sum)
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, out, row_max, row_sum = ctx.saved_tensors
+        layout, causal, scale = ctx.args
+        if do is None:
+            do = torch.zeros_like(out)
+        dq, dk, dv = _kernels().block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout,
+                                                      causal=causal, scale=scale)
+        return dq, dk, dv, None, None, None
+
+
+# ----------------------------------------------------------------------------- public
+
+def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_lse=False, backend="auto",
+                           cu_seqlens=None):
+    """Exact attention over the active blocks of a BlockLayout (DESIGN §4).
+
+    Args:
+        q: (B, N, Hq, D); k, v: (B, N, Hkv, D), Hq % Hkv == 0 (GQA); float16/bfloat16/float32.
+        layout: a BlockLayout with ceil(N / block_size) blocks per side, laid out for
+            (B|1, Hq|1) (query heads).
+        causal: also require key position <= query position (the diagonal block is masked
+            per element).
+        scale: default 1/sqrt(D).
+        return_lse: also return lse, float32 (B, Hq, N), differentiable.
+        backend: "auto", "triton" or "torch" (DESIGN §7).
+        cu_seqlens: packed variable-length sequences (B == 1): documents
+            [cu_seqlens[i], cu_seqlens[i+1]); blocks restart at each document and no query
+            sees another document. `layout` is then one BlockLayout per document (a list),
+            or a builder called with each document's length (e.g.
+            `lambda n: layouts.local(n, 64, 2)`).
+
+    Returns out (B, N, Hq, D) like q (and lse). Rows with no active key: 0, lse = -inf.
+    """
+    scale = _check_args(q, k, v, layout, causal, scale, return_lse, packed=cu_seqlens is not None)
+    B, N, Hq, D = q.shape
+    if cu_seqlens is not None:
+        return _packed(q, k, v, layout, cu_seqlens, causal=causal, scale=scale, return_lse=return_lse,
+                       backend=backend)
+    path = resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype)
+    # under torch.compile: the custom op (either path). It traces without a graph break; the
+    # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
+    if torch.compiler.is_compiling():
+        return block_sparse_attention_op(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse,
+                                         backend=backend)
+    if B == 0 or N == 0:
+        return empty_result(q, k, v, return_lse)
+    layout.check_seq_len(N)
+    layout.check_heads(B, Hq)
+    layout = layout.to(q.device) if layout.kv_indices.device != q.device else layout
+    if path == "triton":
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        out, lse = _BlockSparseAttentionFn.apply(q, k, v, layout, causal, scale)
+    else:
+        out, lse = block_sparse_attention_torch(q, k, v, layout, causal=causal, scale=scale,
+                                                compute_dtype=portable_compute_dtype(q.dtype, q.device))
+    return (out, lse) if return_lse else out
+
+
+def _packed(q, k, v, layout, cu_seqlens, **kw):
+    """Documents one after another, each with its own layout (blocks restart per document)."""
+    bounds = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
+    docs = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    if isinstance(layout, (list, tuple)):
+        if len(layout) != len(bounds) - 1:
+            raise ValueError(f"layout must hold one BlockLayout per document ({len(bounds) - 1}), got {len(layout)}")
+        per_doc = [lay for lay, (s, e) in zip(layout, zip(bounds[:-1], bounds[1:])) if e > s]
+    elif callable(layout) and not isinstance(layout, BlockLayout):
+        per_doc = [layout(e - s) for s, e in docs]
+    else:
+        per_doc = [layout] * len(docs)
+    return_lse = kw.pop("return_lse")
+    outs = [block_sparse_attention(q[:, s:e], k[:, s:e], v[:, s:e], lay, return_lse=True, **kw)
+            for lay, (s, e) in zip(per_doc, docs)]
+    if not outs:
+        return empty_result(q, k, v, return_lse)
+    out = torch.cat([o for o, _ in outs], dim=1)
+    lse = torch.cat([l for _, l in outs], dim=2)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- custom ops
+# lse is always computed (both paths get it for free); need_lse only tells the autograd
+# formula whether the caller saw it. Row statistics are zero-length on the portable path.
+# Double backward is not supported (the backward op has no autograd formula).
+
+@torch.library.custom_op("triton_dilated::block_sparse_fwd", mutates_args=())
+def _block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Tensor, kv_indices: Tensor,
+                      q_num_blocks: Tensor, q_indices: Tensor, block_size: int, causal: bool, scale: float,
+                      need_lse: bool, path: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, row_max, row_sum)."""
+    check_path(path)
+    layout = BlockLayout.from_canonical_lists(kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size)
+    if path == "triton":
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        out, row_max, row_sum = _kernels().block_sparse_forward(q, k, v, layout, causal=causal, scale=scale)
+        return out, lse_from_stats(row_max, row_sum), row_max, row_sum
+    out, lse = block_sparse_attention_torch(q, k, v, layout, causal=causal, scale=scale,
+                                            compute_dtype=portable_compute_dtype(q.dtype, q.device))
+    return fresh(out), fresh(lse), empty_stats(q), empty_stats(q)
+
+
+@_block_sparse_fwd.register_fake
+def _(q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, causal, scale, need_lse, path):
+    B, N, Hq, D = q.shape
+    stats = N if path == "triton" else 0
+    return (q.new_empty((B, N, Hq, D)), q.new_empty((B, Hq, N), dtype=torch.float32),
+            q.new_empty((B, Hq, stats), dtype=torch.float32), q.new_empty((B, Hq, stats), dtype=torch.float32))
+
+
+@torch.library.custom_op("triton_dilated::block_sparse_bwd", mutates_args=())
+def _block_sparse_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                      row_max: Tensor, row_sum: Tensor, kv_num_blocks: Tensor, kv_indices: Tensor,
+                      q_num_blocks: Tensor, q_indices: Tensor, block_size: int, causal: bool, scale: float,
+                      path: str) -> Tuple[Tensor, Tensor, Tensor]:
+    check_path(path)
+    layout = BlockLayout.from_canonical_lists(kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size)
+    if path == "triton":
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        dq, dk, dv = _kernels().block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout,
+                                                      causal=causal, scale=scale)
+        return fresh(dq), fresh(dk), fresh(dv)
+    compute = portable_compute_dtype(q.dtype, q.device)
+    with_lse = dlse is not None
+
+    def fwd(q_, k_, v_):
+        o, lse = block_sparse_attention_torch(q_, k_, v_, layout, causal=causal, scale=scale, compute_dtype=compute)
+        return (o, lse) if with_lse else (o,)
+
+    return recompute_grads(fwd, (q, k, v), (do, dlse) if with_lse else (do,))
+
+
+@_block_sparse_bwd.register_fake
+def _(do, dlse, q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size,
+      causal, scale, path):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _block_sparse_setup(ctx, inputs, output):
+    q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, causal, scale, need_lse, path = inputs
+    out, _, row_max, row_sum = output
+    ctx.need_lse = need_lse
+    ctx.save_for_backward(q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices, q_num_blocks, q_indices)
+    ctx.mark_non_differentiable(row_max, row_sum)
+    ctx.args = (block_size, causal, scale, path)
+
+
+def _block_sparse_backward(ctx, do, dlse, _dmax, _dsum):
+    q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices, q_num_blocks, q_indices = ctx.saved_tensors
+    block_size, causal, scale, path = ctx.args
+    if do is None:
+        do = torch.zeros_like(out)
+    if not ctx.need_lse:
+        dlse = None   # the caller never saw lse: its gradient is the materialised zero
+    dq, dk, dv = _block_sparse_bwd(do, dlse, q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices,
+                                   q_num_blocks, q_indices, block_size, causal, scale, path)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+_block_sparse_fwd.register_autograd(_block_sparse_backward, setup_context=_block_sparse_setup)
+
+
+def block_sparse_attention_op(q, k, v, layout, *, causal=False, scale=None, return_lse=False, backend="auto"):
+    """`block_sparse_attention` through the `triton_dilated::block_sparse_fwd/_bwd` custom ops:
+    same arguments and results, traceable by `torch.compile(fullgraph=True)`. Build the
+    layout outside the compiled region (builders use data-dependent shapes)."""
+    scale = _check_args(q, k, v, layout, causal, scale, return_lse)
+    B, N, Hq, D = q.shape
+    path = resolve_path(backend, str(q.device))
+    if B == 0 or N == 0:
+        return empty_result(q, k, v, return_lse)
+    layout.check_seq_len(N)
+    layout.check_heads(B, Hq)
+    lists = [x.to(q.device) for x in (layout.kv_num_blocks, layout.kv_indices, layout.q_num_blocks, layout.q_indices)]
+    out, lse, _, _ = _block_sparse_fwd(q, k, v, *lists, layout.block_size, causal, scale, return_lse, path)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,61 @@
+"""Shared pieces of the variants' torch.library custom ops (each variant's interface.py
+defines its own ops; these helpers keep them short).
+
+The ops take `path`, the backend resolved once ("triton" or "torch"), so their fake
+(meta) implementations do not depend on the environment. On the portable path the
+backward op recomputes the portable forward with autograd recording and differentiates it
+(`recompute_grads`): one extra portable forward of compute and no portable autograd graph
+kept alive between forward and backward (activation-checkpoint style).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .runtime import resolve_backend
+
+PATHS = ("triton", "torch")
+
+
+def check_path(path: str) -> None:
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+
+
+def resolve_path(backend: str, device: str) -> str:
+    """resolve_backend, evaluated once at trace time under torch.compile (it reads the
+    environment and asks whether triton imports: facts that do not change in a process)."""
+    return resolve_backend(backend, torch.device(device))
+
+
+# = torch.compiler.assume_constant_result(resolve_path), which only sets this flag but
+# imports torch._dynamo (~3 s) to do it. Should the flag ever stop working, dynamo traces
+# resolve_backend instead (it can; it only warns about the lru_cache inside).
+resolve_path._dynamo_marked_constant = True
+
+
+def empty_stats(q: Tensor) -> Tensor:
+    """A zero-length (B, Hq, 0) float32 output: what the op returns for an output the caller
+    did not ask for (row statistics on the portable path, lse without return_lse)."""
+    return q.new_empty((q.shape[0], q.shape[2], 0), dtype=torch.float32)
+
+
+def fresh(x: Tensor) -> Tensor:
+    """A contiguous tensor that is not a view of anything the op received."""
+    return x.contiguous() if x._base is None else x.clone(memory_format=torch.contiguous_format)
+
+
+def recompute_grads(fn, inputs, cotangents):
+    """Gradients of the portable forward `fn` at `inputs` for `cotangents`, by recomputing
+    it with autograd recording. Inside a custom op's implementation the autograd dispatch
+    keys are switched off (the op is below autograd); this switches them back on for the
+    recomputation only, as torch.utils.checkpoint does for its own recomputation.
+    (torch.func.vjp would also work here, but its wrapper tensors break under
+    TorchDispatchModes such as FlopCounterMode.)"""
+    keys = torch._C.DispatchKey
+    with torch._C._SetExcludeDispatchKeyGuard(keys.AutogradFunctionality, False), \
+            torch._C._SetExcludeDispatchKeyGuard(keys.ADInplaceOrView, False), torch.enable_grad():
+        leaves = [x.detach().requires_grad_(True) for x in inputs]
+        outs = fn(*leaves)
+        grads = torch.autograd.grad(outs, leaves, cotangents, allow_unused=True)
+    return tuple(torch.zeros_like(x) if g is None else fresh(g) for g, x in zip(grads, leaves))

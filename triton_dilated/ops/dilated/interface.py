@@ -1,0 +1,241 @@
+"""The front door of dilated attention: `dilated_attention` (validation, backend dispatch),
+the autograd Function over the Triton launchers, and the torch.library custom ops
+(`dilated_attention_op`) that torch.compile traces.
+
+Dispatch: the Triton kernels (kernels.py, imported only when used: the package runs
+without triton) or the portable PyTorch path (portable.py); under torch.compile, either
+path through the custom ops, so that fullgraph tracing sees one opaque op.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..common.lse import lse_from_stats
+from ..common.op_support import check_path, empty_stats, fresh, recompute_grads, resolve_path
+from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
+from ..common.validation import check_cu_seqlens, check_flags, check_qkv, check_scale
+from .patterns import check_patterns, head_offsets
+from .portable import dilated_attention_torch
+
+CONFIG_FAMILIES = ("dilated_fwd", "dilated_bwd")
+
+
+@functools.cache
+def _kernels():
+    """kernels.py (imports triton): loaded on the first Triton call only."""
+    from . import kernels
+    return kernels
+
+
+def _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse):
+    """Validation shared by dilated_attention and dilated_attention_op: (patterns, scale)."""
+    check_qkv(q, k, v)
+    patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
+    check_flags(causal=causal, return_lse=return_lse)
+    return patterns, check_scale(scale, q.shape[-1])
+
+
+# ----------------------------------------------------------------------------- eager autograd
+
+class _DilatedAttentionFn(torch.autograd.Function):
+    """The Triton path: fused forward (out and the row statistics), dQ and dK/dV kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, patterns, table, causal, scale, doc_bounds=None):
+        out, row_max, row_sum = _kernels().dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale,
+                                                           doc_bounds=doc_bounds)
+        ctx.save_for_backward(q, k, v, out, row_max, row_sum)
+        ctx.args = (patterns, table, causal, scale, doc_bounds)
+        return out, lse_from_stats(row_max, row_sum)
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, out, row_max, row_sum = ctx.saved_tensors
+        patterns, table, causal, scale, doc_bounds = ctx.args
+        if do is None:
+            do = torch.zeros_like(out)
+        dq, dk, dv = _kernels().dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table,
+                                                 causal=causal, scale=scale, doc_bounds=doc_bounds)
+        return dq, dk, dv, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- public
+
+def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
+                      mode="longnet", offsets="modulo", return_lse=False, backend="auto", cu_seqlens=None):
+    """LongNet dilated attention (arXiv 2307.02486 §2.2-2.4), exact, forward and backward.
+
+    Args:
+        q: (B, N, Hq, D); k, v: (B, N, Hkv, D) with Hq % Hkv == 0 (GQA/MQA). float16,
+            bfloat16 or float32; any strides with a contiguous last dimension (others are
+            copied once).
+        segment_lengths, dilation_rates: one (w, r) per pattern. N % w != 0, w % r != 0
+            and w >= N are all legal; the last segment may be shorter.
+        causal: each query attends only to keys at or before its position.
+        scale: score scale, default 1/sqrt(D).
+        mode: "longnet" (every head uses every pattern; patterns mixed by their softmax
+            denominators, i.e. one softmax over the multiset union of their keys) or
+            "head_groups" (heads split into one contiguous group per pattern).
+        offsets: per-head offset of pattern i, "modulo" (j % r_i) or "blocked"
+            (j // ceil(Hq / r_i)); longnet mode only.
+        return_lse: also return lse, float32 (B, Hq, N), natural log, differentiable.
+        backend: "auto" (Triton on CUDA, or on CPU under TRITON_INTERPRET=1; else the
+            portable PyTorch path), "triton" or "torch".
+        cu_seqlens: packed variable-length sequences: with B == 1, the documents
+            [cu_seqlens[i], cu_seqlens[i+1]) of the sequence (0 first, N last, ascending).
+            Segments restart at each document and no query sees another document: the
+            result equals separate calls per document.
+
+    Returns:
+        out (B, N, Hq, D) like q, contiguous; with return_lse, (out, lse). A query with no
+        key in any of its patterns gets 0 and lse = -inf.
+    """
+    patterns, scale = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse)
+    B, N, Hq, D = q.shape
+    path = resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype)
+    doc_bounds = check_cu_seqlens(cu_seqlens, B, N)
+    # under torch.compile: the custom op (either path). It traces without a graph break; the
+    # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
+    if torch.compiler.is_compiling() and doc_bounds is None:
+        return dilated_attention_op(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
+                                    offsets=offsets, return_lse=return_lse, backend=backend)
+    table = head_offsets(Hq, patterns, mode, offsets)
+
+    if B == 0 or N == 0:
+        return empty_result(q, k, v, return_lse)
+
+    out, lse = dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=return_lse,
+                                       backend=path, doc_bounds=doc_bounds)
+    return (out, lse) if return_lse else out
+
+
+def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse=True, backend="auto",
+                            doc_bounds=None):
+    """dilated_attention on validated inputs with an explicit (patterns, per-head offset
+    table) and optional documents; returns (out, lse) (lse None when the portable path
+    was not asked for it)."""
+    if resolve_backend(backend, q.device) == "triton":
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        return _DilatedAttentionFn.apply(q, k, v, patterns, table, causal, scale, doc_bounds)
+    compute_dtype = portable_compute_dtype(q.dtype, q.device)
+
+    def run(q_, k_, v_):
+        return dilated_attention_torch(q_, k_, v_, patterns, table, causal=causal, scale=scale, need_lse=need_lse,
+                                       compute_dtype=compute_dtype)
+
+    if doc_bounds is None:
+        return run(q, k, v)
+    parts = [run(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in zip(doc_bounds[:-1], doc_bounds[1:]) if e > s]
+    out = torch.cat([p[0] for p in parts], dim=1)
+    return out, (torch.cat([p[1] for p in parts], dim=2) if need_lse else None)
+
+
+# ----------------------------------------------------------------------------- custom ops
+# Patterns travel as two int lists plus the `mode` and `offsets` strings (the per-head offset
+# table is rebuilt inside the op, cached). Outputs the caller did not ask for come back with
+# a zero-length last dimension (the portable lse without return_lse; the row statistics on
+# the portable path). Double backward is not supported (the backward op has no autograd
+# formula).
+
+def _patterns_table(num_heads, segment_lengths, dilation_rates, mode, offsets):
+    patterns = tuple(zip((int(w) for w in segment_lengths), (int(r) for r in dilation_rates)))
+    return patterns, head_offsets(num_heads, patterns, mode, offsets)
+
+
+@torch.library.custom_op("triton_dilated::dilated_fwd", mutates_args=())
+def _dilated_fwd(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int], dilation_rates: List[int],
+                 causal: bool, scale: float, mode: str, offsets: str, need_lse: bool,
+                 path: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, row_max, row_sum)."""
+    check_path(path)
+    patterns, table = _patterns_table(q.shape[2], segment_lengths, dilation_rates, mode, offsets)
+    if path == "triton":
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        out, row_max, row_sum = _kernels().dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale)
+        return out, lse_from_stats(row_max, row_sum), row_max, row_sum
+    out, lse = dilated_attention_torch(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=need_lse,
+                                       compute_dtype=portable_compute_dtype(q.dtype, q.device))
+    if lse is None:
+        lse = empty_stats(q)
+    return fresh(out), fresh(lse), empty_stats(q), empty_stats(q)
+
+
+@_dilated_fwd.register_fake
+def _(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, need_lse, path):
+    B, N, Hq, D = q.shape
+    out = q.new_empty((B, N, Hq, D))
+    stats = N if path == "triton" else 0
+    lse = q.new_empty((B, Hq, N if (need_lse or path == "triton") else 0), dtype=torch.float32)
+    return out, lse, q.new_empty((B, Hq, stats), dtype=torch.float32), q.new_empty((B, Hq, stats), dtype=torch.float32)
+
+
+@torch.library.custom_op("triton_dilated::dilated_bwd", mutates_args=())
+def _dilated_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                 row_max: Tensor, row_sum: Tensor, segment_lengths: List[int], dilation_rates: List[int],
+                 causal: bool, scale: float, mode: str, offsets: str, path: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), contiguous. dlse: None, or float32 (B, Hq, N)."""
+    check_path(path)
+    patterns, table = _patterns_table(q.shape[2], segment_lengths, dilation_rates, mode, offsets)
+    if path == "triton":
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        dq, dk, dv = _kernels().dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table,
+                                                 causal=causal, scale=scale)
+        return fresh(dq), fresh(dk), fresh(dv)
+    compute = portable_compute_dtype(q.dtype, q.device)
+    with_lse = dlse is not None
+
+    def fwd(q_, k_, v_):
+        o, lse = dilated_attention_torch(q_, k_, v_, patterns, table, causal=causal, scale=scale,
+                                         need_lse=with_lse, compute_dtype=compute)
+        return (o, lse) if with_lse else (o,)
+
+    return recompute_grads(fwd, (q, k, v), (do, dlse) if with_lse else (do,))
+
+
+@_dilated_bwd.register_fake
+def _(do, dlse, q, k, v, out, row_max, row_sum, segment_lengths, dilation_rates, causal, scale, mode, offsets,
+      path):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _dilated_setup(ctx, inputs, output):
+    q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, need_lse, path = inputs
+    out, lse, row_max, row_sum = output
+    ctx.save_for_backward(q, k, v, out, row_max, row_sum)
+    ctx.mark_non_differentiable(row_max, row_sum)
+    ctx.args = (list(segment_lengths), list(dilation_rates), causal, scale, mode, offsets, path)
+    ctx.lse_len = lse.shape[-1]
+    ctx.need_lse = need_lse
+
+
+def _dilated_backward(ctx, do, dlse, _dmax, _dsum):
+    q, k, v, out, row_max, row_sum = ctx.saved_tensors
+    segment_lengths, dilation_rates, causal, scale, mode, offsets, path = ctx.args
+    if do is None:
+        do = torch.zeros_like(out)
+    if dlse is not None and (not ctx.need_lse or ctx.lse_len == 0):
+        dlse = None   # the caller never saw lse: its gradient is the materialised zero
+    dq, dk, dv = _dilated_bwd(do, dlse, q, k, v, out, row_max, row_sum, segment_lengths, dilation_rates,
+                              causal, scale, mode, offsets, path)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+_dilated_fwd.register_autograd(_dilated_backward, setup_context=_dilated_setup)
+
+
+def dilated_attention_op(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, mode="longnet",
+                         offsets="modulo", return_lse=False, backend="auto"):
+    """`dilated_attention` through the `triton_dilated::dilated_fwd/_bwd` custom ops: the
+    same arguments, results and numerics, and traceable by `torch.compile(fullgraph=True)`
+    forward and backward."""
+    patterns, scale = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse)
+    path = resolve_path(backend, str(q.device))
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return empty_result(q, k, v, return_lse)
+    out, lse, _, _ = _dilated_fwd(q, k, v, [w for w, _ in patterns], [r for _, r in patterns], causal, scale,
+                                  mode, offsets, return_lse, path)
+    return (out, lse) if return_lse else out

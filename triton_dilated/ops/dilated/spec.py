@@ -1,0 +1,71 @@
+"""The dilated variant as the tools see it (ops/common/spec.py)."""
+from __future__ import annotations
+
+import math
+
+from ..common.spec import KernelSpec, VariantSpec
+
+_MODULE = "triton_dilated.ops.dilated.kernels"
+_TABLES = {"ITEMS": "i32", "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32"}
+_STATS = {"ROW_MAX": "fp32", "ROW_SUM": "fp32"}
+
+LONGNET_W = (2048, 4096, 8192, 16384, 32768)
+LONGNET_R = (1, 2, 4, 6, 12)
+
+
+def longnet_patterns(n: int):
+    """The LongNet schedule clipped to n (from N = 4096 on), else three patterns scaled to n."""
+    if n >= 4096:
+        return tuple(zip((min(w, n) for w in LONGNET_W), LONGNET_R))
+    return ((n // 4, 1), (n // 2, 2), (n, 4))
+
+
+class DilatedProblem:
+    """Random inputs of one shape under the LongNet schedule; forward/backward launch the
+    kernels with a given config (None: the one the library picks)."""
+
+    def __init__(self, B, N, H, D, dtype, device, causal, patterns=None, mode="longnet", offsets="modulo"):
+        import torch
+
+        from .patterns import head_offsets
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.q, self.k, self.v, self.do = (torch.randn(B, N, H, D, generator=gen, device=device).to(dtype)
+                                           for _ in range(4))
+        self.causal, self.scale = causal, 1.0 / math.sqrt(D)
+        self.patterns = tuple(patterns or longnet_patterns(N))
+        self.table = head_offsets(H, self.patterns, mode, offsets)
+        ws, rs = zip(*self.patterns)
+        self.shape = (f"B={B} N={N} H={H} D={D} causal={causal} {mode} w={'/'.join(map(str, ws))} "
+                      f"r={'/'.join(map(str, rs))}")
+        self._stats = None
+
+    def forward(self, config=None):
+        from .kernels import dilated_forward
+        return dilated_forward(self.q, self.k, self.v, self.patterns, self.table, causal=self.causal,
+                               scale=self.scale, config=config)
+
+    def backward(self, config=None):
+        from .kernels import dilated_backward
+        if self._stats is None:   # the backward's inputs: one forward with the default config
+            self._stats = self.forward(None)
+        out, row_max, row_sum = self._stats
+        return dilated_backward(self.do, None, self.q, self.k, self.v, out, row_max, row_sum, self.patterns,
+                                self.table, causal=self.causal, scale=self.scale, config=config)
+
+
+SPEC = VariantSpec(
+    name="dilated",
+    op_name="dilated_attention",
+    kernels=(
+        KernelSpec("dilated_fwd", _MODULE, "_dilated_fwd_kernel", "dilated_fwd",
+                   pointers={"Q": "act", "K": "act", "V": "act", "O": "act", **_STATS, **_TABLES}),
+        KernelSpec("dilated_bwd_dq", _MODULE, "_dilated_bwd_dq_kernel", "dilated_bwd",
+                   pointers={"Q": "act", "K": "act", "V": "act", "DO": "act", "DQ": "act", "DELTA": "fp32",
+                             **_STATS, **_TABLES}),
+        KernelSpec("dilated_bwd_dkdv", _MODULE, "_dilated_bwd_dkdv_kernel", "dilated_bwd",
+                   pointers={"Q": "act", "K": "act", "V": "act", "DO": "act", "DK": "act", "DV": "act",
+                             "DELTA": "fp32", **_STATS, **_TABLES}),
+    ),
+    aot_constexprs={"NUM_PATTERNS": 3},
+    problem=DilatedProblem,
+)

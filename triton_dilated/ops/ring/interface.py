@@ -1,0 +1,160 @@
+"""ring_attention: one sequence sharded over the ranks of a torch.distributed group.
+
+Each rank keeps its queries; key/value shards travel around the ring (comm="p2p") or are
+all-gathered (comm="allgather"); schedules.py has both, forward and backward. Every step
+folds the received shard into the running float32 (out, lse) with the ring-local-block
+step (the Triton kernel of step_kernels.py, imported only when used, or the portable step
+of step_portable.py), masks evaluated on global positions.
+
+Dilated attention (LongNet §3.1): a pattern whose segments lie inside one shard piece
+needs no communication: it runs on the local shard with the fused dilated kernel and is
+merged by lse with the ring part. For the other patterns only the rows some head uses
+(its residue rows) travel.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..block_sparse.layout import BlockLayout
+from ..common.lse import merge_partials, softmax_delta
+from ..common.runtime import last_dim_contiguous, resolve_backend
+from ..common.validation import check_choice, check_flags, check_qkv, check_scale
+from ..dilated.interface import dilated_attention_table
+from ..dilated.patterns import check_patterns, head_offsets
+from . import step_portable
+from .comm import COMMS, RingComm
+from .mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask
+from .schedules import SCHEDULES, RingPlan
+from .shard import BALANCES, shard_positions
+
+# Measured by the last forward on this process: the most key/value bytes held at once
+# (own shard, the shard in use and the one in flight). Tests guard the O(N/P) bound.
+last_stats: dict = {}
+
+
+class StepFns(NamedTuple):
+    forward: Callable
+    backward: Callable
+
+
+@functools.cache
+def _step_fns(use_triton: bool) -> StepFns:
+    if use_triton:
+        from . import step_kernels   # imports triton
+        return StepFns(step_kernels.step_forward, step_kernels.step_backward)
+    return StepFns(step_portable.step_forward, step_portable.step_backward)
+
+
+class _RingFn(torch.autograd.Function):
+    """The autograd shell around the schedules: float32 running (out, lse) forward; the
+    backward's dQ stays local, dK/dV come back from the ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, scale, comm, use_triton):
+        step, (forward, _) = _step_fns(use_triton), SCHEDULES[comm]
+        B, NQ, Hq, D = q.shape
+        out = torch.zeros(B, NQ, Hq, D, dtype=torch.float32, device=q.device)
+        lse = torch.full((B, Hq, NQ), float("-inf"), dtype=torch.float32, device=q.device)
+        forward(plan, step, q, k, v, out, lse, scale)
+        last_stats["max_kv_bytes_held"] = plan.comm.max_bytes_held
+        out_cast = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out_cast, lse)
+        ctx.args = (plan, scale, comm, use_triton)
+        return out_cast, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, scale, comm, use_triton = ctx.args
+        step, (_, backward) = _step_fns(use_triton), SCHEDULES[comm]
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dout = last_dim_contiguous(dout)
+        delta = softmax_delta(dout, out, dlse)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk_rows, dv_rows = backward(plan, step, q, k, v, dout, lse, delta, dq, scale)
+        dk, dv = plan.scatter_rows(dk_rows, k), plan.scatter_rows(dv_rows, v)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _dilated_split(patterns, table, n_total, world, balance):
+    """Patterns whose every segment lies inside one contiguous piece of every shard (local,
+    no communication) and the others (ring)."""
+    piece = n_total // (world * (2 if balance == "zigzag" else 1))
+    local = [i for i, (w, _) in enumerate(patterns) if world == 1 or (w <= piece and piece % w == 0)]
+    ring = [i for i in range(len(patterns)) if i not in local]
+    sub = lambda idx: (tuple(patterns[i] for i in idx), tuple(tuple(row[i] for i in idx) for row in table))  # noqa: E731
+    return sub(local), sub(ring)
+
+
+def _residue_rows(patterns, table):
+    """send_rows(positions) -> indices of the rows any head uses in some pattern."""
+    def rows(pos):
+        p = pos.long()
+        use = torch.zeros_like(p, dtype=torch.bool)
+        for (w, r), column in zip(patterns, zip(*table)):
+            offs = sorted({o for o in column if o >= 0})
+            res = (p - p // w * w) % r
+            for o in offs:
+                use |= res == o
+        return use.nonzero().flatten()
+    return rows
+
+
+def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=None, layout=None, causal=False,
+                   scale=None, mode="longnet", offsets="modulo", comm="p2p", balance="contiguous", return_lse=False):
+    """Attention over a sequence sharded across the ranks of `group` (DESIGN §5).
+
+    q, k, v: this rank's shard (B, N_local, H, D), as `shard(x, rank, world, balance)`
+    returns it. Dense attention by default; dilated with segment_lengths/dilation_rates
+    (mode, offsets as in dilated_attention); block-sparse with a BlockLayout over the full
+    sequence. comm: "p2p" (ring, O(N/P) memory) or "allgather". Returns this rank's shard
+    of the full-sequence result (and its lse, float32 (B, Hq, N_local)).
+    """
+    check_qkv(q, k, v)
+    check_choice("comm", comm, COMMS)
+    check_choice("balance", balance, BALANCES)
+    check_flags(causal=causal, return_lse=return_lse)
+    dilated = segment_lengths is not None or dilation_rates is not None
+    if dilated and layout is not None:
+        raise ValueError("give either segment_lengths/dilation_rates (dilated) or layout (block-sparse), not both")
+    if layout is not None and not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    ring = RingComm(group)
+    B, NQ, Hq, D = q.shape
+    scale = check_scale(scale, D)
+    n_total = NQ * ring.world
+    shard_positions(n_total, 0, ring.world, balance)          # checks N is divisible for the balance
+    use_triton = resolve_backend("auto", q.device) == "triton"
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+
+    parts = []
+    if dilated:
+        patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
+        table = head_offsets(Hq, patterns, mode, offsets)
+        (loc_p, loc_t), (ring_p, ring_t) = _dilated_split(patterns, table, n_total, ring.world, balance)
+        if any(o >= 0 for row in loc_t for o in row):
+            parts.append(dilated_attention_table(q, k, v, loc_p, loc_t, causal=causal, scale=scale))
+        if any(o >= 0 for row in ring_t for o in row):
+            mask = StepMask(MASK_DILATED, causal, q.device, patterns=ring_p, table=ring_t)
+            plan = RingPlan(ring, n_total, balance, mask, q.device, send_rows=_residue_rows(ring_p, ring_t))
+            parts.append(_RingFn.apply(q, k, v, plan, scale, comm, use_triton))
+    else:
+        if layout is not None:
+            layout.check_seq_len(n_total)
+            layout.check_heads(B, Hq)
+            mask = StepMask(MASK_LAYOUT, causal, q.device, layout=layout)
+        else:
+            mask = StepMask(MASK_DENSE, causal, q.device)
+        plan = RingPlan(ring, n_total, balance, mask, q.device)
+        parts.append(_RingFn.apply(q, k, v, plan, scale, comm, use_triton))
+
+    if len(parts) == 1:
+        out, lse = parts[0]
+    else:   # local patterns and ring patterns: one softmax over both, by their lse
+        out, lse = merge_partials([p[0].transpose(1, 2) for p in parts], [p[1] for p in parts])
+        out = out.transpose(1, 2).to(q.dtype).contiguous()
+    return (out, lse) if return_lse else out

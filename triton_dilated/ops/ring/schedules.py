@@ -1,0 +1,145 @@
+"""The two ring schedules, forward and backward, as plain functions over a `RingPlan`.
+
+p2p: key/value shards travel around the ring with batch_isend_irecv; the next transfer is
+posted before the current step computes (double buffer), so a rank holds its own shard,
+the one in use and the one in flight: O(N/P). Backward: the shards travel again, each with
+its dK/dV accumulators, which end at their owners.
+allgather: every shard gathered at once (O(N)); backward reduce-scatters dK/dV.
+
+Every step folds one shard into the running float32 (out, lse) with `step.forward` (the
+Triton step kernel or the portable step); `plan.may_count(src)` skips steps whose pairs
+all have weight 0 (causal shards from the future, empty layout blocks).
+"""
+from __future__ import annotations
+
+import torch
+
+from .comm import RingComm, nbytes
+from .mask import MASK_LAYOUT, StepMask
+from .shard import shard_positions
+
+
+class RingPlan:
+    """Per call: this rank's positions, what each rank sends (rows), and the step mask."""
+
+    def __init__(self, comm: RingComm, n_total, balance, mask: StepMask, device, send_rows=None):
+        self.comm, self.mask = comm, mask
+        self.world, self.rank = comm.world, comm.rank
+        self.positions = [shard_positions(n_total, r, self.world, balance, device=device) for r in range(self.world)]
+        # rows of each rank's shard that travel (None: all)
+        self.rows = [None if send_rows is None else send_rows(p) for p in self.positions]
+        self.sent_pos = [p if rows is None else p[rows] for p, rows in zip(self.positions, self.rows)]
+
+    @property
+    def q_pos(self):
+        return self.positions[self.rank]
+
+    def payload(self, x):
+        """The rows of this rank's shard that travel."""
+        rows = self.rows[self.rank]
+        return x if rows is None else x.index_select(1, rows)
+
+    def shard_shape(self, x, src):
+        """Shape of rank src's travelling rows of a tensor shaped like x."""
+        return (x.shape[0], self.sent_pos[src].numel(), *x.shape[2:])
+
+    def may_count(self, src):
+        """False when no pair of (my queries, src's keys) can count: the step is skipped."""
+        q_pos, k_pos = self.q_pos, self.sent_pos[src]
+        if k_pos.numel() == 0:
+            return False
+        if self.mask.causal and int(k_pos.min()) > int(q_pos.max()):
+            return False
+        if self.mask.kind == MASK_LAYOUT:
+            bs = self.mask.layout_block
+            qb = torch.unique(q_pos.long() // bs)
+            kb = torch.unique(k_pos.long() // bs)
+            return bool(self.mask.layout[:, :, qb][:, :, :, kb].any())
+        return True
+
+    def scatter_rows(self, x_rows, like):
+        """Travelled rows back into a full (float32) shard shaped like `like`."""
+        rows = self.rows[self.rank]
+        if rows is None:
+            return x_rows
+        return torch.zeros(like.shape, dtype=torch.float32, device=like.device).index_copy_(1, rows, x_rows)
+
+
+def p2p_forward(plan: RingPlan, step, q, k, v, out, lse, scale):
+    comm = plan.comm
+    kv = [plan.payload(k), plan.payload(v)]
+    own = nbytes([k, v])
+    comm.note_held(own)
+    for i in range(plan.world):
+        src = (plan.rank - i) % plan.world
+        incoming = None
+        if i < plan.world - 1:   # post the next transfer before computing this one
+            nxt = (src - 1) % plan.world
+            incoming = comm.shift(kv, [plan.shard_shape(x, nxt) for x in kv])
+        comm.note_held(own + (nbytes(kv) if i else 0) + (incoming.nbytes if incoming else 0))
+        if plan.may_count(src):
+            step.forward(q, kv[0], kv[1], plan.q_pos, plan.sent_pos[src], out, lse, plan.mask, scale=scale)
+        if incoming is not None:
+            kv = incoming.wait()
+
+
+def allgather_forward(plan: RingPlan, step, q, k, v, out, lse, scale):
+    comm = plan.comm
+    sizes = [p.numel() for p in plan.sent_pos]
+    ks, vs = comm.all_gather_seq(plan.payload(k), sizes), comm.all_gather_seq(plan.payload(v), sizes)
+    comm.note_held(nbytes([k, v]) + nbytes(ks + vs))
+    for src in range(plan.world):
+        if plan.may_count(src):
+            step.forward(q, ks[src], vs[src], plan.q_pos, plan.sent_pos[src], out, lse, plan.mask, scale=scale)
+
+
+def p2p_backward(plan: RingPlan, step, q, k, v, dout, lse, delta, dq, scale):
+    """Returns the travelled rows of dK, dV (float32) that belong to this rank. Each step
+    computes into fresh dK/dV blocks while the accumulators of the previous step are still in
+    flight; it then waits for the accumulator of the shard it holds, adds its block and
+    posts it onward (after the last step it reaches the owner)."""
+    comm = plan.comm
+    kv = [plan.payload(k), plan.payload(v)]
+
+    def zeros(src):
+        return [torch.zeros(plan.shard_shape(k, src), dtype=torch.float32, device=q.device) for _ in range(2)]
+
+    acc_in = None   # the accumulators of the shard now held, in flight
+    for i in range(plan.world):
+        src = (plan.rank - i) % plan.world
+        incoming = None
+        if i < plan.world - 1:
+            nxt = (src - 1) % plan.world
+            incoming = comm.shift(kv, [plan.shard_shape(k, nxt)] * 2)
+        block = None
+        if plan.may_count(src):
+            block = zeros(src)
+            step.backward(q, kv[0], kv[1], dout, lse, delta, plan.q_pos, plan.sent_pos[src], dq, block[0], block[1],
+                          plan.mask, scale=scale)
+        if acc_in is None:   # step 0: this rank's own shard starts its accumulators here
+            acc = block or zeros(src)
+        else:
+            acc = acc_in.wait()
+            if block is not None:
+                acc[0] += block[0]
+                acc[1] += block[1]
+        acc_in = comm.shift(acc, [plan.shard_shape(k, (src - 1) % plan.world)] * 2)
+        if incoming is not None:
+            kv = incoming.wait()
+    return acc_in.wait()
+
+
+def allgather_backward(plan: RingPlan, step, q, k, v, dout, lse, delta, dq, scale):
+    comm = plan.comm
+    sizes = [p.numel() for p in plan.sent_pos]
+    ks, vs = comm.all_gather_seq(plan.payload(k), sizes), comm.all_gather_seq(plan.payload(v), sizes)
+    dks = [torch.zeros(plan.shard_shape(k, src), dtype=torch.float32, device=q.device) for src in range(plan.world)]
+    dvs = [torch.zeros_like(x) for x in dks]
+    for src in range(plan.world):
+        if plan.may_count(src):
+            step.backward(q, ks[src], vs[src], dout, lse, delta, plan.q_pos, plan.sent_pos[src], dq, dks[src],
+                          dvs[src], plan.mask, scale=scale)
+    return comm.reduce_to_owners(dks), comm.reduce_to_owners(dvs)
+
+
+SCHEDULES = {"p2p": (p2p_forward, p2p_backward), "allgather": (allgather_forward, allgather_backward)}

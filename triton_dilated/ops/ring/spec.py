@@ -1,0 +1,76 @@
+"""The ring-local-block step as the tools see it (ops/common/spec.py)."""
+from __future__ import annotations
+
+import math
+
+from ..common.spec import KernelSpec, VariantSpec
+from .mask import MASK_DILATED
+
+_MODULE = "triton_dilated.ops.ring.step_kernels"
+_TABLES = {"Q_POS": "i32", "K_POS": "i32", "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32", "LAYOUT": "i8"}
+_LAYOUT_STRIDES = frozenset({"stride_lb", "stride_lh", "stride_lr"})
+
+
+class RingStepProblem:
+    """One ring step on one device: the local queries against a shard of the same length
+    under a dilated mask (the LongNet schedule at this N), forward and backward."""
+
+    def __init__(self, B, N, H, D, dtype, device, causal):
+        import torch
+
+        from ..dilated.patterns import head_offsets
+        from ..dilated.spec import longnet_patterns
+        from .mask import StepMask
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.q, self.k, self.v, self.do = (torch.randn(B, N, H, D, generator=gen, device=device).to(dtype)
+                                           for _ in range(4))
+        self.scale = 1.0 / math.sqrt(D)
+        patterns = longnet_patterns(N)
+        self.mask = StepMask(MASK_DILATED, causal, device, patterns=patterns,
+                             table=head_offsets(H, patterns, "longnet", "modulo"))
+        self.pos = torch.arange(N, dtype=torch.int32, device=device)
+        self.shape = f"B={B} N={N} H={H} D={D} causal={causal} ring step, dilated mask"
+
+    def _state(self):
+        import torch
+        B, N, H, D = self.q.shape
+        out = torch.zeros(B, N, H, D, dtype=torch.float32, device=self.q.device)
+        lse = torch.full((B, H, N), float("-inf"), dtype=torch.float32, device=self.q.device)
+        return out, lse
+
+    def forward(self, config=None):
+        from .step_kernels import step_forward
+        out, lse = self._state()
+        step_forward(self.q, self.k, self.v, self.pos, self.pos, out, lse, self.mask, scale=self.scale, config=config)
+        return out, lse
+
+    def backward(self, config=None):
+        import torch
+
+        from ..common.lse import softmax_delta
+        from .step_kernels import step_backward
+        out, lse = self.forward(None)
+        delta = softmax_delta(self.do, out.to(self.q.dtype))
+        grads = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (self.q, self.k, self.v)]
+        step_backward(self.q, self.k, self.v, self.do, lse, delta, self.pos, self.pos, *grads, self.mask,
+                      scale=self.scale, config=config)
+        return grads
+
+
+SPEC = VariantSpec(
+    name="ring_step",
+    op_name="ring_attention",
+    kernels=(
+        KernelSpec("ring_step_fwd", _MODULE, "_ring_step_fwd_kernel", "ring_step_fwd",
+                   pointers={"Q": "act", "K": "act", "V": "act", "OUT": "fp32", "LSE": "fp32", **_TABLES},
+                   odd_strides=_LAYOUT_STRIDES),
+        KernelSpec("ring_step_bwd_dq", _MODULE, "_ring_step_bwd_dq_kernel", "ring_step_bwd",
+                   pointers={"Q": "act", "K": "act", "V": "act", "DO": "act", "LSE": "fp32", "DELTA": "fp32",
+                             "DQ": "fp32", **_TABLES}, odd_strides=_LAYOUT_STRIDES),
+        KernelSpec("ring_step_bwd_dkdv", _MODULE, "_ring_step_bwd_dkdv_kernel", "ring_step_bwd",
+                   pointers={"Q": "act", "K": "act", "V": "act", "DO": "act", "LSE": "fp32", "DELTA": "fp32",
+                             "DK": "fp32", "DV": "fp32", **_TABLES}, odd_strides=_LAYOUT_STRIDES),
+    ),
+    aot_constexprs={"NUM_PATTERNS": 3, "MASK_KIND": MASK_DILATED},
+    problem=RingStepProblem,
+)
