@@ -88,13 +88,14 @@ def check_int_list(name: str, values, minimum=1) -> list[int]:
     refused."""
     words = _bound_words(minimum) or f">= {minimum} "
     if isinstance(values, (torch.Tensor, np.ndarray)):
-        kind = "tensor" if isinstance(values, torch.Tensor) else "array"
+        is_tensor = isinstance(values, torch.Tensor)
+        kind = "a tensor" if is_tensor else "an array"
         if values.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got a {kind} of shape {tuple(values.shape)}")
+            raise ValueError(f"{name} must be 1-D, got {kind} of shape {tuple(values.shape)}")
         is_int = (not values.dtype.is_floating_point and not values.dtype.is_complex and values.dtype != torch.bool
-                  if kind == "tensor" else np.issubdtype(values.dtype, np.integer))
+                  if is_tensor else np.issubdtype(values.dtype, np.integer))
         if not is_int:
-            raise TypeError(f"{name} must hold ints, got a {kind} of {values.dtype}")
+            raise TypeError(f"{name} must hold ints, got {kind} of {values.dtype}")
         values = values.tolist()
     if not isinstance(values, (list, tuple, range)):
         raise TypeError(f"{name} must be a list or tuple of {words}ints (or a range, 1-D numpy array or tensor), "
