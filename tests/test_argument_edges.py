@@ -5,6 +5,7 @@ TypeError "<name> must be an int, got <type>", ValueError "<name> must be a posi
 "a non-negative int", "got <value>" (lists: "<name> must hold positive ints, got <value>")."""
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -75,6 +76,48 @@ def test_huge_segment_length_in_module_and_under_compile():
     torch._dynamo.reset()
     out = torch.compile(m, backend="aot_eager", fullgraph=True)(q, k, v)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def _ring_worker(rank, world, init_file, queue):
+    try:
+        import datetime
+
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        from triton_dilated import ring_attention
+        x = seeded((1, 16, 2, 8), torch.float32, 0)
+        xl = shard(x, rank, world)
+        out = ring_attention(xl, xl, xl, group=dist.group.WORLD, segment_lengths=[4, HUGE], dilation_rates=[1, BIG_W],
+                             causal=True)
+        ref = shard(dilated_attention(x, x, x, [4, 16], [1, 16], causal=True, backend="torch"), rank, world)
+        queue.put((rank, float((out - ref).abs().max())))
+        dist.destroy_process_group()
+    except Exception as e:   # reported to the parent
+        queue.put((rank, repr(e)))
+
+
+def test_huge_segment_length_in_ring_attention(tmp_path):
+    """The ring's masks hold w and r as int32: a pattern spanning the ranks with w, r >= 2^31."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    queue, world = ctx.Queue(), 2
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"      # the children run the portable ring step
+    try:
+        procs = [ctx.Process(target=_ring_worker, args=(r, world, str(tmp_path / "rdv"), queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.pop("TRITON_INTERPRET") if saved is None else os.environ.__setitem__("TRITON_INTERPRET", saved)
+    try:
+        results = dict(queue.get(timeout=180) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert results == {0: 0.0, 1: 0.0}, results
 
 
 def test_huge_segment_length_in_the_dilated_builder():

@@ -25,9 +25,10 @@ its code) and what does not:
   `compat="dilated-attention-pytorch"` (on `DilatedAttention` and
   `MultiheadDilatedAttention`) adds both divisions (the sum in float32): a checkpoint
   trained with that library then gives its outputs and gradients after
-  `load_state_dict(strict=True)`, for the shapes it runs (num_heads a multiple of the
-  number of patterns, N a multiple of every segment length; where it cannot run, N % w != 0
-  or w > N, compat mode applies the same divisions to the short last segment's rows).
+  `load_state_dict(strict=True)`, for the shapes it runs: num_heads a multiple of the
+  number of patterns and N a multiple of every segment length. Where that library cannot
+  run (N % w != 0, w > N), compat mode extends it: head groups with a short last segment,
+  then the same two divisions.
 * `mode="longnet"` (the default) is the paper's attention instead: every head uses every
   pattern, mixed by their softmax denominators (no sums over the sequence, causal
   attention stays causal).
