@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from triton_dilated.ops.ring.mask import MASK_DENSE, StepMask
 from triton_dilated.ops.ring.step_kernels import step_forward
-from triton_dilated.perf.bench import Timing, median_ms
+from triton_dilated.perf.timing import Timing, median_ms
 
 
 def main():
