@@ -324,6 +324,7 @@ def test_rows_carry_spread_and_flags():
     assert results.FLAG_BWD in cell[("portable", "fwd_bwd", "speedup_vs_dense")]
     assert results.FLAG_BWD not in cell[("sdpa_dense", "fwd_bwd", "ms")]
     assert all(results.FLAG_BUSY in cell[(p, m, "ms")] for p in ("portable", "sdpa_dense") for m in ("fwd", "fwd_bwd"))
+    assert results.FLAG_BUSY in cell[("portable", "fwd", "speedup_vs_dense")]
     assert results.FLAG_SPREAD not in cell[("sdpa_dense", "fwd", "ms")]
 
 
