@@ -19,10 +19,10 @@ from triton_dilated.perf.baselines import head_group_loop
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096])
-    p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096], help="default: %(default)s")
+    p.add_argument("--rounds", type=int, default=30, help="timed rounds (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=6, help="default: %(default)s")
+    p.add_argument("--head-dim", type=int, default=64, help="default: %(default)s")
     args = p.parse_args()
     ws, rs = (512, 1024, 2048), (1, 2, 4)
     print(f"B=1 H={args.heads} D={args.head_dim} float32 causal, w={ws} r={rs}, {args.rounds} rounds, "
