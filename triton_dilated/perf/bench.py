@@ -282,8 +282,6 @@ class _Progress:
             self.bar.close()
 
 
-
-
 def _work(cases, flex, only):
     """[(case, {provider: fn}, providers to report)]: one group per case; the late providers
     (FlexAttention: compiled per shape) in a second group per case, paired with dense SDPA
