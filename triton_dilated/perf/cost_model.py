@@ -30,7 +30,6 @@ kernel change would buy):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..ops.dilated.patterns import check_patterns, head_offsets
