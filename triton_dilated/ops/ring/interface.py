@@ -23,7 +23,7 @@ from ..common.lse import merge_partials, softmax_delta
 from ..common.runtime import last_dim_contiguous, resolve_backend
 from ..common.validation import check_choice, check_flags, check_qkv, check_scale
 from ..dilated.interface import dilated_attention_table
-from ..dilated.patterns import check_patterns, head_offsets
+from ..dilated.patterns import check_patterns, fit_patterns, head_offsets
 from . import step_portable
 from .comm import COMMS, RingComm
 from .mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask
@@ -133,7 +133,7 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
 
     parts = []
     if dilated:
-        patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
+        patterns = fit_patterns(check_patterns(segment_lengths, dilation_rates, mode, offsets), n_total, Hq)
         table = head_offsets(Hq, patterns, mode, offsets)
         (loc_p, loc_t), (ring_p, ring_t) = _dilated_split(patterns, table, n_total, ring.world, balance)
         if any(o >= 0 for row in loc_t for o in row):
