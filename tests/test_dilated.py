@@ -220,7 +220,7 @@ def test_multiplicity_matches_independent_derivation(N, Hq, pats, mode, offsets,
 
 def _dense_cases():
     """Single pattern (w, r=1) with w >= N or w = N: dense attention. The portable backend
-    takes the whole grid; the interpreter a corner of it (GQA; w = N, and w > N ragged)."""
+    takes the whole grid; the interpreter a corner of it (GQA; w = N, and w > N)."""
     for causal in (False, True):
         for Hq, Hkv in [(2, 2), (4, 2), (3, 1)]:
             for N, w in [(1, 1), (17, 17), (40, 64), (64, 1000)]:
