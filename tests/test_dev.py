@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ import warnings
 
 import pytest
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("cksum") is None,
@@ -66,16 +67,15 @@ class FakeDev:
             _write(template / "bin" / tool, STUB_TOOL)
         self.bin = tmp_path / "fakebin"
         _write(self.bin / "python3", STUB_PYTHON3)
-        _write(self.bin / "nvidia-smi", "#!/usr/bin/env bash\nexit %d\n" % (0 if gpu else 1))
+        _write(self.bin / "nvidia-smi", f"#!/usr/bin/env bash\nexit {0 if gpu else 1}\n")
         self.env = {k: v for k, v in os.environ.items() if k != "TRITON_DILATED_VENV"}
         self.env.update(PATH=f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}", FAKE_LOG=str(self.log),
                         FAKE_TEMPLATE=str(template), TRITON_DILATED_VENV=str(self.venv))
 
     def __call__(self, *args, **env):
         self.log.write_text("")
-        res = subprocess.run(["bash", str(ROOT / "dev"), *args], capture_output=True, text=True, timeout=60,
-                             env={**self.env, **env}, cwd=str(self.venv.parent))
-        return res
+        return subprocess.run(["bash", str(ROOT / "dev"), *args], capture_output=True, text=True, timeout=60,
+                              env={**self.env, **env}, cwd=str(self.venv.parent), check=False)
 
     def calls(self):
         return self.log.read_text().splitlines()
@@ -214,7 +214,7 @@ def _section(title):
 
 
 def test_readme_states_the_set_up_cost_dev_announces():
-    note = re.search(r'^SETUP_NOTE="([^"]+)"', (ROOT / "dev").read_text(), re.M).group(1)
+    note = re.search(r'^SETUP_NOTE="([^"]+)"', (ROOT / "dev").read_text(), re.MULTILINE).group(1)
     assert note in " ".join(_section("Quick start").split())
 
 
@@ -226,10 +226,10 @@ def test_readme_runs_torchrun_through_dev():
 
 def test_readme_dev_commands_exist():
     dev = (ROOT / "dev").read_text()
-    used = set(re.findall(r"^\./dev (\w+)", README, re.M))
+    used = set(re.findall(r"^\./dev (\w+)", README, re.MULTILINE))
     assert {"test", "perf", "notebooks", "torchrun"} <= used
     for cmd in used - {"torchrun"}:               # torchrun runs as any command does
-        assert re.search(rf"^\s*(\w+\|)*{cmd}(\|\w+)*\)", dev, re.M), f"./dev has no {cmd!r} command"
+        assert re.search(rf"^\s*(\w+\|)*{cmd}(\|\w+)*\)", dev, re.MULTILINE), f"./dev has no {cmd!r} command"
 
 
 LINE = re.compile(r"dilated attention on (cpu|cuda): out \((\d+), (\d+), (\d+), (\d+)\) torch\.(\w+), "
@@ -238,15 +238,15 @@ LINE = re.compile(r"dilated attention on (cpu|cuda): out \((\d+), (\d+), (\d+), 
 
 def test_quick_start_snippet_runs_and_prints_what_the_readme_shows(tmp_path):
     section = _section("Quick start")
-    code = re.findall(r"```python\n(.*?)```", section, re.S)
-    shown = re.findall(r"```text\n(.*?)```", section, re.S)
+    code = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    shown = re.findall(r"```text\n(.*?)```", section, re.DOTALL)
     assert len(code) == 1 and len(shown) == 1
     shown = shown[0].strip()
     assert LINE.fullmatch(shown), shown                # the README's example has the snippet's format
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # the portable backend on a CPU
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     res = subprocess.run([sys.executable, "-c", code[0]], capture_output=True, text=True, timeout=600,
-                         env=env, cwd=str(tmp_path))
+                         env=env, cwd=str(tmp_path), check=False)
     assert res.returncode == 0, res.stderr
     printed = res.stdout.strip().splitlines()[-1]
     m = LINE.fullmatch(printed)
