@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from triton_dilated import block_sparse_attention, dilated_attention, layouts
 from conftest import DEVICE
 from ring_faults_worker import run_world
+
+from triton_dilated import block_sparse_attention, dilated_attention, layouts
 
 MESSAGE = "double backward is not supported"
 

@@ -19,13 +19,18 @@ import textwrap
 
 import pytest
 import torch
+from conftest import DEVICE
+from ring_faults_worker import run_world
 
-from triton_dilated import BlockLayout, block_sparse_attention_naive, dilated_attention_naive, layouts
+from triton_dilated import (
+    BlockLayout,
+    block_sparse_attention_naive,
+    dilated_attention_naive,
+    layouts,
+)
 from triton_dilated.ops.dilated.patterns import head_offsets
 from triton_dilated.ops.ring import step_portable
 from triton_dilated.ops.ring.mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask
-from conftest import DEVICE
-from ring_faults_worker import run_world
 
 WORLD = 3   # rank 1 differs: the message groups ranks 0 and 2
 

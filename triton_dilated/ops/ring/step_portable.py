@@ -1,8 +1,9 @@
 """Portable PyTorch ring step (CPU without the interpreter, pre-Volta GPUs): the same
 contract as step_kernels.py, computed per block of query rows with an explicit float32
-score block (B, Hq, rows, N_shard). The block's rows are chosen so that it holds about
-SCORE_BLOCK_BYTES: a step's extra memory is O(N_shard) rows of keys, not the
-(N_local x N_shard) score matrix of the whole step."""
+score block (B, Hq, rows, N_shard). The rows are chosen so that the block holds about
+SCORE_BLOCK_BYTES: a step's extra memory is a few such blocks (the dilated multiplicity,
+float64, is two) plus float32 copies of its K and V, never the (N_local x N_shard) score
+matrix of the whole step (0.8-1.3 GiB at N_local = N_shard = 4096, H = 4, measured)."""
 from __future__ import annotations
 
 import math
@@ -64,8 +65,7 @@ def _scores(qh, kh, q_pos, k_pos, mask, scale, G):
 
 
 def step_forward(q, k, v, q_pos, k_pos, out, lse, mask, *, scale):
-    B, NQ, Hq, D = q.shape
-    G = Hq // k.shape[2]
+    B, G = q.shape[0], q.shape[2] // k.shape[2]
     kh, vh = _heads(k, 1), _heads(v, 1)                                     # (B, Hkv, Nk, D)
     for rows in query_blocks(q, k.shape[1]):
         s = _scores(_heads(q[:, rows], G), kh, q_pos[rows], k_pos, mask, scale, G)   # (B, Hq, n, Nk)
@@ -87,8 +87,7 @@ def step_forward(q, k, v, q_pos, k_pos, out, lse, mask, *, scale):
 
 
 def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask, *, scale):
-    B, NQ, Hq, D = q.shape
-    G = Hq // k.shape[2]
+    B, G = q.shape[0], q.shape[2] // k.shape[2]
     kh, vh = _heads(k, 1), _heads(v, 1)                                     # (B, Hkv, Nk, D)
     dkh, dvh = torch.zeros_like(kh), torch.zeros_like(vh)
     for rows in query_blocks(q, k.shape[1]):
