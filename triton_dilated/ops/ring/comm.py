@@ -66,28 +66,30 @@ class RingComm:
         self.prev = to_global((self.rank - 1) % self.world)
         self.max_bytes_held = 0
 
-    def _collective_device(self) -> torch.device:
-        """Where a small tensor for a collective must live: CUDA for NCCL, else the CPU."""
+    def _collective_device(self, device) -> torch.device:
+        """Where a small tensor for a collective must live: CUDA for NCCL (the inputs' GPU,
+        else the current one), the CPU otherwise."""
         backend = str(dist.get_backend(self.group))
         if "nccl" in backend and "gloo" not in backend:
-            return torch.device("cuda", torch.cuda.current_device())
+            return device if device is not None and device.type == "cuda" else \
+                torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def agree(self, signature, error=None) -> None:
+    def agree(self, signature, error=None, device=None) -> None:
         """Raise the same ValueError on every rank unless all ranks pass an equal
         `signature` (a dict name -> value with a stable repr) and none had an `error` (an
         exception from checking its own arguments, re-raised on that rank; the others
-        name it). One all-gather of one int64 per entry; a second, of the readable
-        values, only when they differ."""
-        names = list(signature)
-        digest = [int.from_bytes(hashlib.blake2b(repr(signature[n]).encode(), digest_size=8).digest(), "little",
-                                 signed=True) for n in names]
-        mine = torch.tensor([0 if error is None else 1] + ([0] * len(names) if error is not None else digest),
-                            dtype=torch.int64, device=self._collective_device())
+        name it). One all-gather of one int64 per entry (on `device` under NCCL); a
+        second, of the readable values, only when they differ."""
         if self.world == 1:
             if error is not None:
                 raise error
             return
+        names = list(signature)
+        digest = [int.from_bytes(hashlib.blake2b(repr(signature[n]).encode(), digest_size=8).digest(), "little",
+                                 signed=True) for n in names]
+        mine = torch.tensor([0 if error is None else 1] + ([0] * len(names) if error is not None else digest),
+                            dtype=torch.int64, device=self._collective_device(device))
         rows = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(rows, mine, group=self.group)
         table = torch.stack(rows).cpu()

@@ -163,7 +163,7 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
             torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))))
     except (TypeError, ValueError) as exc:
         error = exc
-    ring.agree(signature, error)
+    ring.agree(signature, error, device=q.device if isinstance(q, torch.Tensor) else None)
 
     use_triton = resolve_backend("auto", q.device) == "triton"
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
