@@ -16,12 +16,20 @@
 #   5. a `tune` pass for the main shapes (bf16, D=128) -> OUTDIR/<arch>.json (commit it as
 #      triton_dilated/configs/<arch>.json) and OUTDIR/tune-<arch>.csv
 #   6. a short table of the results, printed last
+# Without a CUDA GPU it stops at once (exit 2, before creating OUTDIR).
 # Budget: under 8 minutes in all (the stage limits add up to 7 min 40 s).
 # Files left in OUTDIR (8 at most): gpu_check.log (everything), env.txt, tests.log, tests.xml,
 # <gpu name>.csv (the sweep; commit it as perf/results/<gpu name>.csv), <arch>.json,
 # tune-<arch>.csv, ring_step_vs_dense.txt.
 set -uo pipefail
 OUT=${1:?usage: perf/gpu_check.sh OUTDIR}
+# no CUDA GPU: stop before anything else (every stage would fail or time the CPU instead)
+if ! timeout -k 5 60 python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check.sh: no CUDA GPU visible to torch (torch.cuda.is_available() is False, or torch failed to import):" >&2
+  echo "this script runs the tests with compiled Triton kernels and times them on a GPU; nothing was run." >&2
+  echo "On a CPU: python -m pytest tests (interpreter), python -m triton_dilated.perf (portable-backend sweep)." >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."

@@ -32,67 +32,86 @@ def _parser():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("sweep", help="the default benchmark sweep (also: no command)")
+    def command(name, help_text):
+        return sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = command("sweep", "the default benchmark sweep (also: no command)")
     p.add_argument("--out", default="perf/out/sweep.csv", help="CSV to write (default: %(default)s)")
-    p.add_argument("--seqlens", type=int, nargs="+", help="sequence lengths (default: what fits this machine)")
-    p.add_argument("--ops", nargs="+", choices=("dilated", "block_sparse"), default=["dilated", "block_sparse"])
-    p.add_argument("--providers", nargs="+", help="only these providers (triton, portable, head_group_loop, "
-                                                  "flex, sdpa_dense)")
-    p.add_argument("--quick", action="store_true", help="one small sequence length (smoke test)")
-    p.add_argument("--tiny", action="store_true", help="one tiny case per op (tests; interpreter-friendly)")
+    p.add_argument("--seqlens", type=int, nargs="+", metavar="N",
+                   help="sequence lengths (default: GPU 8192 16384 32768, and 65536 with >= 40 GiB; "
+                        "CPU 1024 2048 4096)")
+    p.add_argument("--ops", nargs="+", choices=("dilated", "block_sparse"), default=["dilated", "block_sparse"],
+                   help="which ops to time (default: both)")
+    p.add_argument("--providers", nargs="+", metavar="NAME",
+                   help="only these providers: triton, portable, head_group_loop, flex, sdpa_dense "
+                        "(default: every one that can run the case; without sdpa_dense no speedups)")
+    p.add_argument("--quick", action="store_true", help="one small sequence length, causal only (default: off)")
+    p.add_argument("--tiny", action="store_true",
+                   help="one tiny case per op, N = the first --seqlens or 128 (tests; interpreter-friendly; "
+                        "default: off)")
     flex = p.add_mutually_exclusive_group()
     flex.add_argument("--flex", dest="flex", action="store_true", default=None,
                       help="include FlexAttention (default: on a GPU; on a CPU it runs eagerly and densely)")
-    flex.add_argument("--no-flex", dest="flex", action="store_false")
-    p.add_argument("--budget", type=float, help="seconds of timed calls per measurement "
-                                                "(default 0.2 on a GPU, 1.5 on a CPU)")
-    p.add_argument("--no-plot", action="store_true", help="do not write PNGs next to the CSV")
+    flex.add_argument("--no-flex", dest="flex", action="store_false", help="leave FlexAttention out")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="seconds of timed calls per (provider, pass), spent in interleaved rounds "
+                        "(default: 0.2 on a GPU, 1.5 on a CPU)")
+    p.add_argument("--no-plot", action="store_true", help="do not write PNGs next to the CSV (default: write them)")
 
-    p = sub.add_parser("tune", help="autotune kernel configs for this GPU's arch")
-    p.add_argument("--out-dir", help="write <arch>.json (and tune-<arch>.csv) here instead of the package's "
-                                     "configs/ (which it rewrites by default)")
+    p = command("tune", "autotune kernel configs for this GPU's arch")
+    p.add_argument("--out-dir", help="write <arch>.json (and tune-<arch>.csv) here (default: rewrite the "
+                                     "package's configs/<arch>.json)")
     p.add_argument("--kernels", nargs="+", choices=("dilated_fwd", "dilated_bwd", "block_sparse_fwd",
-                                                     "block_sparse_bwd"))
+                                                     "block_sparse_bwd", "ring_step_fwd", "ring_step_bwd"),
+                   help="config families to tune (default: every family of every variant)")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, help="default: bfloat16 float16")
-    p.add_argument("--head-dims", type=int, nargs="+", help="default: 64 128")
-    p.add_argument("--seqlens", type=int, nargs="+", help="tune at these N (one per sequence bucket; "
-                                                          "default 4096 16384 65536)")
-    p.add_argument("--heads", type=int, help="query heads of the tuning shape (default 16)")
-    p.add_argument("--max-candidates", type=int, help="time at most this many candidates per kernel")
+    p.add_argument("--head-dims", type=int, nargs="+", metavar="D", help="default: 64 128")
+    p.add_argument("--seqlens", type=int, nargs="+", metavar="N",
+                   help="tune at these N, one per sequence bucket (default: 4096 16384 65536)")
+    p.add_argument("--heads", type=int, help="query heads of the tuning shape (default: 16)")
+    p.add_argument("--max-candidates", type=int, metavar="K",
+                   help="time at most this many candidates per kernel (default: all that fit the arch)")
     p.add_argument("--no-causal", action="store_true", help="tune the non-causal kernels (default: causal)")
 
-    p = sub.add_parser("ring", help="ring attention: time and per-rank memory vs world size")
+    p = command("ring", "ring attention: time and per-rank memory vs world size")
     p.add_argument("--out", default="perf/out/ring.csv", help="CSV to write (default: %(default)s)")
-    p.add_argument("--world-sizes", type=int, nargs="+", help="default: 1 2 4 8 up to the GPU count; CPU: 1 2 4")
-    p.add_argument("--seqlen", type=int, help="global sequence length (default: GPU 32768, CPU 4096)")
-    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
-    p.add_argument("--variants", nargs="+", choices=("dense", "dilated"), default=["dense", "dilated"])
-    p.add_argument("--comms", nargs="+", choices=("p2p", "allgather"), default=["p2p", "allgather"])
-    p.add_argument("--balance", choices=("contiguous", "zigzag"), default="zigzag")
-    p.add_argument("--no-causal", action="store_true")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per world size")
+    p.add_argument("--world-sizes", type=int, nargs="+", metavar="P",
+                   help="default: 1 2 4 8 up to the GPU count; CPU: 1 2 4")
+    p.add_argument("--seqlen", type=int, metavar="N", help="global sequence length (default: GPU 32768, CPU 4096; "
+                                                           "--quick: GPU 4096, CPU 1024)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when a GPU is visible, else cpu")
+    p.add_argument("--variants", nargs="+", choices=("dense", "dilated"), default=["dense", "dilated"],
+                   help="default: %(default)s")
+    p.add_argument("--comms", nargs="+", choices=("p2p", "allgather"), default=["p2p", "allgather"],
+                   help="default: %(default)s")
+    p.add_argument("--balance", choices=("contiguous", "zigzag"), default="zigzag",
+                   help="how the sequence is split over ranks (default: %(default)s)")
+    p.add_argument("--no-causal", action="store_true", help="non-causal attention (default: causal)")
+    p.add_argument("--quick", action="store_true", help="a short sequence (see --seqlen; default: off)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="seconds per world size (default: %(default)s)")
 
-    p = sub.add_parser("layouts", help="time the block-layout builders")
-    p.add_argument("--out", default="perf/out/layouts.csv")
-    p.add_argument("--seqlen", type=int, default=1 << 20)
-    p.add_argument("--block-size", type=int, default=128)
+    p = command("layouts", "time the block-layout builders")
+    p.add_argument("--out", default="perf/out/layouts.csv", help="CSV to write (default: %(default)s)")
+    p.add_argument("--seqlen", type=int, default=1 << 20, metavar="N", help="sequence length (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=128, help="block size (default: %(default)s)")
 
-    p = sub.add_parser("plot", help="PNG plots from result CSVs")
+    p = command("plot", "PNG plots from result CSVs")
     p.add_argument("csv", nargs="*", help="result CSVs (default: perf/results/*.csv)")
     p.add_argument("--out-dir", help="where to write the PNGs (default: next to each CSV)")
 
-    p = sub.add_parser("table", help="print the summary table of result CSVs")
-    p.add_argument("csv", nargs="+")
+    p = command("table", "print the summary table of result CSVs")
+    p.add_argument("csv", nargs="+", help="result CSVs (sweep, ring, tune or layouts rows)")
 
-    p = sub.add_parser("aot", help="compile every kernel ahead of time for NVIDIA archs (no GPU needed)")
-    p.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (default: 90 80)")
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16", "fp32"), default=["bf16"])
-    p.add_argument("--kernels", nargs="+", help="default: all")
-    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    p.add_argument("--jobs", type=int, default=2, help="parallel compiles")
-    p.add_argument("--out", default="perf/out/aot.csv")
+    p = command("aot", "compile every kernel ahead of time for NVIDIA archs (no GPU needed)")
+    p.add_argument("--arch", type=int, nargs="+", default=[90, 80], metavar="CC",
+                   help="compute capabilities (default: 90 80)")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], metavar="D", help="default: 64 128")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["bfloat16"], help="default: bfloat16")
+    p.add_argument("--kernels", nargs="+", help="kernel names as in the AOT CSV (default: all)")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="default: %(default)s")
+    p.add_argument("--jobs", type=int, default=2, help="parallel compiles (default: %(default)s)")
+    p.add_argument("--out", default="perf/out/aot.csv", help="CSV to write (default: %(default)s)")
     return parser
 
 
@@ -108,7 +127,9 @@ def main(argv=None) -> int:
 def _sweep(args) -> int:
     import torch
 
-    from .bench import Timing, default_sweep, print_table, run_sweep, tiny_sweep
+    from .bench import default_sweep, run_sweep, tiny_sweep
+    from .results import print_table
+    from .timing import Timing
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
         cases = [c for c in tiny_sweep(device, (args.seqlens or [128])[0]) if c.op in args.ops]
@@ -169,7 +190,8 @@ def _ring(args) -> int:
 
 
 def _layouts(args) -> int:
-    from .bench import time_layout_builders, write_csv
+    from .bench import time_layout_builders
+    from .results import write_csv
     rows = time_layout_builders(seq_len=args.seqlen, block_size=args.block_size)
     write_csv(rows, args.out)
     for r in rows:
@@ -180,30 +202,56 @@ def _layouts(args) -> int:
 
 
 def _plot(args) -> int:
-    from .plot import default_results_dir, plot_all
-    paths = args.csv or None
-    if paths is None and not os.path.isdir(default_results_dir()):
-        print("no CSVs given and no perf/results/ directory", file=sys.stderr)
-        return 2
-    written = plot_all(paths, args.out_dir)
-    for p in written:
-        print(f"wrote {p}")
-    return 0 if written else 1
+    from .plot import default_results_dir, plot_csv
+    from .results import ResultsFileError
+    paths = args.csv
+    if not paths:
+        results = default_results_dir()
+        paths = sorted(os.path.join(results, f) for f in os.listdir(results) if f.endswith(".csv")) \
+            if os.path.isdir(results) else []
+        if not paths:
+            print(f"plot: no CSVs given and none in {results}", file=sys.stderr)
+            return 2
+    written, failed = [], 0
+    for path in paths:
+        try:
+            new = plot_csv(path, args.out_dir)
+        except ResultsFileError as exc:
+            print(f"plot: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        if not new and args.csv:
+            print(f"plot: {path}: no sweep or ring rows to plot (layouts and tune CSVs have no plots)",
+                  file=sys.stderr)
+        for p in new:
+            print(f"wrote {p}")
+        written += new
+    return 2 if failed else (0 if written else 1)
 
 
 def _table(args) -> int:
-    from .bench import read_csv, summary_table
+    from .results import BENCH_OPS, ResultsFileError, read_csv, summary_table
     from .ring import ring_table
-    rows = read_csv(args.csv)
+    try:
+        rows = read_csv(args.csv)
+    except ResultsFileError as exc:
+        print(f"table: {exc}", file=sys.stderr)
+        return 2
     ring = [r for r in rows if r["op"] == "ring_attention"]
-    bench = [r for r in rows if r["op"] in ("dilated_attention", "block_sparse_attention")]
+    bench = [r for r in rows if r["op"] in BENCH_OPS]
+    tune = [r for r in rows if str(r["op"]).startswith("tune:")]
+    layouts = [r for r in rows if r["op"] == "layout_build"]
+    if not (ring or bench or tune or layouts):
+        ops = sorted({str(r["op"]) for r in rows})
+        print(f"table: {', '.join(map(str, args.csv))}: no sweep, ring, tune or layout rows"
+              + (f" (ops: {', '.join(ops[:6])})" if ops else " (no rows)"), file=sys.stderr)
+        return 1
     machines = sorted({r["machine"] for r in rows if r.get("machine")})
     print(f"machine: {', '.join(machines) or 'unknown'}")
     if bench:
         print(summary_table(bench))
     if ring:
         print(ring_table(ring))
-    tune = [r for r in rows if str(r["op"]).startswith("tune:")]
     if tune:
         best = {}
         for r in tune:
@@ -213,7 +261,15 @@ def _table(args) -> int:
         print(f"\n{'tuned kernel':24} {'dtype':9} {'D':>4} {'N':>7} {'ms':>9}  config")
         for k, r in sorted(best.items()):
             print(f"{k[0][5:]:24} {k[1]:9} {k[2]:>4} {k[3]:>7} {r['value']:>9.3f}  {r['config']}")
-    return 0 if rows else 1
+    if layouts:
+        cell = {(r["variant"], r["metric"]): r["value"] for r in layouts}
+        print(f"\n{'layout builder':16} {'N':>8} {'block':>5} {'seconds':>8} {'blocks':>9} {'index MiB':>9}")
+        for r in layouts:
+            if r["metric"] == "seconds":
+                v = r["variant"]
+                print(f"{v:16} {r['N']:>8} {r['block_size']:>5} {r['value']:>8.3f} "
+                      f"{cell.get((v, 'active_blocks'), float('nan')):>9.0f} {cell.get((v, 'index_mib'), float('nan')):>9.1f}")
+    return 0
 
 
 def _aot(args) -> int:
@@ -226,7 +282,8 @@ def _aot(args) -> int:
         print(f"aot: unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}", file=sys.stderr)
         return 2
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    rows = run_aot(archs=args.arch, head_dims=args.head_dims, dtypes=args.dtypes, causal=causal,
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}    # the AOT CSV's spelling
+    rows = run_aot(archs=args.arch, head_dims=args.head_dims, dtypes=[short[d] for d in args.dtypes], causal=causal,
                    kernels=args.kernels, out=args.out, jobs=args.jobs)
     failed = [r for r in rows if r["error"]]
     spilled = [r for r in rows if not r["error"] and r["spill_stores"]]

@@ -18,10 +18,11 @@ import math
 
 import torch
 
+from ..common.validation import check_int
+
 
 def check_block_size(block_size) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    block_size = check_int("block_size", block_size)
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
     return block_size
@@ -85,6 +86,7 @@ class BlockLayout:
 
     def __init__(self, kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, block_size: int = 128,
                  n_kv_blocks: int | None = None):
+        block_size = check_block_size(block_size)
         self._validate(kv_num_blocks, kv_indices, block_size, n_kv_blocks)
         valid = valid_slots(kv_num_blocks, kv_indices.shape[3])
         self._set(kv_num_blocks.to(torch.int32).contiguous(),
@@ -131,7 +133,7 @@ class BlockLayout:
     def from_pairs(cls, b, h, r, c, shape, n_kv_blocks: int, block_size: int) -> "BlockLayout":
         """From active (batch, head, query block, key block) pairs; shape = (B|1, H|1,
         n_q_blocks). Order and duplicates do not matter."""
-        check_block_size(block_size)
+        block_size = check_block_size(block_size)
         counts, indices = pack_pairs(b, h, r, c, shape, n_kv_blocks)   # canonical by construction
         layout = object.__new__(cls)
         layout._set(counts, indices, block_size, n_kv_blocks)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -59,26 +60,65 @@ def check_scale(scale, head_dim: int) -> float:
     return scale
 
 
-def check_positive_int_list(name: str, values) -> list[int]:
-    """A non-empty list/tuple of positive Python (or numpy) integers; bools are refused."""
-    if isinstance(values, torch.Tensor):
+def _bound_words(minimum) -> str:
+    return {1: "positive ", 0: "non-negative "}.get(minimum, "")
+
+
+def check_int(name: str, value, minimum=None) -> int:
+    """A Python or numpy integer (or a 0-d integer tensor) -> int, >= minimum when given.
+    Bools are refused (True is not a count). The one vocabulary of every integer argument:
+    TypeError "{name} must be an int, got <type>", ValueError "{name} must be a positive
+    int" / "a non-negative int" / ">= minimum", "got <value>"."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an int, got a bool ({value!r})")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})") from None
+    if minimum is not None and out < minimum:
+        words = _bound_words(minimum)
+        bound = f"a {words}int" if words else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {bound}, got {out}")
+    return out
+
+
+def check_int_list(name: str, values, minimum=1) -> list[int]:
+    """A non-empty sequence of integers >= minimum -> list of int: a list, tuple or range of
+    Python/numpy ints, or a 1-D integer numpy array or tensor. Bools and strings are
+    refused."""
+    words = _bound_words(minimum) or f">= {minimum} "
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        is_tensor = isinstance(values, torch.Tensor)
+        kind = "a tensor" if is_tensor else "an array"
+        if values.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got {kind} of shape {tuple(values.shape)}")
+        is_int = (not values.dtype.is_floating_point and not values.dtype.is_complex and values.dtype != torch.bool
+                  if is_tensor else np.issubdtype(values.dtype, np.integer))
+        if not is_int:
+            raise TypeError(f"{name} must hold ints, got {kind} of {values.dtype}")
         values = values.tolist()
-    if not isinstance(values, (list, tuple)):
-        raise TypeError(f"{name} must be a list or tuple of positive ints, got {type(values).__name__}")
+    if not isinstance(values, (list, tuple, range)):
+        raise TypeError(f"{name} must be a list or tuple of {words}ints (or a range, 1-D numpy array or tensor), "
+                        f"got {type(values).__name__}")
     if len(values) == 0:
         raise ValueError(f"{name} must not be empty")
     out = []
     for x in values:
-        if isinstance(x, bool):
+        if isinstance(x, (bool, np.bool_)):
             raise TypeError(f"{name} must hold ints, got a bool ({x!r})")
         try:
             xi = operator.index(x)
         except TypeError:
             raise TypeError(f"{name} must hold ints, got {x!r} ({type(x).__name__})") from None
-        if xi <= 0:
-            raise ValueError(f"{name} must hold positive ints, got {xi}")
+        if xi < minimum:
+            raise ValueError(f"{name} must hold {words}ints, got {xi}")
         out.append(xi)
     return out
+
+
+def check_positive_int_list(name: str, values) -> list[int]:
+    """check_int_list with minimum 1."""
+    return check_int_list(name, values, minimum=1)
 
 
 def check_bool(name: str, value) -> bool:
@@ -99,13 +139,7 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int):
     (0, ..., N), or None."""
     if cu_seqlens is None:
         return None
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise TypeError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
-                            f"{tuple(cu_seqlens.shape)}")
-        cu_seqlens = cu_seqlens.tolist()
-    bounds = tuple(check_positive_int_list("cu_seqlens", [x + 1 for x in cu_seqlens]))
-    bounds = tuple(x - 1 for x in bounds)
+    bounds = tuple(check_int_list("cu_seqlens", cu_seqlens, minimum=0))
     if batch != 1:
         raise ValueError(f"cu_seqlens packs documents into one sequence: the batch size must be 1, got {batch}")
     if bounds[0] != 0 or bounds[-1] != seq_len or any(b < a for a, b in zip(bounds, bounds[1:])):

@@ -19,7 +19,7 @@ from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, empty_stats, fresh, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.validation import check_cu_seqlens, check_flags, check_qkv, check_scale
-from .patterns import check_patterns, head_offsets
+from .patterns import check_patterns, fit_patterns, head_offsets, warn_if_heads_first
 from .portable import dilated_attention_torch
 
 CONFIG_FAMILIES = ("dilated_fwd", "dilated_bwd")
@@ -37,6 +37,8 @@ def _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, o
     check_qkv(q, k, v)
     patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
     check_flags(causal=causal, return_lse=return_lse)
+    warn_if_heads_first(patterns, k.shape[1], q.shape[2])
+    patterns = fit_patterns(patterns, k.shape[1], q.shape[2])   # w >= N is one segment: clamped to N
     return patterns, check_scale(scale, q.shape[-1])
 
 

@@ -25,7 +25,7 @@ from ..common.lse import merge_partials, softmax_delta
 from ..common.runtime import last_dim_contiguous, resolve_backend
 from ..common.validation import check_choice, check_flags, check_qkv, check_scale
 from ..dilated.interface import dilated_attention_table
-from ..dilated.patterns import check_patterns, head_offsets
+from ..dilated.patterns import check_patterns, fit_patterns, head_offsets
 from . import step_portable
 from .comm import COMMS, RingComm
 from .mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask
@@ -152,7 +152,8 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
         scale = check_scale(scale, D)
         n_total = NQ * ring.world
         shard_positions(n_total, 0, ring.world, balance)          # checks N is divisible for the balance
-        patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets) if dilated else None
+        patterns = fit_patterns(check_patterns(segment_lengths, dilation_rates, mode, offsets), n_total, Hq) \
+            if dilated else None
         if layout is not None:
             layout.check_seq_len(n_total)
             layout.check_heads(B, Hq)
