@@ -11,8 +11,9 @@ TTGIR, what the compiler made of the loops (README, "Reading the compiled code")
 * wgmma / mma_sync: tensor-core instructions in the PTX (static count per thread), and the
   wgmma shapes with their counts (m64n64k16:16 ...);
 * mma_layouts, mma_replicated: each MMA layout as "v<version>[warps along M, N]n<instr N>"
-  and whether one covers more rows (16 per warp along M) than the tile it computes: then
-  several warpgroups compute the same rows (8 warps on a 64-row wgmma tile);
+  and whether one covers more than a float32 tile laid out in it (16 rows per warp along M,
+  instr N columns per warp along N): then several warps compute the same elements (8 warps
+  on a 64-row wgmma tile: two warpgroups compute the same S);
 * cp_async / cp_async_bulk: asynchronous global->shared copies (cp.async, Ampere on) and
   TMA copies (cp.async.bulk, Hopper); 0 cp_async means the loads go through registers;
 * pipeline_depth: shared-memory buffers of the deepest tile the software pipeliner rotates
@@ -81,7 +82,7 @@ _CP_BULK = re.compile(r"^\s*(?:@!?%\w+\s+)?cp\.async\.bulk\.", re.M)          # 
 # TTGIR: MMA layouts, the tensors laid out in them, and the pipeliner's multi-buffered tiles
 _MMA_LAYOUT = re.compile(r"^(#\w+) = #ttg\.nvidia_mma<\{versionMajor = (\d+).*?warpsPerCTA = \[(\d+), (\d+)\]"
                          r".*?instrShape = \[(\d+), (\d+)", re.M)
-_MMA_TENSOR = re.compile(r"tensor<(\d+)x\d+x\w+, (#\w+)>")
+_MMA_TENSOR = re.compile(r"tensor<(\d+)x(\d+)xf32, (#\w+)>")
 _BUFFERS = re.compile(r"local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x\d+x")
 
 
@@ -89,13 +90,16 @@ def ptx_counts(ptx: str, ttgir: str = "") -> dict:
     """The instruction and layout columns of a row (module docstring) from a kernel's PTX and TTGIR."""
     shapes = _WGMMA.findall(ptx)
     by_shape = {sh: shapes.count(sh) for sh in sorted(set(shapes), key=lambda x: [int(v) for v in re.findall(r"\d+", x)])}
-    rows = {}   # MMA layout name -> the most rows of a tensor laid out in it
-    for m, name in _MMA_TENSOR.findall(ttgir):
-        rows[name] = max(rows.get(name, 0), int(m))
+    tiles = {}   # MMA layout name -> the float32 2-D tiles laid out in it (accumulators: S, dP, O, dQ ...)
+    for m, n, name in _MMA_TENSOR.findall(ttgir):
+        if int(m) > 1 and int(n) > 1:
+            tiles.setdefault(name, set()).add((int(m), int(n)))
     layouts, replicated = [], False
     for name, version, wm, wn, im, inn in _MMA_LAYOUT.findall(ttgir):
         layouts.append(f"v{version}[{wm},{wn}]n{inn}")
-        if name in rows and int(wm) * int(im) > rows[name]:
+        # the warps of the layout cover (16 x warps along M) x (instr N x warps along N); a
+        # smaller tile is computed several times over (each copy by other warps)
+        if any(int(wm) * int(im) > m or int(wn) * int(inn) > n for m, n in tiles.get(name, ())):
             replicated = True
     return dict(wgmma=len(shapes), mma_sync=len(_MMA_SYNC.findall(ptx)), cp_async=len(_CP_ASYNC.findall(ptx)),
                 cp_async_bulk=len(_CP_BULK.findall(ptx)),
