@@ -192,7 +192,7 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
             rows.append(row)
             what = row["error"] or (f"{row['registers']} registers, spills {row['spill_stores']}/"
                                     f"{row['spill_loads']} B, shared {row['shared_bytes']} B, "
-                                    f"wgmma {row['wgmma']}{' (replicated rows)' if row['mma_replicated'] else ''}, "
+                                    f"wgmma {row['wgmma']}{' (replicated tiles)' if row['mma_replicated'] else ''}, "
                                     f"mma.sync {row['mma_sync']}, cp.async {row['cp_async']}, "
                                     f"pipeline depth {row['pipeline_depth']}")
             log(f"[{i}/{len(work)}] {row['arch']} {row['kernel']} {row['dtype']} D={row['D']} causal={row['causal']} "
