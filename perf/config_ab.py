@@ -7,7 +7,9 @@ with the others in interleaved rounds, so each ratio to the default is a paired 
 Defaults of the candidate lists: the forward's sm90 default (64x64, 4 warps, 3 stages), the
 earlier 8-warp default that computes S twice on Hopper (64x64, 8 warps, 3 stages), a 2-stage
 and a 128-row variant; the backward's default at D = 128 (32x32, 4 warps: mma.sync) against
-64-row tiles (wgmma for dQ). Rows (results.COLUMNS) to --out as each (causal, pass) finishes:
+tiles that put dQ on wgmma: 64x64 and 64x32 with 4 warps (dK/dV spills 136 and 68 B) and
+128x32 with 8 warps (no spills, but 128-row query tiles: the planner computes 15% more
+pairs for dQ at N = 32K). Rows (results.COLUMNS) to --out as each (causal, pass) finishes:
 op "config_ab:<family>", metric ms and ratio_vs_default (default ms / candidate ms, paired
 rounds: > 1 means faster than the default), the config in `config`.
 
@@ -30,7 +32,7 @@ from triton_dilated.perf.timing import Timing, interleaved, paired_ratio, spread
 from triton_dilated.perf.tune import _agrees
 
 FWD = ["64,64,4,3", "64,64,8,3", "64,64,4,2", "128,64,8,3"]
-BWD = ["32,32,4,2", "64,64,4,2", "64,32,4,2", "64,64,8,2"]
+BWD = ["32,32,4,2", "64,64,4,2", "64,32,4,2", "128,32,8,2"]
 
 
 def parse_config(text: str) -> dict:

@@ -7,23 +7,24 @@
 #                                         interpreter, no GPU needed (tests/test_gpu_check.py)
 #
 # The most valuable numbers first; each stage under its own `timeout`, writing its rows as it
-# goes (a failing or slow stage never stops the next). Stage limits add up to 490 s; with
-# start-up and the summary the whole run stays under 9 minutes.
+# goes (a failing or slow stage never stops the next). Stage limits add up to 445 s (+ 5 s
+# each to kill a stage that ignores SIGTERM); with the GPU check before (30 + 5 s at most) and
+# the result tables after (20 + 5 s) even a run where everything hits its limit takes 9 minutes.
 #   1. smoke (25 s)      nvidia-smi (clocks, power), python/python3, a C compiler, Python.h and
 #                        one tiny Triton kernel launched and checked (perf/gpu_smoke.py): if
 #                        Triton cannot launch, every later number is void: stop (exit 3)
-#   2. key (90 s)        dilated LongNet fwd and fwd+bwd at N = 32K (bf16, H = 16, D = 128,
+#   2. key (85 s)        dilated LongNet fwd and fwd+bwd at N = 32K (bf16, H = 16, D = 128,
 #                        causal and not) against dense SDPA under each backend (FlashAttention,
 #                        cuDNN, efficient) and as torch picks it, the pick recorded
 #                        (perf/gpu_key_rows.py -> key_rows.csv)
-#   3. breakdown (45 s)  torch.profiler per kernel of one dilated fwd+bwd at the key shape:
+#   3. breakdown (40 s)  torch.profiler per kernel of one dilated fwd+bwd at the key shape:
 #                        fwd, dQ, dK/dV, delta, rest (perf/kernel_breakdown.py -> kernel_breakdown.csv)
-#   4. configs (80 s)    config A/B of the dilated forward and backward at the key shape,
+#   4. configs (75 s)    config A/B of the dilated forward and backward at the key shape,
 #                        paired against the defaults (perf/config_ab.py -> config_ab.csv)
-#   5. flex (80 s)       block-sparse vs FlexAttention (compiled) and dense at 16K, ~90% sparsity
+#   5. flex (75 s)       block-sparse vs FlexAttention (compiled) and dense at 16K, ~90% sparsity
 #                        (perf/block_sparse_vs_flex.py -> block_sparse_vs_flex.csv)
-#   6. ringstep (30 s)   issue 4's one-GPU ring check (perf/ring_step_vs_dense.py -> ring_step_vs_dense.txt)
-#   7. tests (140 s)     the test suite on CUDA with compiled kernels, bf16 included, 12 xdist
+#   6. ringstep (25 s)   issue 4's one-GPU ring check (perf/ring_step_vs_dense.py -> ring_step_vs_dense.txt)
+#   7. tests (120 s)     the test suite on CUDA with compiled kernels, bf16 included, 12 xdist
 #                        workers (TRITON_DILATED_TEST_DEVICE=cuda) -> tests.log, tests.xml
 #   then the result tables.
 # Python: $PYTHON if set, else python, else python3 on PATH.
@@ -44,7 +45,7 @@ PY=${PYTHON:-$(command -v python || command -v python3)} || {
 }
 if [ "$DRY" = 0 ]; then
   # no CUDA GPU: stop before anything else (every stage would fail or time the CPU instead)
-  if ! timeout -k 5 60 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  if ! timeout -k 5 30 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "gpu_check.sh: no CUDA GPU visible to torch (torch.cuda.is_available() is False, or torch failed to import):" >&2
     echo "this script runs the tests with compiled Triton kernels and times them on a GPU; nothing was run." >&2
     echo "On a CPU: perf/gpu_check.sh --dry-run OUTDIR (the stages' logic at tiny shapes), python -m pytest tests" >&2
@@ -102,7 +103,7 @@ stage() {
   echo "== $name (limit ${limit}s, $(( $(date +%s) - T_START ))s elapsed) =="
   local t0 rc
   t0=$(date +%s)
-  timeout -k 10 "$limit" "$@"
+  timeout -k 5 "$limit" "$@"
   rc=$?
   local note=""
   { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && note=" (timed out)"
@@ -129,11 +130,11 @@ if ! stage smoke 25 bash -c 'smoke > "$0/env.txt" 2>&1; rc=$?; cat "$0/env.txt";
   exit 3
 fi
 
-stage key 90 "$PY" perf/gpu_key_rows.py --out "$OUT/key_rows.csv" "${KEY_ARGS[@]}"
-stage breakdown 45 "$PY" perf/kernel_breakdown.py --out "$OUT/kernel_breakdown.csv" "${BREAKDOWN_ARGS[@]}"
-stage configs 80 "$PY" perf/config_ab.py --out "$OUT/config_ab.csv" "${CONFIG_ARGS[@]}"
-stage flex 80 "$PY" perf/block_sparse_vs_flex.py --out "$OUT/block_sparse_vs_flex.csv" "${FLEX_ARGS[@]}"
-stage ringstep 30 bash -c '"$1" perf/ring_step_vs_dense.py "${@:2}" > "$0/ring_step_vs_dense.txt" 2>&1; rc=$?;
+stage key 85 "$PY" perf/gpu_key_rows.py --out "$OUT/key_rows.csv" "${KEY_ARGS[@]}"
+stage breakdown 40 "$PY" perf/kernel_breakdown.py --out "$OUT/kernel_breakdown.csv" "${BREAKDOWN_ARGS[@]}"
+stage configs 75 "$PY" perf/config_ab.py --out "$OUT/config_ab.csv" "${CONFIG_ARGS[@]}"
+stage flex 75 "$PY" perf/block_sparse_vs_flex.py --out "$OUT/block_sparse_vs_flex.csv" "${FLEX_ARGS[@]}"
+stage ringstep 25 bash -c '"$1" perf/ring_step_vs_dense.py "${@:2}" > "$0/ring_step_vs_dense.txt" 2>&1; rc=$?;
   cat "$0/ring_step_vs_dense.txt"; exit $rc' "$OUT" "$PY" "${RING_ARGS[@]}"
 
 # the test suite last: its GPU-only value (compiled bf16 numerics, bounds) is real, but compile
@@ -141,9 +142,9 @@ stage ringstep 30 bash -c '"$1" perf/ring_step_vs_dense.py "${@:2}" > "$0/ring_s
 PYTEST_ARGS=(-q -p no:cacheprovider -o addopts= -rfEs --maxfail=25 --durations=15 --junitxml="$OUT/tests.xml")
 if [ "$DRY" = 0 ]; then
   "$PY" -c "import xdist" 2>/dev/null && PYTEST_ARGS+=(-n 12)
-  "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=120)
+  "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=100)
 fi
-stage tests 140 "$PY" -m pytest "${TEST_ARGS[@]}" "${PYTEST_ARGS[@]}" > "$OUT/tests.log" 2>&1
+stage tests 120 "$PY" -m pytest "${TEST_ARGS[@]}" "${PYTEST_ARGS[@]}" > "$OUT/tests.log" 2>&1
 tail -40 "$OUT/tests.log"
 
 echo
@@ -153,7 +154,7 @@ for f in key_rows.csv block_sparse_vs_flex.csv; do
   [ -s "$OUT/$f" ] && TABLE_IN+=("$OUT/$f")
 done
 if [ ${#TABLE_IN[@]} -gt 0 ]; then
-  timeout -k 5 $(( 30 * SCALE )) "$PY" -m triton_dilated.perf table "${TABLE_IN[@]}" || echo "(table failed)"
+  timeout -k 5 $(( 20 * SCALE )) "$PY" -m triton_dilated.perf table "${TABLE_IN[@]}" || echo "(table failed)"
 else
   echo "no result CSVs were written"
 fi

@@ -135,3 +135,17 @@ def test_smoke_finds_the_compiler_triton_would_use(monkeypatch):
     assert smoke.c_compiler() == "/opt/my-cc"
     header = smoke.python_header()
     assert header is None or header.endswith("Python.h") and os.path.exists(header)
+
+
+def test_stage_limits_fit_in_9_minutes_in_the_issue_order():
+    """Read off the script: the stages in the order of the most valuable numbers first, and
+    the limits (+ 5 s kill grace each, the GPU check before, the tables after) within 540 s."""
+    import re
+    text = SCRIPT.read_text()
+    stages = re.findall(r"^(?:if ! )?stage (\w+) (\d+) ", text, re.M)
+    assert [name for name, _ in stages] == STAGES
+    grace = int(re.search(r'timeout -k (\d+) "\$limit"', text).group(1))
+    gpu_check = sum(map(int, re.search(r'timeout -k (\d+) (\d+) "\$PY" -c "import sys, torch', text).groups()))
+    tables = int(re.search(r"timeout -k (\d+) \$\(\( (\d+) \* SCALE", text).group(1)) + \
+        int(re.search(r"timeout -k (\d+) \$\(\( (\d+) \* SCALE", text).group(2))
+    assert sum(int(limit) + grace for _, limit in stages) + gpu_check + tables <= 540

@@ -65,8 +65,11 @@ HOPPER_FWD_DEFAULTS = {"ring_step_fwd": make_config(64, 32, 4, 2)}
 
 # 16-bit defaults for head dims over 128 (D = 256), from the same ahead-of-time compile over
 # 6-7 candidates on sm90 and sm80 (perf/aot/d256-bf16.csv): 8 warps halve the registers a
-# thread needs for its rows of the wide accumulators. Every choice keeps both archs free of
-# spills except block-sparse dK/dV on sm80 (484 B; 4-warp tiles spill 5-11 KB there).
+# thread needs for its rows of the wide accumulators. With triton 3.6 on sm80 they spill in
+# block-sparse dK/dV (496 B; 4-warp tiles spill 5-11 KB there) and the ring step forward
+# (92 B), and 8 warps side by side (64 columns) compute the 32-column S tiles twice
+# (mma_replicated in perf/aot/sm90-sm80-bf16-after-triton36.csv): a 64-column tile spills
+# 0.2-6 KB in dK/dV instead.
 WIDE_HEAD_DEFAULTS = {
     "dilated_fwd": make_config(64, 32, 8, 2), "block_sparse_fwd": make_config(64, 32, 8, 2),
     "ring_step_fwd": make_config(32, 64, 4, 2),
