@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.lse import attention_with_lse, first_order_only
+from ..common.lse import all_finite, attention_with_lse, first_order_only
 
 GATHER_BUDGET = 1 << 25   # elements per chunk: gathered keys and values plus the (bs x W*bs) mask
 
@@ -47,6 +47,7 @@ def block_sparse_attention_torch(q, k, v, layout, *, causal: bool, scale: float,
     index = index.expand(B, Hq, nb, index.shape[-1]).reshape(B * Hq * nb, -1)
     group = Hq // Hkv
     offs = torch.arange(bs, device=device)
+    finite = all_finite(q, k, v)   # else each chunk applies the NaN rule (ops.common.lse)
 
     ids, outs, lses = [], [], []
     for rows, width in _buckets(counts):
@@ -64,11 +65,12 @@ def block_sparse_attention_torch(q, k, v, layout, *, causal: bool, scale: float,
             slot_ok = torch.arange(width, device=device) < counts[r, None]
             keep = (slot_ok.repeat_interleave(bs, dim=1) & (kpos < Nk)).unsqueeze(1)   # (n, 1, W*bs)
             if causal:
-                keep = keep & (kpos[:, None, :] <= (blk[:, None] * bs + offs)[:, :, None])
-            if bool(keep.all()):
+                later_ok = kpos[:, None, :] <= (blk[:, None] * bs + offs)[:, :, None]   # (n, bs, W*bs)
+                keep = later_ok.logical_and_(keep)
+            elif bool(keep.all()):
                 keep = None
             o, lse = attention_with_lse(qg[None], kg[None], vg[None], False, scale,
-                                        keep=None if keep is None else keep[None])
+                                        keep=None if keep is None else keep[None], finite=finite)
             ids.append(r)
             outs.append(o[0])
             lses.append(lse[0])

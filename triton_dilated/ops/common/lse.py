@@ -1,4 +1,7 @@
-"""Log-sum-exp merge of partial attention results (float32, exact when a side is -inf).
+"""The portable backends' softmax: attention with a differentiable lse (PyTorch's fused CPU
+kernel, or a chunked explicit float32 softmax), the oracles' explicit softmax, the NaN rule
+of DESIGN §6, the double-backward guard, and the log-sum-exp merge of partial results
+(float32, exact when a side is -inf).
 
 A partial result over a subset of keys is (out_i, lse_i) with out_i normalised by its own
 denominator exp(lse_i). The union of disjoint key subsets (or the multiset union, where a
@@ -90,9 +93,9 @@ def masked_attention_with_lse(q, k, v, mask, scale: float):
     return _mark_nan(out, lse, mark) if fix is not None else (out, lse)
 
 
-# Elements of one chunk's score matrix in the explicit path (16 MB in float32): its memory
+# Elements of one chunk's score matrix in the explicit path (4 MB in float32): its memory
 # is a few of these whatever L and S are.
-SCORE_BUDGET = 1 << 22
+SCORE_BUDGET = 1 << 20
 
 
 def _score_chunks(n_batch: int, L: int, S: int):
@@ -115,15 +118,19 @@ class _ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def _scores(q, k, keep, causal, scale, bs, rs, acc):
-        keys = min(k.shape[1], rs.stop) if causal else k.shape[1]     # causal: later keys are all masked
-        s = torch.matmul(q[bs, rs].to(acc), k[bs, :keys].to(acc).transpose(1, 2)).mul_(scale)
+        """Scores of the chunk (rows rs of batches bs), masked; causal chunks stop at their
+        last row's key. Returns (scores, number of keys)."""
+        keys = min(k.shape[1], rs.stop) if causal else k.shape[1]
+        qc, kc = q[bs, rs].to(acc), k[bs, :keys].to(acc)
+        s = torch.baddbmm(qc.new_empty(qc.shape[0], qc.shape[1], keys), qc, kc.transpose(1, 2), beta=0.0, alpha=scale)
         if keep is not None:
             kb = bs if keep.shape[0] > 1 else slice(None)
             kr = rs if keep.shape[1] > 1 else slice(None)
             s.masked_fill_(~keep[kb, kr, :keys], float("-inf"))
-        if causal:
-            later = torch.arange(keys, device=q.device) > torch.arange(rs.start, rs.stop, device=q.device)[:, None]
-            s.masked_fill_(later, float("-inf"))
+        if causal and rs.start < keys:   # only the diagonal block holds later keys
+            rows = torch.arange(rs.start, rs.stop, device=q.device)[:, None]
+            later = torch.arange(rs.start, keys, device=q.device) > rows
+            s[:, :, rs.start:].masked_fill_(later, float("-inf"))
         return s, keys
 
     @staticmethod
@@ -226,15 +233,23 @@ class _CpuFlashWithLse(torch.autograd.Function):
 FUSED_MAX_SCORE = 100.0
 
 
+def _cpu_flash_available(q, k) -> bool:
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and q.numel() > 0 and k.numel() > 0
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
+
+
+def _large_scores(q, k, scale) -> torch.Tensor:
+    """bool over the batch dims of q: some |score| of that slice may exceed FUSED_MAX_SCORE
+    (|q.k| * scale <= scale * max|q| * max|k|, Cauchy-Schwarz)."""
+    with torch.no_grad():
+        bound = abs(scale) * q.float().norm(dim=-1).amax(dim=-1) * k.float().norm(dim=-1).amax(dim=-1)
+    return ~(bound <= FUSED_MAX_SCORE)
+
+
 def _use_cpu_flash(q, k, scale) -> bool:
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
-            or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
-        return False
-    if q.numel() == 0 or k.numel() == 0:
-        return False
-    with torch.no_grad():   # |q.k| * scale <= scale * max|q| * max|k| (Cauchy-Schwarz)
-        bound = abs(scale) * q.float().norm(dim=-1).amax() * k.float().norm(dim=-1).amax()
-    return bool(bound <= FUSED_MAX_SCORE)
+    """Whether the fused CPU kernel takes all of this call."""
+    return _cpu_flash_available(q, k) and not bool(_large_scores(q, k, scale).any())
 
 
 def _positive_scale(q, scale):
@@ -246,22 +261,30 @@ def _positive_scale(q, scale):
     return (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
 
 
-def attention_with_lse(q, k, v, causal: bool, scale: float, keep=None, need_lse: bool = True):
+def all_finite(*xs) -> bool:
+    """Whether every element of xs is finite (one pass each): callers that split their
+    inputs into many attention calls check once and pass finite=True."""
+    return all(bool(torch.isfinite(x).all()) for x in xs)
+
+
+def attention_with_lse(q, k, v, causal: bool, scale: float, keep=None, need_lse: bool = True,
+                       finite: bool = False):
     """Attention on (B, H, L, D) queries and (B, H, S, D) keys/values (any strides) with
     either `causal` (top-left) or a boolean keep-mask broadcastable to (B, H, L, S). Returns
     out (B, H, L, D) and lse (B, H, L) float32 (float64 for float64 inputs; None without
     need_lse); a row with no key gets 0 and -inf, a row that reads a non-finite input NaN
     and NaN. Both are differentiable (once). On CPU this is PyTorch's fused flash kernel
-    (out in q's dtype; several times faster) unless scores may exceed FUSED_MAX_SCORE;
-    without need_lse off the CPU, scaled_dot_product_attention; else the chunked explicit
-    float32 softmax. No path holds an L x S matrix beyond SCORE_BUDGET elements (the keep-mask
-    excepted)."""
+    (out in q's dtype; several times faster), except for the batch slices whose scores may
+    exceed FUSED_MAX_SCORE; without need_lse off the CPU, scaled_dot_product_attention;
+    else the chunked explicit float32 softmax. No path holds more than ~SCORE_BUDGET scores
+    at once (the caller's keep-mask aside). finite=True: the caller knows q, k, v are finite
+    (skips the check)."""
     L, S = q.shape[-2], k.shape[-2]
     if L == 0 or S == 0 or q.shape[:-2].numel() == 0:
         acc = torch.promote_types(q.dtype, torch.float32)
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=acc)
         return out, (q.new_full(q.shape[:-1], float("-inf"), dtype=acc) if need_lse else None)
-    fix = _nonfinite_fix(q, k, v, causal, keep)
+    fix = None if finite else _nonfinite_fix(q, k, v, causal, keep)
     if fix is not None:
         q, k, v, mark = fix
     out, lse = _attention(q, k, v, causal, scale, keep, need_lse)
@@ -269,22 +292,54 @@ def attention_with_lse(q, k, v, causal: bool, scale: float, keep=None, need_lse:
 
 
 def _attention(q, k, v, causal, scale, keep, need_lse):
-    if _use_cpu_flash(q, k, scale):
-        q, scale = _positive_scale(q, scale)
-        # the fused op reads rows as if the last dimension were contiguous (wrong results
-        # otherwise, measured): copy the rare inputs where it is not
-        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        if keep is None:
-            if not need_lse:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale), None
-            return _CpuFlashWithLse.apply(q, k, v, None, causal, scale)
-        bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
-        out, lse = _CpuFlashWithLse.apply(q, k, v, bias, False, scale)   # keyless rows: out 0, lse 0
-        return out, lse.masked_fill(~keep.any(dim=-1), float("-inf"))
-    if not need_lse and keep is None and q.device.type != "cpu":
+    if _cpu_flash_available(q, k):
+        large = _large_scores(q, k, scale)
+        if not bool(large.any()):
+            return _cpu_flash(q, k, v, causal, scale, keep, need_lse)
+        if not bool(large.all()):   # e.g. one attention-sink row: only its slices go explicit
+            return _split_batches(large, q, k, v, causal, scale, keep)
+    elif not need_lse and keep is None and q.device.type != "cpu":
         q, scale = _positive_scale(q, scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale), None
     return _chunked_attention(q, k, v, causal, scale, keep)
+
+
+def _cpu_flash(q, k, v, causal, scale, keep, need_lse):
+    q, scale = _positive_scale(q, scale)
+    # the fused op reads rows as if the last dimension were contiguous (wrong results
+    # otherwise, measured): copy the rare inputs where it is not
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if keep is None:
+        if not need_lse:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale), None
+        return _CpuFlashWithLse.apply(q, k, v, None, causal, scale)
+    bias = torch.where(keep, torch.zeros((), dtype=q.dtype), torch.full((), float("-inf"), dtype=q.dtype))
+    out, lse = _CpuFlashWithLse.apply(q, k, v, bias, False, scale)   # keyless rows: out 0, lse 0
+    return out, lse.masked_fill(~keep.any(dim=-1), float("-inf"))
+
+
+def _split_batches(large, q, k, v, causal, scale, keep):
+    """The fused kernel on the batch slices with ordinary scores, the chunked explicit path
+    on the others; (out, lse) in the accumulation dtype, batch order restored."""
+    batch, (L, _), n = q.shape[:-2], q.shape[-2:], large.numel()
+    flat = lambda x: x.reshape(n, *x.shape[-2:])  # noqa: E731
+    qf, kf, vf = flat(q), flat(k), flat(v)
+    keep_f = None if keep is None else flat(keep.expand(*batch, *keep.shape[-2:]))
+    acc = torch.promote_types(q.dtype, torch.float32)
+    outs, lses, ids = [], [], []
+    for sel, big in ((~large.reshape(n)).nonzero().flatten(), False), (large.reshape(n).nonzero().flatten(), True):
+        part = [x[sel] for x in (qf, kf, vf)] + [None if keep_f is None else keep_f[sel]]
+        if big:
+            o, l_ = _chunked_attention(*part[:3], causal, scale, part[3])
+        else:
+            o, l_ = _cpu_flash(*(x[None] for x in part[:3]), causal, scale, None if part[3] is None else part[3][None],
+                               True)
+            o, l_ = o[0], l_[0]
+        outs.append(o.to(acc))
+        lses.append(l_.to(acc))
+        ids.append(sel)
+    back = torch.argsort(torch.cat(ids))
+    return (torch.cat(outs)[back].reshape(*batch, L, v.shape[-1]), torch.cat(lses)[back].reshape(*batch, L))
 
 
 # ----------------------------------------------------------------------------- double backward

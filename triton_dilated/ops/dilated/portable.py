@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..common.lse import attention_with_lse, first_order_only, merge_partials
+from ..common.lse import all_finite, attention_with_lse, first_order_only, merge_partials
 
 
 def _head_index(heads: list[int]):
@@ -142,13 +142,13 @@ def _scatter(buf, specs, parts):
     return buf
 
 
-def _attend(qs, ks, vs, causal: bool, scale: float, need_lse: bool, compute_dtype):
+def _attend(qs, ks, vs, causal: bool, scale: float, need_lse: bool, compute_dtype, finite: bool):
     """qs: (B, nseg, L, Hs, D), ks/vs: (B, nseg, L, Hs, D). Returns out (same layout) and
     lse (B, nseg, L, Hs, 1) or None."""
     B, nseg, L, Hs, D = qs.shape
     to_bhld = lambda x: x.permute(0, 1, 3, 2, 4).reshape(B * nseg, Hs, L, D)  # noqa: E731
     qb, kb, vb = (to_bhld(x).to(compute_dtype) for x in (qs, ks, vs))
-    out, lse = attention_with_lse(qb, kb, vb, causal, scale, need_lse=need_lse)
+    out, lse = attention_with_lse(qb, kb, vb, causal, scale, need_lse=need_lse, finite=finite)
     if need_lse:
         lse = lse.reshape(B, nseg, Hs, L).transpose(2, 3).unsqueeze(-1)
     return out.reshape(B, nseg, Hs, L, D).permute(0, 1, 3, 2, 4), lse
@@ -184,7 +184,8 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
     n_bufs = len(patterns) if merge else 1
     out_bufs = [q.new_zeros((B, N, Hq, D), dtype=acc_dtype if merge else q.dtype) for _ in range(n_bufs)]
     lse_bufs = [q.new_full((B, N, Hq, 1), float("-inf"), dtype=acc_dtype) for _ in range(n_bufs if want_lse else 0)]
-    results = [_attend(qs, ks, vs, causal, scale, want_lse, compute_dtype)
+    finite = all_finite(q, k, v)   # else each job applies the NaN rule (ops.common.lse)
+    results = [_attend(qs, ks, vs, causal, scale, want_lse, compute_dtype, finite)
                for qs, ks, vs in zip(q_parts, k_parts, v_parts)]
     outs, lses = [], []
     for b in range(n_bufs):
