@@ -15,7 +15,7 @@ import torch
 
 from ..common.lse import all_finite, attention_with_lse, first_order_only
 
-GATHER_BUDGET = 1 << 25   # elements per chunk: gathered keys and values plus the (bs x W*bs) mask
+GATHER_BUDGET = 1 << 25   # elements per chunk: gathered keys and values, the (bs x W*bs) mask and bias
 
 
 def _buckets(counts: torch.Tensor):
@@ -51,7 +51,7 @@ def block_sparse_attention_torch(q, k, v, layout, *, causal: bool, scale: float,
 
     ids, outs, lses = [], [], []
     for rows, width in _buckets(counts):
-        per_row = width * bs * (2 * D + bs)            # gathered k and v, keep-mask / bias / scores
+        per_row = width * bs * (2 * D + 2 * bs)        # gathered k and v; mask and bias (or scores) per query
         step = max(1, GATHER_BUDGET // per_row)
         for s in range(0, rows.numel(), step):
             r = rows[s:s + step]
