@@ -45,7 +45,7 @@ def merge_partials(outs, lses):
 # nothing else is touched. A matmul over masked or padded slots would spread them (the
 # slot's weight is 0, and 0 * NaN is NaN), so rows and slots holding one are zeroed before
 # any arithmetic and the rows that read them are marked NaN afterwards. Finite inputs pay
-# one isfinite pass.
+# one isfinite pass over each input.
 
 def _nonfinite_fix(q, k, v, causal: bool, keep):
     """None when q, k and v are finite; else (q, k, v with every non-finite row zeroed,
@@ -155,6 +155,7 @@ class _ChunkedAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, keep, out, row_max, row_sum = ctx.saved_tensors
         acc = out.dtype
@@ -180,7 +181,7 @@ class _ChunkedAttention(torch.autograd.Function):
 
 def _chunked_attention(q, k, v, causal, scale, keep):
     """_ChunkedAttention on (..., L, D) inputs and a keep-mask broadcastable to (..., L, S)."""
-    batch, (L, D), S = q.shape[:-2], q.shape[-2:], k.shape[-2]
+    batch, L = q.shape[:-2], q.shape[-2]
     flat = lambda x: x.reshape(-1, *x.shape[-2:])  # noqa: E731
     if keep is not None:
         keep = keep.expand(*batch, *keep.shape[-2:])
@@ -326,20 +327,22 @@ def _split_batches(large, q, k, v, causal, scale, keep):
     qf, kf, vf = flat(q), flat(k), flat(v)
     keep_f = None if keep is None else flat(keep.expand(*batch, *keep.shape[-2:]))
     acc = torch.promote_types(q.dtype, torch.float32)
-    outs, lses, ids = [], [], []
-    for sel, big in ((~large.reshape(n)).nonzero().flatten(), False), (large.reshape(n).nonzero().flatten(), True):
-        part = [x[sel] for x in (qf, kf, vf)] + [None if keep_f is None else keep_f[sel]]
-        if big:
-            o, l_ = _chunked_attention(*part[:3], causal, scale, part[3])
-        else:
-            o, l_ = _cpu_flash(*(x[None] for x in part[:3]), causal, scale, None if part[3] is None else part[3][None],
+    flat_large = large.reshape(n)
+    ids, outs, lses = [], [], []
+    for sel, explicit in (((~flat_large).nonzero().flatten(), False), (flat_large.nonzero().flatten(), True)):
+        qs, ks, vs = qf[sel], kf[sel], vf[sel]
+        keep_s = None if keep_f is None else keep_f[sel]
+        if explicit:
+            o, l_ = _chunked_attention(qs, ks, vs, causal, scale, keep_s)
+        else:   # the fused kernel takes (B, H, L, D)
+            o, l_ = _cpu_flash(qs[None], ks[None], vs[None], causal, scale, None if keep_s is None else keep_s[None],
                                True)
             o, l_ = o[0], l_[0]
+        ids.append(sel)
         outs.append(o.to(acc))
         lses.append(l_.to(acc))
-        ids.append(sel)
     back = torch.argsort(torch.cat(ids))
-    return (torch.cat(outs)[back].reshape(*batch, L, v.shape[-1]), torch.cat(lses)[back].reshape(*batch, L))
+    return torch.cat(outs)[back].reshape(*batch, L, v.shape[-1]), torch.cat(lses)[back].reshape(*batch, L)
 
 
 # ----------------------------------------------------------------------------- double backward

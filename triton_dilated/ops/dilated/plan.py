@@ -63,7 +63,7 @@ def _tiles(lengths, ws, rs, offsets, T, block: int, block_inner: int, causal: bo
     the order unit, document, chunk, class, tile; and whether every row of every document
     lies in some tile of every unit."""
     doc_c, start, end = _chunks(lengths, ws)
-    U, n_chunks = offsets.shape[0], start.size
+    n_chunks = start.size
     Tc = T[:, doc_c]                                                   # (U, C)
     n_c = lengths[doc_c]
     cls = np.arange(int(T.max()))
