@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ops.dilated.patterns import check_patterns, head_offsets
-from ..ops.dilated.plan import _tiles, choose_stride, query_unit_triples
+from ..ops.dilated.plan import plan_tiles, query_unit_triples
 from ..ops.dilated.spec import LONGNET_R, LONGNET_W
 
 H100 = {"name": "H100 SXM (assumed)", "tflops": 989.0, "hbm_tbs": 3.35, "l2_tbs": 5.5}
@@ -91,22 +91,20 @@ def useful_pairs(n, patterns, table, causal) -> int:
 
 def computed_pairs(n, patterns, table, causal, block_m, block_n) -> float:
     """Pairs the planner's tiles compute (its own cost function), summed over heads."""
-    total = 0.0
-    for triples in query_unit_triples(patterns, table):
-        if not triples:
-            continue
-        T = choose_stride(n, triples, block_m, block_n, causal)
-        total += float(_tiles(n, triples, T, block_m, block_n, causal, False)[2].sum())
-    return total
+    _, cost, _ = plan_tiles(n, query_unit_triples(patterns, table), block_m, block_n, causal)
+    return float(cost.sum())
 
 
 def _two_class_kv_factor(n, patterns, table, causal, block_m, block_n) -> float:
     """K/V traffic of "2 classes x 64 rows" relative to 64-row tiles (see the module doc)."""
+    units = query_unit_triples(patterns, table)
+    items, _, _ = plan_tiles(n, units, block_m, block_n, causal)
+    stride = dict(zip(items[:, 2].tolist(), items[:, 3].tolist()))   # unit -> its tile stride T
     shares, saved = 0.0, 0.0
-    for triples in query_unit_triples(patterns, table):
-        if not triples:
+    for u, triples in enumerate(units):
+        if u not in stride:
             continue
-        T = choose_stride(n, triples, block_m, block_n, causal)
+        T = stride[u]
         for w, r, o in triples:
             pairs = useful_pairs(n, ((w, r),), ((o,),), causal)
             shares += pairs

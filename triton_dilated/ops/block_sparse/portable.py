@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common.lse import all_finite, attention_with_lse, first_order_only
+from ..common.first_order import first_order_inputs
+from ..common.lse import all_finite, attention_with_lse
 
 GATHER_BUDGET = 1 << 25   # elements per chunk: gathered keys and values, the (bs x W*bs) mask and bias
 
@@ -31,7 +32,7 @@ def _buckets(counts: torch.Tensor):
 
 def block_sparse_attention_torch(q, k, v, layout, *, causal: bool, scale: float, compute_dtype=None):
     """Validated inputs; returns (out like q, lse float32 (B, Hq, N))."""
-    q, k, v = first_order_only("block_sparse_attention (portable backend)", q, k, v)
+    q, k, v = first_order_inputs("block_sparse_attention (portable backend)", q, k, v)
     B, N, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     bs, nb = layout.block_size, layout.n_q_blocks

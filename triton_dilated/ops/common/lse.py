@@ -347,54 +347,6 @@ def _split_batches(large, q, k, v, causal, scale, keep):
 
 # ----------------------------------------------------------------------------- double backward
 
-class _RefuseBackward(torch.autograd.Function):
-    """(grads...) -> copies whose backward raises. `anchors`, the inputs the gradients belong
-    to, only connect this node to the graph, so that a later torch.autograd.grad or
-    backward reaches it (and raises) rather than report the gradient unused."""
-
-    @staticmethod
-    def forward(ctx, what, n_anchors, *tensors):
-        ctx.what = what
-        return tuple(g.clone() for g in tensors[n_anchors:])
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise NotImplementedError(f"{ctx.what}: double backward (differentiating a gradient taken with "
-                                  f"create_graph=True) is not supported")
-
-
-class _FirstOrderOnly(torch.autograd.Function):
-    """Identity on the inputs of a once-differentiable computation. Its backward passes the
-    gradients on; under create_graph=True they go through _RefuseBackward, so a second
-    backward raises instead of failing deep inside PyTorch or dropping a term."""
-
-    @staticmethod
-    def forward(ctx, what, *xs):
-        ctx.what = what
-        ctx.save_for_backward(*xs)
-        ctx.set_materialize_grads(False)
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if torch.is_grad_enabled():
-            anchors = [x for x in ctx.saved_tensors if x.requires_grad]
-            present = [i for i, g in enumerate(grads) if g is not None]
-            refused = _RefuseBackward.apply(ctx.what, len(anchors), *anchors, *(grads[i].detach() for i in present))
-            grads = list(grads)
-            for i, g in zip(present, refused):
-                grads[i] = g
-        return (None, *grads)
-
-
-def first_order_only(what: str, *xs):
-    """xs, marked so that a double backward through the computation that follows raises
-    NotImplementedError naming `what` (DESIGN §6: correct or a clear error)."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
-        return _FirstOrderOnly.apply(what, *xs)
-    return xs
-
-
 def lse_from_stats(row_max, row_sum):
     """lse = max + ln(denominator) from the kernels' row statistics; -inf for empty rows."""
     empty = row_sum == 0

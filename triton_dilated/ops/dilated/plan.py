@@ -138,7 +138,16 @@ def build_items(n: int, unit_triples: tuple, block: int, block_inner: int, causa
                 keys_side: bool = False, doc_bounds: tuple | None = None):
     """Work items for all units over documents doc_bounds = (0, e1, e2, ..., n) (None: one
     document). unit_triples[u] = tuple of (w, r, o). Returns (items int32 (n_items, 6)
-    numpy array, full_coverage).
+    numpy array, full_coverage)."""
+    items, _, full = plan_tiles(n, unit_triples, block, block_inner, causal, keys_side, doc_bounds)
+    return items, full
+
+
+def plan_tiles(n: int, unit_triples: tuple, block: int, block_inner: int, causal: bool,
+               keys_side: bool = False, doc_bounds: tuple | None = None):
+    """(items, cost, full_coverage): build_items' work items with, per item, the (row, key)
+    pairs its tile computes (padding included: the planner's cost, which the cost model of
+    `perf plan` sums).
 
     Units with the same (w, r) list are planned together, vectorised over units and
     documents (packed training brings new document bounds every step)."""
@@ -163,11 +172,11 @@ def build_items(n: int, unit_triples: tuple, block: int, block_inner: int, causa
             parts.append(np.stack([first + s, chunk_end + s, np.asarray(units)[unit], Tt, s, s + lengths[doc]], 1))
             costs.append(cost)
     if not parts:
-        return np.zeros((0, ITEM_FIELDS), dtype=np.int32), False
-    items = np.concatenate(parts)
+        return np.zeros((0, ITEM_FIELDS), dtype=np.int32), np.zeros(0), False
+    items, cost = np.concatenate(parts), np.concatenate(costs)
     # longest first; ties in (unit, document, chunk, class, tile) order
-    order = np.lexsort((np.arange(items.shape[0]), items[:, 2], -np.concatenate(costs)))
-    return np.ascontiguousarray(items[order].astype(np.int32)), full
+    order = np.lexsort((np.arange(items.shape[0]), items[:, 2], -cost))
+    return np.ascontiguousarray(items[order].astype(np.int32)), cost[order], full
 
 
 def query_unit_triples(patterns: tuple, table: tuple) -> tuple:

@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..common.lse import all_finite, attention_with_lse, first_order_only, merge_partials
+from ..common.first_order import first_order_inputs
+from ..common.lse import all_finite, attention_with_lse, merge_partials
 
 
 def _head_index(heads: list[int]):
@@ -162,7 +163,7 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
     B, N, Hq, D = q.shape
     group = Hq // k.shape[2]
     compute_dtype = compute_dtype or q.dtype
-    q, k, v = first_order_only("dilated_attention (portable backend)", q, k, v)
+    q, k, v = first_order_inputs("dilated_attention (portable backend)", q, k, v)
     merge = max(sum(o >= 0 for o in row) for row in table) > 1  # some head mixes patterns
     want_lse = need_lse or merge
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
