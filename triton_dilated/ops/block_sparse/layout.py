@@ -254,6 +254,23 @@ class BlockLayout:
         shape = torch.broadcast_shapes(self.kv_num_blocks.shape, other.kv_num_blocks.shape)
         return shape, [self.broadcast_pairs(shape), other.broadcast_pairs(shape)]
 
+    def prefix(self, n_blocks: int, batch_rows=None) -> "BlockLayout":
+        """The layout of the first n_blocks query and key blocks (a shorter sequence at the same
+        absolute positions), for the batch rows `batch_rows` when it has a batch dimension."""
+        b, h, r, c = self.pairs()
+        lb, lh = self.kv_num_blocks.shape[:2]
+        keep = (r < n_blocks) & (c < n_blocks)
+        shape_b = lb
+        if batch_rows is not None and lb > 1:
+            rows = torch.as_tensor(batch_rows, dtype=torch.long, device=b.device)
+            new_b = torch.full((lb,), -1, dtype=torch.long, device=b.device)
+            new_b[rows] = torch.arange(rows.numel(), device=b.device)
+            keep &= new_b[b.long()] >= 0
+            b = new_b[b.long()]
+            shape_b = rows.numel()
+        return BlockLayout.from_pairs(b[keep], h[keep], r[keep], c[keep], (shape_b, lh, n_blocks), n_blocks,
+                                      self.block_size)
+
     def __or__(self, other):
         if not isinstance(other, BlockLayout):
             return NotImplemented

@@ -16,9 +16,10 @@ def check_choice(name: str, value, choices) -> str:
     return value
 
 
-def check_qkv(q, k, v, *, allow_float64: bool = False) -> None:
+def check_qkv(q, k, v, *, allow_float64: bool = False, allow_shorter_q: bool = False) -> None:
     """Shapes per DESIGN §2: q (B, N, Hq, D), k/v (B, N, Hkv, D), Hq % Hkv == 0.
-    The float64 oracles also take float64 (allow_float64)."""
+    The float64 oracles also take float64 (allow_float64); with allow_shorter_q, q may have
+    Nq <= N rows, the last Nq positions of the sequence (DESIGN §5b)."""
     dtypes = SUPPORTED_DTYPES + ((torch.float64,) if allow_float64 else ())
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -37,7 +38,10 @@ def check_qkv(q, k, v, *, allow_float64: bool = False) -> None:
     (B, N, Hq, D), (Bk, Nk, Hkv, Dk) = q.shape, k.shape
     if Bk != B:
         raise ValueError(f"k and v must have the batch size of q ({B}), got {Bk}")
-    if Nk != N:
+    if allow_shorter_q and Nk < N:
+        raise ValueError(f"q must not be longer than k and v (the queries are the last Nq positions of the "
+                         f"sequence k and v hold): got Nq = {N} > Nk = {Nk}")
+    if not allow_shorter_q and Nk != N:
         raise ValueError(f"k and v must have the sequence length of q ({N}), got {Nk}")
     if Dk != D:
         raise ValueError(f"k and v must have the head dim of q ({D}), got {Dk}")
@@ -146,3 +150,24 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int):
         raise ValueError(f"cu_seqlens must start at 0, end at the sequence length ({seq_len}) and not decrease, "
                          f"got {list(bounds)}")
     return bounds
+
+
+def check_cache_seqlens(cache_seqlens, batch: int, q_len: int, kv_len: int):
+    """cache_seqlens (DESIGN §5b): an integer tensor (B,) of valid key rows per batch row,
+    queries included, each in [Nq, Nk]. Returns a tuple of ints, or None."""
+    if cache_seqlens is None:
+        return None
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be an int32 tensor of shape (B,) = ({batch},), got "
+                        f"{type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cache_seqlens must be an int32 (or int64) tensor, got {cache_seqlens.dtype}")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise ValueError(f"cache_seqlens must have shape (B,) = ({batch},), got {tuple(cache_seqlens.shape)}")
+    lengths = tuple(int(x) for x in cache_seqlens.tolist())
+    bad = [(b, n) for b, n in enumerate(lengths) if not q_len <= n <= kv_len]
+    if bad:
+        b, n = bad[0]
+        raise ValueError(f"cache_seqlens must lie in [Nq, Nk] = [{q_len}, {kv_len}] (every query row is a valid "
+                         f"position, no row past the cache), got {n} for batch row {b}")
+    return lengths
