@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from triton_dilated.ops.dilated.naive import dilated_multiplicity as multiplicity  # noqa: F401 (imported from here)
+
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
