@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from ..common.spec import KernelSpec, VariantSpec
+from ..common.spec import DECODE_ODD_STRIDES, DECODE_POINTERS, KernelSpec, VariantSpec
 
 _MODULE = "triton_dilated.ops.dilated.kernels"
 _TABLES = {"ITEMS": "i32", "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32"}
@@ -92,6 +92,14 @@ SPEC = VariantSpec(
         KernelSpec("dilated_bwd_dkdv", _MODULE, "_dilated_bwd_dkdv_kernel", "dilated_bwd",
                    pointers={"Q": "act", "K": "act", "V": "act", "DO": "act", "DK": "act", "DV": "act",
                              "DELTA": "fp32", **_STATS, **_TABLES}),
+        # decoding (q of 1-16 rows against a long cache); configs: the forward's family
+        KernelSpec("dilated_decode", "triton_dilated.ops.dilated.decode_kernels", "_dilated_decode_kernel",
+                   "dilated_fwd", pointers={"Q": "act", "K": "act", "V": "act", **DECODE_POINTERS, "LENS": "i32",
+                                            "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32"},
+                   odd_strides=DECODE_ODD_STRIDES),
+        # the merge of the decode splits, shared with block-sparse decoding (ops/common)
+        KernelSpec("decode_merge", "triton_dilated.ops.common.decode_kernels", "_decode_merge_kernel", "dilated_fwd",
+                   pointers=DECODE_POINTERS, odd_strides=DECODE_ODD_STRIDES),
     ),
     aot_constexprs={"NUM_PATTERNS": 3},
     problem=DilatedProblem,

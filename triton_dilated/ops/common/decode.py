@@ -1,0 +1,88 @@
+"""Decoding (few queries against a long cache, DESIGN §5b): the pieces every variant's decode
+path shares. A variant lists, per query row, the key positions the query reads (a multiset:
+a key two dilated patterns select is listed twice); `attend_key_lists` gathers exactly those
+keys and attends, so the cost per query is the length of its list, not the context length.
+
+`decode_path` decides whether a call takes a decode path at all; the general path
+(query_offset.py: a full-length call per distinct length) serves the rest.
+"""
+from __future__ import annotations
+
+import torch
+
+from .lse import safe_lse_weights
+from .runtime import resolve_backend
+
+# Up to this many query rows a call takes the decode path (one token, or a speculative-decoding
+# draft); longer query blocks (chunked prefill) take the general path.
+DECODE_MAX_QUERIES = 16
+
+# Elements of gathered keys per chunk of query rows (as the portable block-sparse path).
+GATHER_BUDGET = 1 << 25
+
+# What the portable gather read: key rows (one per listed key and query head, padding slots
+# included) and calls. Tests read it to check that the cost does not grow with the context.
+GATHER_STATS = {"key_rows": 0, "calls": 0}
+
+
+def needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def decode_path(backend: str, q, k, v, families=()) -> str | None:
+    """"triton" or "torch" when a call with q shorter than k, v takes a decode path, None for
+    the general path: more than DECODE_MAX_QUERIES query rows, an empty batch, tracing under
+    torch.compile, or gradients on the Triton path (the decode kernel has no backward; the
+    portable decode is differentiable by autograd)."""
+    B, Nq, _, D = q.shape
+    if Nq > DECODE_MAX_QUERIES or B == 0 or Nq == 0 or torch.compiler.is_compiling():
+        return None
+    path = resolve_backend(backend, q.device, families, D, q.dtype)
+    if path == "triton" and needs_grad(q, k, v):
+        return None
+    return path
+
+
+def query_positions(lengths, num_queries: int, device) -> torch.Tensor:
+    """long (B, Nq): position of query i of batch row b, lengths[b] - Nq + i."""
+    return torch.as_tensor(lengths, dtype=torch.long, device=device)[:, None] - num_queries + \
+        torch.arange(num_queries, device=device)
+
+
+def attend_key_lists(q, k, v, key_pos, key_ok, scale: float):
+    """Attention of each query row over its own list of keys.
+
+    q: (B, Nq, Hq, D); k, v: (B, Nk, Hkv, D) (any strides); key_pos: long (B, Nq, Hq, K), the
+    key positions each (query, head) reads, with key_ok (same shape) False on padding slots.
+    GQA: query head h reads key/value head h // (Hq // Hkv). Scores, softmax and sums in
+    float32. Returns out (B, Nq, Hq, D) like q and lse float32 (B, Hq, Nq); a query with no
+    key gets 0 and -inf. Differentiable (a key listed twice gets both gradients)."""
+    B, Nq, Hq, D = q.shape
+    K = key_pos.shape[-1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    group = Hq // k.shape[2]
+    GATHER_STATS["calls"] += 1
+    GATHER_STATS["key_rows"] += key_pos.numel()
+    rows = B * Nq * Hq
+    b_idx = torch.arange(B, device=q.device).view(B, 1, 1).expand(B, Nq, Hq).reshape(rows, 1)
+    h_idx = (torch.arange(Hq, device=q.device) // group).view(1, 1, Hq).expand(B, Nq, Hq).reshape(rows, 1)
+    qf = q.reshape(rows, D)
+    pos = key_pos.reshape(rows, K)
+    ok = key_ok.reshape(rows, K)
+    chunk = max(1, GATHER_BUDGET // max(1, K * D))
+    outs, lses = [], []
+    for s in range(0, rows, chunk):
+        e = min(rows, s + chunk)
+        kg = k[b_idx[s:e], pos[s:e], h_idx[s:e]].to(acc)                          # (R, K, D)
+        vg = v[b_idx[s:e], pos[s:e], h_idx[s:e]].to(acc)
+        okc = ok[s:e]
+        scores = torch.bmm(kg, qf[s:e].to(acc).unsqueeze(-1)).squeeze(-1) * scale   # (R, K)
+        # padding slots: -inf scores and zero values, so a NaN stored at the padded
+        # position (slot index 0) spreads nowhere
+        weights, lse = safe_lse_weights(scores.masked_fill(~okc, float("-inf")), dim=-1)
+        vg = torch.where(okc.unsqueeze(-1), vg, torch.zeros((), dtype=acc, device=q.device))
+        outs.append(torch.bmm(weights.unsqueeze(1), vg).squeeze(1))
+        lses.append(lse)
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    lse = torch.cat(lses) if len(lses) > 1 else lses[0]
+    return out.reshape(B, Nq, Hq, D).to(q.dtype), lse.reshape(B, Nq, Hq).permute(0, 2, 1).float().contiguous()
