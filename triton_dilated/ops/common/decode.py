@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from .lse import safe_lse_weights
 from .runtime import resolve_backend
 
 # Up to this many query rows a call takes the decode path (one token, or a speculative-decoding
@@ -49,6 +48,20 @@ def query_positions(lengths, num_queries: int, device) -> torch.Tensor:
         torch.arange(num_queries, device=device)
 
 
+def _softmax_lse(scores):
+    """(weights, lse) over the last dim: a row with no key (all -inf) gets zero weights and
+    lse -inf; a NaN score makes the row's weights and lse NaN (DESIGN §6: lse -inf means only
+    "no key"). No NaN gradient from empty rows: the max is detached and the log never sees 0."""
+    m = scores.detach().amax(dim=-1, keepdim=True)       # NaN when a score is NaN
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    e = torch.exp(scores - m)
+    z = e.sum(dim=-1, keepdim=True)
+    empty = z == 0
+    z_safe = torch.where(empty, torch.ones_like(z), z)
+    lse = torch.where(empty, torch.full_like(z, float("-inf")), m + torch.log(z_safe))
+    return e / z_safe, lse.squeeze(-1)
+
+
 def attend_key_lists(q, k, v, key_pos, key_ok, scale: float):
     """Attention of each query row over its own list of keys.
 
@@ -79,7 +92,7 @@ def attend_key_lists(q, k, v, key_pos, key_ok, scale: float):
         scores = torch.bmm(kg, qf[s:e].to(acc).unsqueeze(-1)).squeeze(-1) * scale   # (R, K)
         # padding slots: -inf scores and zero values, so a NaN stored at the padded
         # position (slot index 0) spreads nowhere
-        weights, lse = safe_lse_weights(scores.masked_fill(~okc, float("-inf")), dim=-1)
+        weights, lse = _softmax_lse(scores.masked_fill(~okc, float("-inf")))
         vg = torch.where(okc.unsqueeze(-1), vg, torch.zeros((), dtype=acc, device=q.device))
         outs.append(torch.bmm(weights.unsqueeze(1), vg).squeeze(1))
         lses.append(lse)

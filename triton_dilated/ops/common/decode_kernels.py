@@ -63,7 +63,7 @@ def store_result(O, LSE, ACC, PART_M, PART_L, o_off, lse_off, part, acc, m_i, l_
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)
         tl.store(O + o_off + d, out.to(O.dtype.element_ty), mask=d_ok)
-        tl.store(LSE + lse_off, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i)))
+        tl.store(LSE + lse_off, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))))
     else:
         tl.store(ACC + part * HEAD_DIM + d, acc, mask=d_ok)
         tl.store(PART_M + part, m_i)
@@ -104,7 +104,7 @@ def _decode_merge_kernel(ACC, PART_M, PART_L, O, LSE, stride_ob, stride_on, stri
     tl.store(O + b * stride_ob + row * stride_on + h.to(tl.int64) * stride_oh + d, out.to(O.dtype.element_ty),
              mask=d_ok)
     tl.store(LSE + b * stride_lb + h.to(tl.int64) * stride_lh + row,
-             tl.where(l_sum == 0.0, float("-inf"), m_safe + tl.log(l_sum)))
+             tl.where(l_sum == 0.0, float("-inf"), m_safe + tl.log(tl.where(l_sum == 0.0, 1.0, l_sum))))
 
 
 def num_splits(device: torch.device, programs: int, max_keys: int) -> int:
