@@ -15,10 +15,10 @@ from hypothesis import given, settings, strategies as st
 
 from triton_dilated import (BlockLayout, block_sparse_attention, block_sparse_attention_naive, dilated_attention,
                             dilated_attention_naive, layouts)
-from triton_dilated.ops.block_sparse import interface as bs_interface
+from triton_dilated.ops.block_sparse import decode as bs_decode, interface as bs_interface
 from triton_dilated.ops.block_sparse.decode import block_key_lists
 from triton_dilated.ops.common import decode as common_decode
-from triton_dilated.ops.dilated import interface as dl_interface
+from triton_dilated.ops.dilated import decode as dl_decode, interface as dl_interface
 from triton_dilated.ops.dilated.decode import dilated_key_lists
 from triton_dilated.ops.dilated.naive import pattern_multiplicity
 from triton_dilated.ops.dilated.patterns import fit_patterns, head_offsets
@@ -49,21 +49,26 @@ def _spy(module, name, seen):
 @contextlib.contextmanager
 def paths(variant, splits=None):
     """Records the paths a call of `variant` ("dilated" or "block_sparse") takes: "general"
-    (query_offset), "portable" (decode.py) or "triton" (the decode kernel). `splits` forces
-    the Triton decode kernel's number of splits."""
+    (query_offset), "portable" (decode.py) and in it "runs" (strided views, dilated without
+    gradients) or "gather" (gathered key lists), or "triton" (the decode kernel). `splits`
+    forces the Triton decode kernel's number of splits."""
     interface = dl_interface if variant == "dilated" else bs_interface
     portable = "dilated_decode" if variant == "dilated" else "block_sparse_decode"
     seen = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(_spy(interface, "run_with_query_offset", seen))
         stack.enter_context(_spy(interface, portable, seen))
+        stack.enter_context(_spy(dl_decode if variant == "dilated" else bs_decode, "attend_key_lists", seen))
+        if variant == "dilated":
+            stack.enter_context(_spy(dl_decode, "attend_runs", seen))
         if DEVICE == "cuda" or _interpreted():
             kernels = interface._decode_kernels()
             stack.enter_context(_spy(kernels, f"{portable}_forward", seen))
             if splits is not None:
                 stack.enter_context(_patch(kernels, "num_splits", lambda *a: splits))
         yield seen
-    names = {"run_with_query_offset": "general", portable: "portable", f"{portable}_forward": "triton"}
+    names = {"run_with_query_offset": "general", portable: "portable", f"{portable}_forward": "triton",
+             "attend_key_lists": "gather", "attend_runs": "runs"}
     seen[:] = [names[n] for n in seen]
 
 
@@ -82,10 +87,10 @@ def _interpreted():
     return interpreter_enabled()
 
 
-def expected_path(backend, grad=False):
+def expected_paths(backend, variant="dilated", grad=False):
     if backend == "torch":
-        return "portable"
-    return "general" if grad else "triton"
+        return ["portable", "runs" if variant == "dilated" and not grad else "gather"]
+    return ["general"] if grad else ["triton"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -143,14 +148,17 @@ def test_dilated_decode_matches_the_definition(backend, data):
     ragged = data.draw(st.booleans())
     lengths = lengths if ragged else [Nk] * B
     splits = data.draw(st.sampled_from([None, 2, 3]))
+    grad = backend == "torch" and data.draw(st.booleans())   # the portable gather path (forward checked here)
     seed = data.draw(st.integers(0, 1000))
     q, k, v = cache_inputs(B, Nq, Nk, Hq, Hkv, D, lengths, seed)
     kw = dict(causal=causal, mode=mode, offsets=offsets)
     cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE) if ragged else None
     with paths("dilated", splits) as seen:
-        out, lse = dilated_attention(q, k, v, ws, rs, return_lse=True, backend=backend, cache_seqlens=cache, **kw)
-    assert seen == [expected_path(backend)]
-    check_forward(out, lse, q, k, v, lengths, lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, ws, rs, **kw))
+        out, lse = dilated_attention(q.requires_grad_(grad), k, v, ws, rs, return_lse=True, backend=backend,
+                                     cache_seqlens=cache, **kw)
+    assert seen == expected_paths(backend, grad=grad)
+    check_forward(out.detach(), lse.detach(), q.detach(), k, v, lengths,
+                  lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, ws, rs, **kw))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -166,7 +174,7 @@ def test_dilated_decode_longnet_schedule_scaled_down(backend, causal):
     with paths("dilated", splits=5 if causal else 17) as seen:
         out, lse = dilated_attention(q, k, v, ws, rs, causal=causal, return_lse=True, backend=backend,
                                      cache_seqlens=cache)
-    assert seen == [expected_path(backend)]
+    assert seen == expected_paths(backend)
     check_forward(out, lse, q, k, v, lengths,
                   lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, ws, rs, causal=causal))
 
@@ -187,10 +195,10 @@ def test_dilated_decode_gradients(backend):
                                                         backend=backend, cache_seqlens=cache),
                    lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, ws, rs, causal=causal),
                    q, k, v, lengths, torch.float32)
-        assert set(seen) == {expected_path(backend, grad=True)}
+        assert seen == expected_paths(backend, grad=True)
     with torch.no_grad(), paths("dilated") as seen:   # no gradient recorded: the decode path again
         dilated_attention(q.requires_grad_(True), k, v, ws, rs, backend=backend, cache_seqlens=cache)
-    assert seen == [expected_path(backend)]
+    assert seen == expected_paths(backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -204,7 +212,7 @@ def test_dilated_decode_half_precision(backend, dtype):
     for causal in (False, True):
         with paths("dilated") as seen:
             out, lse = dilated_attention(q, k, v, ws, rs, causal=causal, return_lse=True, backend=backend)
-        assert seen == [expected_path(backend)]
+        assert seen == expected_paths(backend)
         patterns = fit_patterns(tuple(zip(ws, rs)), N, Hq)
         counts = pattern_multiplicity(torch.arange(N - Nq, N), torch.arange(N), patterns,
                                       head_offsets(Hq, patterns, "longnet", "modulo"), causal=causal)
@@ -229,7 +237,7 @@ def test_dilated_decode_empty_rows_and_nan(backend):
     k[0, 33] = v[0, 35] = float("nan")       # residues 1 and 3 of segment [32, 40): nobody reads them
     with paths("dilated") as seen:
         out, lse = dilated_attention(q, k, v, [8], [4], return_lse=True, backend=backend)
-    assert seen == [expected_path(backend)]
+    assert seen == expected_paths(backend)
     assert torch.isfinite(out).all() and torch.isfinite(lse[0, 0, 0])
     assert (out[0, 1:] == 0).all() and torch.isneginf(lse[0, 0, 1:]).all()
     k[0, 32] = float("nan")                  # read by the query at 36 (residue 0, same segment)
@@ -251,7 +259,7 @@ def test_longer_query_blocks_take_the_general_path(backend):
         with paths("dilated") as seen:
             row = dilated_attention(q[:, i:i + 1], k[:, :48 - 16 + i], v[:, :48 - 16 + i], ws, rs, causal=True,
                                     backend=backend, cache_seqlens=torch.tensor([48 - 16 + i], dtype=torch.int32))
-        assert seen == [expected_path(backend)]
+        assert seen == expected_paths(backend)
         torch.testing.assert_close(row[:, 0], out[:, i], rtol=1e-5, atol=1e-5)
 
 
@@ -286,7 +294,7 @@ def test_block_sparse_decode_matches_the_definition(backend, data):
     with paths("block_sparse", splits) as seen:
         out, lse = block_sparse_attention(q, k, v, lay, causal=causal, return_lse=True, backend=backend,
                                           cache_seqlens=cache)
-    assert seen == [expected_path(backend)]
+    assert seen == expected_paths(backend, "block_sparse")
     for b in range(B):   # the definition row by row (a per-batch layout's row b)
         lay_b = lay.prefix(nb, [b]) if lay.kv_num_blocks.shape[0] > 1 else lay
         check_forward(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], lengths[b:b + 1],
@@ -309,7 +317,7 @@ def test_block_sparse_decode_empty_rows_gradients_and_splits(backend):
     cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     with paths("block_sparse", splits=20) as seen:
         out, lse = block_sparse_attention(q, k, v, lay, return_lse=True, backend=backend, cache_seqlens=cache)
-    assert seen == [expected_path(backend)]
+    assert seen == expected_paths(backend, "block_sparse")
     assert torch.isneginf(lse[1]).all() and (out[1] == 0).all()
     check_forward(out, lse, q, k, v, lengths,
                   lambda q_, k_, v_, n: block_sparse_attention_naive(q_, k_, v_, lay.prefix(-(-n // bs))))
@@ -319,31 +327,32 @@ def test_block_sparse_decode_empty_rows_gradients_and_splits(backend):
                                                          backend=backend, cache_seqlens=cache),
                lambda q_, k_, v_, n: block_sparse_attention_naive(q_, k_, v_, lay.prefix(-(-n // bs)), causal=True),
                q, k, v, lengths, torch.float32)
-    assert set(seen) == {expected_path(backend, grad=True)}
+    assert seen == expected_paths(backend, "block_sparse", grad=True)
 
 
 # ----------------------------------------------------------------------------- cost
 
 def test_decode_cost_does_not_grow_with_the_context():
     """The LongNet schedule scaled down 32x (w = 64..1024, r = 1, 2, 4, 6, 12): one decode
-    token reads the same number of key rows at a 1K and a 64K context (counted at the
-    portable gather), against 64x more for dense attention; and the key list is exactly the
-    multiset of the definition (pattern multiplicities) at 64K."""
+    token reads the same number of key rows at a 1K and a 64K context, on both portable
+    paths (counted where they read k), against 64x more for dense attention; and the key
+    list is exactly the multiset of the definition (pattern multiplicities) at 64K."""
     ws, rs = [64, 128, 256, 512, 1024], [1, 2, 4, 6, 12]
     H, D = 4, 8
-    rows = {}
-    for n in (1024, 65536):
-        q = seeded((1, 1, H, D), torch.float32, 0)
-        k = seeded((1, n, H, D), torch.float32, 1)
-        v = seeded((1, n, H, D), torch.float32, 2)
-        before = dict(common_decode.GATHER_STATS)
-        with paths("dilated") as seen:
-            dilated_attention(q, k, v, ws, rs, causal=True, backend="torch")
-        assert seen == ["portable"]
-        rows[n] = common_decode.GATHER_STATS["key_rows"] - before["key_rows"]
-        assert common_decode.GATHER_STATS["calls"] == before["calls"] + 1
-    assert rows[1024] == rows[65536] <= H * sum(-(-w // r) for w, r in zip(ws, rs))
-    assert rows[65536] * 64 < H * 65536   # dense would read every key for every head
+    for grad in (False, True):
+        rows = {}
+        for n in (1024, 65536):
+            q = seeded((1, 1, H, D), torch.float32, 0).requires_grad_(grad)
+            k = seeded((1, n, H, D), torch.float32, 1)
+            v = seeded((1, n, H, D), torch.float32, 2)
+            before = dict(common_decode.DECODE_STATS)
+            with paths("dilated") as seen:
+                dilated_attention(q, k, v, ws, rs, causal=True, backend="torch")
+            assert seen == expected_paths("torch", grad=grad)
+            rows[n] = common_decode.DECODE_STATS["key_rows"] - before["key_rows"]
+            assert common_decode.DECODE_STATS["calls"] == before["calls"] + 1
+        assert 0 < rows[1024] == rows[65536] <= H * sum(-(-w // r) for w, r in zip(ws, rs))
+        assert rows[65536] * 64 < H * 65536   # dense reads every key for every head
 
     n = 65536
     patterns = fit_patterns(tuple(zip(ws, rs)), n, H)
@@ -367,11 +376,11 @@ def test_block_sparse_decode_cost_does_not_grow_with_the_context():
         lay = layouts.local(n, 64, 2)
         q = seeded((1, 1, 2, 8), torch.float32, 0)
         k, v = seeded((1, n, 2, 8), torch.float32, 1), seeded((1, n, 2, 8), torch.float32, 2)
-        before = common_decode.GATHER_STATS["key_rows"]
+        before = common_decode.DECODE_STATS["key_rows"]
         with paths("block_sparse") as seen:
             block_sparse_attention(q, k, v, lay, causal=True, backend="torch")
-        assert seen == ["portable"]
-        rows[n] = common_decode.GATHER_STATS["key_rows"] - before
+        assert seen == ["portable", "gather"]
+        rows[n] = common_decode.DECODE_STATS["key_rows"] - before
     assert rows[1024] == rows[65536] <= 2 * 3 * 64
     pos = torch.tensor([[65536 - 1]])
     key_pos, key_ok = block_key_lists(pos, pos[:, 0] + 1, lay, 2, True)

@@ -19,9 +19,10 @@ DECODE_MAX_QUERIES = 16
 # Elements of gathered keys per chunk of query rows (as the portable block-sparse path).
 GATHER_BUDGET = 1 << 25
 
-# What the portable gather read: key rows (one per listed key and query head, padding slots
-# included) and calls. Tests read it to check that the cost does not grow with the context.
-GATHER_STATS = {"key_rows": 0, "calls": 0}
+# What the portable decode read: key rows (one per key and query head; on the gather path every
+# gathered slot, padding included) and calls. Tests read it to check that the cost does not
+# grow with the context.
+DECODE_STATS = {"key_rows": 0, "calls": 0}
 
 
 def needs_grad(*tensors) -> bool:
@@ -48,7 +49,7 @@ def query_positions(lengths, num_queries: int, device) -> torch.Tensor:
         torch.arange(num_queries, device=device)
 
 
-def _softmax_lse(scores):
+def softmax_lse(scores):
     """(weights, lse) over the last dim: a row with no key (all -inf) gets zero weights and
     lse -inf; a NaN score makes the row's weights and lse NaN (DESIGN §6: lse -inf means only
     "no key"). No NaN gradient from empty rows: the max is detached and the log never sees 0."""
@@ -74,27 +75,29 @@ def attend_key_lists(q, k, v, key_pos, key_ok, scale: float):
     K = key_pos.shape[-1]
     acc = torch.promote_types(q.dtype, torch.float32)
     group = Hq // k.shape[2]
-    GATHER_STATS["calls"] += 1
-    GATHER_STATS["key_rows"] += key_pos.numel()
+    DECODE_STATS["calls"] += 1
+    DECODE_STATS["key_rows"] += key_pos.numel()
     rows = B * Nq * Hq
     b_idx = torch.arange(B, device=q.device).view(B, 1, 1).expand(B, Nq, Hq).reshape(rows, 1)
     h_idx = (torch.arange(Hq, device=q.device) // group).view(1, 1, Hq).expand(B, Nq, Hq).reshape(rows, 1)
     qf = q.reshape(rows, D)
-    pos = key_pos.reshape(rows, K)
     ok = key_ok.reshape(rows, K)
+    # padding slots point at a key the row reads (its first), so whatever a padded position
+    # holds (NaN included) spreads nowhere: their scores become -inf, their weights 0
+    pos = key_pos.reshape(rows, K)
+    pos = torch.where(ok, pos, pos.gather(1, ok.int().argmax(dim=1, keepdim=True)))
+    nonempty = ok.any(dim=1, keepdim=True)
     chunk = max(1, GATHER_BUDGET // max(1, K * D))
     outs, lses = [], []
     for s in range(0, rows, chunk):
         e = min(rows, s + chunk)
         kg = k[b_idx[s:e], pos[s:e], h_idx[s:e]].to(acc)                          # (R, K, D)
         vg = v[b_idx[s:e], pos[s:e], h_idx[s:e]].to(acc)
-        okc = ok[s:e]
         scores = torch.bmm(kg, qf[s:e].to(acc).unsqueeze(-1)).squeeze(-1) * scale   # (R, K)
-        # padding slots: -inf scores and zero values, so a NaN stored at the padded
-        # position (slot index 0) spreads nowhere
-        weights, lse = _softmax_lse(scores.masked_fill(~okc, float("-inf")))
-        vg = torch.where(okc.unsqueeze(-1), vg, torch.zeros((), dtype=acc, device=q.device))
-        outs.append(torch.bmm(weights.unsqueeze(1), vg).squeeze(1))
+        weights, lse = softmax_lse(scores.masked_fill(~ok[s:e], float("-inf")))
+        out = torch.bmm(weights.unsqueeze(1), vg).squeeze(1)
+        # a row with no key read its padding (any position): its output is 0 whatever that held
+        outs.append(torch.where(nonempty[s:e], out, torch.zeros((), dtype=acc, device=q.device)))
         lses.append(lse)
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     lse = torch.cat(lses) if len(lses) > 1 else lses[0]

@@ -8,12 +8,18 @@ end (up to p itself when causal). A query's key list is the concatenation of its
 runs (a key two patterns select appears twice: the multiset union of DESIGN §3), about
 sum w/r keys whatever the context length. The same runs drive the Triton decode kernel
 (decode_kernels.py), computed there from the position.
+
+Two ways to attend on CPU: without gradients, each run is a strided view of k and v (row
+stride r) read in place by matrix-vector products, one (query, head) at a time (a gather
+would copy every key first: several times slower, measured); with gradients, the key lists
+are gathered in one batch (common.decode.attend_key_lists), which autograd differentiates
+into one scatter per input instead of one full-size gradient per view.
 """
 from __future__ import annotations
 
 import torch
 
-from ..common.decode import attend_key_lists, query_positions
+from ..common.decode import DECODE_STATS, attend_key_lists, needs_grad, query_positions
 
 
 def pattern_runs(pos, lengths, w: int, r: int, offsets, causal: bool):
@@ -48,6 +54,41 @@ def dilated_key_lists(pos, lengths, patterns, table, causal: bool):
     return torch.cat(key_pos, dim=-1), torch.cat(key_ok, dim=-1)
 
 
+def attend_runs(q, k, v, patterns, table, pos, lengths, causal: bool, scale: float):
+    """Each (query, head) over its runs, read in place as strided views of k and v: scores of
+    every run in float32, one softmax over all of them (the multiset union), out = the sum
+    over runs of their weights times their values. Returns (out like q, lse float32 (B, Hq,
+    Nq)); a query with no key gets 0 and -inf, a NaN it reads makes its row NaN."""
+    B, Nq, Hq, D = q.shape
+    group = Hq // k.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    offsets = torch.tensor(table, dtype=torch.long, device=pos.device).reshape(Hq, len(patterns))
+    runs = [pattern_runs(pos, lengths, w, r, offsets[:, i], causal) for i, (w, r) in enumerate(patterns)]
+    starts = torch.stack([st for st, _ in runs], dim=-1).tolist()        # (B, Nq, Hq, m) as lists
+    counts = torch.stack([c for _, c in runs], dim=-1).tolist()
+    rates = [r for _, r in patterns]
+    no_key = (torch.zeros(D, dtype=acc, device=q.device), torch.tensor(float("-inf"), dtype=acc, device=q.device))
+    outs, lses = [], []
+    for b in range(B):
+        for i in range(Nq):
+            for h in range(Hq):
+                mine = [(st, r, c) for st, r, c in zip(starts[b][i][h], rates, counts[b][i][h]) if c > 0]
+                if not mine:
+                    outs.append(no_key[0])
+                    lses.append(no_key[1])
+                    continue
+                DECODE_STATS["key_rows"] += sum(c for _, _, c in mine)
+                views = [(st, st + r * (c - 1) + 1, r) for st, r, c in mine]
+                qv = q[b, i, h].to(acc)
+                scores = torch.cat([torch.mv(k[b, s:e:r, h // group].to(acc), qv) for s, e, r in views]) * scale
+                lse = torch.logsumexp(scores, dim=0)
+                weights = torch.exp(scores - lse).split([c for _, _, c in mine])
+                outs.append(sum(torch.mv(v[b, s:e:r, h // group].to(acc).t(), p) for (s, e, r), p in zip(views, weights)))
+                lses.append(lse)
+    out = torch.stack(outs).reshape(B, Nq, Hq, D).to(q.dtype)
+    return out, torch.stack(lses).reshape(B, Nq, Hq).permute(0, 2, 1).float().contiguous()
+
+
 def dilated_decode(q, k, v, patterns, table, lengths, *, causal: bool, scale: float):
     """Dilated attention of q (B, Nq, Hq, D), the last Nq positions of each row's lengths[b]
     valid positions, over k, v (B, Nk, Hkv, D). `patterns`: (w, r) pairs; `table`: per query
@@ -55,5 +96,8 @@ def dilated_decode(q, k, v, patterns, table, lengths, *, causal: bool, scale: fl
     Nq)), differentiable."""
     lengths = torch.as_tensor(lengths, dtype=torch.long, device=q.device)
     pos = query_positions(lengths, q.shape[1], q.device)
+    if not needs_grad(q, k, v):
+        DECODE_STATS["calls"] += 1
+        return attend_runs(q, k, v, patterns, table, pos, lengths, causal, scale)
     key_pos, key_ok = dilated_key_lists(pos, lengths, patterns, table, causal)
     return attend_key_lists(q, k, v, key_pos, key_ok, scale)

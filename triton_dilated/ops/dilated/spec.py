@@ -80,6 +80,52 @@ class DilatedProblem:
                                 self.table, causal=self.causal, scale=self.scale, config=config)
 
 
+class DilatedDecodeProblem:
+    """One decode step (DESIGN §5b): q (B, Nq, H, D), the last Nq positions of a cache of N
+    positions k, v (B, N, kv_heads, D), under the LongNet schedule clipped to N. `decode`
+    runs the public function (its decode path: Triton kernel or portable gather), `dense`
+    dense SDPA over the same cache (the baseline, reading every key). For the perf decode
+    sweep and perf/decode_vs_dense.py."""
+
+    def __init__(self, B, N, H, D, dtype, device, causal=True, num_queries=1, kv_heads=None, patterns=None,
+                 mode="longnet", offsets="modulo"):
+        import torch
+
+        from .patterns import head_offsets
+        gen = torch.Generator(device=device).manual_seed(0)
+        kv_heads = kv_heads or H
+        self.q = torch.randn(B, num_queries, H, D, generator=gen, device=device).to(dtype)
+        self.k, self.v = (torch.randn(B, N, kv_heads, D, generator=gen, device=device).to(dtype) for _ in range(2))
+        self.causal, self.mode, self.offsets = causal, mode, offsets
+        self.patterns = tuple(patterns or longnet_patterns(N))
+        table = head_offsets(H, self.patterns, mode, offsets)
+        # keys one step reads, summed over batch, queries and heads (each read once per head)
+        self.keys_read = B * num_queries * sum(-(-min(w, N) // r) for row in table
+                                               for (w, r), o in zip(self.patterns, row) if o >= 0)
+        ws, rs = zip(*self.patterns)
+        self.shape = (f"B={B} N={N} Nq={num_queries} H={H} Hkv={kv_heads} D={D} causal={causal} {mode} "
+                      f"w={'/'.join(map(str, ws))} r={'/'.join(map(str, rs))}")
+
+    def decode(self, backend="auto"):
+        from .interface import dilated_attention
+        return dilated_attention(self.q, self.k, self.v, [w for w, _ in self.patterns],
+                                 [r for _, r in self.patterns], causal=self.causal, mode=self.mode,
+                                 offsets=self.offsets, backend=backend)
+
+    def dense(self):
+        """scaled_dot_product_attention of the queries over the whole cache (bottom-right
+        causal: query i sees the first N - Nq + i + 1 keys)."""
+        import torch
+        import torch.nn.functional as F
+        Nq, N = self.q.shape[1], self.k.shape[1]
+        mask = None
+        if self.causal and Nq > 1:
+            mask = torch.arange(N, device=self.q.device)[None, :] <= torch.arange(N - Nq, N, device=self.q.device)[:, None]
+        q, k, v = (x.transpose(1, 2) for x in (self.q, self.k, self.v))
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa).transpose(1, 2)
+
+
 SPEC = VariantSpec(
     name="dilated",
     op_name="dilated_attention",
