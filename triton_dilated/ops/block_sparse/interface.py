@@ -3,12 +3,12 @@ dispatch, packed documents), the autograd Function over the Triton launchers, an
 torch.library custom ops (`block_sparse_attention_op`) that torch.compile traces.
 
 The Triton kernels (kernels.py) are imported only when used: the package runs without
-triton. Queries shorter than keys (DESIGN §5b): up to DECODE_MAX_QUERIES rows take a decode
-path that reads only the key blocks of each query's layout row (decode_kernels.py, or
-decode.py on the portable path and whenever the Triton path would need gradients: the
-decode kernel has no backward); longer query blocks, and gradients with the Triton backend,
-take the general path (common/query_offset.py). A BlockLayout travels through the custom ops as its four int32 tensors and its
-block size.
+triton. A BlockLayout travels through the custom ops as its four int32 tensors and its
+block size. Queries shorter than keys (DESIGN §5b): up to DECODE_MAX_QUERIES rows take a
+decode path that reads only the key blocks of each query's layout row (decode_kernels.py,
+or decode.py on the portable path and whenever the Triton path would need gradients: the
+decode kernel has no backward); longer query blocks, and gradients with the Triton
+backend, take the general path (common/query_offset.py).
 """
 from __future__ import annotations
 
