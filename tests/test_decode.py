@@ -385,3 +385,96 @@ def test_block_sparse_decode_cost_does_not_grow_with_the_context():
     pos = torch.tensor([[65536 - 1]])
     key_pos, key_ok = block_key_lists(pos, pos[:, 0] + 1, lay, 2, True)
     assert sorted(key_pos[0, 0, 0][key_ok[0, 0, 0]].tolist()) == list(range(65536 - 3 * 64, 65536))
+
+
+# ----------------------------------------------------------------------------- NaN and Inf (DESIGN §6)
+
+NAN, INF = float("nan"), float("inf")
+NONFINITE = [(w, x) for w in "qkv" for x in (NAN, INF, -INF)]
+
+
+def check_nan_rule(out, lse, rows, clean_out, clean_lse):
+    """NaN out (every element) and NaN lse exactly on `rows` (B, Hq, Nq); every other row
+    finite and equal to the run on cleaned inputs."""
+    rows_q = rows.transpose(1, 2)                                   # (B, Nq, Hq)
+    assert torch.equal(torch.isnan(out).all(dim=-1).cpu(), rows_q)
+    assert torch.equal(torch.isnan(lse).cpu(), rows)
+    assert torch.isfinite(out[~rows_q]).all()
+    torch.testing.assert_close(out[~rows_q], clean_out[~rows_q], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[~rows], clean_lse[~rows], rtol=1e-5, atol=1e-5)
+
+
+def _poison(q, k, v, which, value, q_at, kv_at):
+    q, k, v = q.clone(), k.clone(), v.clone()
+    if which == "q":
+        q[(0, *q_at, 3)] = value
+    else:
+        {"k": k, "v": v}[which][(0, *kv_at, 3)] = value
+    return q, k, v
+
+
+def _clean(*xs):
+    return tuple(torch.nan_to_num(x, nan=0.5, posinf=0.5, neginf=0.5) for x in xs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("which,value", NONFINITE, ids=str)
+def test_dilated_decode_nan_rule(backend, causal, which, value):
+    """One NaN or +-Inf in q (query row 1, head 2) or in k or v (position 61, kv head 1, read
+    by query heads 2 and 3): the decode rows that read it (from the pattern multiplicities)
+    are NaN, out and lse; the rest equal the run on cleaned inputs."""
+    N, Nq, Hq, Hkv = 64, 3, 4, 2
+    ws, rs = [16, 64], [1, 2]
+    q0 = seeded((2, Nq, Hq, 16), torch.float32, 0, DEVICE)
+    k0, v0 = seeded((2, N, Hkv, 16), torch.float32, 1, DEVICE), seeded((2, N, Hkv, 16), torch.float32, 2, DEVICE)
+    q, k, v = _poison(q0, k0, v0, which, value, (1, 2), (61, 1))
+    patterns = fit_patterns(tuple(zip(ws, rs)), N, Hq)
+    pairs = pattern_multiplicity(torch.arange(N - Nq, N), torch.arange(N), patterns,
+                                 head_offsets(Hq, patterns, "longnet", "modulo"), causal=causal) > 0   # (Hq, Nq, N)
+    rows = torch.zeros(2, Hq, Nq, dtype=torch.bool)
+    if which == "q":
+        rows[0, 2, 1] = pairs[2, 1].any()
+    else:
+        rows[0, 2:4] = pairs[2:4, :, 61]
+    assert rows.any()
+
+    def run(*xs):
+        return dilated_attention(*xs, ws, rs, causal=causal, return_lse=True, backend=backend)
+
+    with paths("dilated") as seen:
+        out, lse = run(q, k, v)
+    assert seen == expected_paths(backend)
+    check_nan_rule(out, lse, rows, *run(*_clean(q, k, v)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which,value", NONFINITE, ids=str)
+def test_block_sparse_decode_nan_rule(backend, which, value):
+    """Block size 16, N = 100, causal window of two blocks plus one full row: a NaN or +-Inf
+    at position 60 (block 3) reaches the decode rows whose layout row lists block 3."""
+    N, Nq, bs = 100, 4, 16
+    dense = torch.zeros(7, 7, dtype=torch.bool)
+    for i in range(7):
+        dense[i, max(0, i - 1):i + 1] = True
+    dense[6, 3] = True       # the last row (positions 96..99) also reads block 3
+    lay = BlockLayout.from_dense(dense, bs)
+    lengths = [100, 70]      # row 0: queries 96..99 (layout row 6); row 1: 66..69 (row 4, reads blocks 3, 4)
+    q0 = seeded((2, Nq, 2, 16), torch.float32, 0, DEVICE)
+    k0, v0 = seeded((2, N, 1, 16), torch.float32, 1, DEVICE), seeded((2, N, 1, 16), torch.float32, 2, DEVICE)
+    q, k, v = _poison(q0, k0, v0, which, value, (1, 0), (60, 0))
+    q[1], k[1], v[1] = q[0], k[0], v[0]    # the same element in batch row 1 too
+    rows = torch.zeros(2, 2, Nq, dtype=torch.bool)
+    if which == "q":
+        rows[:, 0, 1] = True
+    else:
+        rows[:, :, :] = True               # every query of both rows reads block 3 (position 60 < each query)
+    cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+
+    def run(*xs):
+        return block_sparse_attention(*xs, lay, causal=True, return_lse=True, backend=backend, cache_seqlens=cache)
+
+    with paths("block_sparse") as seen:
+        out, lse = run(q, k, v)
+    assert seen == expected_paths(backend, "block_sparse")
+    check_nan_rule(out, lse, rows, *run(*_clean(q, k, v)))

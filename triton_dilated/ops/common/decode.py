@@ -49,6 +49,21 @@ def query_positions(lengths, num_queries: int, device) -> torch.Tensor:
         torch.arange(num_queries, device=device)
 
 
+def nonfinite_to_nan(scores):
+    """Scores with every non-finite value made NaN: a key or query holding Inf can score
+    -inf, which would read as "no key" instead of spreading NaN (DESIGN §6)."""
+    return scores + scores * 0
+
+
+def mark_nonfinite(out, lse):
+    """DESIGN §6: a row that read a non-finite query, key or value gives NaN out and NaN lse.
+    Its scores were made NaN (nonfinite_to_nan), hence its lse; a non-finite value shows in
+    its out (weight * Inf is Inf, 0 * Inf or NaN is NaN), which finite inputs never give.
+    out (..., D), lse (...)."""
+    bad = torch.isnan(lse) | ~torch.isfinite(out).all(dim=-1)
+    return out.masked_fill(bad.unsqueeze(-1), float("nan")), lse.masked_fill(bad, float("nan"))
+
+
 def softmax_lse(scores):
     """(weights, lse) over the last dim: a row with no key (all -inf) gets zero weights and
     lse -inf; a NaN score makes the row's weights and lse NaN (DESIGN §6: lse -inf means only
@@ -93,12 +108,12 @@ def attend_key_lists(q, k, v, key_pos, key_ok, scale: float):
         e = min(rows, s + chunk)
         kg = k[b_idx[s:e], pos[s:e], h_idx[s:e]].to(acc)                          # (R, K, D)
         vg = v[b_idx[s:e], pos[s:e], h_idx[s:e]].to(acc)
-        scores = torch.bmm(kg, qf[s:e].to(acc).unsqueeze(-1)).squeeze(-1) * scale   # (R, K)
+        scores = nonfinite_to_nan(torch.bmm(kg, qf[s:e].to(acc).unsqueeze(-1)).squeeze(-1) * scale)   # (R, K)
         weights, lse = softmax_lse(scores.masked_fill(~ok[s:e], float("-inf")))
         out = torch.bmm(weights.unsqueeze(1), vg).squeeze(1)
         # a row with no key read its padding (any position): its output is 0 whatever that held
         outs.append(torch.where(nonempty[s:e], out, torch.zeros((), dtype=acc, device=q.device)))
         lses.append(lse)
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    lse = torch.cat(lses) if len(lses) > 1 else lses[0]
+    out, lse = mark_nonfinite(torch.cat(outs) if len(outs) > 1 else outs[0],
+                              torch.cat(lses) if len(lses) > 1 else lses[0])
     return out.reshape(B, Nq, Hq, D).to(q.dtype), lse.reshape(B, Nq, Hq).permute(0, 2, 1).float().contiguous()

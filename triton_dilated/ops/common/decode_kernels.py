@@ -12,8 +12,8 @@ with the max-guarded log-sum-exp (exact when a split is empty). Splits let one t
 batch 1 fill the GPU: the work per program is the key list / splits.
 
 NaN rule (DESIGN §6): padding slots and masked keys load as 0 and score -inf, so a NaN
-stored there never spreads; a NaN in a key, value or query the row reads makes its
-denominator (and so its output and lse) NaN.
+stored there never spreads; a NaN or Inf in a key or query the row reads makes its score
+NaN, one in a value its accumulator, and either makes the denominator, output and lse NaN.
 """
 from __future__ import annotations
 
@@ -42,8 +42,11 @@ def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stri
         kpos = start + stride * t.to(tl.int64)   # int64: r * t may pass 2^31 on masked lanes
         tile_ok = ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + kpos[:, None] * stride_kn, mask=tile_ok, other=0.0).to(tl.float32)
-        s = tl.where(ok, tl.sum(k * q[None, :], 1) * sm_scale, float("-inf"))
         v = tl.load(v_base + kpos[:, None] * stride_vn, mask=tile_ok, other=0.0).to(tl.float32)
+        # s + s * 0 turns a score of +-Inf (an infinite key or query) into NaN, which then
+        # reaches the denominator (a -inf score would read as "no key"); see store_result
+        s = tl.sum(k * q[None, :], 1)
+        s = tl.where(ok, (s + s * 0.0) * sm_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2((s - m_safe) * LOG2E)
@@ -59,7 +62,10 @@ def store_result(O, LSE, ACC, PART_M, PART_L, o_off, lse_off, part, acc, m_i, l_
                  HEAD_DIM: tl.constexpr):
     """One split: the output (normalised, q's dtype) and lse = max + ln(denominator), -inf
     for a query with no key. Several: the float32 partial at index `part` (int64) of the
-    (B, Nq, Hq, splits) partials."""
+    (B, Nq, Hq, splits) partials. NaN rule (DESIGN §6): a non-finite value the program read
+    left acc non-finite (weight * Inf, 0 * Inf, NaN), which finite inputs never do; the
+    denominator is then made NaN too, so output and lse are NaN, also after the merge."""
+    l_i = l_i + tl.sum(acc * 0.0, 0)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)
         tl.store(O + o_off + d, out.to(O.dtype.element_ty), mask=d_ok)

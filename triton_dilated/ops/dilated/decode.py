@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common.decode import DECODE_STATS, attend_key_lists, needs_grad, query_positions
+from ..common.decode import (DECODE_STATS, attend_key_lists, mark_nonfinite, needs_grad, nonfinite_to_nan,
+                             query_positions)
 
 
 def pattern_runs(pos, lengths, w: int, r: int, offsets, causal: bool):
@@ -58,7 +59,8 @@ def attend_runs(q, k, v, patterns, table, pos, lengths, causal: bool, scale: flo
     """Each (query, head) over its runs, read in place as strided views of k and v: scores of
     every run in float32, one softmax over all of them (the multiset union), out = the sum
     over runs of their weights times their values. Returns (out like q, lse float32 (B, Hq,
-    Nq)); a query with no key gets 0 and -inf, a NaN it reads makes its row NaN."""
+    Nq)); a query with no key gets 0 and -inf, one that reads a non-finite query, key or
+    value NaN and NaN."""
     B, Nq, Hq, D = q.shape
     group = Hq // k.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -80,13 +82,14 @@ def attend_runs(q, k, v, patterns, table, pos, lengths, causal: bool, scale: flo
                 DECODE_STATS["key_rows"] += sum(c for _, _, c in mine)
                 views = [(st, st + r * (c - 1) + 1, r) for st, r, c in mine]
                 qv = q[b, i, h].to(acc)
-                scores = torch.cat([torch.mv(k[b, s:e:r, h // group].to(acc), qv) for s, e, r in views]) * scale
+                scores = nonfinite_to_nan(torch.cat([torch.mv(k[b, s:e:r, h // group].to(acc), qv)
+                                                     for s, e, r in views]) * scale)
                 lse = torch.logsumexp(scores, dim=0)
                 weights = torch.exp(scores - lse).split([c for _, _, c in mine])
                 outs.append(sum(torch.mv(v[b, s:e:r, h // group].to(acc).t(), p) for (s, e, r), p in zip(views, weights)))
                 lses.append(lse)
-    out = torch.stack(outs).reshape(B, Nq, Hq, D).to(q.dtype)
-    return out, torch.stack(lses).reshape(B, Nq, Hq).permute(0, 2, 1).float().contiguous()
+    out, lse = mark_nonfinite(torch.stack(outs), torch.stack(lses))
+    return out.reshape(B, Nq, Hq, D).to(q.dtype), lse.reshape(B, Nq, Hq).permute(0, 2, 1).float().contiguous()
 
 
 def dilated_decode(q, k, v, patterns, table, lengths, *, causal: bool, scale: float):
