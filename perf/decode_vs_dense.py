@@ -3,7 +3,11 @@ batch 1 at the end of a cache of N positions, the portable decode path of dilate
 (it gathers only the keys the token reads: about sum w/r of the LongNet schedule, flat in N
 once N passes the longest segment) against dense scaled_dot_product_attention over the same
 cache (every key: linear in N). Both timed in interleaved rounds (timing.interleaved);
-medians per token, and each path's time relative to its own time at the first context.
+medians per token, the decode's time per key read (keys/head: the (query, key) pairs of
+one head, a key two patterns select counted twice), and each path's time relative to its
+own time at the first context. Below N = 32K the schedule's segments are clipped to N, so
+fewer keys are read there. On a shared CPU run with OMP_NUM_THREADS=1: small parallel
+regions on oversubscribed cores cost milliseconds each (README, CPU threads).
 
     python perf/decode_vs_dense.py --contexts 4096 16384 65536 131072
 
@@ -36,7 +40,7 @@ def main():
     timing = Timing(warmup=2, budget_s=0.0, min_reps=args.rounds, max_reps=args.rounds, max_s=60.0)
     print(f"device={args.device} threads={torch.get_num_threads()} {args.dtype}, decode backend={backend}, "
           f"{args.rounds} interleaved rounds")
-    print(f"{'N':>7} {'keys/token':>10} {'decode ms':>10} {'dense ms':>10} {'dense/decode':>13} "
+    print(f"{'N':>7} {'keys/head':>10} {'decode ms':>10} {'ns/key':>7} {'dense ms':>10} {'dense/decode':>13} "
           f"{'decode vs first N':>18} {'dense vs first N':>17}")
     first = None
     for n in args.contexts:
@@ -46,7 +50,8 @@ def main():
         med = {k: statistics.median(t) for k, t in times.items()}
         ratio, spread = paired_ratio(times["dense"], times["decode"])
         first = first or med
-        print(f"{n:>7} {prob.keys_read // args.heads:>10} {med['decode']:>10.3f} {med['dense']:>10.3f} "
+        print(f"{n:>7} {prob.keys_read // args.heads:>10} {med['decode']:>10.3f} "
+              f"{1e6 * med['decode'] / prob.keys_read:>7.0f} {med['dense']:>10.3f} "
               f"{ratio:>8.2f} ±{spread:3.0f}% {med['decode'] / first['decode']:>17.2f}x "
               f"{med['dense'] / first['dense']:>16.2f}x", flush=True)
 

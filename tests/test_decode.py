@@ -478,3 +478,51 @@ def test_block_sparse_decode_nan_rule(backend, which, value):
         out, lse = run(q, k, v)
     assert seen == expected_paths(backend, "block_sparse")
     check_nan_rule(out, lse, rows, *run(*_clean(q, k, v)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_double_backward(backend):
+    """DESIGN §6, double backward: correct on the portable decode (plain autograd through the
+    gather: second-order gradients match the definition's), a clear error on the Triton
+    backend (gradients there take the general path, whose kernels have no second derivative)."""
+    ws, rs = [8, 24], [1, 2]
+    lengths = [24, 19]
+    q = seeded((2, 2, 2, 8), torch.float32, 0, DEVICE)
+    k, v = seeded((2, 24, 1, 8), torch.float32, 1, DEVICE), seeded((2, 24, 1, 8), torch.float32, 2, DEVICE)
+    cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    w_out = seeded(q.shape, torch.float32, 3, DEVICE)
+
+    def second_order(fn, dtype):
+        xs = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
+        (gq,) = torch.autograd.grad((fn(*xs) * w_out.to(dtype)).sum(), xs[0], create_graph=True)
+        return torch.autograd.grad((gq * gq).sum(), xs)
+
+    def decode(q_, k_, v_):
+        return dilated_attention(q_, k_, v_, ws, rs, causal=True, backend=backend, cache_seqlens=cache)
+
+    def definition(q_, k_, v_):
+        return _definition(lambda a, b, c, n: dilated_attention_naive(a, b, c, ws, rs, causal=True), q_, k_, v_,
+                           lengths)[0]
+
+    if backend == "triton":
+        with pytest.raises(NotImplementedError, match="double backward"):
+            second_order(decode, torch.float32)
+        return
+    got = second_order(decode, torch.float32)
+    ref, same = second_order(definition, torch.float64), second_order(definition, torch.float32)
+    for name, g, r, s in zip("qkv", got, ref, same):
+        assert_rule(f"d2{name}", g.double(), r, s.double(), factor=3, floor=1e-4)
+
+
+@pytest.mark.parametrize("num_queries", [1, 3])
+def test_decode_problem_for_the_perf_sweep(num_queries):
+    """DilatedDecodeProblem (the perf decode sweep's problem): with one pattern covering the
+    whole cache its decode equals its dense baseline, and it counts the pairs it reads."""
+    from triton_dilated.ops.dilated.spec import DilatedDecodeProblem, longnet_patterns
+    prob = DilatedDecodeProblem(2, 64, 4, 8, torch.float32, "cpu", causal=True, num_queries=num_queries,
+                                kv_heads=2, patterns=((64, 1),))
+    torch.testing.assert_close(prob.decode("torch"), prob.dense(), rtol=1e-5, atol=1e-5)
+    assert prob.keys_read == 2 * 4 * sum(64 - num_queries + 1 + i for i in range(num_queries))
+    prob = DilatedDecodeProblem(1, 8192, 16, 8, torch.float32, "cpu", num_queries=num_queries)
+    assert prob.patterns == longnet_patterns(8192)
+    assert prob.keys_read < 16 * num_queries * 8192 // 2

@@ -91,17 +91,20 @@ class DilatedDecodeProblem:
                  mode="longnet", offsets="modulo"):
         import torch
 
-        from .patterns import head_offsets
+        from .decode import dilated_key_lists
+        from .patterns import fit_patterns, head_offsets
         gen = torch.Generator(device=device).manual_seed(0)
         kv_heads = kv_heads or H
         self.q = torch.randn(B, num_queries, H, D, generator=gen, device=device).to(dtype)
         self.k, self.v = (torch.randn(B, N, kv_heads, D, generator=gen, device=device).to(dtype) for _ in range(2))
         self.causal, self.mode, self.offsets = causal, mode, offsets
         self.patterns = tuple(patterns or longnet_patterns(N))
-        table = head_offsets(H, self.patterns, mode, offsets)
-        # keys one step reads, summed over batch, queries and heads (each read once per head)
-        self.keys_read = B * num_queries * sum(-(-min(w, N) // r) for row in table
-                                               for (w, r), o in zip(self.patterns, row) if o >= 0)
+        fitted = fit_patterns(self.patterns, N, H)
+        # (query, key) pairs one step computes, summed over batch, queries and heads: the keys
+        # the decode path reads (a key two patterns select counts twice)
+        _, listed = dilated_key_lists(torch.arange(N - num_queries, N)[None], torch.tensor([N]), fitted,
+                                      head_offsets(H, fitted, mode, offsets), causal)
+        self.keys_read = B * int(listed.sum())
         ws, rs = zip(*self.patterns)
         self.shape = (f"B={B} N={N} Nq={num_queries} H={H} Hkv={kv_heads} D={D} causal={causal} {mode} "
                       f"w={'/'.join(map(str, ws))} r={'/'.join(map(str, rs))}")
