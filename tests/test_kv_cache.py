@@ -157,8 +157,13 @@ def test_memory_bounded_by_the_longest_segment():
     of at most max(w) rows."""
     ws, rs = [16, 32, 64, 128, 256], [1, 2, 4, 6, 12]
     B, Hkv, D = 1, 2, 4
-    cache = DilatedKVCache(ws, rs)
     row_bytes = B * Hkv * D * 4 * 2           # key and value, float32
+    cache = DilatedKVCache(ws, rs)
+    cache.update(torch.zeros(B, 1000, Hkv, D), torch.zeros(B, 1000, Hkv, D))     # a long prefill, then decoding
+    for _ in range(300):
+        cache.update(torch.zeros(B, 1, Hkv, D), torch.zeros(B, 1, Hkv, D))
+        assert cache.nbytes <= 256 * row_bytes
+    cache = DilatedKVCache(ws, rs)
     cache.update(torch.zeros(B, 3, Hkv, D), torch.zeros(B, 3, Hkv, D))
     worst = 0
     for t in range(3, 5 * 256 + 3):
@@ -226,3 +231,38 @@ def test_clear_errors():
         cache.update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 2, 2, 4))
     with pytest.raises(ValueError, match="layer_idx"):
         cache.update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), layer_idx=-1)
+
+
+def test_decode_sweep_rows_and_table(tmp_path):
+    """`python -m triton_dilated.perf decode` at tiny sizes: every provider timed per context,
+    a provider too slow for the per-call limit is reported once and then skipped, memory rows
+    of the bounded cache stay at the longest segment while the full cache grows."""
+    from triton_dilated.perf import decode, results
+    from triton_dilated.perf.__main__ import main
+    from triton_dilated.perf.timing import Timing
+    out = tmp_path / "decode.csv"
+    one = Timing(warmup=0, budget_s=0.0, min_reps=1, max_reps=1, max_s=0.0)
+    rows = decode.run_decode([64, 128], heads=2, kv_heads=1, head_dim=8, ws=[16, 32], rs=[1, 2], timing=one,
+                             out=str(out), memory_contexts=[40, 64, 1000], memory_dtype=torch.float32, device="cpu",
+                             quiet=True)
+    written = results.read_csv([str(out)])
+    assert len(written) == len(rows) == 2 * 3 + 3 * 3
+    ms = {(r["N"], r["provider"]): r["value"] for r in written if r["metric"] == "ms"}
+    assert set(ms) == {(n, p) for n in (64, 128) for p in decode.PROVIDERS} and all(v > 0 for v in ms.values())
+    mem = {(r["N"], r["provider"], r["metric"]): r for r in written if r["metric"].startswith("cache_")}
+    row_mib = 1 * 8 * 4 * 2 / 2 ** 20
+    assert mem[(1000, "full_cache", "cache_mib")]["value"] == pytest.approx(1000 * row_mib)
+    assert mem[(1000, "dilated_bounded", "cache_mib")]["value"] == pytest.approx((999 % 32 + 1) * row_mib)
+    assert all(mem[(n, "dilated_bounded", "cache_allocated_mib")]["value"] <= 32 * row_mib + 1e-12
+               for n in (40, 64, 1000))
+    table = decode.decode_table(rows)
+    assert "time per decode step" in table and "KV cache per layer" in table
+    # the per-call limit: every provider takes longer than 0 s, so each is reported once, then skipped
+    rows = decode.run_decode([64, 128], heads=2, head_dim=8, ws=[16], rs=[1], timing=one, max_call_s=0.0,
+                             device="cpu", quiet=True)
+    flags = {(r["N"], r["provider"]): r["flags"] for r in rows}
+    assert all(flags[(64, p)].startswith("single call") and flags[(128, p)].startswith("skipped")
+               for p in decode.PROVIDERS)
+    assert "skipped" in decode.decode_table(rows)
+    assert main(["decode", "--contexts", "32", "--heads", "2", "--head-dim", "8", "--memory-contexts",
+                 "--budget", "0", "--out", str(tmp_path / "cli.csv")]) == 0

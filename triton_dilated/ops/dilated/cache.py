@@ -132,7 +132,8 @@ class KeptRows:
         if new_start > self.start:
             drop = new_start - self.start
             keep = self.length - drop
-            self._move_to_new_buffers(drop, keep, max(2 * keep, min(64, self.bound)))
+            # room to grow by doubling, but never past what a decode step needs
+            self._move_to_new_buffers(drop, keep, max(keep, min(2 * keep, self.bound), min(64, self.bound)))
             self.start = new_start
 
     def crop(self, tokens: int):
