@@ -55,8 +55,8 @@ def _ids(shape, seed=1):
 
 
 def _generate(model, ids, n, **kw):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, pad_token_id=0, **kw)
+    kw = {"max_new_tokens": n, "min_new_tokens": n, **kw}
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **kw)
 
 
 def _generate_logits(model, ids, n, **kw):
@@ -106,6 +106,23 @@ def test_generate_with_caches_gives_the_uncached_tokens():
     # the schedule matters: a model with other patterns decodes other tokens
     other = _model("triton_dilated", dilated_attention={**spec, "segment_lengths": [256, 256, 256]})
     assert not torch.equal(_generate(other, ids, n, use_cache=False), ref[0])
+
+
+def test_beam_search_and_repeated_rows_with_the_bounded_cache():
+    """Beam search (reorder_cache) and num_return_sequences (batch_repeat_interleave) with
+    DilatedCache give the uncached tokens."""
+    model = _model("triton_dilated", dilated_attention={"segment_lengths": [4, 8, 16], "dilation_rates": [1, 2, 4],
+                                                       "backend": "torch"})
+    ids = _ids((2, 6))
+    kw = dict(max_new_tokens=40, min_new_tokens=40, num_beams=3)
+    assert torch.equal(_generate(model, ids, 0, use_cache=False, **kw),
+                       _generate(model, ids, 0, **{CACHE: td_hf.DilatedCache(model.config)}, **kw))
+    outs = []
+    for cache in ({"use_cache": False}, {CACHE: td_hf.DilatedCache(model.config)}):
+        torch.manual_seed(5)
+        outs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, min_new_tokens=30,
+                                   do_sample=True, top_k=5, num_return_sequences=2, pad_token_id=0, **cache))
+    assert outs[0].shape == (4, 36) and torch.equal(outs[0], outs[1])
 
 
 def test_generate_triton_path_with_the_bounded_cache():
