@@ -493,3 +493,54 @@ def test_gpu_check_without_a_gpu_stops_at_once(tmp_path):
     assert proc.returncode != 0
     assert "no CUDA GPU visible to torch" in proc.stderr and "nothing was run" in proc.stderr
     assert time.monotonic() - t0 < 60 and not out.exists()
+
+
+# ----------------------------------------------------------------------------- plan (the cost model, issue 12)
+
+def test_plan_costs_checked_example():
+    """One dense pattern (w = N = 128, r = 1), H = 1, D = 64, 64-row tiles, bf16: every pair is
+    useful and computed once (efficiency 1); the tiles read K and V 128/64 = 2 times (2 x 128
+    rows x 256 B = 65,536 B from L2); Q, K, V, O once = 65,536 B from HBM, which at 3.35 TB/s
+    is the bound (4 x 64 x 16,384 FLOP at 989 TFLOP/s and 65,536 B at 5.5 TB/s take less)."""
+    from triton_dilated.perf.cost_model import plan_costs
+    c = plan_costs(n=128, heads=1, head_dim=64, segment_lengths=(128,), dilation_rates=(1,), causal=False)[0]
+    assert (c.useful_pairs, c.computed_pairs, c.efficiency) == (128 * 128, 128 * 128, 1.0)
+    assert c.kv_bytes == 65536 and c.compulsory_bytes == 65536
+    b = c.bound()
+    assert b["limiter"] == "HBM bandwidth"
+    assert b["ms"] == pytest.approx(65536 / 3.35e12 * 1e3)
+    assert b["times_ms"]["tensor cores"] == pytest.approx(4 * 64 * 128 * 128 / 989e12 * 1e3)
+    assert b["times_ms"]["L2 bandwidth"] == pytest.approx(65536 / 5.5e12 * 1e3)
+    # 128-row tiles read K and V once per tile: half the L2 bytes
+    assert plan_costs(n=128, heads=1, head_dim=64, segment_lengths=(128,), dilation_rates=(1,))[1].kv_bytes == 32768
+
+
+def test_plan_cli_prints_pairs_efficiency_bytes_and_bound(capsys):
+    """`perf plan` at a small LongNet shape: the useful pairs it prints are the dilated spec's
+    own count, the computed pairs are at least as many (efficiency <= 1), and the assumed
+    H100 figures (tensor cores, HBM, L2) are stated."""
+    from triton_dilated.ops.dilated.spec import LONGNET_R, LONGNET_W, count_pairs
+    assert main(["plan", "--seqlen", "4096", "--heads", "4", "--head-dim", "64", "--causal", "no"]) == 0
+    out = capsys.readouterr().out
+    assert "989 TFLOP/s" in out and "3.35 TB/s HBM" in out and "5.5 TB/s L2" in out
+    pairs = count_pairs(1, 4096, 4, False, segment_lengths=[min(w, 4096) for w in LONGNET_W],
+                        dilation_rates=LONGNET_R)
+    assert f"useful pairs {pairs:.4g}" in out
+    line = next(x for x in out.splitlines() if x.startswith("64-row tiles (today)"))
+    efficiency, computed, kv_gb, ms = (float(x) for x in line.split()[3:7])
+    assert 0.5 < efficiency <= 1.0 and computed >= pairs
+    assert ms > 0 and kv_gb > 0
+    assert "2 classes x 64 rows" in out and "128-row tiles" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--heads", "4", "--kv-heads", "3"], "--heads (4) must be a multiple of --kv-heads (3)"),
+    (["--block-m", "48"], "--block-m must be a power of two >= 16, got 48"),
+    (["--seqlen", "0"], "--seqlen must be a positive integer, got 0"),
+    (["--segment-lengths", "1024", "2048", "--dilation-rates", "1"], "one entry per pattern; got 2 and 1"),
+    (["--segment-lengths", "1024", "--dilation-rates", "0"], "dilation_rates must hold positive ints, got 0"),
+], ids=["kv-heads", "block-m", "seqlen", "lengths", "rate"])
+def test_plan_cli_rejects_bad_arguments(args, message, capsys):
+    argv = ["plan", *args] if "--seqlen" in args else ["plan", "--seqlen", "4096", *args]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

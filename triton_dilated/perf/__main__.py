@@ -11,7 +11,11 @@
   python -m triton_dilated.perf plot      PNG plots from result CSVs
   python -m triton_dilated.perf table     print the summary table of a result CSV
   python -m triton_dilated.perf aot       compile every kernel for sm90/sm80 without a GPU:
-                                          compile errors, registers, spills, shared memory
+                                          compile errors, registers, spills, shared memory,
+                                          wgmma/mma.sync, cp.async/TMA, pipeline depth
+  python -m triton_dilated.perf plan      the dilated forward's cost model on a CPU: useful vs
+                                          computed (query, key) pairs, K/V bytes, and the
+                                          roofline bound on an H100
   python -m triton_dilated.perf decode    time per decode step (one query against N cached
                                           tokens): dilated vs dense SDPA, and the bounded
                                           cache's memory, as the context grows
@@ -26,7 +30,7 @@ import argparse
 import os
 import sys
 
-COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot", "decode")
+COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot", "plan", "decode")
 DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -113,8 +117,31 @@ def _parser():
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["bfloat16"], help="default: bfloat16")
     p.add_argument("--kernels", nargs="+", help="kernel names as in the AOT CSV (default: all)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="default: %(default)s")
+    p.add_argument("--configs", nargs="+", metavar="M,N,W,S",
+                   help="compile each kernel with each of these configs (BLOCK_M,BLOCK_N,num_warps,num_stages) "
+                        "instead of the arch's default (default: the default config)")
     p.add_argument("--jobs", type=int, default=2, help="parallel compiles (default: %(default)s)")
     p.add_argument("--out", default="perf/out/aot.csv", help="CSV to write (default: %(default)s)")
+    p.add_argument("--ptx-dir", metavar="DIR",
+                   help="also write each kernel's PTX as DIR/sm<arch>/<kernel>-<dtype>-d<D>-c<causal>.ptx "
+                        "(with -<M>x<N>w<W>s<S> when several --configs; default: none)")
+
+    p = command("plan", "the dilated forward's cost model (no GPU needed): pairs, planner efficiency, K/V bytes, "
+                        "roofline bound on an H100")
+    p.add_argument("--seqlen", "-N", type=int, default=32768, metavar="N", help="sequence length (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=1, metavar="B", help="default: %(default)s")
+    p.add_argument("--heads", type=int, default=16, metavar="H", help="query heads (default: %(default)s)")
+    p.add_argument("--kv-heads", type=int, metavar="HKV", help="key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=128, metavar="D", help="default: %(default)s")
+    p.add_argument("--segment-lengths", type=int, nargs="+", metavar="W",
+                   help="the schedule's segment lengths, clipped to N (default: LongNet 2048 4096 8192 16384 32768)")
+    p.add_argument("--dilation-rates", type=int, nargs="+", metavar="R",
+                   help="the schedule's dilation rates (default: LongNet 1 2 4 6 12)")
+    p.add_argument("--mode", choices=("longnet", "head_groups"), default="longnet", help="default: %(default)s")
+    p.add_argument("--offsets", choices=("modulo", "blocked"), default="modulo", help="default: %(default)s")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="default: %(default)s")
+    p.add_argument("--block-m", type=int, default=64, help="query rows per tile (default: %(default)s)")
+    p.add_argument("--block-n", type=int, default=64, help="keys per inner step (default: %(default)s)")
 
     p = command("decode", "decode-step time vs context (dilated vs dense SDPA) and the bounded cache's memory")
     p.add_argument("--out", default="perf/out/decode.csv", help="CSV to write (default: %(default)s)")
@@ -141,7 +168,7 @@ def main(argv=None) -> int:
         argv = ["sweep"] + argv
     args = _parser().parse_args(argv)
     return {"sweep": _sweep, "tune": _tune, "ring": _ring, "layouts": _layouts, "plot": _plot,
-            "table": _table, "aot": _aot, "decode": _decode}[args.command](args)
+            "table": _table, "aot": _aot, "plan": _plan, "decode": _decode}[args.command](args)
 
 
 def _sweep(args) -> int:
@@ -301,14 +328,55 @@ def _aot(args) -> int:
     if unknown:
         print(f"aot: unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}", file=sys.stderr)
         return 2
+    configs = None
+    if args.configs:
+        from ..configs import make_config
+        try:
+            configs = [make_config(*(int(x) for x in c.split(","))) for c in args.configs]
+        except (TypeError, ValueError):
+            print(f"aot: --configs takes BLOCK_M,BLOCK_N,num_warps,num_stages (four integers, e.g. 64,64,4,3); "
+                  f"got {' '.join(args.configs)}", file=sys.stderr)
+            return 2
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}    # the AOT CSV's spelling
     rows = run_aot(archs=args.arch, head_dims=args.head_dims, dtypes=[short[d] for d in args.dtypes], causal=causal,
-                   kernels=args.kernels, out=args.out, jobs=args.jobs)
+                   kernels=args.kernels, configs=configs, out=args.out, jobs=args.jobs, ptx_dir=args.ptx_dir)
     failed = [r for r in rows if r["error"]]
     spilled = [r for r in rows if not r["error"] and r["spill_stores"]]
-    print(f"\n{len(rows)} compiles: {len(failed)} failed, {len(spilled)} spill registers; wrote {args.out}")
+    replicated = [r for r in rows if not r["error"] and r["mma_replicated"]]
+    print(f"\n{len(rows)} compiles: {len(failed)} failed, {len(spilled)} spill registers, {len(replicated)} compute "
+          f"MMA rows twice (mma_replicated); wrote {args.out}" + (f" and PTX under {args.ptx_dir}" if args.ptx_dir else ""))
     return 1 if failed else 0
+
+
+def _plan(args) -> int:
+    from ..ops.dilated.spec import LONGNET_R, LONGNET_W
+    from .cost_model import main_report
+    ws = args.segment_lengths or list(LONGNET_W)
+    rs = args.dilation_rates or list(LONGNET_R)
+    kv = args.kv_heads or args.heads
+    problems = [f"--{name} must be a positive integer, got {value}" for name, value in
+                (("seqlen", args.seqlen), ("batch", args.batch), ("heads", args.heads), ("kv-heads", kv),
+                 ("head-dim", args.head_dim)) if value < 1]
+    problems += [f"--{name} must be a power of two >= 16, got {value}" for name, value in
+                 (("block-m", args.block_m), ("block-n", args.block_n)) if value < 16 or value & (value - 1)]
+    if not problems and args.heads % kv:
+        problems.append(f"--heads ({args.heads}) must be a multiple of --kv-heads ({kv})")
+    if len(ws) != len(rs):
+        problems.append(f"--segment-lengths and --dilation-rates must have one entry per pattern; got {len(ws)} "
+                        f"and {len(rs)}")
+    if problems:
+        print("plan: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    try:
+        print(main_report(n=args.seqlen, heads=args.heads, head_dim=args.head_dim, causal_values=causal,
+                          kv_heads=kv, batch=args.batch, segment_lengths=ws, dilation_rates=rs, mode=args.mode,
+                          offsets=args.offsets, block_m=args.block_m, block_n=args.block_n))
+    except ValueError as exc:   # the schedule (check_patterns) or the heads (head_offsets)
+        print(f"plan: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _decode(args) -> int:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ops.dilated.patterns import check_patterns, head_offsets
-from ..ops.dilated.plan import _tiles, choose_stride, query_unit_triples
+from ..ops.dilated.plan import plan_tiles, query_unit_triples
 from ..ops.dilated.spec import LONGNET_R, LONGNET_W
 
 H100 = {"name": "H100 SXM (assumed)", "tflops": 989.0, "hbm_tbs": 3.35, "l2_tbs": 5.5}
@@ -91,22 +91,20 @@ def useful_pairs(n, patterns, table, causal) -> int:
 
 def computed_pairs(n, patterns, table, causal, block_m, block_n) -> float:
     """Pairs the planner's tiles compute (its own cost function), summed over heads."""
-    total = 0.0
-    for triples in query_unit_triples(patterns, table):
-        if not triples:
-            continue
-        T = choose_stride(n, triples, block_m, block_n, causal)
-        total += float(_tiles(n, triples, T, block_m, block_n, causal, False)[2].sum())
-    return total
+    _, cost, _ = plan_tiles(n, query_unit_triples(patterns, table), block_m, block_n, causal)
+    return float(cost.sum())
 
 
 def _two_class_kv_factor(n, patterns, table, causal, block_m, block_n) -> float:
     """K/V traffic of "2 classes x 64 rows" relative to 64-row tiles (see the module doc)."""
+    units = query_unit_triples(patterns, table)
+    items, _, _ = plan_tiles(n, units, block_m, block_n, causal)
+    stride = dict(zip(items[:, 2].tolist(), items[:, 3].tolist()))   # unit -> its tile stride T
     shares, saved = 0.0, 0.0
-    for triples in query_unit_triples(patterns, table):
-        if not triples:
+    for u, triples in enumerate(units):
+        if u not in stride:
             continue
-        T = choose_stride(n, triples, block_m, block_n, causal)
+        T = stride[u]
         for w, r, o in triples:
             pairs = useful_pairs(n, ((w, r),), ((o,),), causal)
             shares += pairs
@@ -117,8 +115,9 @@ def _two_class_kv_factor(n, patterns, table, causal, block_m, block_n) -> float:
 
 def plan_costs(n=32768, heads=16, kv_heads=None, head_dim=128, batch=1, segment_lengths=LONGNET_W,
                dilation_rates=LONGNET_R, causal=False, mode="longnet", offsets="modulo", element_bytes=2,
-               block_n=64):
-    """PlanCost per tiling for one shape (see the module docstring)."""
+               block_m=64, block_n=64):
+    """PlanCost per tiling for one shape (see the module docstring): BLOCK_M-row tiles (the
+    kernel's at the default 64), 2*BLOCK_M-row tiles, two residue classes of BLOCK_M rows."""
     kv_heads = kv_heads or heads
     ws = [min(w, n) for w in segment_lengths]
     patterns = check_patterns(ws, dilation_rates, mode, offsets)
@@ -128,13 +127,14 @@ def plan_costs(n=32768, heads=16, kv_heads=None, head_dim=128, batch=1, segment_
     compulsory = batch * n * (2 * heads + 2 * kv_heads) * head_dim * element_bytes
     row_bytes = 2 * head_dim * element_bytes            # one K row and one V row
     out = []
-    for label, bm in (("64-row tiles (today)", 64), ("128-row tiles", 128)):
+    today = " (today)" if (block_m, block_n) == (64, 64) else ""
+    for label, bm in ((f"{block_m}-row tiles{today}", block_m), (f"{2 * block_m}-row tiles", 2 * block_m)):
         comp = computed_pairs(n, patterns, table, causal, bm, block_n) * batch
         out.append(PlanCost(label, bm, useful, comp, comp / bm * row_bytes, compulsory, dense, head_dim))
     base = out[0]
-    factor = _two_class_kv_factor(n, patterns, table, causal, 64, block_n)
-    out.append(PlanCost("2 classes x 64 rows", 128, useful, base.computed_pairs, base.kv_bytes * factor,
-                        compulsory, dense, head_dim))
+    factor = _two_class_kv_factor(n, patterns, table, causal, block_m, block_n)
+    out.append(PlanCost(f"2 classes x {block_m} rows", 2 * block_m, useful, base.computed_pairs,
+                        base.kv_bytes * factor, compulsory, dense, head_dim))
     return out
 
 
@@ -146,6 +146,8 @@ def format_report(costs, gpu=H100, title="") -> str:
     c0 = costs[0]
     lines.append(f"useful pairs {c0.useful_pairs:.4g} ({c0.useful_pairs / c0.dense_pairs:.3f} of dense; "
                  f"ideal {c0.dense_pairs / c0.useful_pairs:.2f}x fewer FLOPs)")
+    lines.append(f"HBM floor: Q, K, V, O once = {c0.compulsory_bytes / 1e9:.3f} GB; 'K/V GB (L2)': the K and V rows "
+                 f"the tiles read (each (tile, pattern) reads its keys once, from L2 after the first reader)")
     head = (f"{'tiling':24} {'efficiency':>10} {'computed pairs':>15} {'K/V GB (L2)':>12} {'bound ms':>9} "
             f"{'limiter':>14} {'useful TF/s':>12} {'x dense':>8}")
     lines += [head, "-" * len(head)]
@@ -160,9 +162,12 @@ def main_report(n=32768, heads=16, head_dim=128, causal_values=(False, True), **
     parts = []
     for causal in causal_values:
         costs = plan_costs(n=n, heads=heads, head_dim=head_dim, causal=causal, **kw)
-        parts.append(format_report(costs, title=f"\nN={n} H={heads} D={head_dim} causal={causal} "
+        kv = kw.get("kv_heads") or heads
+        parts.append(format_report(costs, title=f"\nN={n} B={kw.get('batch', 1)} H={heads} Hkv={kv} D={head_dim} "
+                                                f"causal={causal} {kw.get('mode', 'longnet')} "
                                                 f"w={'/'.join(str(min(w, n)) for w in kw.get('segment_lengths', LONGNET_W))} "
-                                                f"r={'/'.join(map(str, kw.get('dilation_rates', LONGNET_R)))}"))
+                                                f"r={'/'.join(map(str, kw.get('dilation_rates', LONGNET_R)))} "
+                                                f"BLOCK_N={kw.get('block_n', 64)}"))
     return "\n".join(parts)
 
 

@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.first_order import first_order_only
+from ..common.first_order import first_order_backward
 from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, empty_stats, fresh, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
@@ -58,7 +58,7 @@ class _DilatedAttentionFn(torch.autograd.Function):
         return out, lse_from_stats(row_max, row_sum)
 
     @staticmethod
-    @first_order_only("dilated_attention (Triton path)")
+    @first_order_backward("dilated_attention (Triton path)")
     def backward(ctx, do, dlse):
         q, k, v, out, row_max, row_sum = ctx.saved_tensors
         patterns, table, causal, scale, doc_bounds = ctx.args

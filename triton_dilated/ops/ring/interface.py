@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..block_sparse.layout import BlockLayout, valid_slots
-from ..common.first_order import first_order_only
+from ..common.first_order import first_order_backward
 from ..common.lse import merge_partials, softmax_delta
 from ..common.runtime import last_dim_contiguous, resolve_backend
 from ..common.validation import check_choice, check_flags, check_qkv, check_scale
@@ -68,7 +68,7 @@ class _RingFn(torch.autograd.Function):
         return out_cast, lse
 
     @staticmethod
-    @first_order_only("ring_attention")
+    @first_order_backward("ring_attention")
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         plan, scale, comm, use_triton = ctx.args
