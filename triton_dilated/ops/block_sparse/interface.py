@@ -124,7 +124,13 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
             return (out, lse) if return_lse else out
 
         def call(qq, kk, vv, rows, n):
-            lay = layout.prefix(-(-n // layout.block_size), rows) if n != k.shape[1] or len(rows) != B else layout
+            # rows before n - Nq are padding: their query blocks get no key block, so the work
+            # (forward, dQ; dK/dV walk only the query blocks left) is that of the chunk
+            first = (n - N) // layout.block_size
+            if n != k.shape[1] or len(rows) != B or first > 0:
+                lay = layout.prefix(-(-n // layout.block_size), rows, first_query_block=first)
+            else:
+                lay = layout
             return block_sparse_attention(qq, kk, vv, lay, causal=causal, scale=scale, return_lse=True,
                                           backend=backend)
 
