@@ -9,7 +9,9 @@ than keys (DESIGN §5b): up to DECODE_MAX_QUERIES rows take a decode path that r
 the keys each query attends to (decode_kernels.py, or decode.py on the portable path and
 whenever the Triton path would need gradients: the decode kernel has no backward); longer
 query blocks, and gradients with the Triton backend, take the general path
-(common/query_offset.py).
+(common/query_offset.py): a full-length call on q padded in front, which on the Triton path
+plans only the chunk's tiles (plan.QueryWindow; forward and dQ cost the chunk, dK/dV skip
+only the key tiles no chunk row reads) and on the portable path costs the full length.
 """
 from __future__ import annotations
 
@@ -98,6 +100,10 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
             the last Nq positions of the sequence (query i at position N - Nq + i, flash-attn's
             bottom-right convention); segments, residues and the causal mask apply to
             absolute positions, so each row equals that row of the full-sequence call.
+            Cost: up to 16 rows (decoding, no gradient on the Triton path) read only their
+            keys; longer chunks (chunked prefill) on the Triton backend compute the forward
+            and dQ for the chunk's rows only, while dK/dV and the portable backend cost a
+            full-length call (memory: q, out and row statistics at the full length).
         segment_lengths, dilation_rates: one (w, r) per pattern. N % w != 0, w % r != 0
             and w >= N are all legal; the last segment may be shorter.
         causal: each query attends only to keys at or before its position.
