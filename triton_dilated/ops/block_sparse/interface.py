@@ -8,7 +8,9 @@ block size. Queries shorter than keys (DESIGN §5b): up to DECODE_MAX_QUERIES ro
 decode path that reads only the key blocks of each query's layout row (decode_kernels.py,
 or decode.py on the portable path and whenever the Triton path would need gradients: the
 decode kernel has no backward); longer query blocks, and gradients with the Triton
-backend, take the general path (common/query_offset.py).
+backend, take the general path (common/query_offset.py): a full-length call on q padded in
+front, with a layout whose query blocks before the chunk have no key block, so that every
+kernel (and the portable path) does the chunk's work only.
 """
 from __future__ import annotations
 
@@ -78,6 +80,8 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
         q: (B, N, Hq, D); k, v: (B, N, Hkv, D), Hq % Hkv == 0 (GQA); float16/bfloat16/float32.
             For inference q may be shorter, (B, Nq, Hq, D) with Nq <= N: the last Nq positions
             (query i at N - Nq + i); the layout covers the whole sequence (absolute positions).
+            Cost: that of the layout rows of the query blocks holding the queries, forward
+            and backward, both backends (memory: q, out and row statistics at full length).
         layout: a BlockLayout with ceil(N / block_size) blocks per side, laid out for
             (B|1, Hq|1) (query heads).
         causal: also require key position <= query position (the diagonal block is masked
@@ -113,7 +117,13 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
             return (out, lse) if return_lse else out
 
         def call(qq, kk, vv, rows, n):
-            lay = layout.prefix(-(-n // layout.block_size), rows) if n != k.shape[1] or len(rows) != B else layout
+            # rows before n - Nq are padding: their query blocks get no key block, so the work
+            # (forward, dQ; dK/dV walk only the query blocks left) is that of the chunk
+            first = (n - N) // layout.block_size
+            if n != k.shape[1] or len(rows) != B or first > 0:
+                lay = layout.prefix(-(-n // layout.block_size), rows, first_query_block=first)
+            else:
+                lay = layout
             return block_sparse_attention(qq, kk, vv, lay, causal=causal, scale=scale, return_lse=True,
                                           backend=backend)
 
