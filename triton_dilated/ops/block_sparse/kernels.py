@@ -36,8 +36,8 @@ from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_devi
 @triton.jit
 def _block_sparse_fwd_kernel(
         Q, K, V, O, ROW_MAX, ROW_SUM, KV_COUNT, KV_INDEX,
-        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         N, HQ, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
@@ -99,8 +99,8 @@ def _block_sparse_bwd_dq_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, KV_COUNT, KV_INDEX,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh,
-        stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
         N, HQ, HEAD_GROUP, sm_scale,
+        stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
@@ -182,8 +182,8 @@ def _block_sparse_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
-        q_base = Q + b * stride_qb + h * stride_qh + d[None, :]
-        do_base = DO + b * stride_dob + h * stride_doh + d[None, :]
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
         stats = b * N * (HKV * HEAD_GROUP) + h * N   # the head's rows of ROW_MAX, ROW_SUM, DELTA (B, HQ, N)
         count = tl.load(Q_COUNT + b * stride_cb + h * stride_ch + kblock)
         index_base = Q_INDEX + b * stride_ib + h * stride_ih + kblock.to(tl.int64) * WIDTH   # this key block's list
@@ -201,9 +201,9 @@ def _block_sparse_bwd_dkdv_kernel(
                 qrows = m0 + m_off                                                        # [BLOCK_M]
                 q_ok = qrows < end
                 qrows64 = qrows.to(tl.int64)
-                qt = tl.load(q_base + qrows64[:, None] * stride_qn, mask=q_ok[:, None] & d_ok[None, :],
+                qt = tl.load(q_base + qrows64[:, None] * stride_qn + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
                              other=0.0)                                                   # [BLOCK_M, BLOCK_D]
-                dot_ = tl.load(do_base + qrows64[:, None] * stride_don, mask=q_ok[:, None] & d_ok[None, :],
+                dot_ = tl.load(do_base + qrows64[:, None] * stride_don + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
                                other=0.0)                                                 # [BLOCK_M, BLOCK_D]
                 row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats + qrows, q_ok)
                 delta = tl.load(DELTA + stats + qrows, mask=q_ok, other=0.0)
