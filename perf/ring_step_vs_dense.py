@@ -17,16 +17,17 @@ import torch.nn.functional as F
 
 from triton_dilated.ops.ring.mask import MASK_DENSE, StepMask
 from triton_dilated.ops.ring.step_kernels import step_forward
-from triton_dilated.perf.bench import Timing, median_ms
+from triton_dilated.perf.timing import Timing, median_ms
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlen", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--seqlen", type=int, default=16384, help="default: %(default)s")
+    p.add_argument("--heads", type=int, default=16, help="default: %(default)s")
+    p.add_argument("--head-dim", type=int, default=128, help="default: %(default)s")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="default: %(default)s")
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8], help="ring sizes P (default: %(default)s)")
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)

@@ -134,11 +134,14 @@ def check_empty_rows(out, lse, o_lse):
 def dilated_cases(draw):
     m = draw(st.integers(1, 3))
     Hkv = draw(st.integers(1, 2))
+    B, N = draw(st.integers(1, 2)), draw(st.integers(1, 80))
+    ws = draw(st.lists(st.integers(1, 100), min_size=m, max_size=m))
+    rs = draw(st.lists(st.integers(1, 6), min_size=m, max_size=m))
     return dict(
-        B=draw(st.integers(1, 2)),
-        N=draw(st.integers(1, 80)),
-        ws=draw(st.lists(st.integers(1, 100), min_size=m, max_size=m)),
-        rs=draw(st.lists(st.integers(1, 6), min_size=m, max_size=m)),
+        B=B,
+        N=N,
+        ws=[max(w, r) for w, r in zip(ws, rs)],    # a rate above its segment length is refused
+        rs=rs,
         Hkv=Hkv,
         Hq=Hkv * draw(st.integers(1, 3)),
         D=draw(st.sampled_from([8, 12, 16, 24])),
@@ -226,7 +229,7 @@ def _case(N, ws, rs, Hq=1, Hkv=1, mode="longnet", offsets="modulo", B=1, D=8, se
 EXAMPLES = {
     "ragged-tail": _case(5, [2], [1]),                        # N % w != 0: a short last segment
     "ragged-tail-dilated": _case(23, [8, 5], [2, 3], Hq=2, Hkv=2),
-    "offset-ge-w": _case(4, [2], [4], Hq=4),                  # head 3: offset 3 > w = 2, no rows
+    "offset-ge-w": _case(4, [6], [6], Hq=6),                  # heads 4, 5: offset >= the one 4-row segment
     "offset-past-last-segment": _case(9, [8], [3], Hq=3),     # head 2: offset 2 past the 1-row tail
     "w-ge-N-w-mod-r": _case(20, [10, 50], [3, 4], Hq=2),      # w >= N, w % r != 0, no ragged tail
     "head-groups-more-patterns-than-heads": _case(16, [4, 8, 16], [1, 2, 4], Hq=2, mode="head_groups"),
@@ -344,7 +347,8 @@ EMPTY_ROW_CASES = {  # name: (Hq, Hkv, ws, rs, mode, offsets, N aligned with eve
     "hg-2pat": (4, 2, (6, 12), (3, 3), "head_groups", "modulo", 24, 30),  # 2/3 of every head's rows empty
     "hg-3pat": (6, 3, (4, 12, 100), (3, 3, 3), "head_groups", "modulo", 24, 30),
     "ln-1pat": (3, 1, (6,), (3,), "longnet", "modulo", 24, 28),
-    "ln-offset-ge-w": (4, 2, (2, 5), (3, 6), "longnet", "modulo", 20, 23),  # offsets >= w: heads without keys
+    # (was offsets >= w, i.e. r > w, now refused) offsets 2, 3 lie past the 2-row last segment of N = 26
+    "ln-offset-past-tail": (4, 2, (4, 6), (4, 6), "longnet", "modulo", 24, 26),
     "ln-blocked": (4, 4, (4, 9), (4, 5), "longnet", "blocked", 36, 30),
 }
 

@@ -327,6 +327,36 @@ def test_block_sparse_module_builders():
     assert len(seen) == 2                             # rebuilt on every call
 
 
+def test_block_sparse_module_layout_cache_is_bounded():
+    """A seq_len builder keeps the cache_size most recently used layouts, not one per length
+    forever: an evicted length is rebuilt, a recently used one is not."""
+    calls = []
+
+    def by_len(n):
+        calls.append(n)
+        return layouts.local(n, 16, 1)
+
+    m = BlockSparseAttention(by_len, backend="torch", cache_size=2)
+    for n in (16, 32, 16, 48, 16, 32):
+        q = seeded((1, n, 1, 8), torch.float32, n)
+        assert torch.equal(m(q, q, q), block_sparse_attention(q, q, q, layouts.local(n, 16, 1), backend="torch"))
+    # 16 built; 32 built; 16 hit; 48 built, evicts 32 (least recent); 16 hit; 32 rebuilt, evicts 48
+    assert calls == [16, 32, 48, 32]
+    assert [key[0] for key in m._cache] == [16, 32]
+    m = BlockSparseAttention(by_len, backend="torch")
+    calls.clear()
+    for n in range(16, 16 * 40, 16):
+        m(*(seeded((1, n, 1, 8), torch.float32, 0),) * 3)
+    assert len(m._cache) == 8 and len(calls) == 39
+    m = BlockSparseAttention(by_len, backend="torch", cache_size=0)
+    calls.clear()
+    q = seeded((1, 32, 1, 8), torch.float32, 0)
+    m(q, q, q), m(q, q, q)
+    assert calls == [32, 32] and len(m._cache) == 0
+    with pytest.raises(ValueError, match="cache_size must be a non-negative int, got -1"):
+        BlockSparseAttention(by_len, cache_size=-1)
+
+
 def test_block_sparse_module_validation():
     with pytest.raises(TypeError, match="BlockLayout or a callable"):
         BlockSparseAttention(torch.ones(2, 2, dtype=torch.bool))

@@ -1,10 +1,16 @@
 """The benchmark CLI (`python -m triton_dilated.perf`): sweep rows, FLOP counting, tune JSON,
-plots, ring fallback. Tiny shapes: under the interpreter every Triton call costs ~0.1-1 s."""
+plots, ring fallback; paired timing, spread and flags; readable tables and figures; clear
+errors. Tiny shapes: under the interpreter every Triton call costs ~0.1-1 s."""
 from __future__ import annotations
 
 import csv
 import json
 import math
+import os
+import pathlib
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -15,11 +21,14 @@ from triton_dilated.ops.block_sparse.naive import element_mask
 from triton_dilated import configs
 from triton_dilated.ops.common import runtime
 from triton_dilated.ops.common.hardware import Arch
-from triton_dilated.perf import bench, plot
+from triton_dilated.ops import SPECS
+from triton_dilated.ops.common.spec import attention_flops, dense_pairs
+from triton_dilated.perf import bench, plot, results, timing
 from triton_dilated.perf import ring as perf_ring
-from triton_dilated.perf.__main__ import main
+from triton_dilated.perf.__main__ import DTYPES, _parser, main
 
-ONE_CALL = bench.Timing(warmup=0, budget_s=0.0, min_reps=1, max_reps=1, max_s=0.0)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ONE_CALL = timing.Timing(warmup=0, budget_s=0.0, min_reps=1, max_reps=1, max_s=0.0)
 PROVENANCE = ("machine", "arch", "device", "torch", "triton", "git_sha", "timestamp")
 
 
@@ -34,19 +43,20 @@ def test_tiny_sweep_writes_every_column(tmp_path, device):
     cases = bench.tiny_sweep(device.type, n=64)
     rows = bench.run_sweep(cases, out=str(out), timing=ONE_CALL, flex=False, quiet=True)
     header, written = _read(out)
-    assert header == bench.COLUMNS
+    assert header == results.COLUMNS
     assert len(written) == len(rows) > 0
     main_prov = bench.main_provider(device.type)
-    seen = {(r["op"], r["provider"], r["mode"], r["metric"]) for r in written}
+    seen = {(r["op"], r["provider"], r["pass"], r["metric"]) for r in written}
     for op in ("dilated_attention", "block_sparse_attention"):
         for prov in (main_prov, "sdpa_dense"):
             for mode in ("fwd", "fwd_bwd"):
                 for metric in ("ms", "tflops", "pct_matmul_peak"):
                     assert (op, prov, mode, metric) in seen
+            assert (op, main_prov, "fwd_bwd", "speedup_vs_dense") in seen
     assert ("dilated_attention", "head_group_loop", "fwd", "ms") in seen
     for r in written:
-        for col in ("op", "variant", "provider", "mode", "B", "N", "H", "Hkv", "D", "dtype", "causal", "density",
-                    "gflop", "metric", "value", "matmul_peak_tflops") + PROVENANCE:
+        for col in ("op", "variant", "provider", "pass", "B", "N", "H", "Hkv", "D", "dtype", "causal", "density",
+                    "gflop", "metric", "value", "matmul_peak_tflops", "rounds") + PROVENANCE:
             assert r[col] != "", (col, r)
         value = float(r["value"])
         assert math.isfinite(value) and value > 0, r
@@ -57,22 +67,35 @@ def test_tiny_sweep_writes_every_column(tmp_path, device):
             assert r["layout"].startswith("local(") and r["block_size"] == "32"
         else:
             assert r["segment_lengths"] == "32/64" and r["dilation_rates"] == "1/2"
-    table = bench.summary_table(bench.read_csv(out))
+    table = results.summary_table(results.read_csv(out))
     assert "sdpa_dense" in table and "dilated_attention" in table
 
 
-def test_flop_counts_match_dense_masks():
+def test_flop_counts_come_from_the_specs_and_match_dense_masks():
     from triton_dilated.perf.plot import dilated_multiplicity
+    specs = {s.name: s for s in SPECS}
     for mode, causal in (("longnet", False), ("longnet", True), ("head_groups", True)):
         case = bench.Case("dilated", mode, 2, 40, 3, 16, causal, torch.float32, "cpu", (16, 40), (1, 3))
         mult = dilated_multiplicity(40, (16, 40), (1, 3), 3, causal=causal, mode=mode)
-        assert bench.dilated_pairs(case) == 2 * int(mult.sum())   # a key two patterns select counts twice
+        assert bench.case_pairs(case) == 2 * int(mult.sum())   # a key two patterns select counts twice
+        kw = dict(segment_lengths=(16, 40), dilation_rates=(1, 3))
+        assert specs["ring_step"].pairs(2, 40, 3, causal, mode=mode, **kw) == 2 * int(mult.sum())
+        assert specs["dilated"].flops(2, 40, 3, 16, causal, backward=True, mode=mode, **kw) \
+            == 3.5 * 4 * 16 * 2 * int(mult.sum())
     lay = layouts.bigbird(100, 16, window=1, num_global_blocks=1, num_random=2, num_heads=3, causal=True)
-    assert bench.layout_pairs(lay, 2, 3, 100, True) == 2 * int(element_mask(lay, 100, True).sum())
+    assert specs["block_sparse"].pairs(2, 100, 3, True, layout=lay) == 2 * int(element_mask(lay, 100, True).sum())
+    assert specs["ring_step"].pairs(2, 100, 3, True, layout=lay) == 2 * int(element_mask(lay, 100, True).sum())
     lay = layouts.local(100, 32, window=1)
-    assert bench.layout_pairs(lay, 1, 4, 100, False) == 4 * int(element_mask(lay, 100, False).sum())
-    assert bench.dense_pairs(1, 1, 4, True) == 10
-    assert bench.flops(10, 8, "fwd_bwd") == 3.5 * bench.flops(10, 8, "fwd") == 3.5 * 320
+    assert specs["block_sparse"].pairs(1, 100, 4, False, layout=lay) == 4 * int(element_mask(lay, 100, False).sum())
+    case = bench.Case("block_sparse", "local", 1, 100, 4, 16, False, torch.float32, "cpu",
+                      layout=("local", (("window", 1),)), block_size=32)
+    assert bench.case_pairs(case) == 4 * int(element_mask(lay, 100, False).sum())
+    assert dense_pairs(1, 1, 4, True) == 10 == specs["ring_step"].pairs(1, 4, 1, True)
+    assert attention_flops(10, 8, backward=True) == 3.5 * attention_flops(10, 8) == 3.5 * 320
+    # every benchmarked variant has the spec fields the sweep uses instead of branches of its own
+    assert set(bench.OPS) == {"dilated", "block_sparse"}
+    for name in bench.OPS:
+        assert specs[name].pairs and specs[name].call and specs[name].baselines
 
 
 def test_cli_sweep_table_and_plot(tmp_path, capsys):
@@ -81,9 +104,9 @@ def test_cli_sweep_table_and_plot(tmp_path, capsys):
                "--budget", "0", "--no-plot", "--out", str(out)])
     assert rc == 0
     header, rows = _read(out)
-    assert header == bench.COLUMNS and {r["provider"] for r in rows} == {"portable", "sdpa_dense"}
+    assert header == results.COLUMNS and {r["provider"] for r in rows} == {"portable", "sdpa_dense"}
     printed = capsys.readouterr().out
-    assert "times in ms" in printed
+    assert "median ms over interleaved rounds" in printed and "dense/portable" in printed
     pngs = tmp_path / "pngs"
     assert main(["plot", str(out), "--out-dir", str(pngs)]) == 0
     for kind in ("time", "speedup", "tflops", "sparsity"):
@@ -142,12 +165,13 @@ def test_ring_table_and_plot_from_rows(tmp_path):
     rows = []
     for p, ms, mem in ((1, 10.0, 400.0), (2, 6.0, 210.0), (4, 4.0, 110.0)):
         for metric, value in (("ms", ms), ("peak_mem_mib", mem)):
-            rows.append(bench.make_row(op="ring_attention", variant="dense", provider="ring_p2p", mode="fwd", B=1,
+            rows.append(results.make_row(op="ring_attention", variant="dense", provider="ring_p2p", mode="fwd", B=1,
                                        N=4096, H=4, Hkv=4, D=64, dtype="float32", causal=True, world_size=p,
                                        metric=metric, value=value, machine="test"))
+    assert rows[0]["pass"] == "fwd"      # make_row still takes the old keyword
     path = tmp_path / "ring-test.csv"
-    bench.write_csv(rows, path)
-    assert "ring_p2p" in perf_ring.ring_table(bench.read_csv(path))
+    results.write_csv(rows, path)
+    assert "ring_p2p" in perf_ring.ring_table(results.read_csv(path))
     assert [p.rsplit("/", 1)[-1] for p in plot.plot_csv(str(path))] == ["ring-test-ring.png"]
 
 
@@ -223,3 +247,300 @@ def test_dispatch_takes_the_portable_path_where_no_tile_fits(monkeypatch):
     arch["now"] = Arch("sm80", (8, 0), 163 * 1024, 108, "fake")
     assert runtime.resolve_backend("auto", dev, need, 256, torch.float16) == "triton"
     assert runtime.resolve_backend("auto", dev, need, 256, torch.float32) == "triton"
+
+
+# ----------------------------------------------------------------------------- paired timing (issue 14)
+
+class _FakeClock:
+    """time.perf_counter for the timing module: calls advance it by what they "cost"."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_interleaved_rounds_pair_the_calls_and_cancel_drift(monkeypatch):
+    """Every round runs every call once (shuffled order); a ratio from paired rounds stays
+    at the true 2.0 while the machine slows down 1% per call, where two medians measured
+    one after the other (the old sweep's way) are off by a third."""
+    clock = _FakeClock()
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    calls = {"n": 0}
+    order = []
+
+    def work(name, cost):
+        def fn():
+            calls["n"] += 1
+            clock.now += cost * 1.01 ** calls["n"]      # drift: each call 1% slower than the last
+            order.append(name)
+        return fn
+
+    t = timing.Timing(warmup=0, budget_s=0.0, min_reps=30, max_reps=30, max_s=1e9)
+    times = timing.interleaved({"slow": work("slow", 2.0), "fast": work("fast", 1.0)}, "cpu", t)
+    assert len(times["slow"]) == len(times["fast"]) == 30
+    assert all(sorted(order[i:i + 2]) == ["fast", "slow"] for i in range(0, 60, 2))   # one of each per round
+    assert order[0::2] != ["slow"] * 30 and order[0::2] != ["fast"] * 30                # shuffled
+    ratio, spread = timing.paired_ratio(times["slow"], times["fast"])
+    assert abs(ratio - 2.0) < 0.03 and spread < 2
+    calls["n"] = 0
+    sequential = timing.median_ms(work("slow", 2.0), "cpu", t) / timing.median_ms(work("fast", 1.0), "cpu", t)
+    assert abs(sequential - 2.0) > 0.5
+
+
+def test_spread_is_the_interquartile_range_in_percent():
+    assert timing.spread_pct([10, 10, 10, 10, 10]) == 0
+    assert timing.spread_pct([8, 9, 10, 11, 12]) == pytest.approx(20.0)
+    assert math.isnan(timing.spread_pct([1, 2, 3]))    # too few rounds to say
+
+
+def _measured(fwd, fwd_bwd, dense_fwd, dense_bwd, other_cores=0.0):
+    return timing.Measured(times={("portable", "fwd"): fwd, ("portable", "fwd_bwd"): fwd_bwd,
+                                  ("sdpa_dense", "fwd"): dense_fwd, ("sdpa_dense", "fwd_bwd"): dense_bwd},
+                           mem={}, errors={}, other_cores=other_cores)
+
+
+def test_rows_carry_spread_and_flags():
+    case = bench.tiny_sweep("cpu", 64)[0]
+    base = dict(matmul_peak_tflops=0.1, machine="test", device="cpu")
+    steady = [10.0, 10.1, 9.9, 10.0, 10.05]
+    noisy = [10.0, 14.0, 7.0, 12.0, 8.0]
+    rows = bench.group_rows(case, _measured(steady, [30.0] * 5, [20.0] * 5, [60.0] * 5), {"portable", "sdpa_dense"},
+                            0.1, base)
+    cell = {(r["provider"], r["pass"], r["metric"]): r for r in rows}
+    assert cell[("portable", "fwd", "ms")]["value"] == 10.0 and cell[("portable", "fwd", "ms")]["rounds"] == 5
+    assert cell[("portable", "fwd", "ms")]["spread_pct"] == pytest.approx(0.5)   # (10.05 - 10) / 10
+    assert cell[("portable", "fwd", "speedup_vs_dense")]["value"] == pytest.approx(2.0, rel=0.01)
+    assert ("sdpa_dense", "fwd", "speedup_vs_dense") not in cell
+    assert not any(r["flags"] for r in rows)
+    # fwd_bwd faster than fwd, a wide spread, another process busy: each flagged where it applies
+    rows = bench.group_rows(case, _measured(noisy, [9.0] * 5, [20.0] * 5, [60.0] * 5, other_cores=1.0),
+                            {"portable", "sdpa_dense"}, 0.1, base)
+    cell = {(r["provider"], r["pass"], r["metric"]): r["flags"].split(";") for r in rows}
+    assert results.FLAG_SPREAD in cell[("portable", "fwd", "ms")]
+    assert results.FLAG_SPREAD in cell[("portable", "fwd", "speedup_vs_dense")]
+    assert results.FLAG_BWD in cell[("portable", "fwd_bwd", "ms")]
+    assert results.FLAG_BWD in cell[("portable", "fwd_bwd", "speedup_vs_dense")]
+    assert results.FLAG_BWD not in cell[("sdpa_dense", "fwd_bwd", "ms")]
+    assert all(results.FLAG_BUSY in cell[(p, m, "ms")] for p in ("portable", "sdpa_dense") for m in ("fwd", "fwd_bwd"))
+    assert results.FLAG_BUSY in cell[("portable", "fwd", "speedup_vs_dense")]
+    assert results.FLAG_SPREAD not in cell[("sdpa_dense", "fwd", "ms")]
+
+
+def test_sweep_times_dense_with_every_case_never_reuses_it(monkeypatch):
+    """Two cases of one shape: dense SDPA is timed in each case's own rounds (the old sweep
+    timed it once and printed the reused value as new)."""
+    seen = []
+    real = timing.measure_interleaved
+
+    def spy(shape, fns, modes, t=None):
+        seen.append((shape.variant, sorted(fns)))
+        return real(shape, fns, modes, t)
+
+    monkeypatch.setattr(bench, "measure_interleaved", spy)
+    cases = [bench.Case("dilated", v, 1, 64, 2, 16, True, torch.float32, "cpu", (32, 64), (1, 2))
+             for v in ("longnet", "head_groups")]
+    rows = bench.run_sweep(cases, timing=ONE_CALL, flex=False, only=["portable", "sdpa_dense"], quiet=True)
+    assert seen == [("longnet", ["portable", "sdpa_dense"]), ("head_groups", ["portable", "sdpa_dense"])]
+    assert len([r for r in rows if r["provider"] == "sdpa_dense" and r["metric"] == "ms"]) == 4
+
+
+def test_other_load_sees_a_busy_process():
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat")
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    try:
+        time.sleep(0.2)
+        with timing.OtherLoad() as load:
+            time.sleep(1.0)
+    finally:
+        busy.wait()
+    assert load.cores > 0.3     # the child's core (and anyone else's): never our own sleeping time
+
+
+# ----------------------------------------------------------------------------- readable output (issue 14)
+
+def _bench_row(provider, mode, metric, value, spread="", flags="", variant="longnet", n=1024, device="cpu"):
+    return results.make_row(op="dilated_attention", variant=variant, provider=provider, mode=mode, B=1, N=n, H=6,
+                            Hkv=6, D=64, dtype="float32", causal=True, attn_mode=variant, metric=metric, value=value,
+                            spread_pct=spread, flags=flags, rounds=9, matmul_peak_tflops=0.1, machine="test",
+                            device=device)
+
+
+def _example_rows():
+    return [_bench_row("portable", "fwd", "ms", 20.0, 3.0), _bench_row("portable", "fwd", "tflops", 0.05, 3.0),
+            _bench_row("portable", "fwd", "pct_matmul_peak", 50.0, 3.0),
+            _bench_row("portable", "fwd", "speedup_vs_dense", 2.0, 4.0),
+            _bench_row("sdpa_dense", "fwd", "ms", 40.0, 2.0),
+            _bench_row("portable", "fwd_bwd", "ms", 15.0, 25.0, "fwd_bwd<fwd;spread>10%"),
+            _bench_row("portable", "fwd_bwd", "tflops", 0.2, 25.0), _bench_row("portable", "fwd_bwd", "pct_matmul_peak",
+                                                                               200.0, 25.0),
+            _bench_row("portable", "fwd_bwd", "speedup_vs_dense", 8.0, 30.0, "fwd_bwd<fwd;spread>10%"),
+            _bench_row("sdpa_dense", "fwd_bwd", "ms", 120.0, 2.0, "busy")]
+
+
+def test_summary_table_checked_example(tmp_path):
+    path = tmp_path / "example.csv"
+    results.write_csv(_example_rows(), path)
+    lines = results.summary_table(results.read_csv(path)).splitlines()
+    assert lines[0] == "median ms over interleaved rounds, ±: interquartile range in % of the median"
+    assert lines[1].split() == ["op", "pattern", "causal", "N", "pass", "portable", "sdpa_dense", "|", "portable",
+                                "GFLOP/s", "%matmul", "dense/portable", "flags"]
+    assert lines[3].split() == ["dilated_attention", "mode=longnet", "True", "1024", "fwd", "20.000", "±3%",
+                                "40.000", "±2%", "|", "50.000", "50.0", "2.00x", "±4%"]
+    assert lines[4].split("|")[1].split() == ["200.000", "200.0", "8.00x", "±30%", "busy;", "fwd_bwd<fwd",
+                                              "portable,dense/portable;", "spread>10%", "portable,dense/portable"]
+    legend = "\n".join(lines[6:])
+    assert "pass: fwd = forward only" in legend
+    assert "%matmul: that rate as % of a 1024x1024 matmul timed in the same run (100 GFLOP/s); a reference, " \
+           "not a bound" in legend
+    assert "dense/portable: dense SDPA time / portable time" in legend and "> 1: portable is faster than dense" in legend
+    assert "CPU: the portable PyTorch backend" in legend
+
+
+def test_old_csv_without_pass_or_spread_still_reads():
+    """perf/results/cpu.csv predates the `pass` column (it says `mode`) and the spread."""
+    rows = results.read_csv(ROOT / "perf" / "results" / "cpu.csv")
+    assert rows and {r["pass"] for r in rows} == {"fwd", "fwd_bwd"}
+    assert all(math.isnan(r["spread_pct"]) and r["flags"] == [] for r in rows)
+    table = results.summary_table([r for r in rows if r["op"] in results.BENCH_OPS])
+    line = next(x for x in table.splitlines() if "mode=head_groups" in x and " 4096 fwd " in x)
+    assert "±" not in line and line.rstrip().endswith("x")     # a ratio of medians, no spread to show
+
+
+def _draw(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig).draw()
+    return fig
+
+
+def test_cpu_figures_say_portable_backend_use_readable_log_ticks_and_comment_the_matmul_line():
+    rows = []
+    for n, f in ((1024, 1.0), (2048, 3.0), (4096, 9.0)):
+        for r in _example_rows():
+            r = dict(r, N=n)
+            if r["metric"] == "ms":
+                r["value"] *= f
+            rows.append(r)
+    rows = [dict(r, flags=r["flags"].split(";") if r["flags"] else [], causal=True) for r in rows]
+    for r in rows:
+        for k in ("value", "matmul_peak_tflops", "density", "spread_pct"):
+            r[k] = float(r[k]) if r[k] != "" else float("nan")
+    figs = {kind: _draw(plot.figure(rows, kind)) for kind in ("time", "speedup", "tflops")}
+    figs["sparsity"] = _draw(plot.sparsity_figure([dict(r, density=0.5) for r in rows]))
+    for kind, fig in figs.items():
+        assert "portable PyTorch backend" in fig._suptitle.get_text(), kind
+    ax = figs["time"].axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    assert len(labels) >= 2 and all("$" not in x and "10^" not in x for x in labels), labels
+    assert all(float(x) > 0 for x in labels)
+    assert "GFLOP/s" in figs["tflops"].axes[0].get_ylabel()
+    texts = [t.get_text() for ax in figs["tflops"].axes for t in ax.texts]
+    assert any("a reference, not the machine's peak" in t for t in texts)   # fwd_bwd: 200 > the 100 GFLOP/s line
+
+
+# ----------------------------------------------------------------------------- CLI errors and help (issue 14)
+
+def test_table_and_plot_reject_missing_and_foreign_csvs(tmp_path, capsys):
+    foreign = ROOT / "perf" / "aot" / "defaults-bf16.csv"     # an AOT CSV: another kind
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    for path, says in ((tmp_path / "missing.csv", "no such file"), (foreign, "not a triton_dilated.perf result CSV"),
+                       (empty, "empty")):
+        for cmd in (["table", str(path)], ["plot", str(path), "--out-dir", str(tmp_path)]):
+            assert main(cmd) == 2, cmd
+            err = capsys.readouterr().err
+            assert says in err and "Traceback" not in err, (cmd, err)
+    layouts_csv = ROOT / "perf" / "results" / "cpu-layouts.csv"     # a result CSV without plots
+    assert main(["plot", str(layouts_csv), "--out-dir", str(tmp_path)]) == 1
+    assert "no sweep or ring rows to plot" in capsys.readouterr().err
+    assert main(["table", str(layouts_csv)]) == 0
+    assert "layout builder" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_ring_on_cuda_without_a_gpu_says_so(capsys, tmp_path):
+    assert main(["ring", "--device", "cuda", "--out", str(tmp_path / "ring.csv")]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA GPU is visible" in err and "--device cpu" in err and "Traceback" not in err
+    assert not (tmp_path / "ring.csv").exists()
+
+
+def test_every_option_has_help_with_its_default_and_one_dtype_spelling():
+    import argparse
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        for a in p._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            assert a.help, (name, a.dest)
+            takes_value = a.nargs != 0 and a.option_strings
+            if takes_value:
+                assert "default" in a.help, (name, a.option_strings, a.help)
+            if a.dest in ("dtype", "dtypes"):
+                assert tuple(a.choices) == DTYPES, (name, a.choices)
+    assert set(DTYPES) == {"float16", "bfloat16", "float32"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU exit; on a GPU the script runs for minutes")
+def test_gpu_check_without_a_gpu_stops_at_once(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}")
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", str(ROOT / "perf" / "gpu_check.sh"), str(out)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode != 0
+    assert "no CUDA GPU visible to torch" in proc.stderr and "nothing was run" in proc.stderr
+    assert time.monotonic() - t0 < 60 and not out.exists()
+
+
+# ----------------------------------------------------------------------------- plan (the cost model, issue 12)
+
+def test_plan_costs_checked_example():
+    """One dense pattern (w = N = 128, r = 1), H = 1, D = 64, 64-row tiles, bf16: every pair is
+    useful and computed once (efficiency 1); the tiles read K and V 128/64 = 2 times (2 x 128
+    rows x 256 B = 65,536 B from L2); Q, K, V, O once = 65,536 B from HBM, which at 3.35 TB/s
+    is the bound (4 x 64 x 16,384 FLOP at 989 TFLOP/s and 65,536 B at 5.5 TB/s take less)."""
+    from triton_dilated.perf.cost_model import plan_costs
+    c = plan_costs(n=128, heads=1, head_dim=64, segment_lengths=(128,), dilation_rates=(1,), causal=False)[0]
+    assert (c.useful_pairs, c.computed_pairs, c.efficiency) == (128 * 128, 128 * 128, 1.0)
+    assert c.kv_bytes == 65536 and c.compulsory_bytes == 65536
+    b = c.bound()
+    assert b["limiter"] == "HBM bandwidth"
+    assert b["ms"] == pytest.approx(65536 / 3.35e12 * 1e3)
+    assert b["times_ms"]["tensor cores"] == pytest.approx(4 * 64 * 128 * 128 / 989e12 * 1e3)
+    assert b["times_ms"]["L2 bandwidth"] == pytest.approx(65536 / 5.5e12 * 1e3)
+    # 128-row tiles read K and V once per tile: half the L2 bytes
+    assert plan_costs(n=128, heads=1, head_dim=64, segment_lengths=(128,), dilation_rates=(1,))[1].kv_bytes == 32768
+
+
+def test_plan_cli_prints_pairs_efficiency_bytes_and_bound(capsys):
+    """`perf plan` at a small LongNet shape: the useful pairs it prints are the dilated spec's
+    own count, the computed pairs are at least as many (efficiency <= 1), and the assumed
+    H100 figures (tensor cores, HBM, L2) are stated."""
+    from triton_dilated.ops.dilated.spec import LONGNET_R, LONGNET_W, count_pairs
+    assert main(["plan", "--seqlen", "4096", "--heads", "4", "--head-dim", "64", "--causal", "no"]) == 0
+    out = capsys.readouterr().out
+    assert "989 TFLOP/s" in out and "3.35 TB/s HBM" in out and "5.5 TB/s L2" in out
+    pairs = count_pairs(1, 4096, 4, False, segment_lengths=[min(w, 4096) for w in LONGNET_W],
+                        dilation_rates=LONGNET_R)
+    assert f"useful pairs {pairs:.4g}" in out
+    line = next(x for x in out.splitlines() if x.startswith("64-row tiles (today)"))
+    efficiency, computed, kv_gb, ms = (float(x) for x in line.split()[3:7])
+    assert 0.5 < efficiency <= 1.0 and computed >= pairs
+    assert ms > 0 and kv_gb > 0
+    assert "2 classes x 64 rows" in out and "128-row tiles" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--heads", "4", "--kv-heads", "3"], "--heads (4) must be a multiple of --kv-heads (3)"),
+    (["--block-m", "48"], "--block-m must be a power of two >= 16, got 48"),
+    (["--seqlen", "0"], "--seqlen must be a positive integer, got 0"),
+    (["--segment-lengths", "1024", "2048", "--dilation-rates", "1"], "one entry per pattern; got 2 and 1"),
+    (["--segment-lengths", "1024", "--dilation-rates", "0"], "dilation_rates must hold positive ints, got 0"),
+], ids=["kv-heads", "block-m", "seqlen", "lengths", "rate"])
+def test_plan_cli_rejects_bad_arguments(args, message, capsys):
+    argv = ["plan", *args] if "--seqlen" in args else ["plan", "--seqlen", "4096", *args]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -11,7 +11,7 @@ import sys
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "triton_dilated"
 KERNEL_FILES = {"ops/common/kernels.py", "ops/dilated/kernels.py", "ops/block_sparse/kernels.py",
                 "ops/ring/step_kernels.py"}
-TOOLS = {"perf/aot.py", "perf/bench.py"}   # compile kernels / report triton's version: lazily, inside functions
+TOOLS = {"perf/aot.py"}   # compiles the kernels: imports triton lazily, inside functions
 
 NO_TRITON = r"""
 import sys

@@ -115,6 +115,12 @@ REJECTED = [
     ("r-zero", lambda: _call(dilation_rates=[1, 0]), ValueError, r"^dilation_rates must hold positive ints, got 0"),
     ("r-negative", lambda: _call(dilation_rates=[-1, 2]), ValueError,
      r"^dilation_rates must hold positive ints, got -1"),
+    ("r-above-w", lambda: _call(segment_lengths=[4, 8], dilation_rates=[1, 16]), ValueError,
+     r"^dilation_rates\[1\] = 16 is larger than segment_lengths\[1\] = 8: .*look swapped"),
+    ("lists-swapped", lambda: _call(segment_lengths=[1, 2], dilation_rates=[4, 8]), ValueError,
+     r"^dilation_rates\[0\] = 4 is larger than segment_lengths\[0\] = 1: .*look swapped"),
+    ("w-float-tensor", lambda: _call(segment_lengths=torch.tensor([4.0, 8.0])), TypeError,
+     r"^segment_lengths must hold ints, got a tensor of torch.float32"),
     # ---- string choices
     ("mode-unknown", lambda: _call(mode="dense"), ValueError, r"^mode must be one of .*got 'dense'"),
     ("mode-case", lambda: _call(mode="LongNet"), ValueError, r"^mode must be one of"),
@@ -198,11 +204,12 @@ def test_interpreter_set_after_import():
         assert expected in proc.stdout, proc.stdout
 
 
-def test_pattern_lists_accept_tuples_numpy_ints_and_tensors():
+def test_pattern_lists_accept_tuples_numpy_ints_arrays_ranges_and_tensors():
     q, k, v = _qkv(N=12)
     ref = dilated_attention(q, k, v, [4, 8], [1, 2], backend="torch")
     for w, r in [((4, 8), (1, 2)), ([np.int64(4), np.int32(8)], (np.int64(1), 2)),
-                 (torch.tensor([4, 8]), torch.tensor([1, 2]))]:
+                 (torch.tensor([4, 8]), torch.tensor([1, 2])), (np.array([4, 8]), np.array([1, 2])),
+                 (range(4, 9, 4), range(1, 3))]:
         out = dilated_attention(q, k, v, w, r, backend="torch")
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
 

@@ -14,20 +14,40 @@ Under `torch.compile` the modules call the custom ops (`dilated_attention_op`, `
 functions (which keep the portable backend's autograd graph instead of recomputing it).
 Both give the same results.
 
-Differences from dilated-attention-pytorch, on purpose:
-* `mode="longnet"` (the default) is the paper's attention: every head uses every
-  pattern, mixed by their softmax denominators. `mode="head_groups"` is that library's
-  head grouping, without its extra `out / num_groups` and per-segment output
-  normalisation.
-* The kernels have no attention-probability dropout: `dropout` is applied to the
-  attention output, after the sub-LayerNorm, on the input of out_proj (dilated-attention-
-  pytorch stores `dropout` but never applies it).
+What matches dilated-attention-pytorch (fkodom/dilated-attention-pytorch, checked against
+its code) and what does not:
+* Its `DilatedAttention` splits the heads into one contiguous group per pattern (group i:
+  pattern i, offset i % r_i), attends within the group's dilated rows, then divides each
+  group's output by its sum over the whole sequence (`x / x.sum(dim=(1, 2))`: per batch,
+  head and channel, over every segment and row) and the total by the number of groups.
+  `mode="head_groups"` is the grouping alone, without both divisions, so its outputs are
+  not that library's: theirs = ours / (num_groups * ours summed over positions).
+  `compat="dilated-attention-pytorch"` (on `DilatedAttention` and
+  `MultiheadDilatedAttention`) adds both divisions (the sum in float32): a checkpoint
+  trained with that library then gives its outputs and gradients after
+  `load_state_dict(strict=True)`, for the shapes it runs: num_heads a multiple of the
+  number of patterns and N a multiple of every segment length. Where that library cannot
+  run (N % w != 0, w > N), compat mode extends it: head groups with a short last segment,
+  then the same two divisions.
+* `mode="longnet"` (the default) is the paper's attention instead: every head uses every
+  pattern, mixed by their softmax denominators (no sums over the sequence, causal
+  attention stays causal).
+* That library stores `dropout` (as `attention_dropout`) and `softmax_scale` but applies
+  neither: its attention always runs with scale 1/sqrt(D) and no dropout. Here `dropout`
+  is applied to the attention output, after the sub-LayerNorm, on the input of out_proj
+  (so in training mode with dropout > 0 the outputs differ from that library's, in eval
+  mode they do not); the kernels have no attention-probability dropout, so a non-zero
+  `attention_dropout` is refused; `softmax_scale` (= `scale`) is applied, and refused in
+  compat mode (it would change the outputs that mode exists to reproduce).
 * The head dim may be any size up to 256 (no multiple-of-8 / <= 128 limits), and with
   `mode="head_groups"` num_heads need not be a multiple of the number of patterns (groups
-  differ by at most one head; every pattern needs at least one head).
+  differ by at most one head; every pattern needs at least one head). With uneven heads
+  that library's head slices overlap and leave its last heads at zero: compat mode
+  refuses such shapes.
 """
 from __future__ import annotations
 
+import collections
 import math
 import numbers
 from typing import Callable, Optional, Sequence, Union
@@ -37,7 +57,7 @@ from torch import Tensor, nn
 
 from .ops.block_sparse import BlockLayout, block_sparse_attention, block_sparse_attention_op
 from .ops.common.runtime import BACKENDS
-from .ops.common.validation import check_bool, check_choice, check_scale
+from .ops.common.validation import check_bool, check_choice, check_int, check_scale
 from .ops.dilated import dilated_attention, dilated_attention_op
 from .ops.dilated.patterns import check_patterns
 from .ops.ring import ring_attention
@@ -49,14 +69,6 @@ __all__ = ["DilatedAttention", "MultiheadDilatedAttention", "BlockSparseAttentio
 
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
-
-
-def _check_int(name, value, minimum=1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def _check_real(name, value) -> float:
@@ -76,46 +88,117 @@ def _check_backend(backend):
     return check_choice("backend", backend, BACKENDS)
 
 
+COMPAT_DAP = "dilated-attention-pytorch"
+COMPATS = (COMPAT_DAP,)
+
+
+def _check_compat(compat, mode, scale):
+    """compat (None or "dilated-attention-pytorch") and the mode it implies -> (compat, mode)."""
+    if compat is None:
+        return None, "longnet" if mode is None else mode
+    check_choice("compat", compat, COMPATS)
+    if mode not in (None, "head_groups"):
+        raise ValueError(f"compat={compat!r} is head-group attention: mode must be 'head_groups' (or left out), "
+                         f"got {mode!r}")
+    if scale is not None:
+        raise ValueError(f"compat={compat!r} reproduces that library, whose attention always uses the scale "
+                         f"1/sqrt(head_dim) (it stores softmax_scale without applying it): leave scale / "
+                         f"softmax_scale None, got {scale}")
+    return compat, "head_groups"
+
+
+def _check_compat_heads(num_heads, num_patterns, compat):
+    if num_heads % num_patterns:
+        raise ValueError(f"compat={compat!r} needs num_heads ({num_heads}) to be a multiple of the number of "
+                         f"patterns ({num_patterns}): with uneven groups that library's head slices overlap and "
+                         f"leave its last heads at zero, which is not reproduced")
+
+
 # ----------------------------------------------------------------------------- dilated
 
 class DilatedAttention(nn.Module):
     """LongNet dilated attention over (B, N, H, D) tensors (see `dilated_attention`).
 
     Args:
-        segment_lengths, dilation_rates: one (w, r) per pattern.
+        segment_lengths, dilation_rates: one (w, r) per pattern (in this order, as for
+            `dilated_attention` and dilated-attention-pytorch's `DilatedAttention`).
+        softmax_scale: dilated-attention-pytorch's name for `scale` (give one of them).
+        attention_dropout: dilated-attention-pytorch's argument, accepted as 0.0 only: the
+            kernels have no attention-probability dropout (that library stores it and
+            never applies it, so 0.0 reproduces its results).
         causal: the default for forward's `causal`.
         mode: "longnet" (default) or "head_groups"; offsets: "modulo" or "blocked".
         scale: score scale, default 1/sqrt(D).
         backend: "auto", "triton" or "torch".
+        compat: None, or "dilated-attention-pytorch": that library's outputs (head groups,
+            each group's output divided by its sum over the sequence, the total by the
+            number of groups; see the module docstring). Implies mode="head_groups" and
+            needs Hq a multiple of the number of patterns; no lse.
 
-    forward(query, key, value, causal=None, return_lse=False): query (B, N, Hq, D),
-    key/value (B, N, Hkv, D) with Hq % Hkv == 0; returns out like query, or (out, lse).
-    The module has no parameters.
+    forward(query, key, value, causal=None, return_lse=False, *, is_causal=None): query
+    (B, N, Hq, D), key/value (B, N, Hkv, D) with Hq % Hkv == 0; returns out like query, or
+    (out, lse). `is_causal` is dilated-attention-pytorch's name for `causal`. The module has
+    no parameters.
     """
 
-    def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int], *, causal: bool = False,
-                 mode: str = "longnet", offsets: str = "modulo", scale: Optional[float] = None,
-                 backend: str = "auto"):
+    def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+                 softmax_scale: Optional[float] = None, attention_dropout: float = 0.0, *, causal: bool = False,
+                 mode: Optional[str] = None, offsets: str = "modulo", scale: Optional[float] = None,
+                 backend: str = "auto", compat: Optional[str] = None):
         super().__init__()
+        if softmax_scale is not None and scale is not None:
+            raise ValueError(f"give scale or softmax_scale (the same argument), not both: got scale={scale}, "
+                             f"softmax_scale={softmax_scale}")
+        scale = _check_module_scale(scale if softmax_scale is None else softmax_scale)
+        attention_dropout = _check_real("attention_dropout", attention_dropout)
+        if attention_dropout != 0.0:
+            raise ValueError(f"attention_dropout must be 0.0, got {attention_dropout}: the kernels have no "
+                             f"attention-probability dropout (dilated-attention-pytorch stores attention_dropout "
+                             f"but never applies it, so 0.0 reproduces its results)")
+        self.compat, mode = _check_compat(compat, mode, scale)
         patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
         self.segment_lengths = [w for w, _ in patterns]
         self.dilation_rates = [r for _, r in patterns]
         self.causal = check_bool("causal", causal)
         self.mode, self.offsets = mode, offsets
-        self.scale = _check_module_scale(scale)
+        self.scale = scale
         self.backend = _check_backend(backend)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, causal: Optional[bool] = None,
-                return_lse: bool = False):
+                return_lse: bool = False, *, is_causal: Optional[bool] = None):
+        if is_causal is not None:
+            if causal is not None:
+                raise ValueError("give causal or is_causal (the same argument), not both")
+            causal = check_bool("is_causal", is_causal)
         causal = self.causal if causal is None else causal
+        if self.compat is not None:
+            return self._compat_forward(query, key, value, causal, return_lse)
         fn = dilated_attention_op if _compiling() else dilated_attention
         return fn(query, key, value, self.segment_lengths, self.dilation_rates, causal=causal, scale=self.scale,
                   mode=self.mode, offsets=self.offsets, return_lse=return_lse, backend=self.backend)
 
+    def _compat_forward(self, query, key, value, causal, return_lse):
+        """dilated-attention-pytorch's DilatedAttention: per head group g of m,
+        out_g = attention_g / sum over positions of attention_g, then out / m."""
+        check_bool("return_lse", return_lse)
+        if return_lse:
+            raise ValueError(f"return_lse is not available with compat={self.compat!r} (its outputs are no "
+                             f"longer a softmax average)")
+        if isinstance(query, Tensor) and query.dim() == 4:
+            _check_compat_heads(query.shape[2], len(self.segment_lengths), self.compat)
+        fn = dilated_attention_op if _compiling() else dilated_attention
+        out = fn(query, key, value, self.segment_lengths, self.dilation_rates, causal=causal, scale=None,
+                 mode="head_groups", backend=self.backend)
+        # The sum over positions (float32) is per (batch, head, channel); rows a group does
+        # not use are 0 in `out` and stay 0.
+        total = out.sum(dim=1, keepdim=True, dtype=torch.float32)
+        return (out.float() / (len(self.segment_lengths) * total)).to(out.dtype)
+
     def extra_repr(self) -> str:
+        compat = f", compat={self.compat!r}" if self.compat is not None else ""
         return (f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, "
                 f"causal={self.causal}, mode={self.mode!r}, offsets={self.offsets!r}, scale={self.scale}, "
-                f"backend={self.backend!r}")
+                f"backend={self.backend!r}{compat}")
 
 
 class MultiheadDilatedAttention(nn.Module):
@@ -140,7 +223,12 @@ class MultiheadDilatedAttention(nn.Module):
         device, dtype: of the parameters.
         num_kv_heads: key/value heads (GQA/MQA); k_proj, v_proj map to
             num_kv_heads * head_dim. Default num_heads.
-        mode, offsets, scale, backend: as for `dilated_attention`.
+        mode, offsets, scale, backend: as for `dilated_attention` (mode default "longnet").
+        compat: None, or "dilated-attention-pytorch": that library's outputs (see
+            `DilatedAttention` and the module docstring), so that its checkpoints load
+            with `load_state_dict(strict=True)` and give its outputs and gradients. Implies
+            mode="head_groups"; needs num_heads a multiple of len(dilation_rates), scale
+            None and no group.
         group: a torch.distributed process group (e.g. torch.distributed.group.WORLD) for
             sequence parallelism: each rank passes its shard (B, N_local, E) of the
             sequence (see `triton_dilated.shard`) and gets its shard of the output, through
@@ -155,13 +243,15 @@ class MultiheadDilatedAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, dilation_rates: Sequence[int], segment_lengths: Sequence[int],
                  dropout: float = 0.0, bias: bool = True, layer_norm: bool = True, layer_norm_eps: float = 1e-5,
                  gamma_init: float = 1.0, device: Optional[Union[torch.device, str]] = None,
-                 dtype: Optional[torch.dtype] = None, *, num_kv_heads: Optional[int] = None, mode: str = "longnet",
-                 offsets: str = "modulo", scale: Optional[float] = None, backend: str = "auto", group=None,
-                 comm: str = "p2p", balance: str = "contiguous"):
+                 dtype: Optional[torch.dtype] = None, *, num_kv_heads: Optional[int] = None,
+                 mode: Optional[str] = None, offsets: str = "modulo", scale: Optional[float] = None,
+                 backend: str = "auto", group=None, comm: str = "p2p", balance: str = "contiguous",
+                 compat: Optional[str] = None):
         super().__init__()
-        embed_dim = _check_int("embed_dim", embed_dim)
-        num_heads = _check_int("num_heads", num_heads)
-        num_kv_heads = num_heads if num_kv_heads is None else _check_int("num_kv_heads", num_kv_heads)
+        embed_dim = check_int("embed_dim", embed_dim, 1)
+        num_heads = check_int("num_heads", num_heads, 1)
+        num_kv_heads = num_heads if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads, 1)
+        compat, mode = _check_compat(compat, mode, scale)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if num_heads % num_kv_heads:
@@ -173,6 +263,11 @@ class MultiheadDilatedAttention(nn.Module):
         if mode == "head_groups" and num_heads < len(patterns):
             raise ValueError(f"mode='head_groups' needs at least one head per pattern: num_heads ({num_heads}) < "
                              f"len(dilation_rates) ({len(patterns)})")
+        if compat is not None:
+            _check_compat_heads(num_heads, len(patterns), compat)
+            if group is not None:
+                raise ValueError(f"compat={compat!r} cannot be combined with group: its normalisation sums each "
+                                 f"head's output over the whole sequence, which the ring does not gather")
         dropout = _check_real("dropout", dropout)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
@@ -201,7 +296,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.attention = DilatedAttention([w for w, _ in patterns], [r for _, r in patterns], mode=mode,
-                                          offsets=offsets, scale=scale, backend=backend)
+                                          offsets=offsets, scale=scale, backend=backend, compat=compat)
         self.norm: Optional[nn.LayerNorm] = (nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory)
                                              if layer_norm else None)
         self.dropout = nn.Dropout(dropout)
@@ -253,6 +348,8 @@ class MultiheadDilatedAttention(nn.Module):
 
     def extra_repr(self) -> str:
         extra = f", group={self.group!r}, comm={self.comm!r}, balance={self.balance!r}" if self.group is not None else ""
+        if self.attention.compat is not None:
+            extra += f", compat={self.attention.compat!r}"
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"dropout={self.dropout.p}{extra}")
 
@@ -270,7 +367,8 @@ class BlockSparseAttention(nn.Module):
             moves it; it is configuration, not state: state_dict stays empty), or a
             builder callable returning a BlockLayout:
               * builder_input="seq_len" (default): called as `layout(seq_len)`, once per
-                sequence length (cached per (seq_len, device)), e.g.
+                sequence length (the `cache_size` most recently used layouts are kept, per
+                (seq_len, device)), e.g.
                 `functools.partial(layouts.local, block_size=64, window=2)` or
                 `lambda n: layouts.bigbird(n, 64)`.
               * builder_input="qk": called as `layout(q, k)` on every forward, with q, k
@@ -278,6 +376,8 @@ class BlockSparseAttention(nn.Module):
                 `lambda q, k: layouts.topk(q, k, top_k=4, block_size=64)`.
         causal: the default for forward's `causal`.
         scale: default 1/sqrt(D). backend: "auto", "triton" or "torch".
+        cache_size: how many built layouts a seq_len builder keeps (least recently used
+            dropped first; 0: rebuild on every call). Default 8.
 
     forward(query, key, value, causal=None, return_lse=False) returns out like query, or
     (out, lse). torch.compile(fullgraph=True) needs a fixed layout (the builders use
@@ -285,16 +385,17 @@ class BlockSparseAttention(nn.Module):
     """
 
     def __init__(self, layout: Union[BlockLayout, Callable], *, causal: bool = False, scale: Optional[float] = None,
-                 backend: str = "auto", builder_input: str = "seq_len"):
+                 backend: str = "auto", builder_input: str = "seq_len", cache_size: int = 8):
         super().__init__()
         check_choice("builder_input", builder_input, BUILDER_INPUTS)
+        self.cache_size = check_int("cache_size", cache_size, 0)
         self.causal = check_bool("causal", causal)
         self.scale = _check_module_scale(scale)
         self.backend = _check_backend(backend)
         self.builder_input = builder_input
         self.builder: Optional[Callable] = None
         self.block_size: Optional[int] = None
-        self._cache: dict = {}
+        self._cache: collections.OrderedDict = collections.OrderedDict()   # LRU: oldest first
         if isinstance(layout, BlockLayout):
             if builder_input != "seq_len":
                 raise ValueError("builder_input applies to a builder callable, not to a fixed BlockLayout")
@@ -321,14 +422,18 @@ class BlockSparseAttention(nn.Module):
         else:
             key = (q.shape[1], q.device)
             layout = self._cache.get(key)
-            if layout is None:
-                layout = self.builder(q.shape[1])
+            if layout is not None:
+                self._cache.move_to_end(key)
+                return layout
+            layout = self.builder(q.shape[1])
         if not isinstance(layout, BlockLayout):
             raise TypeError(f"the layout builder must return a BlockLayout, got {type(layout).__name__}")
         if layout.kv_indices.device != q.device:
             layout = layout.to(q.device)
-        if self.builder_input == "seq_len":
-            self._cache[(q.shape[1], q.device)] = layout
+        if self.builder_input == "seq_len" and self.cache_size > 0:
+            self._cache[key] = layout
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return layout
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, causal: Optional[bool] = None,

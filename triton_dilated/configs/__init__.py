@@ -32,31 +32,58 @@ def make_config(block_m: int, block_n: int, warps: int, stages: int) -> dict:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
 
+# Hopper (sm90; the same tables serve later archs, unchecked) with 16-bit inputs: warpgroup
+# MMAs (wgmma) give each warpgroup of 4 warps 64 rows, so the defaults keep BLOCK_M >= 16 x
+# num_warps. With 8 warps on a 64-row tile Triton lays the MMA over both warpgroups with
+# warpsPerCTA = [8, 1] and each computes the whole S: a third of the tensor-core work and
+# half the softmax done twice (`perf aot`: column mma_replicated; perf/aot/sm90-*.csv).
+
 # Untuned backward defaults: (Hopper?, padded head dim <= 64?) -> family -> config. Chosen
-# from an ahead-of-time compile of every kernel for sm90 and sm80 (ptxas -v, bf16, no GPU
-# needed): the largest tile with which both the dQ and the dK/dV kernel (they share one
-# config) keep everything in registers, or else the one that spills least. dK/dV holds k,
-# v, dk and dv in registers, so it is what forces the smaller tiles.
+# from an ahead-of-time compile of every kernel for sm90 and sm80 (ptxas -v, bf16, triton
+# 3.6, no GPU needed; perf/aot/*-triton36.csv): the largest tile with which both the dQ and
+# the dK/dV kernel (they share one config) keep everything in registers, or else the one that
+# spills least. dK/dV holds k, v, dk and dv in registers, so it is what forces the smaller
+# tiles. Hopper: dQ on wgmma where a tile allows it without spills (64x32, 4 warps; at
+# D = 128, 128x32 with 8 warps for the block-sparse and ring kernels, whose query tiles lose
+# nothing to 128 rows); the dilated kernels keep 32x32 at D = 128 (mma.sync): every wgmma
+# tile there either spills in dK/dV (64x32: 68 B, 64x64: 136 B) or takes 128-row query tiles,
+# which cost the planner 15% more computed pairs (LongNet, N = 32K).
 BWD_DEFAULTS = {
-    (True, True): {"dilated_bwd": make_config(64, 64, 8, 2), "block_sparse_bwd": make_config(64, 64, 8, 2),
-                   "ring_step_bwd": make_config(64, 64, 8, 2)},
-    (True, False): {"dilated_bwd": make_config(32, 32, 4, 2),   # every candidate spills in dK/dV; this one 24 B
-                    "block_sparse_bwd": make_config(64, 32, 4, 2), "ring_step_bwd": make_config(64, 32, 4, 2)},
-    (False, True): {"dilated_bwd": make_config(64, 32, 4, 2),   # dK/dV spills 8 B
+    (True, True): {"dilated_bwd": make_config(64, 32, 4, 2), "block_sparse_bwd": make_config(64, 32, 4, 2),
+                   "ring_step_bwd": make_config(64, 32, 4, 2)},
+    (True, False): {"dilated_bwd": make_config(32, 32, 4, 2),
+                    "block_sparse_bwd": make_config(128, 32, 8, 2), "ring_step_bwd": make_config(128, 32, 8, 2)},
+    (False, True): {"dilated_bwd": make_config(64, 32, 4, 2),
                     "block_sparse_bwd": make_config(64, 32, 4, 2), "ring_step_bwd": make_config(64, 32, 4, 2)},
     (False, False): {"dilated_bwd": make_config(64, 64, 8, 2), "block_sparse_bwd": make_config(64, 32, 4, 2),
                      "ring_step_bwd": make_config(64, 64, 8, 2)},
 }
 
+# Hopper forward defaults at D <= 128 that differ from 64x64, 4 warps: the ring step kernel
+# spills 124-132 B at 64x64 (and duplicates S with 8 warps); 64x32 keeps it in registers.
+HOPPER_FWD_DEFAULTS = {"ring_step_fwd": make_config(64, 32, 4, 2)}
+
 # 16-bit defaults for head dims over 128 (D = 256), from the same ahead-of-time compile over
 # 6-7 candidates on sm90 and sm80 (perf/aot/d256-bf16.csv): 8 warps halve the registers a
-# thread needs for its rows of the wide accumulators. Every choice keeps both archs free of
-# spills except block-sparse dK/dV on sm80 (484 B; 4-warp tiles spill 5-11 KB there).
+# thread needs for its rows of the wide accumulators. With triton 3.6 on sm80 they spill in
+# block-sparse dK/dV (496 B; 4-warp tiles spill 5-11 KB there) and the ring step forward
+# (92 B), and 8 warps side by side (64 columns) compute the 32-column S tiles twice
+# (mma_replicated in perf/aot/sm90-sm80-bf16-after-triton36.csv): a 64-column tile spills
+# 0.2-6 KB in dK/dV instead.
 WIDE_HEAD_DEFAULTS = {
     "dilated_fwd": make_config(64, 32, 8, 2), "block_sparse_fwd": make_config(64, 32, 8, 2),
     "ring_step_fwd": make_config(32, 64, 4, 2),
     "dilated_bwd": make_config(32, 32, 8, 2), "block_sparse_bwd": make_config(64, 16, 8, 2),
     "ring_step_bwd": make_config(32, 32, 8, 2),
+}
+# Hopper at D = 256: 64-row tiles with 4 warps or 128-row tiles with 8 (no duplicated S).
+# dilated_fwd 64x32 w4 s3 spills 8 B (128x32 w8 spills none but costs the planner 15%);
+# block-sparse 128-row tiles (one layout block) spill nothing. The ring step forward and the
+# dilated and ring backward keep the tiles above: every wgmma tile spills 0.5-4 KB there.
+HOPPER_WIDE_HEAD_DEFAULTS = {
+    **WIDE_HEAD_DEFAULTS,
+    "dilated_fwd": make_config(64, 32, 4, 3), "block_sparse_fwd": make_config(128, 32, 8, 2),
+    "block_sparse_bwd": make_config(128, 16, 8, 2),
 }
 
 
@@ -88,10 +115,12 @@ def config_fits(family: str, config: dict, head_dim_padded: int, arch: Arch, dty
 
 def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The config used where configs/<arch>.json has no tuned entry. Forward kernels:
-    64x64 tiles, 4 warps up to D=64 and 8 up to D=128 (no spills on sm80 or sm90); backward
-    kernels: BWD_DEFAULTS; D > 128: WIDE_HEAD_DEFAULTS; float32: small tiles. Then fewer
-    stages, then smaller tiles, until the shared-memory estimate fits the arch."""
+    64x64 tiles, 4 warps (Hopper: HOPPER_FWD_DEFAULTS, else 4 warps up to D=64 and 8 up to
+    D=128: no spills on sm80); backward kernels: BWD_DEFAULTS; D > 128: (HOPPER_)
+    WIDE_HEAD_DEFAULTS; float32: small tiles. Then fewer stages, then smaller tiles, until
+    the shared-memory estimate fits the arch."""
     big_smem = arch.shared_memory >= 160 * 1024
+    hopper = arch.capability >= (9, 0)
     backward = is_backward(family)
     if dtype == torch.float32:
         # three tf32 products per dot need about twice the registers and shared memory: every
@@ -99,10 +128,12 @@ def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.d
         # moderate (block-sparse backward: 64x32, where 32x32 spills 20 KB)
         cfg = make_config(64 if family == "block_sparse_bwd" else 32, 32, 4, 2)
     elif head_dim_padded > 128 and family in WIDE_HEAD_DEFAULTS:
-        cfg = dict(WIDE_HEAD_DEFAULTS[family])
+        cfg = dict((HOPPER_WIDE_HEAD_DEFAULTS if hopper else WIDE_HEAD_DEFAULTS)[family])
     elif backward:
-        by_family = BWD_DEFAULTS[(arch.capability >= (9, 0), head_dim_padded <= 64)]
+        by_family = BWD_DEFAULTS[(hopper, head_dim_padded <= 64)]
         cfg = dict(by_family.get(family, make_config(64, 32, 4, 2)))
+    elif hopper:
+        cfg = dict(HOPPER_FWD_DEFAULTS.get(family, make_config(64, 64, 4, 3 if big_smem else 2)))
     else:
         cfg = make_config(64, 64, 4 if head_dim_padded <= 64 else 8, 3 if big_smem else 2)
     while not config_fits(family, cfg, head_dim_padded, arch, dtype):

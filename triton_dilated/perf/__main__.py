@@ -11,7 +11,11 @@
   python -m triton_dilated.perf plot      PNG plots from result CSVs
   python -m triton_dilated.perf table     print the summary table of a result CSV
   python -m triton_dilated.perf aot       compile every kernel for sm90/sm80 without a GPU:
-                                          compile errors, registers, spills, shared memory
+                                          compile errors, registers, spills, shared memory,
+                                          wgmma/mma.sync, cp.async/TMA, pipeline depth
+  python -m triton_dilated.perf plan      the dilated forward's cost model on a CPU: useful vs
+                                          computed (query, key) pairs, K/V bytes, and the
+                                          roofline bound on an H100
 
 Results are long-format CSV rows (one per op, provider, mode, shape, metric) with provenance
 (machine, arch, torch/triton/CUDA versions, git sha, kernel config, UTC timestamp).
@@ -23,7 +27,7 @@ import argparse
 import os
 import sys
 
-COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot")
+COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot", "plan")
 DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -32,67 +36,109 @@ def _parser():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("sweep", help="the default benchmark sweep (also: no command)")
+    def command(name, help_text):
+        return sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = command("sweep", "the default benchmark sweep (also: no command)")
     p.add_argument("--out", default="perf/out/sweep.csv", help="CSV to write (default: %(default)s)")
-    p.add_argument("--seqlens", type=int, nargs="+", help="sequence lengths (default: what fits this machine)")
-    p.add_argument("--ops", nargs="+", choices=("dilated", "block_sparse"), default=["dilated", "block_sparse"])
-    p.add_argument("--providers", nargs="+", help="only these providers (triton, portable, head_group_loop, "
-                                                  "flex, sdpa_dense)")
-    p.add_argument("--quick", action="store_true", help="one small sequence length (smoke test)")
-    p.add_argument("--tiny", action="store_true", help="one tiny case per op (tests; interpreter-friendly)")
+    p.add_argument("--seqlens", type=int, nargs="+", metavar="N",
+                   help="sequence lengths (default: GPU 8192 16384 32768, and 65536 with >= 40 GiB; "
+                        "CPU 1024 2048 4096)")
+    p.add_argument("--ops", nargs="+", choices=("dilated", "block_sparse"), default=["dilated", "block_sparse"],
+                   help="which ops to time (default: both)")
+    p.add_argument("--providers", nargs="+", metavar="NAME",
+                   help="only these providers: triton, portable, head_group_loop, flex, sdpa_dense "
+                        "(default: every one that can run the case; without sdpa_dense no speedups)")
+    p.add_argument("--quick", action="store_true", help="one small sequence length, causal only (default: off)")
+    p.add_argument("--tiny", action="store_true",
+                   help="one tiny case per op, N = the first --seqlens or 128 (tests; interpreter-friendly; "
+                        "default: off)")
     flex = p.add_mutually_exclusive_group()
     flex.add_argument("--flex", dest="flex", action="store_true", default=None,
                       help="include FlexAttention (default: on a GPU; on a CPU it runs eagerly and densely)")
-    flex.add_argument("--no-flex", dest="flex", action="store_false")
-    p.add_argument("--budget", type=float, help="seconds of timed calls per measurement "
-                                                "(default 0.2 on a GPU, 1.5 on a CPU)")
-    p.add_argument("--no-plot", action="store_true", help="do not write PNGs next to the CSV")
+    flex.add_argument("--no-flex", dest="flex", action="store_false", help="leave FlexAttention out")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="seconds of timed calls per (provider, pass), spent in interleaved rounds "
+                        "(default: 0.2 on a GPU, 1.5 on a CPU)")
+    p.add_argument("--no-plot", action="store_true", help="do not write PNGs next to the CSV (default: write them)")
 
-    p = sub.add_parser("tune", help="autotune kernel configs for this GPU's arch")
-    p.add_argument("--out-dir", help="write <arch>.json (and tune-<arch>.csv) here instead of the package's "
-                                     "configs/ (which it rewrites by default)")
+    p = command("tune", "autotune kernel configs for this GPU's arch")
+    p.add_argument("--out-dir", help="write <arch>.json (and tune-<arch>.csv) here (default: rewrite the "
+                                     "package's configs/<arch>.json)")
     p.add_argument("--kernels", nargs="+", choices=("dilated_fwd", "dilated_bwd", "block_sparse_fwd",
-                                                     "block_sparse_bwd"))
+                                                     "block_sparse_bwd", "ring_step_fwd", "ring_step_bwd"),
+                   help="config families to tune (default: every family of every variant)")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, help="default: bfloat16 float16")
-    p.add_argument("--head-dims", type=int, nargs="+", help="default: 64 128")
-    p.add_argument("--seqlens", type=int, nargs="+", help="tune at these N (one per sequence bucket; "
-                                                          "default 4096 16384 65536)")
-    p.add_argument("--heads", type=int, help="query heads of the tuning shape (default 16)")
-    p.add_argument("--max-candidates", type=int, help="time at most this many candidates per kernel")
+    p.add_argument("--head-dims", type=int, nargs="+", metavar="D", help="default: 64 128")
+    p.add_argument("--seqlens", type=int, nargs="+", metavar="N",
+                   help="tune at these N, one per sequence bucket (default: 4096 16384 65536)")
+    p.add_argument("--heads", type=int, help="query heads of the tuning shape (default: 16)")
+    p.add_argument("--max-candidates", type=int, metavar="K",
+                   help="time at most this many candidates per kernel (default: all that fit the arch)")
     p.add_argument("--no-causal", action="store_true", help="tune the non-causal kernels (default: causal)")
 
-    p = sub.add_parser("ring", help="ring attention: time and per-rank memory vs world size")
+    p = command("ring", "ring attention: time and per-rank memory vs world size")
     p.add_argument("--out", default="perf/out/ring.csv", help="CSV to write (default: %(default)s)")
-    p.add_argument("--world-sizes", type=int, nargs="+", help="default: 1 2 4 8 up to the GPU count; CPU: 1 2 4")
-    p.add_argument("--seqlen", type=int, help="global sequence length (default: GPU 32768, CPU 4096)")
-    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
-    p.add_argument("--variants", nargs="+", choices=("dense", "dilated"), default=["dense", "dilated"])
-    p.add_argument("--comms", nargs="+", choices=("p2p", "allgather"), default=["p2p", "allgather"])
-    p.add_argument("--balance", choices=("contiguous", "zigzag"), default="zigzag")
-    p.add_argument("--no-causal", action="store_true")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per world size")
+    p.add_argument("--world-sizes", type=int, nargs="+", metavar="P",
+                   help="default: 1 2 4 8 up to the GPU count; CPU: 1 2 4")
+    p.add_argument("--seqlen", type=int, metavar="N", help="global sequence length (default: GPU 32768, CPU 4096; "
+                                                           "--quick: GPU 4096, CPU 1024)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when a GPU is visible, else cpu")
+    p.add_argument("--variants", nargs="+", choices=("dense", "dilated"), default=["dense", "dilated"],
+                   help="default: %(default)s")
+    p.add_argument("--comms", nargs="+", choices=("p2p", "allgather"), default=["p2p", "allgather"],
+                   help="default: %(default)s")
+    p.add_argument("--balance", choices=("contiguous", "zigzag"), default="zigzag",
+                   help="how the sequence is split over ranks (default: %(default)s)")
+    p.add_argument("--no-causal", action="store_true", help="non-causal attention (default: causal)")
+    p.add_argument("--quick", action="store_true", help="a short sequence (see --seqlen; default: off)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="seconds per world size (default: %(default)s)")
 
-    p = sub.add_parser("layouts", help="time the block-layout builders")
-    p.add_argument("--out", default="perf/out/layouts.csv")
-    p.add_argument("--seqlen", type=int, default=1 << 20)
-    p.add_argument("--block-size", type=int, default=128)
+    p = command("layouts", "time the block-layout builders")
+    p.add_argument("--out", default="perf/out/layouts.csv", help="CSV to write (default: %(default)s)")
+    p.add_argument("--seqlen", type=int, default=1 << 20, metavar="N", help="sequence length (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=128, help="block size (default: %(default)s)")
 
-    p = sub.add_parser("plot", help="PNG plots from result CSVs")
+    p = command("plot", "PNG plots from result CSVs")
     p.add_argument("csv", nargs="*", help="result CSVs (default: perf/results/*.csv)")
     p.add_argument("--out-dir", help="where to write the PNGs (default: next to each CSV)")
 
-    p = sub.add_parser("table", help="print the summary table of result CSVs")
-    p.add_argument("csv", nargs="+")
+    p = command("table", "print the summary table of result CSVs")
+    p.add_argument("csv", nargs="+", help="result CSVs (sweep, ring, tune or layouts rows)")
 
-    p = sub.add_parser("aot", help="compile every kernel ahead of time for NVIDIA archs (no GPU needed)")
-    p.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (default: 90 80)")
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16", "fp32"), default=["bf16"])
-    p.add_argument("--kernels", nargs="+", help="default: all")
-    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    p.add_argument("--jobs", type=int, default=2, help="parallel compiles")
-    p.add_argument("--out", default="perf/out/aot.csv")
+    p = command("aot", "compile every kernel ahead of time for NVIDIA archs (no GPU needed)")
+    p.add_argument("--arch", type=int, nargs="+", default=[90, 80], metavar="CC",
+                   help="compute capabilities (default: 90 80)")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], metavar="D", help="default: 64 128")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["bfloat16"], help="default: bfloat16")
+    p.add_argument("--kernels", nargs="+", help="kernel names as in the AOT CSV (default: all)")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="default: %(default)s")
+    p.add_argument("--configs", nargs="+", metavar="M,N,W,S",
+                   help="compile each kernel with each of these configs (BLOCK_M,BLOCK_N,num_warps,num_stages) "
+                        "instead of the arch's default (default: the default config)")
+    p.add_argument("--jobs", type=int, default=2, help="parallel compiles (default: %(default)s)")
+    p.add_argument("--out", default="perf/out/aot.csv", help="CSV to write (default: %(default)s)")
+    p.add_argument("--ptx-dir", metavar="DIR",
+                   help="also write each kernel's PTX as DIR/sm<arch>/<kernel>-<dtype>-d<D>-c<causal>.ptx "
+                        "(with -<M>x<N>w<W>s<S> when several --configs; default: none)")
+
+    p = command("plan", "the dilated forward's cost model (no GPU needed): pairs, planner efficiency, K/V bytes, "
+                        "roofline bound on an H100")
+    p.add_argument("--seqlen", "-N", type=int, default=32768, metavar="N", help="sequence length (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=1, metavar="B", help="default: %(default)s")
+    p.add_argument("--heads", type=int, default=16, metavar="H", help="query heads (default: %(default)s)")
+    p.add_argument("--kv-heads", type=int, metavar="HKV", help="key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=128, metavar="D", help="default: %(default)s")
+    p.add_argument("--segment-lengths", type=int, nargs="+", metavar="W",
+                   help="the schedule's segment lengths, clipped to N (default: LongNet 2048 4096 8192 16384 32768)")
+    p.add_argument("--dilation-rates", type=int, nargs="+", metavar="R",
+                   help="the schedule's dilation rates (default: LongNet 1 2 4 6 12)")
+    p.add_argument("--mode", choices=("longnet", "head_groups"), default="longnet", help="default: %(default)s")
+    p.add_argument("--offsets", choices=("modulo", "blocked"), default="modulo", help="default: %(default)s")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="default: %(default)s")
+    p.add_argument("--block-m", type=int, default=64, help="query rows per tile (default: %(default)s)")
+    p.add_argument("--block-n", type=int, default=64, help="keys per inner step (default: %(default)s)")
     return parser
 
 
@@ -102,13 +148,15 @@ def main(argv=None) -> int:
         argv = ["sweep"] + argv
     args = _parser().parse_args(argv)
     return {"sweep": _sweep, "tune": _tune, "ring": _ring, "layouts": _layouts, "plot": _plot,
-            "table": _table, "aot": _aot}[args.command](args)
+            "table": _table, "aot": _aot, "plan": _plan}[args.command](args)
 
 
 def _sweep(args) -> int:
     import torch
 
-    from .bench import Timing, default_sweep, print_table, run_sweep, tiny_sweep
+    from .bench import default_sweep, run_sweep, tiny_sweep
+    from .results import print_table
+    from .timing import Timing
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
         cases = [c for c in tiny_sweep(device, (args.seqlens or [128])[0]) if c.op in args.ops]
@@ -169,7 +217,8 @@ def _ring(args) -> int:
 
 
 def _layouts(args) -> int:
-    from .bench import time_layout_builders, write_csv
+    from .bench import time_layout_builders
+    from .results import write_csv
     rows = time_layout_builders(seq_len=args.seqlen, block_size=args.block_size)
     write_csv(rows, args.out)
     for r in rows:
@@ -180,30 +229,56 @@ def _layouts(args) -> int:
 
 
 def _plot(args) -> int:
-    from .plot import default_results_dir, plot_all
-    paths = args.csv or None
-    if paths is None and not os.path.isdir(default_results_dir()):
-        print("no CSVs given and no perf/results/ directory", file=sys.stderr)
-        return 2
-    written = plot_all(paths, args.out_dir)
-    for p in written:
-        print(f"wrote {p}")
-    return 0 if written else 1
+    from .plot import default_results_dir, plot_csv
+    from .results import ResultsFileError
+    paths = args.csv
+    if not paths:
+        results = default_results_dir()
+        paths = sorted(os.path.join(results, f) for f in os.listdir(results) if f.endswith(".csv")) \
+            if os.path.isdir(results) else []
+        if not paths:
+            print(f"plot: no CSVs given and none in {results}", file=sys.stderr)
+            return 2
+    written, failed = [], 0
+    for path in paths:
+        try:
+            new = plot_csv(path, args.out_dir)
+        except ResultsFileError as exc:
+            print(f"plot: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        if not new and args.csv:
+            print(f"plot: {path}: no sweep or ring rows to plot (layouts and tune CSVs have no plots)",
+                  file=sys.stderr)
+        for p in new:
+            print(f"wrote {p}")
+        written += new
+    return 2 if failed else (0 if written else 1)
 
 
 def _table(args) -> int:
-    from .bench import read_csv, summary_table
+    from .results import BENCH_OPS, ResultsFileError, read_csv, summary_table
     from .ring import ring_table
-    rows = read_csv(args.csv)
+    try:
+        rows = read_csv(args.csv)
+    except ResultsFileError as exc:
+        print(f"table: {exc}", file=sys.stderr)
+        return 2
     ring = [r for r in rows if r["op"] == "ring_attention"]
-    bench = [r for r in rows if r["op"] in ("dilated_attention", "block_sparse_attention")]
+    bench = [r for r in rows if r["op"] in BENCH_OPS]
+    tune = [r for r in rows if str(r["op"]).startswith("tune:")]
+    layouts = [r for r in rows if r["op"] == "layout_build"]
+    if not (ring or bench or tune or layouts):
+        ops = sorted({str(r["op"]) for r in rows})
+        print(f"table: {', '.join(map(str, args.csv))}: no sweep, ring, tune or layout rows"
+              + (f" (ops: {', '.join(ops[:6])})" if ops else " (no rows)"), file=sys.stderr)
+        return 1
     machines = sorted({r["machine"] for r in rows if r.get("machine")})
     print(f"machine: {', '.join(machines) or 'unknown'}")
     if bench:
         print(summary_table(bench))
     if ring:
         print(ring_table(ring))
-    tune = [r for r in rows if str(r["op"]).startswith("tune:")]
     if tune:
         best = {}
         for r in tune:
@@ -213,7 +288,15 @@ def _table(args) -> int:
         print(f"\n{'tuned kernel':24} {'dtype':9} {'D':>4} {'N':>7} {'ms':>9}  config")
         for k, r in sorted(best.items()):
             print(f"{k[0][5:]:24} {k[1]:9} {k[2]:>4} {k[3]:>7} {r['value']:>9.3f}  {r['config']}")
-    return 0 if rows else 1
+    if layouts:
+        cell = {(r["variant"], r["metric"]): r["value"] for r in layouts}
+        print(f"\n{'layout builder':16} {'N':>8} {'block':>5} {'seconds':>8} {'blocks':>9} {'index MiB':>9}")
+        for r in layouts:
+            if r["metric"] == "seconds":
+                v = r["variant"]
+                print(f"{v:16} {r['N']:>8} {r['block_size']:>5} {r['value']:>8.3f} "
+                      f"{cell.get((v, 'active_blocks'), float('nan')):>9.0f} {cell.get((v, 'index_mib'), float('nan')):>9.1f}")
+    return 0
 
 
 def _aot(args) -> int:
@@ -225,13 +308,55 @@ def _aot(args) -> int:
     if unknown:
         print(f"aot: unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}", file=sys.stderr)
         return 2
+    configs = None
+    if args.configs:
+        from ..configs import make_config
+        try:
+            configs = [make_config(*(int(x) for x in c.split(","))) for c in args.configs]
+        except (TypeError, ValueError):
+            print(f"aot: --configs takes BLOCK_M,BLOCK_N,num_warps,num_stages (four integers, e.g. 64,64,4,3); "
+                  f"got {' '.join(args.configs)}", file=sys.stderr)
+            return 2
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    rows = run_aot(archs=args.arch, head_dims=args.head_dims, dtypes=args.dtypes, causal=causal,
-                   kernels=args.kernels, out=args.out, jobs=args.jobs)
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}    # the AOT CSV's spelling
+    rows = run_aot(archs=args.arch, head_dims=args.head_dims, dtypes=[short[d] for d in args.dtypes], causal=causal,
+                   kernels=args.kernels, configs=configs, out=args.out, jobs=args.jobs, ptx_dir=args.ptx_dir)
     failed = [r for r in rows if r["error"]]
     spilled = [r for r in rows if not r["error"] and r["spill_stores"]]
-    print(f"\n{len(rows)} compiles: {len(failed)} failed, {len(spilled)} spill registers; wrote {args.out}")
+    replicated = [r for r in rows if not r["error"] and r["mma_replicated"]]
+    print(f"\n{len(rows)} compiles: {len(failed)} failed, {len(spilled)} spill registers, {len(replicated)} compute "
+          f"MMA rows twice (mma_replicated); wrote {args.out}" + (f" and PTX under {args.ptx_dir}" if args.ptx_dir else ""))
     return 1 if failed else 0
+
+
+def _plan(args) -> int:
+    from ..ops.dilated.spec import LONGNET_R, LONGNET_W
+    from .cost_model import main_report
+    ws = args.segment_lengths or list(LONGNET_W)
+    rs = args.dilation_rates or list(LONGNET_R)
+    kv = args.kv_heads or args.heads
+    problems = [f"--{name} must be a positive integer, got {value}" for name, value in
+                (("seqlen", args.seqlen), ("batch", args.batch), ("heads", args.heads), ("kv-heads", kv),
+                 ("head-dim", args.head_dim)) if value < 1]
+    problems += [f"--{name} must be a power of two >= 16, got {value}" for name, value in
+                 (("block-m", args.block_m), ("block-n", args.block_n)) if value < 16 or value & (value - 1)]
+    if not problems and args.heads % kv:
+        problems.append(f"--heads ({args.heads}) must be a multiple of --kv-heads ({kv})")
+    if len(ws) != len(rs):
+        problems.append(f"--segment-lengths and --dilation-rates must have one entry per pattern; got {len(ws)} "
+                        f"and {len(rs)}")
+    if problems:
+        print("plan: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    try:
+        print(main_report(n=args.seqlen, heads=args.heads, head_dim=args.head_dim, causal_values=causal,
+                          kv_heads=kv, batch=args.batch, segment_lengths=ws, dilation_rates=rs, mode=args.mode,
+                          offsets=args.offsets, block_m=args.block_m, block_n=args.block_n))
+    except ValueError as exc:   # the schedule (check_patterns) or the heads (head_offsets)
+        print(f"plan: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

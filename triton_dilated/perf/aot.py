@@ -5,9 +5,23 @@ rejects (a variable whose type differs between the branches of a runtime `if`, d
 shapes, shared memory) or what ptxas reports (registers, spills). This compiles each
 kernel with the config the library would pick on that arch (configs.default_config, or
 --configs), runs Triton's own ptxas with -v, and writes one CSV row per compile:
-registers, spill stores/loads, shared memory, or the error.
+registers, spill stores/loads, shared memory, or the error; and, read off the PTX and the
+TTGIR, what the compiler made of the loops (README, "Reading the compiled code"):
 
-    python -m triton_dilated.perf aot [--arch 90 80] [--head-dims 64 128] [--out CSV]
+* wgmma / mma_sync: tensor-core instructions in the PTX (static count per thread), and the
+  wgmma shapes with their counts (m64n64k16:16 ...);
+* mma_layouts, mma_replicated: each MMA layout as "v<version>[warps along M, N]n<instr N>"
+  and whether one covers more than a float32 tile laid out in it (16 rows per warp along M,
+  instr N columns per warp along N): then several warps compute the same elements (8 warps
+  on a 64-row wgmma tile: two warpgroups compute the same S);
+* cp_async / cp_async_bulk: asynchronous global->shared copies (cp.async, Ampere on) and
+  TMA copies (cp.async.bulk, Hopper); 0 cp_async means the loads go through registers;
+* pipeline_depth: shared-memory buffers of the deepest tile the software pipeliner rotates
+  its cp.async copies through (TTGIR `local_alloc` of N x tile; 0: the loop is not
+  pipelined at all). How many of num_stages become buffers depends on the arch and on the
+  consumer (a wgmma reads its operand from shared memory; an mma.sync through registers).
+
+    python -m triton_dilated.perf aot [--arch 90 80] [--head-dims 64 128] [--out CSV] [--ptx-dir DIR]
 
 Needs TRITON_INTERPRET unset (the interpreter replaces the compiled kernels).
 """
@@ -26,7 +40,8 @@ from ..ops.common.hardware import padded_head_dim
 
 KERNELS = kernel_specs()   # name -> KernelSpec, from the variants' spec.py
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
-          "spill_stores", "spill_loads", "shared_bytes", "compile_s", "error"]
+          "spill_stores", "spill_loads", "shared_bytes", "wgmma", "mma_sync", "cp_async", "cp_async_bulk",
+          "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "compile_s", "error"]
 _SMEM = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}   # opt-in bytes per block
 
 
@@ -59,11 +74,50 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict):
 
 _PTXAS = re.compile(r"Used (\d+) registers.*?")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+# PTX instructions (an optional predicate "@%p1 " before the opcode)
+_WGMMA = re.compile(r"^\s*(?:@!?%\w+\s+)?wgmma\.mma_async\.\S*?\.(m\d+n\d+k\d+)\.", re.M)
+_MMA_SYNC = re.compile(r"^\s*(?:@!?%\w+\s+)?mma\.sync\.", re.M)
+_CP_ASYNC = re.compile(r"^\s*(?:@!?%\w+\s+)?cp\.async\.c[ag]\.", re.M)        # cp.async.ca / .cg: one copy
+_CP_BULK = re.compile(r"^\s*(?:@!?%\w+\s+)?cp\.async\.bulk\.", re.M)          # TMA
+# TTGIR: MMA layouts, the tensors laid out in them, and the pipeliner's multi-buffered tiles
+_MMA_LAYOUT = re.compile(r"^(#\w+) = #ttg\.nvidia_mma<\{versionMajor = (\d+).*?warpsPerCTA = \[(\d+), (\d+)\]"
+                         r".*?instrShape = \[(\d+), (\d+)", re.M)
+_MMA_TENSOR = re.compile(r"tensor<(\d+)x(\d+)xf32, (#\w+)>")
+_BUFFERS = re.compile(r"local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x\d+x")
+
+
+def ptx_counts(ptx: str, ttgir: str = "") -> dict:
+    """The instruction and layout columns of a row (module docstring) from a kernel's PTX and TTGIR."""
+    shapes = _WGMMA.findall(ptx)
+    by_shape = {sh: shapes.count(sh) for sh in sorted(set(shapes), key=lambda x: [int(v) for v in re.findall(r"\d+", x)])}
+    tiles = {}   # MMA layout name -> the float32 2-D tiles laid out in it (accumulators: S, dP, O, dQ ...)
+    for m, n, name in _MMA_TENSOR.findall(ttgir):
+        if int(m) > 1 and int(n) > 1:
+            tiles.setdefault(name, set()).add((int(m), int(n)))
+    layouts, replicated = [], False
+    for name, version, wm, wn, im, inn in _MMA_LAYOUT.findall(ttgir):
+        layouts.append(f"v{version}[{wm},{wn}]n{inn}")
+        # the warps of the layout cover (16 x warps along M) x (instr N x warps along N); a
+        # smaller tile is computed several times over (each copy by other warps)
+        if any(int(wm) * int(im) > m or int(wn) * int(inn) > n for m, n in tiles.get(name, ())):
+            replicated = True
+    return dict(wgmma=len(shapes), mma_sync=len(_MMA_SYNC.findall(ptx)), cp_async=len(_CP_ASYNC.findall(ptx)),
+                cp_async_bulk=len(_CP_BULK.findall(ptx)),
+                pipeline_depth=max((int(n) for n in _BUFFERS.findall(ttgir)), default=0),
+                mma_replicated=int(replicated),
+                wgmma_shapes=" ".join(f"{sh}:{n}" for sh, n in by_shape.items()),
+                mma_layouts=" ".join(sorted(set(layouts))))
+
+
+def ptx_name(row: dict, with_config: bool = False) -> str:
+    """<kernel>-<dtype>-d<D>-c<causal>.ptx (with -<M>x<N>w<W>s<S> when several configs are compiled)."""
+    tail = f"-{row['BLOCK_M']}x{row['BLOCK_N']}w{row['num_warps']}s{row['num_stages']}" if with_config else ""
+    return f"{row['kernel']}-{row['dtype']}-d{row['D']}-c{row['causal']}{tail}.ptx"
 
 
 def compile_one(job) -> dict:
-    """Compile one (kernel, arch, dtype, D, causal, config); a CSV row."""
-    name, arch, dtype, D, causal, cfg = job
+    """Compile one (kernel, arch, dtype, D, causal, config[, PTX path]); a CSV row."""
+    name, arch, dtype, D, causal, cfg, *ptx_path = job
     row = dict.fromkeys(FIELDS, "")
     row.update(arch=f"sm{arch}", kernel=name, dtype=dtype, D=D, causal=int(causal), **cfg)
     start = time.time()
@@ -80,6 +134,10 @@ def compile_one(job) -> dict:
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         row["shared_bytes"] = compiled.metadata.shared
+        row.update(ptx_counts(compiled.asm["ptx"], compiled.asm.get("ttgir", "")))
+        if ptx_path and ptx_path[0]:
+            with open(ptx_path[0], "w") as f:
+                f.write(compiled.asm["ptx"])
         with tempfile.TemporaryDirectory() as tmp:   # ptxas -v on the PTX triton made: registers, spills
             ptx = os.path.join(tmp, "k.ptx")
             with open(ptx, "w") as f:
@@ -103,9 +161,10 @@ def compile_one(job) -> dict:
 
 
 def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False, True), kernels=None,
-            configs=None, out=None, jobs=2, log=print) -> list[dict]:
+            configs=None, out=None, jobs=2, log=print, ptx_dir=None) -> list[dict]:
     """Compile every kernel for each arch/dtype/head dim/causal with the default config of
-    that arch (or each of `configs`). Returns the rows (also written to `out`)."""
+    that arch (or each of `configs`). Returns the rows (also written to `out`); with
+    `ptx_dir`, each kernel's PTX goes to ptx_dir/sm<arch>/ptx_name(row)."""
     import torch
 
     from ..configs import default_config
@@ -121,12 +180,21 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
                     cfgs = configs or [default_config(family, padded_head_dim(D), fake,
                                                       torch_dtype[dtype])]
                     work += [(name, arch, dtype, D, c, dict(cfg)) for c in causal for cfg in cfgs]
+    if ptx_dir:
+        for i, (name, arch, dtype, D, c, cfg) in enumerate(work):
+            folder = os.path.join(ptx_dir, f"sm{arch}")
+            os.makedirs(folder, exist_ok=True)
+            row = dict(kernel=name, dtype=dtype, D=D, causal=int(c), **cfg)
+            work[i] = (name, arch, dtype, D, c, cfg, os.path.join(folder, ptx_name(row, bool(configs and len(configs) > 1))))
     rows = []
     with ProcessPoolExecutor(max(1, jobs)) as pool:
         for i, row in enumerate(pool.map(compile_one, work), 1):
             rows.append(row)
             what = row["error"] or (f"{row['registers']} registers, spills {row['spill_stores']}/"
-                                    f"{row['spill_loads']} B, shared {row['shared_bytes']} B")
+                                    f"{row['spill_loads']} B, shared {row['shared_bytes']} B, "
+                                    f"wgmma {row['wgmma']}{' (replicated tiles)' if row['mma_replicated'] else ''}, "
+                                    f"mma.sync {row['mma_sync']}, cp.async {row['cp_async']}, "
+                                    f"pipeline depth {row['pipeline_depth']}")
             log(f"[{i}/{len(work)}] {row['arch']} {row['kernel']} {row['dtype']} D={row['D']} causal={row['causal']} "
                 f"{row['BLOCK_M']}x{row['BLOCK_N']} w{row['num_warps']} s{row['num_stages']}: {what}")
     if out:

@@ -83,3 +83,27 @@ def flex_block_sparse(layout, seq_len: int, causal: bool, device, compiled: bool
                      **({"enable_gqa": True} if gqa else {}))
         return out.transpose(1, 2)
     return fn
+
+
+# ----------------------------------------------------------------------------- by name
+# The variants' specs name the baselines that compute their attention (VariantSpec.baselines);
+# each factory takes the benchmark case (B, N, H, kv_heads, causal, device) and the op's
+# pattern arguments and returns fn(q, k, v), or None where the baseline cannot run the case.
+
+def _head_group_loop_for(case, params):
+    ws, rs = params.get("segment_lengths"), params.get("dilation_rates")
+    if params.get("mode") != "head_groups" or not ws:
+        return None     # the loop computes head-group attention only
+    if case.H % len(ws) or case.kv_heads != case.H or any(case.N % w for w in ws):
+        return None     # it needs H a multiple of the patterns, no GQA, N a multiple of every w
+    return lambda q, k, v: head_group_loop(q, k, v, list(ws), list(rs), case.causal)
+
+
+def _flex_for(case, params):
+    if not flex_available():
+        return None
+    return flex_block_sparse(params["layout"], case.N, case.causal, torch.device(case.device),
+                             compiled=case.device == "cuda")
+
+
+BASELINES = {"head_group_loop": _head_group_loop_for, "flex": _flex_for}

@@ -2,10 +2,13 @@
 notebooks use (they read only committed CSVs and the pattern builders).
 
 For a sweep CSV `X.csv` it writes X-time.png (median ms vs N per provider), X-speedup.png
-(dense SDPA time / provider time vs N), X-tflops.png (effective TFLOP/s: only the computed
-(query, key) pairs count) and X-sparsity.png (speedup over dense vs the fraction of pairs
-skipped); for a ring CSV, X-ring.png (time and per-rank memory vs world size). Figures are
-drawn with matplotlib's object API and the Agg canvas (no display needed).
+(dense SDPA time / provider time vs N: the median of per-round ratios where the CSV has
+them), X-tflops.png (effective TFLOP/s, GFLOP/s on a CPU: only the computed (query, key)
+pairs count) and X-sparsity.png (speedup over dense vs the fraction of pairs skipped); for a
+ring CSV, X-ring.png (time and per-rank memory vs world size). Every figure from a CPU run
+says in its title that it times the portable PyTorch backend, not the Triton kernels. Log
+axes carry plain-number ticks. Figures are drawn with matplotlib's object API and the Agg
+canvas (no display needed).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import math
 import os
 from collections import defaultdict
 
-from .bench import MODES, read_csv
+from .results import BENCH_OPS, PASSES, on_cpu, read_csv
 
 PROVIDER_ORDER = ["triton", "portable", "head_group_loop", "flex", "sdpa_dense"]
 PROVIDER_STYLE = {
@@ -55,26 +58,56 @@ def values(rows, metric, op, variant, causal, mode, provider, by="N"):
     """[(x, value)] sorted by x for one series."""
     pts = [(r[by], r["value"]) for r in rows
            if r["metric"] == metric and r["op"] == op and r["variant"] == variant and r["causal"] == causal
-           and r["mode"] == mode and r["provider"] == provider and not math.isnan(r["value"])]
+           and r["pass"] == mode and r["provider"] == provider and not math.isnan(r["value"])]
     return sorted(pts)
 
 
 def speedups(rows, op, variant, causal, mode, provider):
-    """[(N, dense ms / provider ms)]."""
+    """[(N, dense ms / provider ms)]: the paired per-round ratios (speedup_vs_dense rows)
+    where the CSV has them, else the ratio of the medians (older files)."""
+    paired = values(rows, "speedup_vs_dense", op, variant, causal, mode, provider)
+    if paired:
+        return paired
     dense = dict(values(rows, "ms", op, variant, causal, mode, "sdpa_dense"))
     return [(n, dense[n] / ms) for n, ms in values(rows, "ms", op, variant, causal, mode, provider)
             if n in dense and ms > 0]
 
 
 def _title(op, variant, causal, mode):
+    """"dilated mode=longnet causal: fwd" (the API's mode) or "block-sparse layout=local: fwd"."""
     short = {"dilated_attention": "dilated", "block_sparse_attention": "block-sparse"}.get(op, op)
-    return f"{short} {variant}{' causal' if causal else ''}: {mode}"
+    kind = {"dilated_attention": "mode=", "block_sparse_attention": "layout="}.get(op, "")
+    return f"{short} {kind}{variant}{' causal' if causal else ''}" + (f": {mode}" if mode else "")
 
 
 def _machine(rows):
     ms = sorted({r.get("machine", "") for r in rows if r.get("machine")})
     dt = sorted({r.get("dtype", "") for r in rows if r.get("dtype")})
-    return f"{', '.join(ms)} ({', '.join(dt)})"
+    return f"{', '.join(ms)} ({', '.join(dt)})" + (f"\n{backend_note(rows)}" if backend_note(rows) else "")
+
+
+def backend_note(rows) -> str:
+    """What a CPU figure times (every CPU figure says it)."""
+    if not on_cpu(rows):
+        return ""
+    if any(r["provider"] == "triton" for r in rows):
+        return "CPU: 'triton' is Triton's interpreter, 'portable' the portable PyTorch backend; not GPU kernels"
+    return "CPU: the portable PyTorch backend, not the Triton kernels"
+
+
+def readable_log_axis(axis, suffix=""):
+    """Plain-number ticks (1, 2, 5, 10, ... with `suffix`) on a log axis, more of them where
+    the data spans less than a few of those; call after plotting."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    lo, hi = sorted(axis.get_view_interval())
+    subs = (1.0, 2.0, 5.0)
+    ticks = [m * 10 ** e for e in range(math.floor(math.log10(max(lo, 1e-300))), math.ceil(math.log10(hi)) + 1)
+             for m in subs if lo <= m * 10 ** e <= hi] if lo > 0 else []
+    if len(ticks) < 3:
+        subs = tuple(float(i) for i in range(1, 10))
+    axis.set_major_locator(LogLocator(base=10, subs=subs))
+    axis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:.3g}{suffix}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def _grid(n_panels, ncols=2, w=4.6, h=3.3):
@@ -98,13 +131,15 @@ def _log2_x(ax, xs):
 def figure(rows, kind: str):
     """One Figure for kind in {"time", "speedup", "tflops"}: a panel per (op, variant,
     causal, mode), a line per provider, N on the x axis."""
-    keys = [(op, var, causal, mode) for op, var, causal in panel_keys(rows) for mode in MODES]
-    keys = [k for k in keys if any(r["mode"] == k[3] and r["op"] == k[0] and r["variant"] == k[1]
+    keys = [(op, var, causal, mode) for op, var, causal in panel_keys(rows) for mode in PASSES]
+    keys = [k for k in keys if any(r["pass"] == k[3] and r["op"] == k[0] and r["variant"] == k[1]
                                    and r["causal"] == k[2] and r["metric"] == "ms" for r in rows)]
     fig, axes = _grid(len(keys))
-    label = {"time": "median ms (log)", "speedup": "speedup over dense SDPA (x)", "tflops": "effective TFLOP/s"}[kind]
+    unit, scale = ("GFLOP/s", 1e3) if on_cpu(rows) else ("TFLOP/s", 1.0)
+    label = {"time": "median ms (log)", "speedup": "dense SDPA time / provider time (x)",
+             "tflops": f"effective {unit}"}[kind]
     for ax, (op, var, causal, mode) in zip(axes, keys):
-        xs = []
+        xs, top = [], 0.0
         for p in _providers(rows):
             if kind == "speedup":
                 if p == "sdpa_dense":
@@ -112,28 +147,46 @@ def figure(rows, kind: str):
                 pts = speedups(rows, op, var, causal, mode, p)
             else:
                 pts = values(rows, "ms" if kind == "time" else "tflops", op, var, causal, mode, p)
+                if kind == "tflops":
+                    pts = [(x, y * scale) for x, y in pts]
             if not pts:
                 continue
             xs += [x for x, _ in pts]
+            top = max(top, max(y for _, y in pts))
             ax.plot(*zip(*pts), label=p, **PROVIDER_STYLE.get(p, {}))
         if kind == "tflops":
-            peaks = [r["matmul_peak_tflops"] for r in rows if r["op"] == op and r["metric"] == "tflops"
-                     and not math.isnan(r["matmul_peak_tflops"])]
-            if peaks:
-                ax.axhline(max(peaks), color="grey", ls=":", lw=1, label="matmul peak (same run)")
-        if kind == "time":
-            ax.set_yscale("log")
+            _matmul_reference(ax, rows, op, scale, unit, top)
         if kind == "speedup":
             ax.axhline(1.0, color="grey", lw=0.8)
         _log2_x(ax, xs)
+        if kind == "time":
+            ax.set_yscale("log")
+            readable_log_axis(ax.yaxis)
         ax.set_title(_title(op, var, causal, mode), fontsize=10)
         ax.set_xlabel("sequence length N")
         ax.set_ylabel(label)
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle({"time": "Time", "speedup": "Speedup vs dense", "tflops": "Effective TFLOP/s (computed pairs only)"}
-                 [kind] + " — " + _machine(rows), fontsize=11)
+    title = {"time": "Time (lower is better)", "speedup": "Speedup over dense SDPA (> 1: faster than dense)",
+             "tflops": f"Effective {unit} (computed pairs only; higher is better)"}[kind]
+    fig.suptitle(f"{title} — {_machine(rows)}", fontsize=11)
     return fig
+
+
+def _matmul_reference(ax, rows, op, scale, unit, top):
+    """The matmul timed in the same run, as a dotted line: a reference, not a bound; where a
+    provider's rate exceeds it the panel says so."""
+    peaks = [r["matmul_peak_tflops"] for r in rows if r["op"] == op and r["metric"] == "tflops"
+             and not math.isnan(r["matmul_peak_tflops"])]
+    if not peaks:
+        return
+    n = 1024 if on_cpu(rows) else 8192
+    ref = max(peaks) * scale
+    ax.axhline(ref, color="grey", ls=":", lw=1, label=f"{n}x{n} matmul, same run")
+    if top > ref:
+        ax.text(0.02, 0.97, f"above the matmul line: it is a {n}x{n} matmul timed once\nin this run, "
+                "a reference, not the machine's peak", transform=ax.transAxes, va="top", fontsize=6.5,
+                color="dimgrey")
 
 
 def sparsity_figure(rows):
@@ -141,18 +194,18 @@ def sparsity_figure(rows):
     pairs skipped, one point per shape, one panel per mode."""
     fig, axes = _grid(2)
     main = next((p for p in MAIN_PROVIDERS if any(r["provider"] == p for r in rows)), None)
-    for ax, mode in zip(axes, MODES):
+    for ax, mode in zip(axes, PASSES):
         groups = defaultdict(list)
         for op, var, causal in panel_keys(rows):
             dens = {r["N"]: r["density"] for r in rows if r["op"] == op and r["variant"] == var
-                    and r["causal"] == causal and r["mode"] == mode and r["provider"] == main and r["metric"] == "ms"}
+                    and r["causal"] == causal and r["pass"] == mode and r["provider"] == main and r["metric"] == "ms"}
             for n, s in speedups(rows, op, var, causal, mode, main) if main else []:
                 if n in dens and not math.isnan(dens[n]):
                     groups[(op, var, causal)].append((1 - dens[n], s, n))
         for (op, var, causal), pts in sorted(groups.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    label=_title(op, var, causal, "").rstrip(": "))
+                    label=_title(op, var, causal, ""))
             for x, y, n in pts:
                 ax.annotate(f"{n // 1024}K" if n >= 1024 else str(n), (x, y), fontsize=6, xytext=(2, 2),
                             textcoords="offset points")
@@ -162,9 +215,10 @@ def sparsity_figure(rows):
             ax.plot(grid, [1 / (1 - x) for x in grid], color="grey", ls=":", lw=1, label="ideal 1 / (1 - sparsity)")
         ax.set_yscale("log")
         ax.axhline(1.0, color="grey", lw=0.8)
+        readable_log_axis(ax.yaxis, "x")
         ax.set_xlabel("sparsity (fraction of pairs skipped vs dense)")
-        ax.set_ylabel(f"{main} speedup over dense (x, log)")
-        ax.set_title(mode, fontsize=10)
+        ax.set_ylabel(f"dense time / {main} time (log; > 1: faster)")
+        ax.set_title(f"pass: {mode}", fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"Speedup vs sparsity — {_machine(rows)}", fontsize=11)
@@ -179,7 +233,7 @@ def ring_figure(rows):
         series = defaultdict(list)
         for r in rows:
             if (metric == "ms" and r["metric"] == "ms") or (metric == "mem" and r["metric"].startswith("peak_")):
-                series[(r["variant"], r["provider"], r["mode"])].append((r["world_size"], r["value"]))
+                series[(r["variant"], r["provider"], r["pass"])].append((r["world_size"], r["value"]))
         for (var, prov, mode), pts in sorted(series.items()):
             pts.sort()
             ax.plot(*zip(*pts), marker="o", label=f"{var} {prov} {mode}")
@@ -199,7 +253,9 @@ def ring_figure(rows):
 
 
 def plot_csv(csv_path, out_dir=None):
-    """Write the PNGs for one CSV; returns their paths."""
+    """Write the PNGs for one CSV; returns their paths (none for a CSV without benchmark or
+    ring rows: layouts, tune). Raises results.ResultsFileError for a file that is not a
+    result CSV."""
     rows = read_csv(csv_path)
     out_dir = out_dir or os.path.dirname(os.path.abspath(csv_path))
     os.makedirs(out_dir, exist_ok=True)
@@ -213,7 +269,7 @@ def plot_csv(csv_path, out_dir=None):
 
     if any(r["op"] == "ring_attention" for r in rows):
         save(ring_figure(rows), "ring")
-    bench = [r for r in rows if r["op"] in ("dilated_attention", "block_sparse_attention")]
+    bench = [r for r in rows if r["op"] in BENCH_OPS]
     if bench:
         for kind in ("time", "speedup", "tflops"):
             save(figure(bench, kind), kind)

@@ -24,7 +24,10 @@ import time
 
 import torch
 
-from .bench import LONGNET_R, LONGNET_W, OP_NAMES, CsvSink, dense_pairs, flops, make_row, provenance, sig
+from ..ops.common.spec import attention_flops, dense_pairs
+from ..ops.dilated.spec import LONGNET_R, LONGNET_W
+from ..ops.ring.spec import SPEC as RING_SPEC
+from .results import CsvSink, make_row, provenance, sig
 
 COMMS = ("p2p", "allgather")
 VARIANTS = ("dense", "dilated")
@@ -172,6 +175,11 @@ def run_ring(world_sizes=None, seqlen=None, variants=VARIANTS, comms=COMMS, devi
     when ring attention cannot be imported."""
     load_ring()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda (--device cuda): no CUDA GPU is visible to torch "
+                         "(torch.cuda.is_available() is False); --device cpu runs the ring on gloo processes")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device: expected 'cuda' or 'cpu', got {device!r}")
     world_sizes = world_sizes or default_world_sizes(device)
     if device == "cuda" and max(world_sizes) > torch.cuda.device_count():
         raise ValueError(f"world sizes {world_sizes} need that many GPUs; this machine has "
@@ -213,20 +221,15 @@ def run_ring(world_sizes=None, seqlen=None, variants=VARIANTS, comms=COMMS, devi
                     log(f"{label}: skipped ({errs[0]})")
                     continue
                 ms = max(r["ms"] for r in recs)
-                if rec["variant"] == "dense":
-                    pairs, ws, rs = dense_pairs(1, H, N, causal), (), ()
-                else:
-                    from .bench import Case, dilated_pairs
-                    ws, rs = _patterns(N)
-                    pairs = dilated_pairs(Case("dilated", "longnet", 1, N, H, D, causal, getattr(torch, dtype),
-                                               device, ws, rs))
-                fl = flops(pairs, D, rec["mode"])
+                ws, rs = _patterns(N) if rec["variant"] == "dilated" else ((), ())
+                pairs = RING_SPEC.pairs(1, N, H, causal, segment_lengths=ws, dilation_rates=rs)
+                fl = attention_flops(pairs, D, backward=rec["mode"] == "fwd_bwd")
                 metrics = [("ms", ms), ("tflops", fl / ms / 1e9)]
                 for m in ("peak_mem_mib", "peak_rss_mib"):
                     if m in rec:
                         metrics.append((m, max(r[m] for r in recs)))
                 base = dict(op="ring_attention", variant=rec["variant"], provider=f"ring_{rec['comm']}",
-                            mode=rec["mode"], B=1, N=N, H=H, Hkv=H, D=D, dtype=dtype, causal=causal,
+                            **{"pass": rec["mode"]}, B=1, N=N, H=H, Hkv=H, D=D, dtype=dtype, causal=causal,
                             attn_mode="longnet" if ws else "", segment_lengths="/".join(map(str, ws)),
                             dilation_rates="/".join(map(str, rs)), layout=f"balance={balance}", world_size=P,
                             density=sig(pairs / dense_pairs(1, H, N, causal)), gflop=sig(fl / 1e9),
@@ -244,14 +247,14 @@ def ring_table(rows) -> str:
     ms = [r for r in rows if r["metric"] == "ms"]
     if not ms:
         return "no ring results"
-    mem = {(r["variant"], r["provider"], r["mode"], r["world_size"]): r["value"] for r in rows
+    mem = {(r["variant"], r["provider"], r["pass"], r["world_size"]): r["value"] for r in rows
            if r["metric"] in ("peak_mem_mib", "peak_rss_mib")}
-    lines = [f"{'variant':8} {'comm':14} {'mode':8} {'P':>3} {'ms':>10} {'MiB/rank':>9}"]
-    for r in sorted(ms, key=lambda r: (r["variant"], r["provider"], r["mode"], int(r["world_size"]))):
-        m = mem.get((r["variant"], r["provider"], r["mode"], r["world_size"]), math.nan)
-        lines.append(f"{r['variant']:8} {r['provider']:14} {r['mode']:8} {r['world_size']:>3} {float(r['value']):>10.3f} "
+    lines = [f"{'variant':8} {'comm':14} {'pass':8} {'P':>3} {'ms':>10} {'MiB/rank':>9}"]
+    for r in sorted(ms, key=lambda r: (r["variant"], r["provider"], r["pass"], int(r["world_size"]))):
+        m = mem.get((r["variant"], r["provider"], r["pass"], r["world_size"]), math.nan)
+        lines.append(f"{r['variant']:8} {r['provider']:14} {r['pass']:8} {r['world_size']:>3} {float(r['value']):>10.3f} "
                      f"{float(m):>9.1f}")
     return "\n".join(lines)
 
 
-__all__ = ["run_ring", "load_ring", "RingUnavailable", "ring_table", "OP_NAMES"]
+__all__ = ["run_ring", "load_ring", "RingUnavailable", "ring_table"]

@@ -31,7 +31,8 @@ from ..configs import make_config as _cfg
 from ..ops import SPECS
 from ..ops.common.hardware import get_arch, padded_head_dim
 from ..ops.common.runtime import interpreter_enabled
-from .bench import CsvSink, Timing, make_row, median_ms, provenance
+from .results import CsvSink, make_row, provenance
+from .timing import Timing, median_ms
 
 # config family -> the variant spec whose problem exercises it
 FAMILIES = {family: spec for spec in SPECS for family in spec.families}
@@ -189,7 +190,8 @@ def run_tune(out_dir=None, kernels=KERNELS, dtypes=None, head_dims=None, seqlens
                         torch.cuda.synchronize()
                     continue
                 results.append((ms, cfg))
-                sink.write([make_row(op=f"tune:{kernel}", variant=FAMILIES[kernel].name, provider="triton", mode=kernel.rsplit("_", 1)[1],
+                sink.write([make_row(op=f"tune:{kernel}", variant=FAMILIES[kernel].name, provider="triton",
+                                     **{"pass": kernel.rsplit("_", 1)[1]},
                                      B=1, N=n, H=heads, Hkv=heads, D=d, dtype=str(dtype).removeprefix("torch."),
                                      causal=causal, metric="ms", value=round(ms, 6),
                                      config=" ".join(f"{k}={v}" for k, v in cfg.items()), layout=prob.shape,

@@ -9,21 +9,32 @@ import math
 
 import torch
 
-from ..common.validation import check_positive_int_list
+from ..common.validation import check_bool, check_int
 from .layout import BlockLayout, check_block_size
 
 
-def _num_blocks(seq_len, block_size) -> int:
-    check_block_size(block_size)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-    return math.ceil(seq_len / block_size)
+def _num_blocks(seq_len, block_size, causal=False) -> tuple[int, int]:
+    """The checked common arguments -> (number of blocks, block_size as an int)."""
+    block_size = check_block_size(block_size)
+    seq_len = check_int("seq_len", seq_len, 1)
+    check_bool("causal", causal)
+    return -(-seq_len // block_size), block_size
 
 
 def _nonneg_int(name, x) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {x!r}")
-    return x
+    return check_int(name, x, 0)
+
+
+def _levels(levels) -> list[tuple[int, int]]:
+    """hierarchical's levels: a sequence of (stride >= 1, reach >= 0) pairs."""
+    if not isinstance(levels, (list, tuple)):
+        raise TypeError(f"levels must be a list or tuple of (stride, reach) pairs, got {type(levels).__name__}")
+    out = []
+    for i, level in enumerate(levels):
+        if not isinstance(level, (list, tuple)) or len(level) != 2:
+            raise TypeError(f"levels[{i}] must be a (stride, reach) pair, got {level!r}")
+        out.append((check_int(f"levels[{i}] stride", level[0], 1), check_int(f"levels[{i}] reach", level[1], 0)))
+    return out
 
 
 def _finish(rows, nb, block_size, causal):
@@ -45,7 +56,7 @@ def _global_pairs(nb, g, causal):
 
 def local(seq_len: int, block_size: int = 128, window: int = 1, causal: bool = False) -> BlockLayout:
     """Sliding window: query block i reads key blocks i - window .. i + window."""
-    nb = _num_blocks(seq_len, block_size)
+    nb, block_size = _num_blocks(seq_len, block_size, causal)
     window = _nonneg_int("window", window)
     offs = torch.arange(-window, (0 if causal else window) + 1)
     rows = torch.arange(nb)[:, None] + offs[None, :]
@@ -55,7 +66,7 @@ def local(seq_len: int, block_size: int = 128, window: int = 1, causal: bool = F
 
 def causal(seq_len: int, block_size: int = 128) -> BlockLayout:
     """Every key block at or before the query block (dense causal attention)."""
-    nb = _num_blocks(seq_len, block_size)
+    nb, block_size = _num_blocks(seq_len, block_size)
     r, c = torch.tril_indices(nb, nb)
     zero = torch.zeros_like(r)
     return BlockLayout.from_pairs(zero, zero, r, c, (1, 1, nb), nb, block_size)
@@ -64,7 +75,7 @@ def causal(seq_len: int, block_size: int = 128) -> BlockLayout:
 def global_tokens(seq_len: int, block_size: int = 128, num_global_blocks: int = 1, causal: bool = False) -> BlockLayout:
     """The first `num_global_blocks` blocks attend to everything and everything attends to
     them (BigBird's global tokens)."""
-    nb = _num_blocks(seq_len, block_size)
+    nb, block_size = _num_blocks(seq_len, block_size, causal)
     g = min(_nonneg_int("num_global_blocks", num_global_blocks), nb)
     r, c = _global_pairs(nb, g, causal)
     zero = torch.zeros_like(r)
@@ -76,9 +87,10 @@ def random(seq_len: int, block_size: int = 128, num_random: int = 2, seed: int =
     """`num_random` random key blocks per (batch, head, query block), seeded and
     reproducible (BigBird-style; with causal, drawn among the blocks at or before the query
     block). Draws are with replacement, so a row may hold fewer distinct blocks."""
-    nb = _num_blocks(seq_len, block_size)
+    nb, block_size = _num_blocks(seq_len, block_size, causal)
     k = _nonneg_int("num_random", num_random)
-    gen = torch.Generator().manual_seed(int(seed))
+    num_heads, batch = check_int("num_heads", num_heads, 1), check_int("batch", batch, 1)
+    gen = torch.Generator().manual_seed(check_int("seed", seed))
     u = torch.rand(batch, num_heads, nb, k, generator=gen, dtype=torch.float64)
     hi = (torch.arange(nb) + 1).view(1, 1, nb, 1) if causal else nb
     rows = (u * hi).long() if k else torch.full((batch, num_heads, nb, 1), -1)
@@ -89,10 +101,11 @@ def bigbird(seq_len: int, block_size: int = 128, window: int = 1, num_global_blo
             seed: int = 0, num_heads: int = 1, batch: int = 1, causal: bool = False) -> BlockLayout:
     """BigBird: sliding window | global blocks | random blocks, packed once from their pairs
     (no intermediate layouts: the global rows make those n_blocks wide)."""
-    nb = _num_blocks(seq_len, block_size)
+    nb, block_size = _num_blocks(seq_len, block_size, causal)
     g = min(_nonneg_int("num_global_blocks", num_global_blocks), nb)
-    rnd = random(seq_len, block_size, num_random, seed, num_heads, batch, causal)
     window = _nonneg_int("window", window)
+    num_heads, batch = check_int("num_heads", num_heads, 1), check_int("batch", batch, 1)
+    rnd = random(seq_len, block_size, num_random, seed, num_heads, batch, causal)
     offs = torch.arange(-window, (0 if causal else window) + 1)
     win = torch.arange(nb)[:, None] + offs[None, :]
     r_loc = torch.arange(nb)[:, None].expand_as(win)[(win >= 0) & (win < nb)]
@@ -114,13 +127,12 @@ def hierarchical(seq_len: int, block_size: int = 128, window: int = 1, levels=((
     """Multi-scale: a fine local window of `window` blocks, then for each (stride, reach) in
     `levels` the key blocks at multiples of `stride` within `reach` strides of the query
     block's stride-aligned position (coarser and coarser context)."""
-    nb = _num_blocks(seq_len, block_size)
+    nb, block_size = _num_blocks(seq_len, block_size, causal)
+    window = _nonneg_int("window", window)
     qb = torch.arange(nb)[:, None]
     win = torch.arange(-window, window + 1)[None, :] + qb
     parts = [torch.where((win >= 0) & (win < nb), win, -1)]
-    for stride, reach in levels:
-        stride, reach = check_positive_int_list("levels", [stride, reach + 1])
-        reach -= 1
+    for stride, reach in _levels(levels):
         base = qb // stride * stride
         cand = base + stride * torch.arange(-reach, reach + 1)[None, :]
         parts.append(torch.where((cand >= 0) & (cand < nb), cand, -1))
@@ -133,14 +145,17 @@ def dilated(seq_len: int, segment_lengths, dilation_rates, block_size: int = 128
     multiples of the block size. In each segment of w tokens, every (r / block_size)-th
     block from the head's offset (j % r', or j // ceil(H / r') with offsets="blocked")
     attends to the same blocks of its segment; the patterns are joined (set union)."""
-    from ..dilated.patterns import check_patterns, head_offsets
-    nb = _num_blocks(seq_len, block_size)
+    from ..dilated.patterns import check_patterns, fit_patterns, head_offsets
+    nb, block_size = _num_blocks(seq_len, block_size, causal)
+    num_heads = check_int("num_heads", num_heads, 1)
     patterns = check_patterns(segment_lengths, dilation_rates, "longnet", offsets)
     for w, r in patterns:
         if w % block_size or r % block_size and r != 1:
             raise ValueError(f"segment_lengths and dilation_rates must be multiples of block_size ({block_size}) "
                              f"(a rate of 1 is also allowed), got w={w}, r={r}")
-    block_patterns = tuple((w // block_size, max(1, r // block_size)) for w, r in patterns)
+    # in blocks; a segment of >= nb blocks is one segment (fit_patterns keeps the offsets)
+    block_patterns = fit_patterns(tuple((w // block_size, max(1, r // block_size)) for w, r in patterns), nb,
+                                  num_heads)
     table = head_offsets(num_heads, block_patterns, "longnet", offsets)
     qb = torch.arange(nb)
     per_head = []
@@ -164,7 +179,7 @@ def topk(q: torch.Tensor, k: torch.Tensor, top_k: int, block_size: int = 128, ca
     check_qkv(q, k, k)
     top_k = _nonneg_int("top_k", top_k)
     B, N, Hq, D = q.shape
-    nb = _num_blocks(N, block_size)
+    nb, block_size = _num_blocks(N, block_size, causal)
     pad = nb * block_size - N
 
     def pool(x):  # mean over the real tokens of each block

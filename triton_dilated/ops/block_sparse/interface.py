@@ -14,10 +14,12 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..common.first_order import first_order_backward
 from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, empty_stats, fresh, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
-from ..common.validation import check_cu_seqlens, check_flags, check_qkv, check_scale
+from ..common.query_offset import run_with_query_offset
+from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale
 from .layout import BlockLayout
 from .portable import block_sparse_attention_torch
 
@@ -31,9 +33,9 @@ def _kernels():
     return kernels
 
 
-def _check_args(q, k, v, layout, causal, scale, return_lse, *, packed=False):
+def _check_args(q, k, v, layout, causal, scale, return_lse, *, packed=False, allow_shorter_q=False):
     """Validation shared by block_sparse_attention and block_sparse_attention_op: the scale."""
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, allow_shorter_q=allow_shorter_q)
     if not packed and not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     check_flags(causal=causal, return_lse=return_lse)
@@ -53,6 +55,7 @@ class _BlockSparseAttentionFn(torch.autograd.Function):
         return out, lse_from_stats(row_max, row_sum)
 
     @staticmethod
+    @first_order_backward("block_sparse_attention (Triton path)")
     def backward(ctx, do, dlse):
         q, k, v, out, row_max, row_sum = ctx.saved_tensors
         layout, causal, scale = ctx.args
@@ -66,11 +69,13 @@ class _BlockSparseAttentionFn(torch.autograd.Function):
 # ----------------------------------------------------------------------------- public
 
 def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_lse=False, backend="auto",
-                           cu_seqlens=None):
+                           cu_seqlens=None, cache_seqlens=None):
     """Exact attention over the active blocks of a BlockLayout (DESIGN §4).
 
     Args:
         q: (B, N, Hq, D); k, v: (B, N, Hkv, D), Hq % Hkv == 0 (GQA); float16/bfloat16/float32.
+            For inference q may be shorter, (B, Nq, Hq, D) with Nq <= N: the last Nq positions
+            (query i at N - Nq + i); the layout covers the whole sequence (absolute positions).
         layout: a BlockLayout with ceil(N / block_size) blocks per side, laid out for
             (B|1, Hq|1) (query heads).
         causal: also require key position <= query position (the diagonal block is masked
@@ -83,11 +88,31 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
             sees another document. `layout` is then one BlockLayout per document (a list),
             or a builder called with each document's length (e.g.
             `lambda n: layouts.local(n, 64, 2)`).
+        cache_seqlens: int32 (B,), for q shorter than k, v: valid key rows per batch row,
+            queries included (query i of row b at cache_seqlens[b] - Nq + i; later rows are
+            ignored; the layout's first ceil(cache_seqlens[b] / block_size) blocks apply).
+            Unlike flash-attn's argument of the same name it counts the new tokens too.
 
     Returns out (B, N, Hq, D) like q (and lse). Rows with no active key: 0, lse = -inf.
     """
-    scale = _check_args(q, k, v, layout, causal, scale, return_lse, packed=cu_seqlens is not None)
+    scale = _check_args(q, k, v, layout, causal, scale, return_lse, packed=cu_seqlens is not None,
+                        allow_shorter_q=True)
     B, N, Hq, D = q.shape
+    lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1])
+    if lengths is not None or k.shape[1] != N:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens (packed documents) cannot be combined with q shorter than k, v or with "
+                             "cache_seqlens")
+        layout.check_seq_len(k.shape[1])
+        layout.check_heads(B, Hq)
+
+        def call(qq, kk, vv, rows, n):
+            lay = layout.prefix(-(-n // layout.block_size), rows) if n != k.shape[1] or len(rows) != B else layout
+            return block_sparse_attention(qq, kk, vv, lay, causal=causal, scale=scale, return_lse=True,
+                                          backend=backend)
+
+        out, lse = run_with_query_offset(call, q, k, v, lengths)
+        return (out, lse) if return_lse else out
     if cu_seqlens is not None:
         return _packed(q, k, v, layout, cu_seqlens, causal=causal, scale=scale, return_lse=return_lse,
                        backend=backend)

@@ -18,10 +18,11 @@ import math
 
 import torch
 
+from ..common.validation import check_int
+
 
 def check_block_size(block_size) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    block_size = check_int("block_size", block_size)
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
     return block_size
@@ -85,6 +86,7 @@ class BlockLayout:
 
     def __init__(self, kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, block_size: int = 128,
                  n_kv_blocks: int | None = None):
+        block_size = check_block_size(block_size)
         self._validate(kv_num_blocks, kv_indices, block_size, n_kv_blocks)
         valid = valid_slots(kv_num_blocks, kv_indices.shape[3])
         self._set(kv_num_blocks.to(torch.int32).contiguous(),
@@ -131,7 +133,7 @@ class BlockLayout:
     def from_pairs(cls, b, h, r, c, shape, n_kv_blocks: int, block_size: int) -> "BlockLayout":
         """From active (batch, head, query block, key block) pairs; shape = (B|1, H|1,
         n_q_blocks). Order and duplicates do not matter."""
-        check_block_size(block_size)
+        block_size = check_block_size(block_size)
         counts, indices = pack_pairs(b, h, r, c, shape, n_kv_blocks)   # canonical by construction
         layout = object.__new__(cls)
         layout._set(counts, indices, block_size, n_kv_blocks)
@@ -251,6 +253,23 @@ class BlockLayout:
     def _broadcast_pairs(self, other):
         shape = torch.broadcast_shapes(self.kv_num_blocks.shape, other.kv_num_blocks.shape)
         return shape, [self.broadcast_pairs(shape), other.broadcast_pairs(shape)]
+
+    def prefix(self, n_blocks: int, batch_rows=None) -> "BlockLayout":
+        """The layout of the first n_blocks query and key blocks (a shorter sequence at the same
+        absolute positions), for the batch rows `batch_rows` when it has a batch dimension."""
+        b, h, r, c = self.pairs()
+        lb, lh = self.kv_num_blocks.shape[:2]
+        keep = (r < n_blocks) & (c < n_blocks)
+        shape_b = lb
+        if batch_rows is not None and lb > 1:
+            rows = torch.as_tensor(batch_rows, dtype=torch.long, device=b.device)
+            new_b = torch.full((lb,), -1, dtype=torch.long, device=b.device)
+            new_b[rows] = torch.arange(rows.numel(), device=b.device)
+            keep &= new_b[b.long()] >= 0
+            b = new_b[b.long()]
+            shape_b = rows.numel()
+        return BlockLayout.from_pairs(b[keep], h[keep], r[keep], c[keep], (shape_b, lh, n_blocks), n_blocks,
+                                      self.block_size)
 
     def __or__(self, other):
         if not isinstance(other, BlockLayout):

@@ -10,6 +10,27 @@ _STATS = {"ROW_MAX": "fp32", "ROW_SUM": "fp32"}
 _LAYOUT_STRIDES = frozenset({"stride_cb", "stride_ch"})   # block-list strides: any value, 0 broadcasts
 
 
+def count_pairs(B, N, H, causal, *, layout) -> int:
+    """(query, key) pairs a block layout computes at sequence length N: every element of its
+    active blocks (clipped to N), only p' <= p when causal; summed over batch and heads."""
+    _, _, r, c = layout.pairs()
+    bs = layout.block_size
+    r, c = r.long().cpu(), c.long().cpu()
+    rows = (N - r * bs).clamp(max=bs)
+    cols = (N - c * bs).clamp(max=bs)
+    if causal:   # diagonal blocks: the lower triangle; blocks above it: nothing
+        cnt = (r > c) * rows * cols + (r == c) * (rows * (rows + 1) // 2)
+    else:
+        cnt = rows * cols
+    lb, lh = layout.kv_num_blocks.shape[:2]
+    return int(cnt.sum()) * (B // lb) * (H // lh)
+
+
+def call(q, k, v, *, causal, backend="auto", layout):
+    from .interface import block_sparse_attention
+    return block_sparse_attention(q, k, v, layout, causal=causal, backend=backend)
+
+
 class BlockSparseProblem:
     """Random inputs of one shape under a BigBird layout (window 1, one global block, three
     random blocks); forward/backward launch the kernels with a given config."""
@@ -59,4 +80,7 @@ SPEC = VariantSpec(
     ),
     aot_constexprs={"BLOCK_SIZE": 128},
     problem=BlockSparseProblem,
+    pairs=count_pairs,
+    call=call,
+    baselines=("flex",),
 )

@@ -1,12 +1,25 @@
 """What the tools (perf aot, tune, bench) need to know about a variant, declared once in the
 variant's spec.py: its kernels, their config families, how to compile them ahead of time,
-a problem factory (inputs and calls of the launchers for one shape) and a pair counter.
+a problem factory (inputs and calls of the launchers for one shape), the public function,
+a pair counter (the FLOP count) and the benchmark baselines that compute the same thing.
 The tools iterate over `triton_dilated.ops.SPECS`: adding a variant is its folder, its spec
 and its tests."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
+
+BWD_FLOP_FACTOR = 2.5        # backward = 2.5x forward (DESIGN §11): forward+backward counts 3.5x
+
+
+def dense_pairs(B: int, H: int, N: int, causal: bool) -> int:
+    """(query, key) pairs of dense attention over N positions (p' <= p when causal)."""
+    return B * H * (N * (N + 1) // 2 if causal else N * N)
+
+
+def attention_flops(pairs: int, D: int, backward: bool = False) -> float:
+    """Forward 4*D per (query, key) pair (QK^T and PV); with the backward 2.5x more."""
+    return 4.0 * D * pairs * (1.0 + BWD_FLOP_FACTOR if backward else 1.0)
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,18 @@ class VariantSpec:
     # problem(B, N, H, D, dtype, device, causal) -> an object with .forward(config) and
     # .backward(config) launching the kernels, and .shape (a label)
     problem: Callable
+    # pairs(B, N, H, causal, **params) -> int: the (query, key) pairs one call computes,
+    # summed over batch and heads (a pair two patterns select counts twice: both are
+    # computed); params are the op's pattern arguments, as `call` takes them
+    pairs: Callable | None = None
+    # call(q, k, v, *, causal, backend, **params) -> out: the public function (benchmarks)
+    call: Callable | None = None
+    # names of the perf baselines (perf/baselines.py BASELINES) that compute the same attention
+    baselines: tuple = ()
+
+    def flops(self, B: int, N: int, H: int, D: int, causal: bool, backward: bool = False, **params) -> float:
+        """FLOPs of one call (forward, or forward and backward): only the computed pairs count."""
+        return attention_flops(self.pairs(B, N, H, causal, **params), D, backward)
 
     @property
     def families(self) -> tuple:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -15,9 +16,10 @@ def check_choice(name: str, value, choices) -> str:
     return value
 
 
-def check_qkv(q, k, v, *, allow_float64: bool = False) -> None:
+def check_qkv(q, k, v, *, allow_float64: bool = False, allow_shorter_q: bool = False) -> None:
     """Shapes per DESIGN §2: q (B, N, Hq, D), k/v (B, N, Hkv, D), Hq % Hkv == 0.
-    The float64 oracles also take float64 (allow_float64)."""
+    The float64 oracles also take float64 (allow_float64); with allow_shorter_q, q may have
+    Nq <= N rows, the last Nq positions of the sequence (DESIGN §5b)."""
     dtypes = SUPPORTED_DTYPES + ((torch.float64,) if allow_float64 else ())
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -36,7 +38,10 @@ def check_qkv(q, k, v, *, allow_float64: bool = False) -> None:
     (B, N, Hq, D), (Bk, Nk, Hkv, Dk) = q.shape, k.shape
     if Bk != B:
         raise ValueError(f"k and v must have the batch size of q ({B}), got {Bk}")
-    if Nk != N:
+    if allow_shorter_q and Nk < N:
+        raise ValueError(f"q must not be longer than k and v (the queries are the last Nq positions of the "
+                         f"sequence k and v hold): got Nq = {N} > Nk = {Nk}")
+    if not allow_shorter_q and Nk != N:
         raise ValueError(f"k and v must have the sequence length of q ({N}), got {Nk}")
     if Dk != D:
         raise ValueError(f"k and v must have the head dim of q ({D}), got {Dk}")
@@ -59,26 +64,65 @@ def check_scale(scale, head_dim: int) -> float:
     return scale
 
 
-def check_positive_int_list(name: str, values) -> list[int]:
-    """A non-empty list/tuple of positive Python (or numpy) integers; bools are refused."""
-    if isinstance(values, torch.Tensor):
+def _bound_words(minimum) -> str:
+    return {1: "positive ", 0: "non-negative "}.get(minimum, "")
+
+
+def check_int(name: str, value, minimum=None) -> int:
+    """A Python or numpy integer (or a 0-d integer tensor) -> int, >= minimum when given.
+    Bools are refused (True is not a count). The one vocabulary of every integer argument:
+    TypeError "{name} must be an int, got <type>", ValueError "{name} must be a positive
+    int" / "a non-negative int" / ">= minimum", "got <value>"."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an int, got a bool ({value!r})")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})") from None
+    if minimum is not None and out < minimum:
+        words = _bound_words(minimum)
+        bound = f"a {words}int" if words else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {bound}, got {out}")
+    return out
+
+
+def check_int_list(name: str, values, minimum=1) -> list[int]:
+    """A non-empty sequence of integers >= minimum -> list of int: a list, tuple or range of
+    Python/numpy ints, or a 1-D integer numpy array or tensor. Bools and strings are
+    refused."""
+    words = _bound_words(minimum) or f">= {minimum} "
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        is_tensor = isinstance(values, torch.Tensor)
+        kind = "a tensor" if is_tensor else "an array"
+        if values.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got {kind} of shape {tuple(values.shape)}")
+        is_int = (not values.dtype.is_floating_point and not values.dtype.is_complex and values.dtype != torch.bool
+                  if is_tensor else np.issubdtype(values.dtype, np.integer))
+        if not is_int:
+            raise TypeError(f"{name} must hold ints, got {kind} of {values.dtype}")
         values = values.tolist()
-    if not isinstance(values, (list, tuple)):
-        raise TypeError(f"{name} must be a list or tuple of positive ints, got {type(values).__name__}")
+    if not isinstance(values, (list, tuple, range)):
+        raise TypeError(f"{name} must be a list or tuple of {words}ints (or a range, 1-D numpy array or tensor), "
+                        f"got {type(values).__name__}")
     if len(values) == 0:
         raise ValueError(f"{name} must not be empty")
     out = []
     for x in values:
-        if isinstance(x, bool):
+        if isinstance(x, (bool, np.bool_)):
             raise TypeError(f"{name} must hold ints, got a bool ({x!r})")
         try:
             xi = operator.index(x)
         except TypeError:
             raise TypeError(f"{name} must hold ints, got {x!r} ({type(x).__name__})") from None
-        if xi <= 0:
-            raise ValueError(f"{name} must hold positive ints, got {xi}")
+        if xi < minimum:
+            raise ValueError(f"{name} must hold {words}ints, got {xi}")
         out.append(xi)
     return out
+
+
+def check_positive_int_list(name: str, values) -> list[int]:
+    """check_int_list with minimum 1."""
+    return check_int_list(name, values, minimum=1)
 
 
 def check_bool(name: str, value) -> bool:
@@ -99,16 +143,31 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int):
     (0, ..., N), or None."""
     if cu_seqlens is None:
         return None
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise TypeError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
-                            f"{tuple(cu_seqlens.shape)}")
-        cu_seqlens = cu_seqlens.tolist()
-    bounds = tuple(check_positive_int_list("cu_seqlens", [x + 1 for x in cu_seqlens]))
-    bounds = tuple(x - 1 for x in bounds)
+    bounds = tuple(check_int_list("cu_seqlens", cu_seqlens, minimum=0))
     if batch != 1:
         raise ValueError(f"cu_seqlens packs documents into one sequence: the batch size must be 1, got {batch}")
     if bounds[0] != 0 or bounds[-1] != seq_len or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens must start at 0, end at the sequence length ({seq_len}) and not decrease, "
                          f"got {list(bounds)}")
     return bounds
+
+
+def check_cache_seqlens(cache_seqlens, batch: int, q_len: int, kv_len: int):
+    """cache_seqlens (DESIGN §5b): an integer tensor (B,) of valid key rows per batch row,
+    queries included, each in [Nq, Nk]. Returns a tuple of ints, or None."""
+    if cache_seqlens is None:
+        return None
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be an int32 tensor of shape (B,) = ({batch},), got "
+                        f"{type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cache_seqlens must be an int32 (or int64) tensor, got {cache_seqlens.dtype}")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise ValueError(f"cache_seqlens must have shape (B,) = ({batch},), got {tuple(cache_seqlens.shape)}")
+    lengths = tuple(int(x) for x in cache_seqlens.tolist())
+    bad = [(b, n) for b, n in enumerate(lengths) if not q_len <= n <= kv_len]
+    if bad:
+        b, n = bad[0]
+        raise ValueError(f"cache_seqlens must lie in [Nq, Nk] = [{q_len}, {kv_len}] (every query row is a valid "
+                         f"position, no row past the cache), got {n} for batch row {b}")
+    return lengths

@@ -14,11 +14,13 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..common.first_order import first_order_backward
 from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, empty_stats, fresh, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
-from ..common.validation import check_cu_seqlens, check_flags, check_qkv, check_scale
-from .patterns import check_patterns, head_offsets
+from ..common.query_offset import run_with_query_offset
+from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale
+from .patterns import check_patterns, fit_patterns, head_offsets, warn_if_heads_first
 from .portable import dilated_attention_torch
 
 CONFIG_FAMILIES = ("dilated_fwd", "dilated_bwd")
@@ -31,11 +33,14 @@ def _kernels():
     return kernels
 
 
-def _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse):
+def _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
+                allow_shorter_q=False):
     """Validation shared by dilated_attention and dilated_attention_op: (patterns, scale)."""
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, allow_shorter_q=allow_shorter_q)
     patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
     check_flags(causal=causal, return_lse=return_lse)
+    warn_if_heads_first(patterns, k.shape[1], q.shape[2])
+    patterns = fit_patterns(patterns, k.shape[1], q.shape[2])   # w >= N is one segment: clamped to N
     return patterns, check_scale(scale, q.shape[-1])
 
 
@@ -53,6 +58,7 @@ class _DilatedAttentionFn(torch.autograd.Function):
         return out, lse_from_stats(row_max, row_sum)
 
     @staticmethod
+    @first_order_backward("dilated_attention (Triton path)")
     def backward(ctx, do, dlse):
         q, k, v, out, row_max, row_sum = ctx.saved_tensors
         patterns, table, causal, scale, doc_bounds = ctx.args
@@ -66,13 +72,17 @@ class _DilatedAttentionFn(torch.autograd.Function):
 # ----------------------------------------------------------------------------- public
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
-                      mode="longnet", offsets="modulo", return_lse=False, backend="auto", cu_seqlens=None):
+                      mode="longnet", offsets="modulo", return_lse=False, backend="auto", cu_seqlens=None,
+                      cache_seqlens=None):
     """LongNet dilated attention (arXiv 2307.02486 §2.2-2.4), exact, forward and backward.
 
     Args:
         q: (B, N, Hq, D); k, v: (B, N, Hkv, D) with Hq % Hkv == 0 (GQA/MQA). float16,
             bfloat16 or float32; any strides with a contiguous last dimension (others are
-            copied once).
+            copied once). For inference q may be shorter: (B, Nq, Hq, D) with Nq <= N holds
+            the last Nq positions of the sequence (query i at position N - Nq + i, flash-attn's
+            bottom-right convention); segments, residues and the causal mask apply to
+            absolute positions, so each row equals that row of the full-sequence call.
         segment_lengths, dilation_rates: one (w, r) per pattern. N % w != 0, w % r != 0
             and w >= N are all legal; the last segment may be shorter.
         causal: each query attends only to keys at or before its position.
@@ -89,13 +99,28 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
             [cu_seqlens[i], cu_seqlens[i+1]) of the sequence (0 first, N last, ascending).
             Segments restart at each document and no query sees another document: the
             result equals separate calls per document.
+        cache_seqlens: int32 (B,), for q shorter than k, v: the valid key rows of each batch
+            row, queries included (query i of row b at position cache_seqlens[b] - Nq + i;
+            rows from cache_seqlens[b] on are ignored). Unlike flash-attn's argument of the
+            same name, which counts the cache *before* the new tokens, this counts them too.
 
     Returns:
         out (B, N, Hq, D) like q, contiguous; with return_lse, (out, lse). A query with no
         key in any of its patterns gets 0 and lse = -inf.
     """
-    patterns, scale = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse)
+    patterns, scale = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
+                                  allow_shorter_q=True)
     B, N, Hq, D = q.shape
+    lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1])
+    if lengths is not None or k.shape[1] != N:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens (packed documents) cannot be combined with q shorter than k, v or with "
+                             "cache_seqlens")
+        out, lse = run_with_query_offset(
+            lambda qq, kk, vv, rows, n: dilated_attention(qq, kk, vv, segment_lengths, dilation_rates, causal=causal,
+                                                          scale=scale, mode=mode, offsets=offsets, return_lse=True,
+                                                          backend=backend), q, k, v, lengths)
+        return (out, lse) if return_lse else out
     path = resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype)
     doc_bounds = check_cu_seqlens(cu_seqlens, B, N)
     # under torch.compile: the custom op (either path). It traces without a graph break; the

@@ -3,20 +3,30 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
-from ..common.validation import check_choice, check_positive_int_list
+from ..common.validation import check_choice, check_int_list
 
 MODES = ("longnet", "head_groups")
 OFFSETS = ("modulo", "blocked")
 
 
 def check_patterns(segment_lengths, dilation_rates, mode="longnet", offsets="modulo"):
-    """Validate the pattern arguments; return a tuple of (w, r) pairs."""
-    ws = check_positive_int_list("segment_lengths", segment_lengths)
-    rs = check_positive_int_list("dilation_rates", dilation_rates)
+    """Validate the pattern arguments; return a tuple of (w, r) pairs.
+
+    A rate larger than its segment length would leave every segment one row per head (most
+    queries with no key at all): that is what swapped lists give, so it is refused."""
+    ws = check_int_list("segment_lengths", segment_lengths)
+    rs = check_int_list("dilation_rates", dilation_rates)
     if len(ws) != len(rs):
         raise ValueError(f"segment_lengths and dilation_rates must have the same length, "
                          f"got {len(ws)} and {len(rs)}")
+    for i, (w, r) in enumerate(zip(ws, rs)):
+        if r > w:
+            raise ValueError(f"dilation_rates[{i}] = {r} is larger than segment_lengths[{i}] = {w}: a rate must not "
+                             f"exceed its segment length. The two lists look swapped: dilated_attention and "
+                             f"DilatedAttention take (segment_lengths, dilation_rates), MultiheadDilatedAttention "
+                             f"takes (dilation_rates, segment_lengths)")
     check_choice("mode", mode, MODES)
     check_choice("offsets", offsets, OFFSETS)
     return tuple(zip(ws, rs))
@@ -47,3 +57,26 @@ def head_offsets(num_heads: int, patterns: tuple, mode: str, offsets: str) -> tu
         row = tuple(i % r if ii == i else -1 for ii in range(m))
         table.extend([row] * size)
     return tuple(table)
+
+
+def fit_patterns(patterns: tuple, seq_len: int, num_heads: int) -> tuple:
+    """The same patterns with values the kernels can index with, for seq_len tokens and
+    num_heads heads. w >= seq_len is one segment over the sequence, so w is clamped to
+    seq_len; r is clamped to max(w, num_heads): a rate >= w leaves row o alone in each
+    segment either way, and a rate >= num_heads gives every head the same offset
+    (j % r = j, j // ceil(H / r) = j, i % r = i), so the offset table does not change."""
+    fitted = []
+    for w, r in patterns:
+        w = min(w, max(seq_len, 1))
+        fitted.append((w, min(r, max(w, num_heads))))
+    return tuple(fitted)
+
+
+def warn_if_heads_first(patterns: tuple, seq_len: int, num_heads: int) -> None:
+    """q/k/v in scaled_dot_product_attention's (B, H, N, D) layout are read as N = H tokens
+    and H = N heads: warn when there are more heads than tokens and every segment covers
+    the whole sequence (dense attention over a handful of "tokens")."""
+    if num_heads > seq_len > 0 and all(w >= seq_len for w, _ in patterns):
+        warnings.warn(f"q has {num_heads} heads but a sequence length of only {seq_len}, and every segment covers the "
+                      f"whole sequence: are q, k, v in (B, H, N, D) layout (scaled_dot_product_attention's)? Dilated "
+                      f"attention takes (B, N, H, D): pass q.transpose(1, 2) etc.", UserWarning, stacklevel=4)

@@ -12,7 +12,7 @@ the patterns accumulate into one online softmax: the paper's denominator-weighte
 (eq. 10) needs no merge step at all. A pattern whose rate does not divide T masks the rows
 with another residue, which wastes work; T is picked per head signature by counting the
 (row, key) pairs each candidate computes (padding of the last tile and causal diagonal
-included), over T in {lcm of every subset of rates}.
+included), per head and document, over T in {lcm of every subset of rates}.
 
 For the LongNet schedule (rates 1, 2, 4, 6, 12; segments of 2048..32768) T = 12: a chunk of
 2048 rows is 12 classes of 170-171 rows, each padded to BLOCK_M; nothing else is wasted.
@@ -25,7 +25,6 @@ so causal work balances over the GPU.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 
 import numpy as np
@@ -33,49 +32,66 @@ import numpy as np
 ITEM_FIELDS = 6
 
 
-def _chunk_starts_ends(n: int, ws):
-    bounds = np.unique(np.concatenate([np.arange(0, n, w) for w in set(ws)] + [np.array([n])]))
-    return bounds[:-1], bounds[1:]
-
-
 def _ceil_div(a, b):
     return -(-a // b)
 
 
-def _tiles(n: int, triples, T: int, block: int, block_inner: int, causal: bool, keys_side: bool):
-    """Tiles of one unit (a query head, or a key/value head for the backward) with stride T.
+def _chunks(lengths, ws):
+    """Chunks of every document: the stretches between consecutive multiples of any w
+    (and the document's end). lengths: (n_docs,) int64, all > 0. Returns (doc, start,
+    end) arrays, document-local positions, documents in order and starts ascending."""
+    n_docs = lengths.size
+    big = int(lengths.max()) + 1
+    keys = []
+    for w in sorted(set(ws)):
+        count = _ceil_div(lengths, w)                                  # multiples of w below the length
+        doc = np.repeat(np.arange(n_docs), count)
+        local = (np.arange(doc.size) - np.repeat(np.cumsum(count) - count, count)) * w
+        keys.append(doc * big + local)
+    key = np.unique(np.concatenate(keys))
+    doc, start = key // big, key % big
+    last = np.append(doc[1:] != doc[:-1], True)
+    end = np.where(last, lengths[doc], np.append(start[1:], 0))
+    return doc, start, end
 
-    triples: (w, r, o) the unit takes part in. Returns (first_row, chunk_end, cost) arrays
-    and whether every row of the sequence lies in some tile."""
-    starts, ends = _chunk_starts_ends(n, [w for w, _, _ in triples])
-    cls = np.arange(T)
-    A = starts[:, None] + cls[None, :]                       # first row of class c
-    E = np.broadcast_to(ends[:, None], A.shape)
-    n_rows = np.maximum(0, _ceil_div(E - A, T))
-    maybe = np.zeros(A.shape, dtype=bool)
-    for w, r, o in triples:
-        seg = (starts // w * w)[:, None]
-        g = math.gcd(T, r)
-        maybe |= ((o - (A - seg)) % g == 0) & (o < np.minimum(seg + w, n) - seg)
+
+def _tiles(lengths, ws, rs, offsets, T, block: int, block_inner: int, causal: bool, keys_side: bool):
+    """Tiles of U units (same patterns ws, rs; offsets (U, m), -1 never occurs) over the
+    documents of `lengths`, unit u tiling document d with stride T[u, d].
+
+    Returns (unit, doc, first_row, chunk_end, T, cost) per tile (document-local rows), in
+    the order unit, document, chunk, class, tile; and whether every row of every document
+    lies in some tile of every unit."""
+    doc_c, start, end = _chunks(lengths, ws)
+    n_chunks = start.size
+    Tc = T[:, doc_c]                                                   # (U, C)
+    n_c = lengths[doc_c]
+    cls = np.arange(int(T.max()))
+    A = start[None, :, None] + cls                                     # (1, C, Tmax): first row of class c
+    n_rows = np.where(cls < Tc[..., None], np.maximum(0, _ceil_div(end[None, :, None] - A, Tc[..., None])), 0)
+    maybe = np.zeros(n_rows.shape, dtype=bool)
+    for i, (w, r) in enumerate(zip(ws, rs)):
+        seg = start // w * w
+        o = offsets[:, i][:, None, None]
+        g = np.gcd(Tc, r)[..., None]
+        seg_len = np.minimum(seg + w, n_c) - seg
+        maybe |= ((o - (A - seg[None, :, None])) % g == 0) & (o < seg_len[None, :, None])
     keep = (n_rows > 0) & maybe
-    full_coverage = bool(keep.sum() == (n_rows > 0).sum())
-    n_tiles = np.where(keep, _ceil_div(n_rows, block), 0)
-    flat_tiles = n_tiles.ravel()
-    idx = np.repeat(np.arange(flat_tiles.size), flat_tiles)
-    j = np.arange(idx.size) - np.repeat(np.cumsum(flat_tiles) - flat_tiles, flat_tiles)
-    first = A.ravel()[idx] + T * block * j
-    chunk_end = E.ravel()[idx]
-    chunk_start = np.repeat(starts, T)[idx]
-    rows_in_tile = np.minimum(block, _ceil_div(chunk_end - first, T))
-    last = first + T * (rows_in_tile - 1)
+    full = bool(keep.sum() == (n_rows > 0).sum())
+    n_tiles = np.where(keep, _ceil_div(n_rows, block), 0).ravel()
+    idx = np.repeat(np.arange(n_tiles.size), n_tiles)
+    j = np.arange(idx.size) - np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
+    unit, chunk, c = idx // (n_chunks * cls.size), idx // cls.size % n_chunks, idx % cls.size
+    doc, Tt, n = doc_c[chunk], Tc[unit, chunk], n_c[chunk]
+    first = start[chunk] + c + Tt * block * j
+    chunk_end = end[chunk]
+    last = first + Tt * (np.minimum(block, _ceil_div(chunk_end - first, Tt)) - 1)
     cost = np.zeros(first.shape, dtype=np.float64)
-    for w, r, o in triples:
-        seg = chunk_start // w * w
+    for i, (w, r) in enumerate(zip(ws, rs)):
+        o = offsets[unit, i]
+        seg = start[chunk] // w * w
         n_keys = np.maximum(0, _ceil_div(np.minimum(seg + w, n) - seg - o, r))
-        if T % r == 0:
-            active = (first - seg) % r == o
-        else:
-            active = (o - (first - seg)) % math.gcd(T, r) == 0
+        active = (o - (first - seg)) % np.gcd(Tt, r) == 0   # when r | T: every row of the tile is active
         if causal and not keys_side:     # queries see keys up to the tile's last row
             used = np.clip((last - seg - o) // r + 1, 0, n_keys)
         elif causal:                      # keys are seen by queries from the tile's first row
@@ -83,32 +99,38 @@ def _tiles(n: int, triples, T: int, block: int, block_inner: int, causal: bool, 
         else:
             used = n_keys
         cost += np.where(active, block * _ceil_div(used, block_inner) * block_inner, 0)
-    return first, chunk_end, cost, full_coverage
+    return unit, doc, first, chunk_end, Tt, cost, full
 
 
 def _candidate_strides(rates, limit: int):
     """1 and the lcm of every subset of rates, up to `limit` (the shortest segment: a
-    stride past it leaves one-row tiles and is never best)."""
-    rates = sorted(set(rates))
+    stride past it leaves one-row tiles and is never best). Built one rate at a time,
+    dropping every lcm past the limit at once (adding rates only grows it): at most `limit`
+    values per step, so O(len(rates) * limit), not 2^len(rates)."""
+    limit = max(int(limit), 1)
     out = {1}
-    for k in range(1, len(rates) + 1):
-        for subset in itertools.combinations(rates, k):
-            t = math.lcm(*subset)
-            if t <= max(limit, 1):
-                out.add(t)
+    for r in sorted(set(rates)):
+        out |= {t for t in (math.lcm(x, r) for x in out) if t <= limit}
     return sorted(out)
 
 
-@functools.lru_cache(maxsize=512)
-def choose_stride(n: int, triples: tuple, block: int, block_inner: int, causal: bool,
-                  keys_side: bool = False) -> int:
-    """The tile stride T with the fewest computed (row, key) pairs for this unit."""
-    best = None
-    for T in _candidate_strides([r for _, r, _ in triples], min(n, *(w for w, _, _ in triples))):
-        cost = _tiles(n, triples, T, block, block_inner, causal, keys_side)[2].sum()
-        if best is None or cost < best[0]:
-            best = (cost, T)
-    return best[1]
+def choose_strides(lengths, ws, rs, offsets, block: int, block_inner: int, causal: bool, keys_side: bool = False):
+    """T[u, d]: the tile stride with the fewest computed (row, key) pairs for unit u on
+    document d, over T in _candidate_strides(rates, min(length, shortest w)); the smallest
+    such T on ties."""
+    U, n_docs = offsets.shape[0], lengths.size
+    limits = np.maximum(np.minimum(lengths, min(ws)), 1)
+    best_T = np.ones((U, n_docs), dtype=np.int64)
+    best_cost = np.full((U, n_docs), np.inf)
+    for T in _candidate_strides(rs, int(limits.max())):
+        docs = np.flatnonzero(limits >= T)
+        unit, doc, *_, cost, _ = _tiles(lengths[docs], ws, rs, offsets, np.full((U, docs.size), T),
+                                        block, block_inner, causal, keys_side)
+        total = np.bincount(unit * docs.size + doc, weights=cost, minlength=U * docs.size).reshape(U, docs.size)
+        better = total < best_cost[:, docs]
+        best_cost[:, docs] = np.where(better, total, best_cost[:, docs])
+        best_T[:, docs] = np.where(better, T, best_T[:, docs])
+    return best_T
 
 
 @functools.lru_cache(maxsize=256)
@@ -117,30 +139,44 @@ def build_items(n: int, unit_triples: tuple, block: int, block_inner: int, causa
     """Work items for all units over documents doc_bounds = (0, e1, e2, ..., n) (None: one
     document). unit_triples[u] = tuple of (w, r, o). Returns (items int32 (n_items, 6)
     numpy array, full_coverage)."""
-    docs = list(zip(doc_bounds[:-1], doc_bounds[1:])) if doc_bounds else [(0, n)]
-    columns, costs = [], []
-    full = True
+    items, _, full = plan_tiles(n, unit_triples, block, block_inner, causal, keys_side, doc_bounds)
+    return items, full
+
+
+def plan_tiles(n: int, unit_triples: tuple, block: int, block_inner: int, causal: bool,
+               keys_side: bool = False, doc_bounds: tuple | None = None):
+    """(items, cost, full_coverage): build_items' work items with, per item, the (row, key)
+    pairs its tile computes (padding included: the planner's cost, which the cost model of
+    `perf plan` sums).
+
+    Units with the same (w, r) list are planned together, vectorised over units and
+    documents (packed training brings new document bounds every step)."""
+    bounds = np.asarray(doc_bounds if doc_bounds else (0, n), dtype=np.int64)
+    doc_start, lengths = bounds[:-1], np.diff(bounds)
+    doc_start, lengths = doc_start[lengths > 0], lengths[lengths > 0]
+    groups: dict[tuple, list[int]] = {}
     for u, triples in enumerate(unit_triples):
-        if not triples:
-            full = False
-            continue
-        for start, end in docs:
-            if end <= start:
-                continue
-            length = end - start
-            # T depends on the patterns, the causal shape and the length, not the offsets: pick
-            # it once per signature, with this unit's offsets standing in for the others.
-            T = choose_stride(length, triples, block, block_inner, causal, keys_side)
-            first, chunk_end, cost, covered = _tiles(length, triples, T, block, block_inner, causal, keys_side)
+        groups.setdefault(tuple((w, r) for w, r, _ in triples), []).append(u)
+    full = () not in groups
+    groups.pop((), None)
+    parts, costs = [], []
+    if lengths.size:
+        for sig, units in groups.items():
+            ws, rs = [w for w, _ in sig], [r for _, r in sig]
+            offsets = np.array([[o for _, _, o in unit_triples[u]] for u in units], dtype=np.int64)
+            T = choose_strides(lengths, ws, rs, offsets, block, block_inner, causal, keys_side)
+            unit, doc, first, chunk_end, Tt, cost, covered = _tiles(lengths, ws, rs, offsets, T, block, block_inner,
+                                                                    causal, keys_side)
             full &= covered
-            fill = lambda x: np.full(first.shape, x)  # noqa: E731
-            columns.append(np.stack([first + start, chunk_end + start, fill(u), fill(T), fill(start), fill(end)], 1))
+            s = doc_start[doc]
+            parts.append(np.stack([first + s, chunk_end + s, np.asarray(units)[unit], Tt, s, s + lengths[doc]], 1))
             costs.append(cost)
-    if not columns:
-        return np.zeros((0, ITEM_FIELDS), dtype=np.int32), False
-    items = np.concatenate(columns)
-    order = np.argsort(-np.concatenate(costs), kind="stable")
-    return np.ascontiguousarray(items[order].astype(np.int32)), full
+    if not parts:
+        return np.zeros((0, ITEM_FIELDS), dtype=np.int32), np.zeros(0), False
+    items, cost = np.concatenate(parts), np.concatenate(costs)
+    # longest first; ties in (unit, document, chunk, class, tile) order
+    order = np.lexsort((np.arange(items.shape[0]), items[:, 2], -cost))
+    return np.ascontiguousarray(items[order].astype(np.int32)), cost[order], full
 
 
 def query_unit_triples(patterns: tuple, table: tuple) -> tuple:

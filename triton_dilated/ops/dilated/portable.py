@@ -3,11 +3,11 @@
 Per pattern (w, r) and per group of heads sharing an offset o, the dilated rows
 `s + o + r*i` of every full segment are one strided view of the input,
 x[:, :N_full].unflatten(1, (N_full // w, w))[:, :, o::r], plus one view for the short
-last segment. Those go through scaled_dot_product_attention (causal inside the dilated
-rows is causal in positions) when a head uses one pattern and no lse is wanted;
-otherwise through attention that also returns a differentiable lse (PyTorch's fused CPU
-kernel on CPU, an explicit float32 softmax elsewhere). Patterns are mixed by a float32
-lse merge. Memory is O(N*w/r) per pattern, never O(N^2).
+last segment. Those go through ops.common.lse.attention_with_lse (causal inside the
+dilated rows is causal in positions; PyTorch's fused CPU kernel, or a chunked explicit
+float32 softmax for large scores), with a differentiable lse when a head mixes patterns
+or the caller wants it. Patterns are mixed by a float32 lse merge. Memory is O(N*D) per
+pattern plus bounded score chunks, never O(N^2) or O(N*w/r).
 
 The views are taken and written back by two small autograd functions rather than by
 plain slicing: autograd's own backward of a slice (and of a write into a slice) builds a
@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from ..common.lse import attention_with_lse, merge_partials
+from ..common.first_order import first_order_inputs
+from ..common.lse import all_finite, attention_with_lse, merge_partials
 
 
 def _head_index(heads: list[int]):
@@ -143,17 +143,15 @@ def _scatter(buf, specs, parts):
     return buf
 
 
-def _attend(qs, ks, vs, causal: bool, scale: float, need_lse: bool, compute_dtype):
+def _attend(qs, ks, vs, causal: bool, scale: float, need_lse: bool, compute_dtype, finite: bool):
     """qs: (B, nseg, L, Hs, D), ks/vs: (B, nseg, L, Hs, D). Returns out (same layout) and
     lse (B, nseg, L, Hs, 1) or None."""
     B, nseg, L, Hs, D = qs.shape
     to_bhld = lambda x: x.permute(0, 1, 3, 2, 4).reshape(B * nseg, Hs, L, D)  # noqa: E731
     qb, kb, vb = (to_bhld(x).to(compute_dtype) for x in (qs, ks, vs))
+    out, lse = attention_with_lse(qb, kb, vb, causal, scale, need_lse=need_lse, finite=finite)
     if need_lse:
-        out, lse = attention_with_lse(qb, kb, vb, causal, scale)
         lse = lse.reshape(B, nseg, Hs, L).transpose(2, 3).unsqueeze(-1)
-    else:
-        out, lse = F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=scale), None
     return out.reshape(B, nseg, Hs, L, D).permute(0, 1, 3, 2, 4), lse
 
 
@@ -165,6 +163,7 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
     B, N, Hq, D = q.shape
     group = Hq // k.shape[2]
     compute_dtype = compute_dtype or q.dtype
+    q, k, v = first_order_inputs("dilated_attention (portable backend)", q, k, v)
     merge = max(sum(o >= 0 for o in row) for row in table) > 1  # some head mixes patterns
     want_lse = need_lse or merge
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -186,7 +185,8 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
     n_bufs = len(patterns) if merge else 1
     out_bufs = [q.new_zeros((B, N, Hq, D), dtype=acc_dtype if merge else q.dtype) for _ in range(n_bufs)]
     lse_bufs = [q.new_full((B, N, Hq, 1), float("-inf"), dtype=acc_dtype) for _ in range(n_bufs if want_lse else 0)]
-    results = [_attend(qs, ks, vs, causal, scale, want_lse, compute_dtype)
+    finite = all_finite(q, k, v)   # else each job applies the NaN rule (ops.common.lse)
+    results = [_attend(qs, ks, vs, causal, scale, want_lse, compute_dtype, finite)
                for qs, ks, vs in zip(q_parts, k_parts, v_parts)]
     outs, lses = [], []
     for b in range(n_bufs):

@@ -20,6 +20,33 @@ def longnet_patterns(n: int):
     return ((n // 4, 1), (n // 2, 2), (n, 4))
 
 
+def count_pairs(B, N, H, causal, *, segment_lengths, dilation_rates, mode="longnet", offsets="modulo") -> int:
+    """(query, key) pairs the dilated patterns compute, summed over batch, heads and patterns
+    (a key two patterns select counts twice: both are computed)."""
+    from .patterns import head_offsets
+    patterns = tuple(zip(segment_lengths, dilation_rates))
+    per_offset = {}
+    total = 0
+    for row in head_offsets(H, patterns, mode, offsets):
+        for (w, r), o in zip(patterns, row):
+            if o < 0:
+                continue
+            if (w, r, o) not in per_offset:
+                count = 0
+                for s in range(0, N, w):
+                    L = len(range(s + o, min(s + w, N), r))
+                    count += L * (L + 1) // 2 if causal else L * L
+                per_offset[(w, r, o)] = count
+            total += per_offset[(w, r, o)]
+    return total * B
+
+
+def call(q, k, v, *, causal, backend="auto", segment_lengths, dilation_rates, mode="longnet", offsets="modulo"):
+    from .interface import dilated_attention
+    return dilated_attention(q, k, v, list(segment_lengths), list(dilation_rates), causal=causal, mode=mode,
+                             offsets=offsets, backend=backend)
+
+
 class DilatedProblem:
     """Random inputs of one shape under the LongNet schedule; forward/backward launch the
     kernels with a given config (None: the one the library picks)."""
@@ -68,4 +95,7 @@ SPEC = VariantSpec(
     ),
     aot_constexprs={"NUM_PATTERNS": 3},
     problem=DilatedProblem,
+    pairs=count_pairs,
+    call=call,
+    baselines=("head_group_loop",),
 )

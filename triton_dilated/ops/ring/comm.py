@@ -6,8 +6,15 @@ the caller knows), and returns a `Transfer`: the caller computes on the current 
 the next one is in flight (double buffering), then `transfer.wait()` hands over the
 received tensors. RingComm also keeps the peak of key/value bytes a schedule reports as
 held (`note_held`), which the tests use to check the O(N/P) memory bound.
+
+`RingComm.agree(signature)` checks, with one small all-gather before any transfer, that
+every rank called with the same shapes, dtype, flags, patterns and layout: ranks that
+disagree would otherwise exchange buffers of different sizes (gloo aborts the process, or
+a rank computes on receive buffers never written) or silently compute different functions.
 """
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -17,6 +24,15 @@ COMMS = ("p2p", "allgather")
 
 def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _by_value(name, signatures) -> str:
+    """'ranks 0, 2: x, rank 1: y': the ranks grouped by their value of one entry."""
+    groups: dict[str, list[int]] = {}
+    for rank, sig in enumerate(signatures):
+        groups.setdefault(repr(sig[name]), []).append(rank)
+    return ", ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {value}"
+                     for value, rs in groups.items())
 
 
 class Transfer:
@@ -49,6 +65,49 @@ class RingComm:
         self.next = to_global((self.rank + 1) % self.world)
         self.prev = to_global((self.rank - 1) % self.world)
         self.max_bytes_held = 0
+
+    def _collective_device(self, device) -> torch.device:
+        """Where a small tensor for a collective must live: CUDA for NCCL (the inputs' GPU,
+        else the current one), the CPU otherwise."""
+        backend = str(dist.get_backend(self.group))
+        if "nccl" in backend and "gloo" not in backend:
+            return device if device is not None and device.type == "cuda" else \
+                torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def agree(self, signature, error=None, device=None) -> None:
+        """Raise the same ValueError on every rank unless all ranks pass an equal
+        `signature` (a dict name -> value with a stable repr) and none had an `error` (an
+        exception from checking its own arguments, re-raised on that rank; the others
+        name it). One all-gather of one int64 per entry (on `device` under NCCL); a
+        second, of the readable values, only when they differ."""
+        if self.world == 1:
+            if error is not None:
+                raise error
+            return
+        names = list(signature)
+        digest = [int.from_bytes(hashlib.blake2b(repr(signature[n]).encode(), digest_size=8).digest(), "little",
+                                 signed=True) for n in names]
+        mine = torch.tensor([0 if error is None else 1] + ([0] * len(names) if error is not None else digest),
+                            dtype=torch.int64, device=self._collective_device(device))
+        rows = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(rows, mine, group=self.group)
+        table = torch.stack(rows).cpu()
+        if not table[:, 0].any() and bool((table == table[0]).all()):
+            return
+        values = [None] * self.world
+        dist.all_gather_object(values, (None if error is None else f"{type(error).__name__}: {error}", signature),
+                               group=self.group)
+        failed = [(r, e) for r, (e, _) in enumerate(values) if e is not None]
+        if failed:
+            if error is not None:
+                raise error
+            raise ValueError("ring_attention: " + "; ".join(f"rank {r} rejected its arguments ({e})" for r, e in failed)
+                             + "; every rank stops here")
+        differ = [n for n in names if len({repr(v[n]) for _, v in values}) > 1]
+        raise ValueError("ring_attention: the ranks of the group disagree on " + ", ".join(differ)
+                         + " (every rank must pass the same shapes, dtype, device type, flags, patterns and layout): "
+                         + "; ".join(f"{n}: {_by_value(n, [v for _, v in values])}" for n in differ))
 
     def note_held(self, nbytes_now: int) -> None:
         """Record how many key/value bytes the schedule holds at this point."""

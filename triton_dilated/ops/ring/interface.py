@@ -14,16 +14,18 @@ merged by lse with the ring part. For the other patterns only the rows some head
 from __future__ import annotations
 
 import functools
+import hashlib
 from typing import Callable, NamedTuple
 
 import torch
 
-from ..block_sparse.layout import BlockLayout
+from ..block_sparse.layout import BlockLayout, valid_slots
+from ..common.first_order import first_order_backward
 from ..common.lse import merge_partials, softmax_delta
 from ..common.runtime import last_dim_contiguous, resolve_backend
 from ..common.validation import check_choice, check_flags, check_qkv, check_scale
 from ..dilated.interface import dilated_attention_table
-from ..dilated.patterns import check_patterns, head_offsets
+from ..dilated.patterns import check_patterns, fit_patterns, head_offsets
 from . import step_portable
 from .comm import COMMS, RingComm
 from .mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask
@@ -66,6 +68,7 @@ class _RingFn(torch.autograd.Function):
         return out_cast, lse
 
     @staticmethod
+    @first_order_backward("ring_attention")
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         plan, scale, comm, use_triton = ctx.args
@@ -104,6 +107,21 @@ def _residue_rows(patterns, table):
     return rows
 
 
+# What every rank of the group must agree on (RingComm.agree), in this order.
+SIGNATURE = ("q shape (B, N_local, Hq, D)", "k/v shape (B, N_local, Hkv, D)", "dtype", "device type", "causal",
+             "scale", "balance", "comm", "segment_lengths/dilation_rates", "mode/offsets", "layout",
+             "backward (grad mode, inputs requiring grad)")
+
+
+def _layout_fingerprint(layout: BlockLayout) -> str:
+    """Block size, shape and a digest of the active blocks (canonical lists, O(active blocks))."""
+    valid = valid_slots(layout.kv_num_blocks, layout.kv_indices.shape[3])
+    h = hashlib.blake2b(digest_size=8)
+    for t in (layout.kv_num_blocks, layout.kv_indices[valid]):
+        h.update(t.to(device="cpu", dtype=torch.int32).contiguous().numpy().tobytes())
+    return f"BlockLayout {tuple(layout.shape)} blocks of {layout.block_size}, digest {h.hexdigest()}"
+
+
 def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=None, layout=None, causal=False,
                    scale=None, mode="longnet", offsets="modulo", comm="p2p", balance="contiguous", return_lse=False):
     """Attention over a sequence sharded across the ranks of `group` (DESIGN §5).
@@ -113,27 +131,45 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     (mode, offsets as in dilated_attention); block-sparse with a BlockLayout over the full
     sequence. comm: "p2p" (ring, O(N/P) memory) or "allgather". Returns this rank's shard
     of the full-sequence result (and its lse, float32 (B, Hq, N_local)).
+
+    Every rank must pass the same shapes, dtype, device type, flags, scale, patterns and
+    layout: one small all-gather checks it before any transfer, and where ranks differ
+    (or one rank's arguments are invalid) every rank raises.
     """
-    check_qkv(q, k, v)
-    check_choice("comm", comm, COMMS)
-    check_choice("balance", balance, BALANCES)
-    check_flags(causal=causal, return_lse=return_lse)
-    dilated = segment_lengths is not None or dilation_rates is not None
-    if dilated and layout is not None:
-        raise ValueError("give either segment_lengths/dilation_rates (dilated) or layout (block-sparse), not both")
-    if layout is not None and not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     ring = RingComm(group)
-    B, NQ, Hq, D = q.shape
-    scale = check_scale(scale, D)
-    n_total = NQ * ring.world
-    shard_positions(n_total, 0, ring.world, balance)          # checks N is divisible for the balance
+    signature, error = dict.fromkeys(SIGNATURE), None
+    try:
+        check_qkv(q, k, v)
+        check_choice("comm", comm, COMMS)
+        check_choice("balance", balance, BALANCES)
+        check_flags(causal=causal, return_lse=return_lse)
+        dilated = segment_lengths is not None or dilation_rates is not None
+        if dilated and layout is not None:
+            raise ValueError("give either segment_lengths/dilation_rates (dilated) or layout (block-sparse), not both")
+        if layout is not None and not isinstance(layout, BlockLayout):
+            raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+        B, NQ, Hq, D = q.shape
+        scale = check_scale(scale, D)
+        n_total = NQ * ring.world
+        shard_positions(n_total, 0, ring.world, balance)          # checks N is divisible for the balance
+        patterns = fit_patterns(check_patterns(segment_lengths, dilation_rates, mode, offsets), n_total, Hq) \
+            if dilated else None
+        if layout is not None:
+            layout.check_seq_len(n_total)
+            layout.check_heads(B, Hq)
+        signature = dict(zip(SIGNATURE, (
+            tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, causal, scale,
+            balance, comm, patterns, (mode, offsets) if dilated else None,
+            None if layout is None else _layout_fingerprint(layout),
+            torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))))
+    except (TypeError, ValueError) as exc:
+        error = exc
+    ring.agree(signature, error, device=q.device if isinstance(q, torch.Tensor) else None)
+
     use_triton = resolve_backend("auto", q.device) == "triton"
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-
     parts = []
     if dilated:
-        patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
         table = head_offsets(Hq, patterns, mode, offsets)
         (loc_p, loc_t), (ring_p, ring_t) = _dilated_split(patterns, table, n_total, ring.world, balance)
         if any(o >= 0 for row in loc_t for o in row):
@@ -144,8 +180,6 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
             parts.append(_RingFn.apply(q, k, v, plan, scale, comm, use_triton))
     else:
         if layout is not None:
-            layout.check_seq_len(n_total)
-            layout.check_heads(B, Hq)
             mask = StepMask(MASK_LAYOUT, causal, q.device, layout=layout)
         else:
             mask = StepMask(MASK_DENSE, causal, q.device)

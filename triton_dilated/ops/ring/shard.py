@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from ..common.validation import check_choice
+from ..common.validation import check_choice, check_int
 
 BALANCES = ("contiguous", "zigzag")
 
 
 def _check(n: int, world_size: int, balance: str, what: str = "the sequence length"):
     check_choice("balance", balance, BALANCES)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    world_size = check_int("world_size", world_size, 1)
     parts = world_size * (2 if balance == "zigzag" else 1)
     if n % parts:
         raise ValueError(f"{what} ({n}) must be a multiple of {parts} for balance={balance!r} "
@@ -27,7 +26,8 @@ def _check(n: int, world_size: int, balance: str, what: str = "the sequence leng
 def shard_positions(n: int, rank: int, world_size: int, balance: str = "contiguous", device=None) -> torch.Tensor:
     """Global positions (int32, ascending) that `rank` holds of a sequence of length n."""
     size = _check(n, world_size, balance)
-    if not 0 <= rank < world_size:
+    world_size, rank = int(world_size), check_int("rank", rank, 0)
+    if rank >= world_size:
         raise ValueError(f"rank must lie in [0, {world_size}), got {rank}")
     if balance == "contiguous":
         return torch.arange(rank * size, (rank + 1) * size, dtype=torch.int32, device=device)

@@ -3,12 +3,26 @@ from __future__ import annotations
 
 import math
 
-from ..common.spec import KernelSpec, VariantSpec
+from ..common.spec import KernelSpec, VariantSpec, dense_pairs
 from .mask import MASK_DILATED
 
 _MODULE = "triton_dilated.ops.ring.step_kernels"
 _TABLES = {"Q_POS": "i32", "K_POS": "i32", "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32", "LAYOUT": "i8"}
 _LAYOUT_STRIDES = frozenset({"stride_lb", "stride_lh"})   # block-table strides: any value, 0 broadcasts
+
+
+def count_pairs(B, N, H, causal, *, segment_lengths=None, dilation_rates=None, layout=None, mode="longnet",
+                offsets="modulo") -> int:
+    """(query, key) pairs ring_attention computes over the global sequence: dilated patterns,
+    a block layout, or dense, as its arguments choose (summed over ranks, batch and heads)."""
+    if segment_lengths:
+        from ..dilated.spec import count_pairs as dilated
+        return dilated(B, N, H, causal, segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
+                       offsets=offsets)
+    if layout is not None:
+        from ..block_sparse.spec import count_pairs as blocks
+        return blocks(B, N, H, causal, layout=layout)
+    return dense_pairs(B, H, N, causal)
 
 
 class RingStepProblem:
@@ -73,4 +87,5 @@ SPEC = VariantSpec(
     ),
     aot_constexprs={"NUM_PATTERNS": 3, "MASK_KIND": MASK_DILATED},
     problem=RingStepProblem,
+    pairs=count_pairs,
 )

@@ -1,6 +1,9 @@
 """Portable PyTorch ring step (CPU without the interpreter, pre-Volta GPUs): the same
-contract as step_kernels.py, with an explicit float32 (N_local x N_shard) score matrix per
-step."""
+contract as step_kernels.py, computed per block of query rows with an explicit float32
+score block (B, Hq, rows, N_shard). The rows are chosen so that the block holds about
+SCORE_BLOCK_BYTES: a step's extra memory is a few such blocks (the dilated multiplicity,
+float64, is two) plus float32 copies of its K and V, never the (N_local x N_shard) score
+matrix of the whole step (0.8-1.3 GiB at N_local = N_shard = 4096, H = 4, measured)."""
 from __future__ import annotations
 
 import math
@@ -10,54 +13,94 @@ import torch
 from ..dilated.naive import pattern_multiplicity
 from .mask import MASK_DILATED, MASK_LAYOUT
 
+SCORE_BLOCK_BYTES = 4 << 20
+MIN_ROWS = 16          # fewer rows per block would cost more in per-op overhead than it saves
+
+
+def query_blocks(q, n_keys, block_bytes=None):
+    """Slices of query rows, each with a float32 (B, Hq, rows, n_keys) score block of about
+    block_bytes (at least MIN_ROWS rows)."""
+    B, NQ, Hq, _ = q.shape
+    per_row = 4 * B * Hq * max(1, n_keys)
+    rows = max(MIN_ROWS, (SCORE_BLOCK_BYTES if block_bytes is None else block_bytes) // per_row)
+    return [slice(s, min(NQ, s + rows)) for s in range(0, NQ, rows)]
+
 
 def pair_log_weight(q_pos, k_pos, mask, num_heads, batch):
-    """(B|1, Hq|1, Nq, Nk) ln(weight), -inf where a pair does not count."""
+    """(B|1, Hq|1, Nq, Nk) ln(weight), -inf where a pair does not count; None when every
+    pair counts once (dense, not causal)."""
     qp, kp = q_pos.long()[:, None], k_pos.long()[None, :]
-    ok = (kp <= qp) if mask.causal else torch.ones(qp.shape[0], kp.shape[1], dtype=torch.bool, device=qp.device)
     if mask.kind == MASK_DILATED:
         c = pattern_multiplicity(q_pos, k_pos, mask.patterns, mask.table, causal=mask.causal).float()[None]
         return torch.where(c > 0, torch.log(c.clamp_min(1.0)), torch.full_like(c, -math.inf))
+    ok = (kp <= qp) if mask.causal else None
     if mask.kind == MASK_LAYOUT:
         bs = mask.layout_block
         active = mask.layout[:, :, q_pos.long() // bs][:, :, :, k_pos.long() // bs].bool()
-        ok = ok & active
-    else:
-        ok = ok[None, None]
-    return torch.where(ok, 0.0, -math.inf)
+        ok = active if ok is None else ok & active
+    if ok is None:
+        return None
+    return torch.zeros(ok.shape, dtype=torch.float32, device=ok.device).masked_fill_(~ok, -math.inf)
 
 
-def _scores(q, k, q_pos, k_pos, mask, scale):
-    group = q.shape[2] // k.shape[2]
-    kk = k.float().repeat_interleave(group, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) * scale
-    return s + pair_log_weight(q_pos, k_pos, mask, q.shape[2], q.shape[0]), group
+def _heads(x, G):
+    """(B, n, Hkv * G, D) -> float32 (B, Hkv, G * n, D): query head h = hkv * G + g reads key
+    head hkv, so one matmul per key head serves its G query heads (no repeated K, V)."""
+    B, n, H, D = x.shape
+    return x.float().view(B, n, H // G, G, D).permute(0, 2, 3, 1, 4).reshape(B, H // G, G * n, D)
+
+
+def _unheads(x, G):
+    """Inverse of _heads: (B, Hkv, G * n, D) -> (B, n, Hkv * G, D)."""
+    B, Hkv, Gn, D = x.shape
+    return x.view(B, Hkv, G, Gn // G, D).permute(0, 3, 1, 2, 4).reshape(B, Gn // G, Hkv * G, D)
+
+
+def _scores(qh, kh, q_pos, k_pos, mask, scale, G):
+    """float32 scores plus ln(weight), (B, Hq, n, Nk), from _heads(q rows) and K as (B, Hkv, Nk, D)."""
+    B, Hkv, Gn, _ = qh.shape
+    s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale).view(B, Hkv * G, Gn // G, kh.shape[2])
+    log_w = pair_log_weight(q_pos, k_pos, mask, Hkv * G, B)
+    return s if log_w is None else s.add_(log_w)
 
 
 def step_forward(q, k, v, q_pos, k_pos, out, lse, mask, *, scale):
-    s, group = _scores(q, k, q_pos, k_pos, mask, scale)
-    lse_step = torch.logsumexp(s, dim=-1)                               # -inf rows stay -inf
-    safe = torch.where(torch.isinf(lse_step), torch.zeros_like(lse_step), lse_step)
-    p = torch.exp(s - safe[..., None])
-    part = torch.einsum("bhqk,bkhd->bqhd", p, v.float().repeat_interleave(group, dim=2))
-    top = torch.maximum(lse, lse_step)
-    top_safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    w_run, w_step = torch.exp(lse - top_safe), torch.exp(lse_step - top_safe)
-    total = w_run + w_step
-    total_safe = torch.where(total == 0, torch.ones_like(total), total)
-    out.copy_((out * w_run.transpose(1, 2)[..., None] + part * w_step.transpose(1, 2)[..., None])
-              / total_safe.transpose(1, 2)[..., None])
-    lse.copy_(torch.where(total == 0, torch.full_like(total, -math.inf), top_safe + torch.log(total_safe)))
+    B, G = q.shape[0], q.shape[2] // k.shape[2]
+    kh, vh = _heads(k, 1), _heads(v, 1)                                     # (B, Hkv, Nk, D)
+    for rows in query_blocks(q, k.shape[1]):
+        s = _scores(_heads(q[:, rows], G), kh, q_pos[rows], k_pos, mask, scale, G)   # (B, Hq, n, Nk)
+        n = s.shape[2]
+        lse_step = torch.logsumexp(s, dim=-1)                               # -inf rows stay -inf
+        safe = torch.where(torch.isinf(lse_step), torch.zeros_like(lse_step), lse_step)
+        p = torch.exp_(s.sub_(safe[..., None]))
+        part = _unheads(torch.matmul(p.view(B, -1, G * n, p.shape[-1]), vh), G)      # (B, n, Hq, D)
+        run_lse = lse[:, :, rows]
+        top = torch.maximum(run_lse, lse_step)
+        top_safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+        w_run, w_step = torch.exp(run_lse - top_safe), torch.exp(lse_step - top_safe)
+        total = w_run + w_step
+        total_safe = torch.where(total == 0, torch.ones_like(total), total)
+        out_rows = out[:, rows]
+        out_rows.copy_((out_rows * w_run.transpose(1, 2)[..., None] + part * w_step.transpose(1, 2)[..., None])
+                       / total_safe.transpose(1, 2)[..., None])
+        run_lse.copy_(torch.where(total == 0, torch.full_like(total, -math.inf), top_safe + torch.log(total_safe)))
 
 
 def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask, *, scale):
-    s, group = _scores(q, k, q_pos, k_pos, mask, scale)
-    row = torch.where(torch.isinf(lse), torch.full_like(lse, math.inf), lse)
-    p = torch.exp(s - row[..., None])                                   # (B, H, Nq, Nk)
-    vv = v.float().repeat_interleave(group, dim=2)
-    dp = torch.einsum("bqhd,bkhd->bhqk", do.float(), vv)
-    ds = p * (dp - delta[..., None])
-    dq += torch.einsum("bhqk,bkhd->bqhd", ds, k.float().repeat_interleave(group, dim=2)) * scale
-    B, NK, Hkv, D = k.shape
-    dk += (torch.einsum("bhqk,bqhd->bkhd", ds, q.float()) * scale).view(B, NK, Hkv, group, D).sum(3)
-    dv += torch.einsum("bhqk,bqhd->bkhd", p, do.float()).view(B, NK, Hkv, group, D).sum(3)
+    B, G = q.shape[0], q.shape[2] // k.shape[2]
+    kh, vh = _heads(k, 1), _heads(v, 1)                                     # (B, Hkv, Nk, D)
+    dkh, dvh = torch.zeros_like(kh), torch.zeros_like(vh)
+    for rows in query_blocks(q, k.shape[1]):
+        qh, doh = _heads(q[:, rows], G), _heads(do[:, rows], G)             # (B, Hkv, G n, D)
+        s = _scores(qh, kh, q_pos[rows], k_pos, mask, scale, G)
+        n = s.shape[2]
+        row_lse = lse[:, :, rows]
+        row = torch.where(torch.isinf(row_lse), torch.full_like(row_lse, math.inf), row_lse)
+        p = torch.exp_(s.sub_(row[..., None])).view(B, -1, G * n, s.shape[-1])   # empty rows: exp(-inf) = 0
+        dp = torch.matmul(doh, vh.transpose(-1, -2))
+        ds = p * dp.sub_(delta[:, :, rows].reshape(B, -1, G * n, 1))
+        dq[:, rows] += _unheads(torch.matmul(ds, kh), G) * scale
+        dkh.add_(torch.matmul(ds.transpose(-1, -2), qh), alpha=scale)
+        dvh.add_(torch.matmul(p.transpose(-1, -2), doh))
+    dk += dkh.transpose(1, 2)
+    dv += dvh.transpose(1, 2)

@@ -1,0 +1,257 @@
+"""`./dev` (set-up messages, command dispatch, `./dev test`'s exit codes), pyproject.toml's
+metadata and the README's quick start.
+
+`./dev` runs against a fake environment: a `python3` on PATH whose `-m venv` builds a venv
+whose `python` (and `jupyter`, `torchrun`) only log their arguments, and an `nvidia-smi`
+that says whether there is a GPU. Every branch of the set-up runs in milliseconds, with no
+network and no real install.
+"""
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("cksum") is None,
+                                reason="./dev needs bash and cksum")
+
+STUB_PYTHON = """#!/usr/bin/env bash
+echo "python $*" >> "$FAKE_LOG"
+case "$*" in
+  "-c import torch") [ -n "${FAKE_HAS_TORCH:-}" ]; exit $? ;;
+  "-m pytest"*) exit "${FAKE_PYTEST_RC:-0}" ;;
+esac
+"""
+STUB_TOOL = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "$FAKE_LOG"
+"""
+# relocatable: puts its own directory first on PATH, like a real venv's activate
+STUB_ACTIVATE = 'export PATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd):$PATH"\n'
+STUB_PYTHON3 = """#!/usr/bin/env bash
+[ "$1 $2" = "-m venv" ] || { echo "fake python3: only -m venv" >&2; exit 99; }
+mkdir -p "$3" && cp -r "$FAKE_TEMPLATE/." "$3"
+"""
+
+
+def _write(path, text, executable=True):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    if executable:
+        path.chmod(0o755)
+
+
+def _stamp_name():
+    out = subprocess.run(["cksum", str(ROOT / "pyproject.toml")], capture_output=True, text=True, check=True)
+    return ".installed-" + out.stdout.split()[0]
+
+
+class FakeDev:
+    def __init__(self, tmp_path, gpu=False):
+        self.venv = tmp_path / "venv"
+        self.log = tmp_path / "log"
+        self.log.write_text("")
+        template = tmp_path / "template"
+        _write(template / "bin" / "activate", STUB_ACTIVATE, executable=False)
+        _write(template / "bin" / "python", STUB_PYTHON)
+        for tool in ("jupyter", "torchrun"):
+            _write(template / "bin" / tool, STUB_TOOL)
+        self.bin = tmp_path / "fakebin"
+        _write(self.bin / "python3", STUB_PYTHON3)
+        _write(self.bin / "nvidia-smi", f"#!/usr/bin/env bash\nexit {0 if gpu else 1}\n")
+        self.env = {k: v for k, v in os.environ.items() if k != "TRITON_DILATED_VENV"}
+        self.env.update(PATH=f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}", FAKE_LOG=str(self.log),
+                        FAKE_TEMPLATE=str(template), TRITON_DILATED_VENV=str(self.venv))
+
+    def __call__(self, *args, **env):
+        self.log.write_text("")
+        return subprocess.run(["bash", str(ROOT / "dev"), *args], capture_output=True, text=True, timeout=60,
+                              env={**self.env, **env}, cwd=str(self.venv.parent), check=False)
+
+    def calls(self):
+        return self.log.read_text().splitlines()
+
+
+def _dev_lines(stderr):
+    # the set-up time is the one part that varies
+    return [re.sub(r"\d+ s$", "N s", line) for line in stderr.splitlines() if line.startswith("dev: ")]
+
+
+def test_first_run_announces_each_step_and_installs_the_cpu_torch(tmp_path):
+    dev = FakeDev(tmp_path, gpu=False)
+    res = dev("true")
+    assert res.returncode == 0, res.stderr
+    assert _dev_lines(res.stderr) == [
+        f"dev: first run: setting up {dev.venv} (about a minute and 2.2 GB of disk)",
+        "dev: creating the virtual environment",
+        "dev: upgrading pip",
+        "dev: installing torch 2.13.0+cpu, the CPU build (no NVIDIA GPU found)",
+        "dev: installing triton_dilated (editable) with its dev extras: triton, pytest, matplotlib, ...",
+        "dev: set-up done in N s",
+    ]
+    assert dev.calls() == [
+        "python -m pip install --quiet --upgrade pip",
+        "python -c import torch",
+        "python -m pip install --quiet torch==2.13.0+cpu",
+        "python -m pip install --quiet -e .[dev]",
+    ]
+    assert (dev.venv / _stamp_name()).is_file()
+
+
+def test_a_gpu_machine_gets_the_cuda_torch(tmp_path):
+    dev = FakeDev(tmp_path, gpu=True)
+    res = dev("true")
+    assert res.returncode == 0, res.stderr
+    assert "dev: installing torch, the CUDA build (nvidia-smi sees a GPU)" in _dev_lines(res.stderr)
+    assert "python -m pip install --quiet torch" in dev.calls()
+
+
+def test_later_runs_reuse_the_environment(tmp_path):
+    dev = FakeDev(tmp_path)
+    assert dev("true").returncode == 0
+    res = dev("python", "-c", "print(1)")
+    assert res.returncode == 0, res.stderr
+    assert _dev_lines(res.stderr) == [f"dev: using the environment in {dev.venv} (delete it to set up again)"]
+    assert dev.calls() == ["python -c print(1)"]       # no pip
+
+
+def test_a_changed_pyproject_reinstalls_the_package_but_not_torch(tmp_path):
+    dev = FakeDev(tmp_path)
+    assert dev("true").returncode == 0
+    (dev.venv / _stamp_name()).rename(dev.venv / ".installed-0")    # as if pyproject.toml had changed
+    res = dev("true", FAKE_HAS_TORCH="1")
+    assert res.returncode == 0, res.stderr
+    lines = _dev_lines(res.stderr)
+    assert lines[0] == f"dev: pyproject.toml changed since {dev.venv} was set up: updating it"
+    assert "dev: torch is already installed" in lines
+    assert not [c for c in dev.calls() if "torch" in c and "pip" in c]
+    assert dev.calls()[-1] == "python -m pip install --quiet -e .[dev]"
+
+
+@pytest.mark.parametrize("pytest_rc, dev_rc", [(0, 0), (1, 1), (5, 1)])
+def test_dev_test_runs_pytest_and_fails_when_nothing_was_collected(tmp_path, pytest_rc, dev_rc):
+    dev = FakeDev(tmp_path)
+    assert dev("true").returncode == 0
+    res = dev("test", "-k", "some_test", FAKE_PYTEST_RC=str(pytest_rc))
+    assert res.returncode == dev_rc
+    assert dev.calls() == ["python -m pytest -n 2 -q -k some_test"]
+    assert ("pytest collected no tests: failing" in res.stderr) == (pytest_rc == 5)
+
+
+def test_other_commands_run_inside_the_environment(tmp_path):
+    dev = FakeDev(tmp_path)
+    assert dev("true").returncode == 0
+    assert dev("perf", "ring", "--quick").returncode == 0
+    assert dev.calls() == ["python -m triton_dilated.perf ring --quick"]
+    # the README's ring commands: torchrun is the venv's (installed with torch)
+    assert dev("torchrun", "--nproc_per_node=4", "examples/ring_demo.py").returncode == 0
+    assert dev.calls() == ["torchrun --nproc_per_node=4 examples/ring_demo.py"]
+
+
+def test_notebooks_installs_jupyterlab_once_then_opens_the_notebooks(tmp_path):
+    dev = FakeDev(tmp_path)
+    assert dev("true").returncode == 0
+    res = dev("notebooks")
+    assert res.returncode == 0, res.stderr
+    assert _dev_lines(res.stderr)[1:] == ["dev: installing JupyterLab (the notebooks extra; once)",
+                                          "dev: starting JupyterLab on notebooks/ (Ctrl-C stops it)"]
+    assert dev.calls() == ["python -m pip install --quiet -e .[dev,notebooks]", "jupyter lab notebooks"]
+    res = dev("jupyter", "lab", "--version")
+    assert res.returncode == 0, res.stderr
+    assert dev.calls() == ["jupyter lab --version"]    # installed already
+
+
+# ----------------------------------------------------------------------------- pyproject.toml
+
+def _pyproject():
+    try:
+        import tomllib
+    except ImportError:          # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def test_pyproject_license_is_an_spdx_string():
+    meta = _pyproject()
+    assert meta["project"]["license"] == "MIT"      # not the deprecated table form {text = ...}
+    req = [r for r in meta["build-system"]["requires"] if r.startswith("setuptools")]
+    assert req == ["setuptools>=77"]                # the first setuptools that reads SPDX strings
+
+
+def test_setuptools_reads_pyproject_without_a_deprecation_warning():
+    pytest.importorskip("setuptools", minversion="77")
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(Distribution(), str(ROOT / "pyproject.toml"))
+    assert dist.metadata.license_expression == "MIT"
+    assert [str(w.message) for w in caught if "deprecat" in str(w.message).lower()] == []
+
+
+def test_jupyterlab_is_an_extra_of_its_own_not_in_dev():
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert [r for r in extras["notebooks"] if r.startswith("jupyterlab")]
+    assert not [r for r in extras["dev"] if r.startswith(("jupyterlab", "notebook", "jupyter"))]
+
+
+# ----------------------------------------------------------------------------- README
+
+def _section(title):
+    start = README.index(f"\n## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start:end if end > 0 else None]
+
+
+def test_readme_states_the_set_up_cost_dev_announces():
+    note = re.search(r'^SETUP_NOTE="([^"]+)"', (ROOT / "dev").read_text(), re.MULTILINE).group(1)
+    assert note in " ".join(_section("Quick start").split())
+
+
+def test_readme_runs_torchrun_through_dev():
+    lines = [ln.strip() for ln in README.splitlines() if re.match(r"\s*(\./dev\s+)?torchrun\b", ln)]
+    assert lines, "the README shows no torchrun command"
+    assert all(ln.startswith("./dev torchrun ") for ln in lines), lines
+
+
+def test_readme_dev_commands_exist():
+    dev = (ROOT / "dev").read_text()
+    used = set(re.findall(r"^\./dev (\w+)", README, re.MULTILINE))
+    assert {"test", "perf", "notebooks", "torchrun"} <= used
+    for cmd in used - {"torchrun"}:               # torchrun runs as any command does
+        assert re.search(rf"^\s*(\w+\|)*{cmd}(\|\w+)*\)", dev, re.MULTILINE), f"./dev has no {cmd!r} command"
+
+
+LINE = re.compile(r"dilated attention on (cpu|cuda): out \((\d+), (\d+), (\d+), (\d+)\) torch\.(\w+), "
+                  r"max \|out - float64 oracle\| = (\S+)")
+
+
+def test_quick_start_snippet_runs_and_prints_what_the_readme_shows(tmp_path):
+    section = _section("Quick start")
+    code = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    shown = re.findall(r"```text\n(.*?)```", section, re.DOTALL)
+    assert len(code) == 1 and len(shown) == 1
+    shown = shown[0].strip()
+    assert LINE.fullmatch(shown), shown                # the README's example has the snippet's format
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # the portable backend on a CPU
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    res = subprocess.run([sys.executable, "-c", code[0]], capture_output=True, text=True, timeout=600,
+                         env=env, cwd=str(tmp_path), check=False)
+    assert res.returncode == 0, res.stderr
+    printed = res.stdout.strip().splitlines()[-1]
+    m = LINE.fullmatch(printed)
+    assert m, printed
+    err = float(m.group(7))
+    assert math.isfinite(err) and err < (1e-4 if m.group(6) == "float32" else 5e-2), printed
+    if m.group(1) == "cpu":      # the README shows the CPU line: the same but for the error's digits
+        assert printed.rsplit("=", 1)[0] == shown.rsplit("=", 1)[0]

@@ -1,0 +1,172 @@
+"""Queries shorter than keys (DESIGN §5b): q (B, Nq, H, D) against k, v (B, Nk, Hkv, D) holds
+the last Nq positions; with cache_seqlens, row b's queries end at cache_seqlens[b] and later
+key rows are ignored. The reference is the definition: the float64 oracle on the sequence of
+row b's first L_b positions, with the queries placed last, its last Nq rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from triton_dilated import (block_sparse_attention, block_sparse_attention_naive, dilated_attention,
+                            dilated_attention_naive, layouts)
+from conftest import DEVICE
+from reference import FLOOR, assert_rule, seeded
+
+BACKENDS = ["torch", "triton"]
+
+
+def _definition(oracle, q, k, v, lengths):
+    """(out, lse) float64 of the last Nq positions of each row's prefix, by the oracle."""
+    B, Nq = q.shape[:2]
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        qf = torch.cat([torch.zeros_like(q[b:b + 1, :1]).expand(1, n - Nq, -1, -1), q[b:b + 1]], dim=1)
+        out, lse = oracle(qf, k[b:b + 1, :n], v[b:b + 1, :n], n)
+        outs.append(out[:, n - Nq:])
+        lses.append(lse[:, :, n - Nq:])
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _check(fn, oracle, q, k, v, lengths, dtype):
+    """Forward, lse and gradients of fn against the definition (same-dtype reference: the
+    definition computed in the test dtype through the same oracle code)."""
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    out, lse = fn(q, k, v)
+    ref_out, ref_lse = _definition(oracle, *(x.double() for x in (q, k, v)), lengths)
+    same_out, same_lse = _definition(oracle, q.float(), k.float(), v.float(), lengths)
+    floor = FLOOR[dtype]
+    assert_rule("out", out.float(), ref_out, same_out.float(), factor=2, floor=floor)
+    assert_rule("lse", lse.float(), ref_lse, same_lse.float(), factor=2, floor=floor)
+    g_out = seeded(out.shape, torch.float64, 7)
+    g_lse = seeded(lse.shape, torch.float64, 8) * torch.isfinite(ref_lse)
+    grads = torch.autograd.grad((out.double() * g_out).sum() + (torch.nan_to_num(lse.double(), neginf=0) * g_lse)
+                                .sum(), (q, k, v))
+    qd, kd, vd = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ro, rl = _definition(oracle, qd, kd, vd, lengths)
+    ref_grads = torch.autograd.grad((ro * g_out).sum() + (torch.nan_to_num(rl, neginf=0) * g_lse).sum(), (qd, kd, vd))
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert_rule(f"d{name}", g.double(), r, r.float().double(), factor=3, floor=floor * 10)
+        # key rows past every length get no gradient
+    for b, n in enumerate(lengths):
+        assert torch.all(grads[1][b, n:] == 0) and torch.all(grads[2][b, n:] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=8)
+@given(data=st.data())
+def test_dilated_shorter_queries_match_the_definition(backend, data):
+    B = data.draw(st.integers(1, 2))
+    Nk = data.draw(st.integers(8, 72))
+    Nq = data.draw(st.integers(1, Nk))
+    Hkv = data.draw(st.sampled_from([1, 2]))
+    Hq = Hkv * data.draw(st.sampled_from([1, 2]))
+    D = data.draw(st.sampled_from([8, 12, 16]))
+    causal = data.draw(st.booleans())
+    mode = data.draw(st.sampled_from(["longnet", "head_groups"]))
+    offsets = data.draw(st.sampled_from(["modulo", "blocked"]))
+    ws = [data.draw(st.integers(4, 24)), data.draw(st.integers(16, 80))]
+    rs = [data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))]
+    with_lengths = data.draw(st.booleans())
+    lengths = [data.draw(st.integers(Nq, Nk)) for _ in range(B)] if with_lengths else [Nk] * B
+    if mode == "head_groups":
+        Hq = max(Hq, 2)
+        Hkv = 1 if Hq % Hkv else Hkv
+    seed = data.draw(st.integers(0, 1000))
+    q = seeded((B, Nq, Hq, D), torch.float32, seed, DEVICE)
+    k = seeded((B, Nk, Hkv, D), torch.float32, seed + 1, DEVICE)
+    v = seeded((B, Nk, Hkv, D), torch.float32, seed + 2, DEVICE)
+    kw = dict(causal=causal, mode=mode, offsets=offsets)
+    cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE) if with_lengths else None
+
+    def fn(q_, k_, v_):
+        return dilated_attention(q_, k_, v_, ws, rs, return_lse=True, backend=backend, cache_seqlens=cache, **kw)
+
+    def oracle(q_, k_, v_, n):
+        return dilated_attention_naive(q_, k_, v_, ws, rs, **kw)
+
+    _check(fn, oracle, q, k, v, lengths, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=6)
+@given(data=st.data())
+def test_block_sparse_shorter_queries_match_the_definition(backend, data):
+    B = data.draw(st.integers(1, 2))
+    bs = 16
+    Nk = data.draw(st.integers(17, 80))
+    Nq = data.draw(st.integers(1, Nk))
+    H = data.draw(st.sampled_from([1, 2]))
+    causal = data.draw(st.booleans())
+    with_lengths = data.draw(st.booleans())
+    lengths = [data.draw(st.integers(Nq, Nk)) for _ in range(B)] if with_lengths else [Nk] * B
+    seed = data.draw(st.integers(0, 1000))
+    nb = -(-Nk // bs)
+    per_batch = data.draw(st.booleans())
+    lay = layouts.random(Nk, bs, num_random=2, num_heads=H, batch=B if per_batch else 1, seed=seed) \
+        | layouts.local(Nk, bs, 0)
+    assert lay.n_q_blocks == nb
+    q = seeded((B, Nq, H, 16), torch.float32, seed, DEVICE)
+    k = seeded((B, Nk, H, 16), torch.float32, seed + 1, DEVICE)
+    v = seeded((B, Nk, H, 16), torch.float32, seed + 2, DEVICE)
+    cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE) if with_lengths else None
+
+    def fn(q_, k_, v_):
+        return block_sparse_attention(q_, k_, v_, lay, causal=causal, return_lse=True, backend=backend,
+                                      cache_seqlens=cache)
+
+    # the definition row by row (a per-batch layout's row b), then the batched call against it
+    outs = []
+    for b in range(B):
+        def sub(x, b=b):
+            return x[b:b + 1]
+        lay_b = lay.prefix(nb, [b]) if lay.kv_num_blocks.shape[0] > 1 else lay
+
+        def fn_b(q_, k_, v_, lay_b=lay_b, b=b):
+            return block_sparse_attention(q_, k_, v_, lay_b, causal=causal, return_lse=True, backend=backend,
+                                          cache_seqlens=None if cache is None else cache[b:b + 1])
+
+        def oracle_b(q_, k_, v_, n, lay_b=lay_b):
+            return block_sparse_attention_naive(q_, k_, v_, lay_b.prefix(-(-n // bs)), causal=causal)
+
+        _check(fn_b, oracle_b, sub(q), sub(k), sub(v), lengths[b:b + 1], torch.float32)
+        outs.append(fn_b(sub(q), sub(k), sub(v))[0])
+    # the batched call equals the row-by-row calls
+    out, _ = fn(q, k, v)
+    torch.testing.assert_close(out, torch.cat(outs), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fn", ["dilated", "block_sparse"])
+def test_bad_query_offsets_are_clear_errors(fn):
+    q, k = torch.randn(1, 8, 2, 8), torch.randn(1, 16, 2, 8)
+    lay = layouts.local(16, 16, 1)
+
+    def call(q_, k_, **kw):
+        if fn == "dilated":
+            return dilated_attention(q_, k_, k_, [8], [1], **kw)
+        return block_sparse_attention(q_, k_, k_, lay if k_.shape[1] == 16 else layouts.local(k_.shape[1], 16, 1),
+                                      **kw)
+
+    with pytest.raises(ValueError, match="q must not be longer than k and v"):
+        call(torch.randn(1, 20, 2, 8), k)
+    with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[Nq, Nk\] = \[8, 16\]"):
+        call(q, k, cache_seqlens=torch.tensor([7], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[Nq, Nk\]"):
+        call(q, k, cache_seqlens=torch.tensor([17], dtype=torch.int32))
+    with pytest.raises(TypeError, match="cache_seqlens must be an int32"):
+        call(q, k, cache_seqlens=torch.tensor([9.0]))
+    with pytest.raises(TypeError, match="cache_seqlens must be an int32 tensor of shape"):
+        call(q, k, cache_seqlens=[9])
+    with pytest.raises(ValueError, match=r"cache_seqlens must have shape \(B,\) = \(1,\)"):
+        call(q, k, cache_seqlens=torch.tensor([9, 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens .* cannot be combined"):
+        call(q, k, cu_seqlens=torch.tensor([0, 16]))
+
+
+def test_equal_lengths_unchanged():
+    """Nq == Nk without cache_seqlens is exactly today's call."""
+    q, k, v = (seeded((1, 40, 2, 8), torch.float32, s) for s in range(3))
+    a = dilated_attention(q, k, v, [8, 40], [1, 2], causal=True, backend="torch")
+    b = dilated_attention(q, k, v, [8, 40], [1, 2], causal=True, backend="torch",
+                          cache_seqlens=torch.tensor([40], dtype=torch.int32))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -1,0 +1,42 @@
+"""Queries shorter than keys (DESIGN §5b: KV-cache decoding, chunked prefill), on top of
+the full-sequence functions.
+
+Query i of batch row b sits at position L_b - Nq + i, where L_b = cache_seqlens[b] (or Nk):
+the queries are the last Nq of the L_b valid positions, and key rows at L_b and after are
+ignored. Every row of the full-sequence call depends only on its own query, so running the
+full function on q padded with zero rows in front, and keeping the last Nq rows, gives
+exactly those rows, forward and backward (the padded rows' outputs are dropped, so their
+gradient is zero and they add nothing to dK, dV). This is the general path: it costs a
+full-length call per distinct L_b. Decoding paths that touch only the keys a query reads
+come on top of it.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def run_with_query_offset(call, q, k, v, lengths=None):
+    """call(q_full, k_rows, v_rows, rows, length) -> (out, lse) of a full-sequence call on the
+    batch rows `rows` (a list) with `length` valid positions. Returns (out (B, Nq, Hq, D),
+    lse (B, Hq, Nq)) for the last Nq positions of each row."""
+    B, Nq = q.shape[:2]
+    Nk = k.shape[1]
+    lengths = tuple(lengths) if lengths is not None else (Nk,) * B
+    groups: dict[int, list[int]] = {}
+    for b, n in enumerate(lengths):
+        groups.setdefault(n, []).append(b)
+    outs, lses, order = [], [], []
+    for n, rows in groups.items():
+        index = torch.tensor(rows, device=q.device) if len(rows) < B else None
+        pick = (lambda x: x) if index is None else (lambda x: x.index_select(0, index))
+        qr, kr, vr = pick(q), pick(k)[:, :n], pick(v)[:, :n]
+        pad = qr.new_zeros((qr.shape[0], n - Nq, *qr.shape[2:]))
+        out, lse = call(torch.cat([pad, qr], dim=1), kr, vr, rows, n)
+        outs.append(out[:, n - Nq:])
+        lses.append(lse[:, :, n - Nq:])
+        order += rows
+    if len(groups) == 1:
+        return outs[0], lses[0]
+    inverse = torch.empty(B, dtype=torch.long, device=q.device)
+    inverse[torch.tensor(order, device=q.device)] = torch.arange(B, device=q.device)
+    return torch.cat(outs).index_select(0, inverse), torch.cat(lses).index_select(0, inverse)
