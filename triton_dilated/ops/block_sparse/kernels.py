@@ -97,10 +97,10 @@ def _block_sparse_fwd_kernel(
 @triton.jit
 def _block_sparse_bwd_dq_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, KV_COUNT, KV_INDEX,
+        stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh,
         N, HQ, HEAD_GROUP, sm_scale,
-        stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)

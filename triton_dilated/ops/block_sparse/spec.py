@@ -7,7 +7,7 @@ from ..common.spec import KernelSpec, VariantSpec
 
 _MODULE = "triton_dilated.ops.block_sparse.kernels"
 _STATS = {"ROW_MAX": "fp32", "ROW_SUM": "fp32"}
-_LAYOUT_STRIDES = frozenset({"stride_cb", "stride_ch"})   # block-list strides: any value, 0 broadcasts
+_LAYOUT_STRIDES = frozenset({"stride_cb", "stride_ch", "stride_ib", "stride_ih"})   # any value; 0 broadcasts
 
 
 def count_pairs(B, N, H, causal, *, layout) -> int:

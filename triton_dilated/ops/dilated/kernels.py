@@ -117,16 +117,14 @@ def _dilated_fwd_kernel(
     b, h, kvh, T, doc_start, doc_end, first_row, rows, row_ok, last_row = _item_tile(ITEMS, NUM_ITEMS, HEAD_GROUP,
                                                                                     BLOCK_M)
     Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + kvh * stride_kh
-    V += b * stride_vb + kvh * stride_vh
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     rows64 = rows.to(tl.int64)
     tile_mask = row_ok[:, None] & d_ok[None, :]                                          # [BLOCK_M, BLOCK_D]
     q = tl.load(Q + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)   # [BLOCK_M, BLOCK_D]
-    k_base = K + d[None, :]
-    v_base = V + d[None, :]
+    k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]   # [1, BLOCK_D]: row 0 of this head's keys
+    v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -178,10 +176,8 @@ def _dilated_bwd_dq_kernel(
     stats = (b * HQ + h) * N   # the head's rows of ROW_MAX, ROW_SUM, DELTA
     row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats + rows, row_ok)              # [BLOCK_M]
     delta = tl.load(DELTA + stats + rows, mask=row_ok, other=0.0)                            # [BLOCK_M]
-    K += b * stride_kb + kvh * stride_kh
-    V += b * stride_vb + kvh * stride_vh
-    k_base = K + d[None, :]
-    v_base = V + d[None, :]
+    k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
+    v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
@@ -201,7 +197,7 @@ def _dilated_bwd_dq_kernel(
                 p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
                                            True, DOT_FP32, PRECISION)
                 dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
-    DQ += bnhd_offset(b, h, N, HQ, HEAD_DIM)
+    DQ += b * N * (HQ * HEAD_DIM) + h * HEAD_DIM
     tl.store(DQ + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=tile_mask)
 
@@ -252,7 +248,8 @@ def _dilated_bwd_dkdv_kernel(
                     full_begin = tl.minimum(tl.maximum((last_key - seg - o + r - 1) // r, 0), n_q)
                 q_begin = (q_begin // BLOCK_M) * BLOCK_M
                 # masked blocks up to full_lo, unmasked [full_lo, full_hi), masked tail
-                full_lo = tl.where(uniform_active, q_begin + ((full_begin - q_begin + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, n_q)
+                full_lo = tl.where(uniform_active,
+                                   q_begin + ((full_begin - q_begin + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, n_q)
                 full_lo = tl.minimum(full_lo, n_q)
                 full_hi = tl.where(uniform_active, full_lo + ((n_q - full_lo) // BLOCK_M) * BLOCK_M, n_q)
                 query0 = seg + o
@@ -285,7 +282,8 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, t
     qpos = query0 + r * t                                                             # [BLOCK_M]
     q_ok = t < n_q
     qpos64 = qpos.to(tl.int64)
-    q = tl.load(q_base + qpos64[:, None] * stride_qn, mask=q_ok[:, None] & d_ok[None, :], other=0.0)    # [BLOCK_M, BLOCK_D]
+    q = tl.load(q_base + qpos64[:, None] * stride_qn, mask=q_ok[:, None] & d_ok[None, :],
+                other=0.0)                                                            # [BLOCK_M, BLOCK_D]
     do = tl.load(do_base + qpos64[:, None] * stride_don, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
     row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats + qpos, q_ok)
     delta = tl.load(DELTA + stats + qpos, mask=q_ok, other=0.0)

@@ -77,8 +77,6 @@ def _ring_step_fwd_kernel(
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + kvh * stride_kh
-    V += b * stride_vb + kvh * stride_vh
     OUT += b * stride_ob + h * stride_oh
     PAT_OFF += h * NUM_PATTERNS
     LAYOUT += b * stride_lb + h * stride_lh
@@ -101,11 +99,12 @@ def _ring_step_fwd_kernel(
         log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYOUT_COLS, layout_block,
                                  MASK_KIND, NUM_PATTERNS, CAUSAL)                        # [BLOCK_M, BLOCK_N]
         if tl.max(log_w) > float("-inf"):   # a tile with no counted pair costs no matmul
+            # K, V addressed here rather than offset before the loop: fewer registers
             cols64 = cols.to(tl.int64)
-            k = tl.load(K + cols64[:, None] * stride_kn + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
-                        other=0.0)                                                       # [BLOCK_N, BLOCK_D]
-            v = tl.load(V + cols64[:, None] * stride_vn + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
-                        other=0.0)                                                       # [BLOCK_N, BLOCK_D]
+            k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)                   # [BLOCK_N, BLOCK_D]
+            v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)                   # [BLOCK_N, BLOCK_D]
             acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, q_ok[:, None], False, DOT_FP32,
                                                 PRECISION, log_w, True)
     # merge (acc / l, lse_step) into the running (out, lse)
@@ -164,7 +163,7 @@ def _ring_step_bwd_dq_kernel(
                                  LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS, layout_block,
                                  MASK_KIND, NUM_PATTERNS, CAUSAL)                          # [BLOCK_M, BLOCK_N]
         if tl.max(log_w) > float("-inf"):
-            # K, V addressed here, not offset before the loop: that costs a register on sm80
+            # K, V addressed here rather than offset before the loop: fewer registers
             cols64 = cols.to(tl.int64)
             k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
                         mask=k_ok[:, None] & d_ok[None, :], other=0.0)                     # [BLOCK_N, BLOCK_D]
