@@ -1,5 +1,6 @@
 """Multi-process harness for the ring tests: spawn `world` gloo processes, run many cases
-in one process group, send the measured errors back. Imported by the spawned children."""
+in one process group, send each rank's results back (the test compares them with the
+float64 oracle). Imported by the spawned children."""
 from __future__ import annotations
 
 import datetime
@@ -11,36 +12,34 @@ import torch.distributed as dist
 
 
 def make_inputs(case, device="cpu"):
+    """q, k, v and the cotangents g (of out) and gl (of lse) of the full sequence, float32."""
     g = torch.Generator().manual_seed(case.get("seed", 0))
     B, N, Hq, Hkv, D = case["B"], case["N"], case["Hq"], case["Hkv"], case["D"]
     mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).float().to(device)  # noqa: E731
     return mk(B, N, Hq, D), mk(B, N, Hkv, D), mk(B, N, Hkv, D), mk(B, N, Hq, D), mk(B, Hq, N)
 
 
-def reference(case):
-    """Full-sequence float64 oracle: out, lse and the gradients of the test loss."""
-    from triton_dilated import block_sparse_attention_naive, dilated_attention_naive, layouts
-    q, k, v, g, gl = (x.double().requires_grad_(i < 3) for i, x in enumerate(make_inputs(case)))
-    kind = case["kind"]
-    if kind == "dilated":
-        out, lse = dilated_attention_naive(q, k, v, case["ws"], case["rs"], causal=case["causal"],
-                                           mode=case.get("mode", "longnet"), offsets=case.get("offsets", "modulo"))
-    else:
-        if kind == "layout":
-            layout = layouts.bigbird(case["N"], case["bs"], 1, 1, 1, seed=1, num_heads=case["Hq"])
-        else:   # dense: every block active
-            from triton_dilated import BlockLayout
-            nb = -(-case["N"] // 16)
-            layout = BlockLayout.from_dense(torch.ones(nb, nb, dtype=torch.bool), 16)
-        out, lse = block_sparse_attention_naive(q, k, v, layout, causal=case["causal"])
+def case_layout(case):
+    """The BlockLayout of a "layout" case (every block for "dense"); None for "dilated"."""
+    from triton_dilated import BlockLayout, layouts
+    if case["kind"] == "layout":
+        return layouts.bigbird(case["N"], case["bs"], 1, 1, 1, seed=1, num_heads=case["Hq"])
+    if case["kind"] == "dense":
+        nb = -(-case["N"] // 16)
+        return BlockLayout.from_dense(torch.ones(nb, nb, dtype=torch.bool), 16)
+    return None
+
+
+def loss_of(out, lse, g, gl, case):
+    """The test loss: sum(out * g) + lse_weight * sum(lse * gl) over rows with keys."""
     fin = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    loss = (out * g).sum() + (fin * gl).sum() * case.get("lse_weight", 1.0)
-    grads = torch.autograd.grad(loss, (q, k, v))
-    return out.detach(), lse.detach(), [x.detach() for x in grads], loss.item()
+    return (out * g).sum() + (fin * gl).sum() * case.get("lse_weight", 1.0)
 
 
 def run_case(case, rank, world):
-    from triton_dilated import layouts, ring_attention, shard
+    """This rank's ring results: out, lse, dq, dk, dv of its shard (numpy, so the queue
+    carries them by value), the loss summed over ranks, the peak key/value bytes held."""
+    from triton_dilated import ring_attention, shard
     from triton_dilated.ops.ring import interface as ring_mod
     q, k, v, g, gl = make_inputs(case)
     bal = case.get("balance", "contiguous")
@@ -51,26 +50,17 @@ def run_case(case, rank, world):
         kw.update(segment_lengths=case["ws"], dilation_rates=case["rs"], mode=case.get("mode", "longnet"),
                   offsets=case.get("offsets", "modulo"))
     elif case["kind"] == "layout":
-        kw.update(layout=layouts.bigbird(case["N"], case["bs"], 1, 1, 1, seed=1, num_heads=case["Hq"]))
+        kw.update(layout=case_layout(case))
     out, lse = ring_attention(ql, kl, vl, **kw)
     gll = shard(gl.transpose(1, 2), rank, world, bal).transpose(1, 2)
-    fin = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    loss = (out * loc(g)).sum() + (fin * gll).sum() * case.get("lse_weight", 1.0)
+    loss = loss_of(out, lse, loc(g), gll, case)
     grads = torch.autograd.grad(loss, (ql, kl, vl))
     total = loss.detach().clone()
     dist.all_reduce(total)
-    ref_out, ref_lse, ref_grads, ref_loss = reference(case)
-    ref_lse_local = shard(ref_lse.transpose(1, 2), rank, world, bal).transpose(1, 2)
-    finite = lambda x: torch.where(torch.isinf(x), torch.zeros_like(x), x).double()  # noqa: E731
-    errs = {"out": (out.double() - loc(ref_out)).abs().max().item(),
-            "lse": (finite(lse) - finite(ref_lse_local)).abs().max().item(),
-            "lse_inf_match": bool(torch.equal(torch.isinf(lse), torch.isinf(ref_lse_local))),
-            "loss": abs(total.item() - ref_loss),
-            "nan": any(torch.isnan(x).any().item() for x in (out, *grads))}
-    for name, a, b in zip(("dq", "dk", "dv"), grads, ref_grads):
-        errs[name] = (a.double() - loc(b)).abs().max().item()
-    errs["max_kv_bytes_held"] = ring_mod.last_stats.get("max_kv_bytes_held", -1)
-    return errs
+    res = {name: x.detach().numpy() for name, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads))}
+    res["loss"] = total.item()
+    res["max_kv_bytes_held"] = ring_mod.last_stats.get("max_kv_bytes_held", -1)
+    return res
 
 
 def worker(rank, world, init_file, cases, queue, fail_rank=None, timeout_s=60):

@@ -16,6 +16,9 @@
   python -m triton_dilated.perf plan      the dilated forward's cost model on a CPU: useful vs
                                           computed (query, key) pairs, K/V bytes, and the
                                           roofline bound on an H100
+  python -m triton_dilated.perf decode    time per decode step (one query against N cached
+                                          tokens): dilated vs dense SDPA, and the bounded
+                                          cache's memory, as the context grows
 
 Results are long-format CSV rows (one per op, provider, mode, shape, metric) with provenance
 (machine, arch, torch/triton/CUDA versions, git sha, kernel config, UTC timestamp).
@@ -27,7 +30,7 @@ import argparse
 import os
 import sys
 
-COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot", "plan")
+COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot", "plan", "decode")
 DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -139,6 +142,23 @@ def _parser():
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="default: %(default)s")
     p.add_argument("--block-m", type=int, default=64, help="query rows per tile (default: %(default)s)")
     p.add_argument("--block-n", type=int, default=64, help="keys per inner step (default: %(default)s)")
+
+    p = command("decode", "decode-step time vs context (dilated vs dense SDPA) and the bounded cache's memory")
+    p.add_argument("--out", default="perf/out/decode.csv", help="CSV to write (default: %(default)s)")
+    p.add_argument("--contexts", type=int, nargs="+", metavar="N",
+                   help="cached tokens per step (default: GPU 4096 .. 1048576, CPU 4096 .. 131072, powers of two)")
+    p.add_argument("--memory-contexts", type=int, nargs="*", metavar="N",
+                   help="contexts of the cache-memory rows (default: the timed ones and 1048576; none: no rows)")
+    p.add_argument("--providers", nargs="+", choices=("dilated", "dilated_bounded", "sdpa_dense"),
+                   help="default: all three")
+    p.add_argument("--heads", type=int, default=16, help="query heads (default: %(default)s)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=128, help="default: %(default)s")
+    p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on a GPU, float32 on a CPU")
+    p.add_argument("--budget", type=float, metavar="SECONDS", help="seconds of timed rounds per context "
+                   "(default: 0.2 on a GPU, 1.5 on a CPU)")
+    p.add_argument("--max-call-seconds", type=float, metavar="S",
+                   help="stop timing a provider once one call takes longer (default: GPU 30, CPU 20)")
     return parser
 
 
@@ -148,7 +168,7 @@ def main(argv=None) -> int:
         argv = ["sweep"] + argv
     args = _parser().parse_args(argv)
     return {"sweep": _sweep, "tune": _tune, "ring": _ring, "layouts": _layouts, "plot": _plot,
-            "table": _table, "aot": _aot, "plan": _plan}[args.command](args)
+            "table": _table, "aot": _aot, "plan": _plan, "decode": _decode}[args.command](args)
 
 
 def _sweep(args) -> int:
@@ -357,6 +377,11 @@ def _plan(args) -> int:
         print(f"plan: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _decode(args) -> int:
+    from .decode import main
+    return main(args)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,11 @@ torch.library custom ops (`block_sparse_attention_op`) that torch.compile traces
 
 The Triton kernels (kernels.py) are imported only when used: the package runs without
 triton. A BlockLayout travels through the custom ops as its four int32 tensors and its
-block size.
+block size. Queries shorter than keys (DESIGN §5b): up to DECODE_MAX_QUERIES rows take a
+decode path that reads only the key blocks of each query's layout row (decode_kernels.py,
+or decode.py on the portable path and whenever the Triton path would need gradients: the
+decode kernel has no backward); longer query blocks, and gradients with the Triton
+backend, take the general path (common/query_offset.py).
 """
 from __future__ import annotations
 
@@ -14,12 +18,14 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..common.decode import decode_path
 from ..common.first_order import first_order_backward
 from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, empty_stats, fresh, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.query_offset import run_with_query_offset
 from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale
+from .decode import block_sparse_decode
 from .layout import BlockLayout
 from .portable import block_sparse_attention_torch
 
@@ -31,6 +37,13 @@ def _kernels():
     """kernels.py (imports triton): loaded on the first Triton call only."""
     from . import kernels
     return kernels
+
+
+@functools.cache
+def _decode_kernels():
+    """decode_kernels.py (imports triton): loaded on the first Triton decode call only."""
+    from . import decode_kernels
+    return decode_kernels
 
 
 def _check_args(q, k, v, layout, causal, scale, return_lse, *, packed=False, allow_shorter_q=False):
@@ -105,6 +118,10 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
                              "cache_seqlens")
         layout.check_seq_len(k.shape[1])
         layout.check_heads(B, Hq)
+        path = decode_path(backend, q, k, v, CONFIG_FAMILIES[:1])
+        if path is not None:
+            out, lse = _decode(q, k, v, layout, lengths, cache_seqlens, causal=causal, scale=scale, path=path)
+            return (out, lse) if return_lse else out
 
         def call(qq, kk, vv, rows, n):
             lay = layout.prefix(-(-n // layout.block_size), rows) if n != k.shape[1] or len(rows) != B else layout
@@ -134,6 +151,20 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
         out, lse = block_sparse_attention_torch(q, k, v, layout, causal=causal, scale=scale,
                                                 compute_dtype=portable_compute_dtype(q.dtype, q.device))
     return (out, lse) if return_lse else out
+
+
+def _decode(q, k, v, layout, lengths, cache_seqlens, *, causal, scale, path):
+    """The decode paths: (out, lse) of the last Nq positions of each row's valid length."""
+    B, Nk = q.shape[0], k.shape[1]
+    layout = layout.to(q.device) if layout.kv_indices.device != q.device else layout
+    if path == "torch":
+        return block_sparse_decode(q, k, v, layout, lengths or (Nk,) * B, causal=causal, scale=scale)
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    if cache_seqlens is None:
+        lens = torch.full((B,), Nk, dtype=torch.int32, device=q.device)
+    else:
+        lens = cache_seqlens.to(device=q.device, dtype=torch.int32)
+    return _decode_kernels().block_sparse_decode_forward(q, k, v, layout, lens, causal=causal, scale=scale)
 
 
 def _packed(q, k, v, layout, cu_seqlens, **kw):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from ..common.spec import KernelSpec, VariantSpec
+from ..common.spec import DECODE_ODD_STRIDES, DECODE_POINTERS, KernelSpec, VariantSpec
 
 _MODULE = "triton_dilated.ops.block_sparse.kernels"
 _STATS = {"ROW_MAX": "fp32", "ROW_SUM": "fp32"}
@@ -77,6 +77,11 @@ SPEC = VariantSpec(
                    pointers={"Q": "act", "K": "act", "V": "act", "DO": "act", "DK": "act", "DV": "act",
                              "DELTA": "fp32", **_STATS, "Q_COUNT": "i32", "Q_INDEX": "i32"},
                    odd_strides=_LAYOUT_STRIDES),
+        # decoding (q of 1-16 rows against a long cache); configs: the forward's family
+        KernelSpec("block_sparse_decode", "triton_dilated.ops.block_sparse.decode_kernels",
+                   "_block_sparse_decode_kernel", "block_sparse_fwd",
+                   pointers={"Q": "act", "K": "act", "V": "act", **DECODE_POINTERS, "LENS": "i32", "KV_COUNT": "i32",
+                             "KV_INDEX": "i32"}, odd_strides=_LAYOUT_STRIDES | DECODE_ODD_STRIDES),
     ),
     aot_constexprs={"BLOCK_SIZE": 128},
     problem=BlockSparseProblem,

@@ -4,7 +4,12 @@ the autograd Function over the Triton launchers, and the torch.library custom op
 
 Dispatch: the Triton kernels (kernels.py, imported only when used: the package runs
 without triton) or the portable PyTorch path (portable.py); under torch.compile, either
-path through the custom ops, so that fullgraph tracing sees one opaque op.
+path through the custom ops, so that fullgraph tracing sees one opaque op. Queries shorter
+than keys (DESIGN §5b): up to DECODE_MAX_QUERIES rows take a decode path that reads only
+the keys each query attends to (decode_kernels.py, or decode.py on the portable path and
+whenever the Triton path would need gradients: the decode kernel has no backward); longer
+query blocks, and gradients with the Triton backend, take the general path
+(common/query_offset.py).
 """
 from __future__ import annotations
 
@@ -14,12 +19,14 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..common.decode import decode_path
 from ..common.first_order import first_order_backward
 from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, empty_stats, fresh, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.query_offset import run_with_query_offset
 from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale
+from .decode import dilated_decode
 from .patterns import check_patterns, fit_patterns, head_offsets, warn_if_heads_first
 from .portable import dilated_attention_torch
 
@@ -31,6 +38,13 @@ def _kernels():
     """kernels.py (imports triton): loaded on the first Triton call only."""
     from . import kernels
     return kernels
+
+
+@functools.cache
+def _decode_kernels():
+    """decode_kernels.py (imports triton): loaded on the first Triton decode call only."""
+    from . import decode_kernels
+    return decode_kernels
 
 
 def _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
@@ -116,6 +130,11 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens (packed documents) cannot be combined with q shorter than k, v or with "
                              "cache_seqlens")
+        path = decode_path(backend, q, k, v, CONFIG_FAMILIES[:1])
+        if path is not None:
+            out, lse = _decode(q, k, v, patterns, head_offsets(Hq, patterns, mode, offsets), lengths, cache_seqlens,
+                               causal=causal, scale=scale, path=path)
+            return (out, lse) if return_lse else out
         out, lse = run_with_query_offset(
             lambda qq, kk, vv, rows, n: dilated_attention(qq, kk, vv, segment_lengths, dilation_rates, causal=causal,
                                                           scale=scale, mode=mode, offsets=offsets, return_lse=True,
@@ -136,6 +155,20 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     out, lse = dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=return_lse,
                                        backend=path, doc_bounds=doc_bounds)
     return (out, lse) if return_lse else out
+
+
+def _decode(q, k, v, patterns, table, lengths, cache_seqlens, *, causal, scale, path):
+    """The decode paths: (out, lse) of the last Nq positions of each row's valid length."""
+    B, Nk = q.shape[0], k.shape[1]
+    if path == "torch":
+        return dilated_decode(q, k, v, patterns, table, lengths or (Nk,) * B, causal=causal, scale=scale)
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    if cache_seqlens is None:
+        lens = torch.full((B,), Nk, dtype=torch.int32, device=q.device)
+    else:
+        lens = cache_seqlens.to(device=q.device, dtype=torch.int32)
+    return _decode_kernels().dilated_decode_forward(q, k, v, patterns, table, lens, causal=causal, scale=scale,
+                                                    max_length=max(lengths) if lengths else Nk)
 
 
 def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse=True, backend="auto",

@@ -1,0 +1,403 @@
+"""transformers integration (`pip install triton_dilated[hf]`): dilated and block-sparse
+attention as transformers attention functions, and a bounded cache for generation.
+
+    from triton_dilated.integrations import transformers as td_hf
+    td_hf.register()
+    config.dilated_attention = {"segment_lengths": [2048, 4096], "dilation_rates": [1, 2]}
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="triton_dilated")
+    out = model.generate(ids, cache=td_hf.DilatedCache(model.config), max_new_tokens=64)
+
+`register()` adds "triton_dilated" and "triton_block_sparse" to transformers'
+`AttentionInterface` (and a padding-mask function of the same names to its
+`AttentionMaskInterface`). The patterns come from the model config:
+
+    config.dilated_attention = {"segment_lengths": [...], "dilation_rates": [...],
+                                "mode": "longnet", "offsets": "modulo"}      # mode, offsets optional
+    config.block_sparse_attention = {"builder": "bigbird", "block_size": 128, ...}
+
+the second naming a `triton_dilated.layouts` builder (local, dilated, global_tokens, random,
+bigbird, hierarchical, causal) and its keyword arguments; the layout is built once for
+`max_seq_len` (default config.max_position_embeddings) and its leading blocks serve every
+shorter sequence, so training, prefill and each decode step see the same blocks. Either dict
+may also hold "backend" ("auto", "triton", "torch").
+
+Supported: causal self-attention of decoder-only LMs (`module.is_causal`), training (forward
+and backward), prefill, `generate()` with transformers' DynamicCache or with `DilatedCache`,
+GQA/MQA. Left padding (batched `generate`) works with full caches: each row is attended as
+its own sequence from its first real token, so its result equals the unpadded one; with
+`DilatedCache` it is refused (the cache drops rows at positions counted from the batch's
+start, which are not segment boundaries of a padded row). Refused with a clear error:
+attention dropout > 0, non-causal modules, sliding windows, soft-capping, attention sinks,
+packed sequences (flash-attn's cu_seq_lens) and other mask overlays, 4-d masks, right
+padding. `output_attentions` gives None for the weights.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+
+from .. import layouts
+from ..ops.block_sparse import block_sparse_attention
+from ..ops.dilated import dilated_attention
+from ..ops.dilated.cache import KeptRows, quiet_heads_warning
+from ..ops.dilated.patterns import check_patterns
+
+DILATED = "triton_dilated"
+BLOCK_SPARSE = "triton_block_sparse"
+BUILDERS = ("local", "dilated", "global_tokens", "random", "bigbird", "hierarchical", "causal")
+_DILATED_KEYS = ("segment_lengths", "dilation_rates", "mode", "offsets", "backend")
+_UNSUPPORTED = {"sliding_window": "sliding-window attention", "softcap": "logit soft-capping",
+                "s_aux": "attention sinks", "cu_seq_lens_q": "packed sequences (cu_seq_lens)",
+                "cu_seq_lens_k": "packed sequences (cu_seq_lens)", "position_bias": "position biases"}
+
+
+def register() -> None:
+    """Register "triton_dilated" and "triton_block_sparse" with transformers (attention
+    functions and their padding-mask functions). Idempotent."""
+    AttentionInterface.register(DILATED, dilated_attention_forward)
+    AttentionInterface.register(BLOCK_SPARSE, block_sparse_attention_forward)
+    AttentionMaskInterface.register(DILATED, dilated_attention_mask)
+    AttentionMaskInterface.register(BLOCK_SPARSE, block_sparse_attention_mask)
+
+
+# ----------------------------------------------------------------------------- config
+
+def _config_dict(config, attr, impl, example):
+    spec = getattr(config, attr, None)
+    if spec is None:
+        raise ValueError(f'attn_implementation="{impl}" reads its pattern from config.{attr}, e.g. '
+                         f"config.{attr} = {example}; this config has none")
+    if not isinstance(spec, dict):
+        raise TypeError(f"config.{attr} must be a dict, got {type(spec).__name__}")
+    return spec
+
+
+def dilated_spec(config) -> dict:
+    """config.dilated_attention, checked, with its defaults filled in."""
+    spec = _config_dict(config, "dilated_attention", DILATED,
+                        '{"segment_lengths": [2048, 4096], "dilation_rates": [1, 2]}')
+    unknown = sorted(set(spec) - set(_DILATED_KEYS))
+    if unknown or "segment_lengths" not in spec or "dilation_rates" not in spec:
+        raise ValueError(f"config.dilated_attention takes the keys {list(_DILATED_KEYS)} (segment_lengths and "
+                         f"dilation_rates required), got {sorted(spec)}")
+    out = {"mode": "longnet", "offsets": "modulo", "backend": "auto", **spec}
+    patterns = check_patterns(out["segment_lengths"], out["dilation_rates"], out["mode"], out["offsets"])
+    out["segment_lengths"] = [w for w, _ in patterns]
+    out["dilation_rates"] = [r for _, r in patterns]
+    return out
+
+
+def block_sparse_spec(config) -> tuple[str, int, str]:
+    """(canonical JSON of config.block_sparse_attention, max_seq_len, backend), checked."""
+    spec = _config_dict(config, "block_sparse_attention", BLOCK_SPARSE, '{"builder": "bigbird", "block_size": 128}')
+    builder = spec.get("builder")
+    if builder not in BUILDERS:
+        extra = " (topk is content-adaptive: it needs q and k, not a config)" if builder == "topk" else ""
+        raise ValueError(f"config.block_sparse_attention['builder'] must be one of {list(BUILDERS)}, got "
+                         f"{builder!r}{extra}")
+    max_len = spec.get("max_seq_len", getattr(config, "max_position_embeddings", None))
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+        raise ValueError("config.block_sparse_attention needs 'max_seq_len' (the longest sequence its layout covers) "
+                         f"when the config has no max_position_embeddings; got {max_len!r}")
+    backend = spec.get("backend", "auto")
+    kwargs = {k: v for k, v in spec.items() if k not in ("builder", "max_seq_len", "backend")}
+    return json.dumps({"builder": builder, **kwargs}, sort_keys=True), max_len, backend
+
+
+@functools.lru_cache(maxsize=16)
+def _full_layout(spec_json: str, max_len: int):
+    spec = json.loads(spec_json)
+    builder = getattr(layouts, spec.pop("builder"))
+    params = inspect.signature(builder).parameters
+    if "causal" in params and "causal" not in spec:
+        spec["causal"] = True     # causal LMs: no blocks above the diagonal
+    unknown = sorted(set(spec) - set(params))
+    if unknown:
+        raise ValueError(f"config.block_sparse_attention: layouts.{builder.__name__} takes no {unknown}; its "
+                         f"arguments are {[p for p in params if p != 'seq_len']}")
+    return builder(max_len, **spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(spec_json: str, max_len: int, seq_len: int, device: str):
+    """The layout of the first seq_len tokens (the leading blocks of the max_len layout)."""
+    if seq_len > max_len:
+        raise ValueError(f"a sequence of {seq_len} tokens is longer than the block-sparse layout "
+                         f"({max_len} tokens: config.block_sparse_attention['max_seq_len'] or "
+                         f"config.max_position_embeddings)")
+    full = _full_layout(spec_json, max_len)
+    n_blocks = -(-seq_len // full.block_size)
+    lay = full if n_blocks == full.n_q_blocks else full.prefix(n_blocks)
+    return lay.to(torch.device(device))
+
+
+# ----------------------------------------------------------------------------- attention functions
+
+def _config_of(module):
+    config = getattr(module, "config", None)
+    if config is None:
+        raise ValueError("the attention module has no .config: the patterns are read from the model config")
+    return config
+
+
+def _check_call(impl, module, attention_mask, dropout, is_causal, kwargs):
+    if dropout:
+        raise ValueError(f"{impl} has no attention dropout: set config.attention_dropout = 0.0 (got {dropout})")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not causal:
+        raise ValueError(f"{impl} supports causal self-attention (decoder-only language models) only; this "
+                         f"module ({type(module).__name__}) is not causal")
+    for key, what in _UNSUPPORTED.items():
+        if kwargs.get(key) is not None:
+            raise ValueError(f"{impl} does not support {what} (the model passed {key})")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+        shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+        raise ValueError(f"{impl} takes a 2-d padding mask (B, kv_len) or None, got {shape}: custom 4-d masks "
+                         f"are not supported")
+
+
+def _run(impl, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs):
+    """transformers' (B, H, N, D) tensors -> call(q, k, v) on (B, N, H, D) views -> (B, Nq, H, D)."""
+    _check_call(impl, module, attention_mask, dropout, is_causal, kwargs)
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    if attention_mask is None:
+        return call(q, k, v)
+    return _left_padded(impl, call, q, k, v, attention_mask)
+
+
+def _left_padded(impl, call, q, k, v, mask):
+    """Each batch row attended from its first real key on, as its own sequence (rows grouped by
+    padding length); query rows on padding positions get 0."""
+    B, Nq, H, D = q.shape
+    Nk = k.shape[1]
+    if tuple(mask.shape) != (B, Nk):
+        raise ValueError(f"{impl}: the padding mask has shape {tuple(mask.shape)}, the keys (B, kv_len) = ({B}, {Nk})")
+    mask = mask.to(device=k.device, dtype=torch.bool)
+    pads = (~mask).sum(dim=1)
+    if not torch.equal(mask, torch.arange(Nk, device=k.device)[None, :] >= pads[:, None]):
+        raise ValueError(f"{impl} supports left padding only (each row of attention_mask: zeros, then ones); "
+                         f"pad on the left (tokenizer.padding_side = 'left')")
+    groups: dict[int, list[int]] = {}
+    for b, pad in enumerate(pads.tolist()):
+        groups.setdefault(pad, []).append(b)
+    if list(groups) == [0]:
+        return call(q, k, v)
+    parts, order = [], []
+    for pad, rows in groups.items():
+        index = torch.tensor(rows, device=q.device)
+        nq = min(Nq, Nk - pad)
+        zeros = q.new_zeros((len(rows), Nq - nq, H, D))
+        if nq > 0:
+            out = call(q.index_select(0, index)[:, Nq - nq:], k.index_select(0, index)[:, pad:],
+                       v.index_select(0, index)[:, pad:])
+            parts.append(torch.cat([zeros, out], dim=1) if nq < Nq else out)
+        else:
+            parts.append(zeros)
+        order += rows
+    inverse = torch.empty(B, dtype=torch.long, device=q.device)
+    inverse[torch.tensor(order, device=q.device)] = torch.arange(B, device=q.device)
+    return torch.cat(parts).index_select(0, inverse)
+
+
+def dilated_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                              is_causal=None, **kwargs):
+    """transformers attention function "triton_dilated": query (B, H, Nq, D), key/value
+    (B, Hkv, Nk, D), the queries the last Nq positions; returns ((B, Nq, H, D), None)."""
+    spec = dilated_spec(_config_of(module))
+
+    def call(q, k, v):
+        with quiet_heads_warning(q.shape[2], k.shape[1]):
+            return dilated_attention(q, k, v, spec["segment_lengths"], spec["dilation_rates"], causal=True,
+                                     scale=scaling, mode=spec["mode"], offsets=spec["offsets"],
+                                     backend=spec["backend"])
+
+    return _run(DILATED, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
+
+
+def block_sparse_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                   is_causal=None, **kwargs):
+    """transformers attention function "triton_block_sparse" (shapes as dilated_attention_forward)."""
+    spec_json, max_len, backend = block_sparse_spec(_config_of(module))
+
+    def call(q, k, v):
+        lay = _layout(spec_json, max_len, k.shape[1], str(k.device))
+        return block_sparse_attention(q, k, v, lay, causal=True, scale=scaling, backend=backend)
+
+    return _run(BLOCK_SPARSE, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
+
+
+# ----------------------------------------------------------------------------- mask functions
+
+def _padding_mask(impl, kv_length, kv_offset, mask_function, attention_mask):
+    """What the attention functions take: None (no padding) or the 2-d boolean padding mask
+    of the key rows the attention sees (like flash-attention's mask function)."""
+    if mask_function is not causal_mask_function:
+        name = getattr(mask_function, "__name__", type(mask_function).__name__)
+        raise ValueError(f"{impl} applies the causal mask and left padding only; the model asked for the mask "
+                         f"function {name} (packed sequences, sliding windows or another overlay)")
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        return attention_mask
+    if bool(attention_mask.all()):
+        return None
+    if kv_offset > 0:
+        raise ValueError(f"{impl}: a padded batch (attention_mask with zeros) with a cache that dropped its first "
+                         f"{kv_offset} rows (DilatedCache): it drops rows at positions counted from the batch start, "
+                         f"which are not segment boundaries of a padded row. Use DynamicCache or unpadded batches")
+    return attention_mask[:, -kv_length:]
+
+
+def dilated_attention_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
+                           mask_function=causal_mask_function, attention_mask=None, **kwargs):
+    """AttentionMaskInterface entry of "triton_dilated"."""
+    return _padding_mask(DILATED, kv_length, kv_offset, mask_function, attention_mask)
+
+
+def block_sparse_attention_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
+                                mask_function=causal_mask_function, attention_mask=None, **kwargs):
+    """AttentionMaskInterface entry of "triton_block_sparse": the layout is laid on absolute
+    positions, so the cache must hold every row."""
+    if kv_offset > 0:
+        raise ValueError(f"{BLOCK_SPARSE} needs the whole sequence in the cache (block layouts use absolute "
+                         f"positions), got a cache that dropped its first {kv_offset} rows (DilatedCache or a "
+                         f"sliding-window cache); use DynamicCache")
+    return _padding_mask(BLOCK_SPARSE, kv_length, kv_offset, mask_function, attention_mask)
+
+
+# ----------------------------------------------------------------------------- the bounded cache
+
+def _position_ids(kwargs):
+    """position_ids if the model passed them to Cache.update (directly or in its kwargs dict)."""
+    for source in (kwargs, kwargs.get("kwargs"), kwargs.get("cache_kwargs")):
+        if isinstance(source, dict) and isinstance(source.get("position_ids"), torch.Tensor):
+            return source["position_ids"]
+    return None
+
+
+class DilatedCacheLayer(DynamicLayer):
+    """One layer of DilatedCache: the kept rows of `triton_dilated.ops.dilated.cache.KeptRows`
+    (rows from the window start on), exposed as transformers' (B, H, N, D) `keys`/`values`."""
+
+    is_sliding = False
+    is_croppable = False     # dropped rows cannot come back: crop() works inside the kept window only
+
+    def __init__(self, segment_lengths, **kwargs):
+        super().__init__()
+        self.rows = KeptRows(segment_lengths)
+
+    def lazy_initialization(self, key_states, value_states):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+        self._sync()
+
+    def _sync(self):
+        r = self.rows
+        if r.k is None:
+            self.keys = self.values = None if not self.is_initialized else torch.tensor([], dtype=self.dtype,
+                                                                                        device=self.device)
+        else:
+            self.keys, self.values = r.k[:, :r.length].transpose(1, 2), r.v[:, :r.length].transpose(1, 2)
+
+    def _check_positions(self, position_ids, n):
+        """Rows are dropped at multiples of lcm(segment lengths) counted from the batch start:
+        right only when every row's tokens sit at positions 0, 1, ... (no left padding)."""
+        if position_ids is None or position_ids.dim() != 2 or (n == 1 and self.rows.seen > 0):
+            return     # decode steps follow a checked prefill; skip the host sync there
+        want = torch.arange(self.rows.seen, self.rows.seen + n, device=position_ids.device)
+        if not torch.equal(position_ids, want.expand_as(position_ids)):
+            raise ValueError(f"DilatedCache cannot take a padded batch: it needs every batch row at positions "
+                             f"{self.rows.seen}..{self.rows.seen + n - 1} (no left padding, no custom position_ids), "
+                             f"got position_ids {position_ids[:, :4].tolist()}...; use DynamicCache for padded batches")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_positions(_position_ids(kwargs), key_states.shape[-2])
+        k, v = self.rows.append(key_states.transpose(1, 2), value_states.transpose(1, 2))
+        self._sync()
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):     # transformers 4.x passes cache_position
+            query_length = query_length.shape[0]
+        return self.rows.length + query_length, self.rows.start
+
+    def get_seq_length(self) -> int:
+        return self.rows.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.rows.reset()
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"DilatedCache.crop takes a negative count (tokens to remove), got {tokens_to_remove}")
+        self.rows.crop(-tokens_to_remove)
+        self._sync()
+
+    def _map_batch(self, fn):
+        self.rows.map_batch(fn)
+        self._sync()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda x: x[indices])
+
+    def offload(self):
+        self.rows.to("cpu")
+        self._sync()
+
+    def prefetch(self):
+        if self.is_initialized:
+            self.rows.to(self.device)
+            self._sync()
+
+
+class DilatedCache(Cache):
+    """A transformers `Cache` for models using "triton_dilated" that keeps only the rows a later
+    query can read (`triton_dilated.DilatedKVCache`'s rule): at most the longest segment's rows
+    per layer for LongNet's schedules, however long the generation. Tokens equal those of
+    decoding with the full cache.
+
+        cache = DilatedCache(model.config)     # patterns from config.dilated_attention
+        model.generate(ids, cache=cache, max_new_tokens=...)
+
+    Batches must be unpadded (all rows at positions 0, 1, ...): a padded batch raises.
+    `nbytes` is the memory of the kept key and value rows, all layers.
+    """
+
+    def __init__(self, config=None, *, segment_lengths=None, num_layers=None):
+        if (config is None) == (segment_lengths is None):
+            raise ValueError("DilatedCache takes a model config (with config.dilated_attention) or segment_lengths, "
+                             "exactly one of them")
+        if config is not None:
+            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            segment_lengths = dilated_spec(text)["segment_lengths"]
+            num_layers = num_layers if num_layers is not None else getattr(text, "num_hidden_layers", None)
+        else:
+            segment_lengths = [w for w, _ in check_patterns(segment_lengths, [1] * len(segment_lengths))]
+        self.segment_lengths = list(segment_lengths)
+        if num_layers is not None:
+            super().__init__(layers=[DilatedCacheLayer(self.segment_lengths) for _ in range(num_layers)])
+        else:
+            super().__init__(layer_class_to_replicate=functools.partial(DilatedCacheLayer, self.segment_lengths))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.rows.nbytes for layer in self.layers)

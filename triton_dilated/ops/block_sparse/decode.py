@@ -1,0 +1,44 @@
+"""Portable block-sparse decoding: few queries (DESIGN §5b) against a long cache, touching only
+the key blocks of each query's layout row.
+
+A query at position p reads layout row p // block_size: the keys of its active key blocks
+that lie below the row's valid length L (and at or before p when causal). Cost per query:
+the row's active blocks times the block size, whatever the context length. The Triton
+decode kernel (decode_kernels.py) walks the same blocks.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..common.decode import attend_key_lists, query_positions
+
+
+def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
+    """(key_pos, key_ok), long and bool (B, Nq, Hq, W * block_size): the keys of the active
+    blocks of each query's layout row, W = the most active blocks any of these rows has."""
+    device = pos.device
+    B, Nq = pos.shape
+    bs = layout.block_size
+    lb, lh = layout.kv_num_blocks.shape[:2]
+    rows = (pos // bs).view(B, Nq, 1).expand(B, Nq, num_heads)
+    bi = torch.arange(B, device=device).view(B, 1, 1) % lb
+    hi = torch.arange(num_heads, device=device).view(1, 1, num_heads) % lh
+    counts = layout.kv_num_blocks.to(device).long()[bi, hi, rows]                 # (B, Nq, Hq)
+    width = max(1, int(counts.max()))
+    blocks = layout.kv_indices.to(device).long()[bi, hi, rows][..., :width]       # (B, Nq, Hq, W)
+    key_pos = (blocks[..., None] * bs + torch.arange(bs, device=device)).flatten(-2)
+    slot_ok = (torch.arange(width, device=device) < counts[..., None]).repeat_interleave(bs, dim=-1)
+    key_ok = slot_ok & (key_pos < lengths.view(B, 1, 1, 1))
+    if causal:
+        key_ok &= key_pos <= pos.view(B, Nq, 1, 1)
+    return torch.where(key_ok, key_pos, torch.zeros((), dtype=torch.long, device=device)), key_ok
+
+
+def block_sparse_decode(q, k, v, layout, lengths, *, causal: bool, scale: float):
+    """Block-sparse attention of q (B, Nq, Hq, D), the last Nq positions of each row's
+    lengths[b] valid positions, over k, v (B, Nk, Hkv, D), the layout covering Nk (absolute
+    positions). Returns (out like q, lse float32 (B, Hq, Nq)), differentiable."""
+    lengths = torch.as_tensor(lengths, dtype=torch.long, device=q.device)
+    pos = query_positions(lengths, q.shape[1], q.device)
+    key_pos, key_ok = block_key_lists(pos, lengths, layout, q.shape[2], causal)
+    return attend_key_lists(q, k, v, key_pos, key_ok, scale)

@@ -1,0 +1,92 @@
+"""Triton block-sparse decoding (few queries against a long cache, DESIGN §5b) and its launcher.
+
+One program per (batch row, query row, query head, split). The query at position p reads
+layout row p // block_size; its key list is the row's active key blocks, each a run of
+consecutive keys cut at the row's length (and after p when causal). Split j walks the j-th
+equal share of the row's blocks; the splits merge in float32 (ops/common/decode_kernels.py).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...configs import select_config
+from ..common.decode_kernels import decode_buffers, fold_run, merge_splits, num_splits, store_result
+from ..common.hardware import padded_head_dim
+from ..common.runtime import on_tensor_device
+
+CONFIG_FAMILY = "block_sparse_fwd"   # tiles and warps: the forward's (no tuning entry of its own yet)
+
+
+@triton.jit
+def _block_sparse_decode_kernel(
+        Q, K, V, O, LSE, ACC, PART_M, PART_L, LENS, KV_COUNT, KV_INDEX,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+        stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
+        stride_cb, stride_ch, stride_ib, stride_ih, stride_ir,
+        NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+        BLOCK_N: tl.constexpr):
+    # heads fastest: the query heads of a GQA group run side by side
+    pid = tl.program_id(0)
+    h = pid % NUM_HEADS
+    split = (pid // NUM_HEADS) % NUM_SPLITS
+    row = (pid // (NUM_HEADS * NUM_SPLITS)) % NUM_ROWS
+    b = (pid // (NUM_HEADS * NUM_SPLITS * NUM_ROWS)).to(tl.int64)
+    h64 = h.to(tl.int64)
+    kvh = (h // HEAD_GROUP).to(tl.int64)
+    length = tl.load(LENS + b)
+    p = length - NUM_ROWS + row
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + row * stride_qn + h64 * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
+    k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
+    v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
+
+    qblock = p // BLOCK_SIZE
+    count = tl.load(KV_COUNT + b * stride_cb + h64 * stride_ch + qblock)
+    index_base = KV_INDEX + b * stride_ib + h64 * stride_ih + qblock.to(tl.int64) * stride_ir
+    per_split = tl.cdiv(count, NUM_SPLITS)
+    j_lo = split * per_split
+    j_hi = tl.minimum(j_lo + per_split, count)
+
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for j in range(j_lo, j_hi):
+        start = tl.load(index_base + j) * BLOCK_SIZE
+        end = tl.minimum(start + BLOCK_SIZE, length)   # blocks past the length: nothing
+        if CAUSAL:
+            end = tl.minimum(end, p + 1)
+        acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0, end - start,
+                                 d_ok, sm_scale, BLOCK_N)
+    part = ((b * NUM_ROWS + row) * NUM_HEADS + h64) * NUM_SPLITS + split
+    store_result(O, LSE, ACC, PART_M, PART_L, b * stride_ob + row * stride_on + h64 * stride_oh,
+                 b * stride_lb + h64 * stride_lh + row, part, acc, m_i, l_i, d, d_ok, NUM_SPLITS, HEAD_DIM)
+
+
+@on_tensor_device
+def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, splits=None, config=None):
+    """Block-sparse attention of q (B, Nq, Hq, D), the last Nq positions of each row's
+    lengths[b] (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D); the
+    layout (on q's device) covers Nk. Returns (out like q, lse float32 (B, Hq, Nq))."""
+    B, Nq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    bs = layout.block_size
+    block_d = padded_head_dim(D)
+    cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, k.shape[1], q.device)
+    counts = layout.kv_num_blocks.expand(B, Hq, layout.n_q_blocks)   # broadcast dims: zero strides
+    index = layout.kv_indices.expand(B, Hq, *layout.kv_indices.shape[2:])
+    longest = index.shape[-1] * bs
+    splits = splits or num_splits(q.device, B * Nq * Hq, longest)
+    out, lse, acc, part_m, part_l = decode_buffers(q, splits)
+    _block_sparse_decode_kernel[(B * Nq * Hq * splits,)](
+        q, k, v, out, lse, acc, part_m, part_l, lengths, counts, index,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        counts.stride(0), counts.stride(1), index.stride(0), index.stride(1), index.stride(2),
+        Nq, Hq, Hq // Hkv, splits, scale,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=bs, CAUSAL=causal, BLOCK_N=min(cfg["BLOCK_N"], bs),
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+    return merge_splits(out, lse, acc, part_m, part_l, splits, num_warps=cfg.get("num_warps", 4))

@@ -1,0 +1,119 @@
+"""Decoding (few queries against a long cache, DESIGN §5b): the pieces every variant's decode
+path shares. A variant lists, per query row, the key positions the query reads (a multiset:
+a key two dilated patterns select is listed twice); `attend_key_lists` gathers exactly those
+keys and attends, so the cost per query is the length of its list, not the context length.
+
+`decode_path` decides whether a call takes a decode path at all; the general path
+(query_offset.py: a full-length call per distinct length) serves the rest.
+"""
+from __future__ import annotations
+
+import torch
+
+from .runtime import resolve_backend
+
+# Up to this many query rows a call takes the decode path (one token, or a speculative-decoding
+# draft); longer query blocks (chunked prefill) take the general path.
+DECODE_MAX_QUERIES = 16
+
+# Elements of gathered keys per chunk of query rows (as the portable block-sparse path).
+GATHER_BUDGET = 1 << 25
+
+# What the portable decode read: key rows (one per key and query head; on the gather path every
+# gathered slot, padding included) and calls. Tests read it to check that the cost does not
+# grow with the context.
+DECODE_STATS = {"key_rows": 0, "calls": 0}
+
+
+def needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def decode_path(backend: str, q, k, v, families=()) -> str | None:
+    """"triton" or "torch" when a call with q shorter than k, v takes a decode path, None for
+    the general path: more than DECODE_MAX_QUERIES query rows, an empty batch, tracing under
+    torch.compile, or gradients on the Triton path (the decode kernel has no backward; the
+    portable decode is differentiable by autograd)."""
+    B, Nq, _, D = q.shape
+    if Nq > DECODE_MAX_QUERIES or B == 0 or Nq == 0 or torch.compiler.is_compiling():
+        return None
+    path = resolve_backend(backend, q.device, families, D, q.dtype)
+    if path == "triton" and needs_grad(q, k, v):
+        return None
+    return path
+
+
+def query_positions(lengths, num_queries: int, device) -> torch.Tensor:
+    """long (B, Nq): position of query i of batch row b, lengths[b] - Nq + i."""
+    return torch.as_tensor(lengths, dtype=torch.long, device=device)[:, None] - num_queries + \
+        torch.arange(num_queries, device=device)
+
+
+def nonfinite_to_nan(scores):
+    """Scores with every non-finite value made NaN: a key or query holding Inf can score
+    -inf, which would read as "no key" instead of spreading NaN (DESIGN §6)."""
+    return scores + scores * 0
+
+
+def mark_nonfinite(out, lse):
+    """DESIGN §6: a row that read a non-finite query, key or value gives NaN out and NaN lse.
+    Its scores were made NaN (nonfinite_to_nan), hence its lse; a non-finite value shows in
+    its out (weight * Inf is Inf, 0 * Inf or NaN is NaN), which finite inputs never give.
+    out (..., D), lse (...)."""
+    bad = torch.isnan(lse) | ~torch.isfinite(out).all(dim=-1)
+    return out.masked_fill(bad.unsqueeze(-1), float("nan")), lse.masked_fill(bad, float("nan"))
+
+
+def softmax_lse(scores):
+    """(weights, lse) over the last dim: a row with no key (all -inf) gets zero weights and
+    lse -inf; a NaN score makes the row's weights and lse NaN (DESIGN §6: lse -inf means only
+    "no key"). No NaN gradient from empty rows: the max is detached and the log never sees 0."""
+    m = scores.detach().amax(dim=-1, keepdim=True)       # NaN when a score is NaN
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    e = torch.exp(scores - m)
+    z = e.sum(dim=-1, keepdim=True)
+    empty = z == 0
+    z_safe = torch.where(empty, torch.ones_like(z), z)
+    lse = torch.where(empty, torch.full_like(z, float("-inf")), m + torch.log(z_safe))
+    return e / z_safe, lse.squeeze(-1)
+
+
+def attend_key_lists(q, k, v, key_pos, key_ok, scale: float):
+    """Attention of each query row over its own list of keys.
+
+    q: (B, Nq, Hq, D); k, v: (B, Nk, Hkv, D) (any strides); key_pos: long (B, Nq, Hq, K), the
+    key positions each (query, head) reads, with key_ok (same shape) False on padding slots.
+    GQA: query head h reads key/value head h // (Hq // Hkv). Scores, softmax and sums in
+    float32. Returns out (B, Nq, Hq, D) like q and lse float32 (B, Hq, Nq); a query with no
+    key gets 0 and -inf. Differentiable (a key listed twice gets both gradients)."""
+    B, Nq, Hq, D = q.shape
+    K = key_pos.shape[-1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    group = Hq // k.shape[2]
+    DECODE_STATS["calls"] += 1
+    DECODE_STATS["key_rows"] += key_pos.numel()
+    rows = B * Nq * Hq
+    b_idx = torch.arange(B, device=q.device).view(B, 1, 1).expand(B, Nq, Hq).reshape(rows, 1)
+    h_idx = (torch.arange(Hq, device=q.device) // group).view(1, 1, Hq).expand(B, Nq, Hq).reshape(rows, 1)
+    qf = q.reshape(rows, D)
+    ok = key_ok.reshape(rows, K)
+    # padding slots point at a key the row reads (its first), so whatever a padded position
+    # holds (NaN included) spreads nowhere: their scores become -inf, their weights 0
+    pos = key_pos.reshape(rows, K)
+    pos = torch.where(ok, pos, pos.gather(1, ok.int().argmax(dim=1, keepdim=True)))
+    nonempty = ok.any(dim=1, keepdim=True)
+    chunk = max(1, GATHER_BUDGET // max(1, K * D))
+    outs, lses = [], []
+    for s in range(0, rows, chunk):
+        e = min(rows, s + chunk)
+        kg = k[b_idx[s:e], pos[s:e], h_idx[s:e]].to(acc)                          # (R, K, D)
+        vg = v[b_idx[s:e], pos[s:e], h_idx[s:e]].to(acc)
+        scores = nonfinite_to_nan(torch.bmm(kg, qf[s:e].to(acc).unsqueeze(-1)).squeeze(-1) * scale)   # (R, K)
+        weights, lse = softmax_lse(scores.masked_fill(~ok[s:e], float("-inf")))
+        out = torch.bmm(weights.unsqueeze(1), vg).squeeze(1)
+        # a row with no key read its padding (any position): its output is 0 whatever that held
+        outs.append(torch.where(nonempty[s:e], out, torch.zeros((), dtype=acc, device=q.device)))
+        lses.append(lse)
+    out, lse = mark_nonfinite(torch.cat(outs) if len(outs) > 1 else outs[0],
+                              torch.cat(lses) if len(lses) > 1 else lses[0])
+    return out.reshape(B, Nq, Hq, D).to(q.dtype), lse.reshape(B, Nq, Hq).permute(0, 2, 1).float().contiguous()

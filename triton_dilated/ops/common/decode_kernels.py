@@ -1,0 +1,146 @@
+"""Shared pieces of the Triton decode kernels (few queries against a long cache, DESIGN §5b):
+the fold of a run of keys into one query's online softmax, the store of a program's result,
+the merge of the splits (flash-decoding) and the choice of the number of splits.
+
+A decode program owns one (batch row, query row, query head, split): it walks its share of
+the query's key list, a concatenation of runs (start, stride, count) that the variant's
+kernel computes from the query's position, with a float32 online softmax over a
+(BLOCK_N, BLOCK_D) tile of keys at a time (one query row: a broadcast product and a sum,
+no tl.dot). With one split the program writes the output and lse itself; with several it
+writes a float32 partial (acc, max, denominator) and `_decode_merge_kernel` combines them
+with the max-guarded log-sum-exp (exact when a split is empty). Splits let one token at
+batch 1 fill the GPU: the work per program is the key list / splits.
+
+NaN rule (DESIGN §6): padding slots and masked keys load as 0 and score -inf, so a NaN
+stored there never spreads; a NaN or Inf in a key or query the row reads makes its score
+NaN, one in a value its accumulator, and either makes the denominator, output and lse NaN.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .hardware import device_arch, get_arch, padded_head_dim
+from .kernels import LOG2E
+from .runtime import on_tensor_device
+
+MIN_KEYS_PER_SPLIT = 64
+MERGE_CHUNK: tl.constexpr = tl.constexpr(16)   # splits the merge kernel reads per step
+
+
+@triton.jit
+def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stride, t_lo, t_hi, d_ok, sm_scale,
+             BLOCK_N: tl.constexpr):
+    """Fold the keys start + stride*t, t in [t_lo, t_hi), into the running (acc (BLOCK_D,),
+    max, denominator) of one query q (BLOCK_D,), all float32. Scores are in natural units;
+    exp(s - m) is computed as exp2((s - m) * log2(e)). A max of -inf (nothing seen yet) is
+    replaced by 0 before it is subtracted: no -inf - -inf."""
+    for t0 in range(t_lo, t_hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        ok = t < t_hi
+        kpos = start + stride * t.to(tl.int64)   # int64: r * t may pass 2^31 on masked lanes
+        tile_ok = ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + kpos[:, None] * stride_kn, mask=tile_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_base + kpos[:, None] * stride_vn, mask=tile_ok, other=0.0).to(tl.float32)
+        # s + s * 0 turns a score of +-Inf (an infinite key or query) into NaN, which then
+        # reaches the denominator (a -inf score would read as "no key"); see store_result
+        s = tl.sum(k * q[None, :], 1)
+        s = tl.where(ok, (s + s * 0.0) * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2((s - m_safe) * LOG2E)
+        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def store_result(O, LSE, ACC, PART_M, PART_L, o_off, lse_off, part, acc, m_i, l_i, d, d_ok, NUM_SPLITS,
+                 HEAD_DIM: tl.constexpr):
+    """One split: the output (normalised, q's dtype) and lse = max + ln(denominator), -inf
+    for a query with no key. Several: the float32 partial at index `part` (int64) of the
+    (B, Nq, Hq, splits) partials. NaN rule (DESIGN §6): a non-finite value the program read
+    left acc non-finite (weight * Inf, 0 * Inf, NaN), which finite inputs never do; the
+    denominator is then made NaN too, so output and lse are NaN, also after the merge."""
+    l_i = l_i + tl.sum(acc * 0.0, 0)
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)
+        tl.store(O + o_off + d, out.to(O.dtype.element_ty), mask=d_ok)
+        tl.store(LSE + lse_off, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))))
+    else:
+        tl.store(ACC + part * HEAD_DIM + d, acc, mask=d_ok)
+        tl.store(PART_M + part, m_i)
+        tl.store(PART_L + part, l_i)
+
+
+@triton.jit
+def _decode_merge_kernel(ACC, PART_M, PART_L, O, LSE, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
+                         NUM_ROWS, NUM_HEADS, NUM_SPLITS,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (batch row, query row, query head): the splits' partials merged in
+    float32, MERGE_CHUNK splits at a time: out = sum_j e^(m_j - M) acc_j / sum_j e^(m_j - M) l_j
+    with M the largest m_j. Empty splits (m = -inf, l = 0) weigh 0; every split empty: 0
+    and lse = -inf."""
+    pid = tl.program_id(0)
+    h = pid % NUM_HEADS
+    row = (pid // NUM_HEADS) % NUM_ROWS
+    b = (pid // (NUM_HEADS * NUM_ROWS)).to(tl.int64)
+    base = pid.to(tl.int64) * NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    j = tl.arange(0, MERGE_CHUNK)
+    m_max = tl.full([], float("-inf"), tl.float32)
+    for j0 in range(0, NUM_SPLITS, MERGE_CHUNK):
+        m = tl.load(PART_M + base + j0 + j, mask=j0 + j < NUM_SPLITS, other=float("-inf"))
+        m_max = tl.maximum(m_max, tl.max(m, 0))
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    l_sum = tl.zeros([], tl.float32)
+    for j0 in range(0, NUM_SPLITS, MERGE_CHUNK):
+        ok = j0 + j < NUM_SPLITS
+        weight = tl.math.exp2((tl.load(PART_M + base + j0 + j, mask=ok, other=float("-inf")) - m_safe) * LOG2E)
+        l_sum += tl.sum(weight * tl.load(PART_L + base + j0 + j, mask=ok, other=0.0), 0)
+        part = tl.load(ACC + (base + j0 + j)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None] & d_ok[None, :],
+                       other=0.0)
+        acc += tl.sum(weight[:, None] * part, 0)
+    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
+    tl.store(O + b * stride_ob + row * stride_on + h.to(tl.int64) * stride_oh + d, out.to(O.dtype.element_ty),
+             mask=d_ok)
+    tl.store(LSE + b * stride_lb + h.to(tl.int64) * stride_lh + row,
+             tl.where(l_sum == 0.0, float("-inf"), m_safe + tl.log(tl.where(l_sum == 0.0, 1.0, l_sum))))
+
+
+def num_splits(device: torch.device, programs: int, max_keys: int) -> int:
+    """Splits per query so that programs * splits fills the GPU (at least twice its SM count),
+    each split keeping at least MIN_KEYS_PER_SPLIT keys of the longest list (max_keys)."""
+    sms = device_arch(device).sm_count if device.type == "cuda" else get_arch().sm_count
+    want = -(-2 * sms // max(1, programs))
+    return max(1, min(want, -(-max_keys // MIN_KEYS_PER_SPLIT)))
+
+
+def decode_buffers(q, splits: int):
+    """(out, lse, acc, part_m, part_l): the results and, for several splits, the float32
+    partials (B, Nq, Hq, splits[, D]); one split needs none (empty placeholders)."""
+    B, Nq, Hq, D = q.shape
+    out = torch.empty(B, Nq, Hq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    parts = (B, Nq, Hq, splits) if splits > 1 else (0,)
+    acc = torch.empty(*parts, *((D,) if splits > 1 else ()), dtype=torch.float32, device=q.device)
+    part_m = torch.empty(parts, dtype=torch.float32, device=q.device)
+    part_l = torch.empty(parts, dtype=torch.float32, device=q.device)
+    return out, lse, acc, part_m, part_l
+
+
+@on_tensor_device
+def merge_splits(out, lse, acc, part_m, part_l, splits: int, num_warps: int = 4):
+    """Combine the partials of decode_buffers into out and lse (nothing to do for one split)."""
+    if splits == 1:
+        return out, lse
+    B, Nq, Hq, D = out.shape
+    _decode_merge_kernel[(B * Nq * Hq,)](
+        acc, part_m, part_l, out, lse, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        Nq, Hq, splits, HEAD_DIM=D, BLOCK_D=padded_head_dim(D), num_warps=num_warps)
+    return out, lse

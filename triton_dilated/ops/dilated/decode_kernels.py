@@ -1,0 +1,133 @@
+"""Triton dilated decoding (few queries against a long cache, DESIGN §5b) and its launcher.
+
+One program per (batch row, query row, query head, split). From the query's position p it
+computes, per pattern (w, r) with the head's offset o, the run of keys the query reads
+(decode.py: s + o, s + o + r, ... inside the segment, up to p when causal, below the row's
+length), and so the key list: the runs one after another, about sum w/r keys whatever the
+context length. Split j walks the j-th equal share of that list; the splits merge in
+float32 (ops/common/decode_kernels.py). Bytes: each program reads its keys and values
+once; query heads of one GQA group sit in adjacent programs, so keys several of them read
+(every head reads the r = 1 pattern's) come from L2.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ...configs import select_config
+from ..common.decode_kernels import decode_buffers, fold_run, merge_splits, num_splits, store_result
+from ..common.hardware import padded_head_dim
+from ..common.runtime import on_tensor_device
+
+CONFIG_FAMILY = "dilated_fwd"   # tiles and warps: the forward's (no tuning entry of its own yet)
+
+
+@triton.jit
+def _pattern_run(p, length, w, r, o, CAUSAL: tl.constexpr):
+    """(start, count) of the keys start + r*t, t < count, that the query at p reads through
+    pattern (w, r) at offset o (-1: unused); count 0 when the query is inactive. All
+    operands of // and % are non-negative where the result is used."""
+    seg = (p // w) * w
+    seg_end = tl.minimum(seg + w, length)
+    active = (o >= 0) & ((p - seg) % r == o)
+    count = tl.maximum((seg_end - seg - o + r - 1) // r, 0)
+    if CAUSAL:   # an active query is key (p - s - o) / r of its own run
+        count = tl.minimum(count, (p - seg - o) // r + 1)
+    return seg + o, tl.where(active, count, 0)
+
+
+@triton.jit
+def _dilated_decode_kernel(
+        Q, K, V, O, LSE, ACC, PART_M, PART_L, LENS, PAT_W, PAT_R, PAT_OFF,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+        stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
+        NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
+        BLOCK_N: tl.constexpr):
+    # heads fastest: the query heads of a GQA group run side by side
+    pid = tl.program_id(0)
+    h = pid % NUM_HEADS
+    split = (pid // NUM_HEADS) % NUM_SPLITS
+    row = (pid // (NUM_HEADS * NUM_SPLITS)) % NUM_ROWS
+    b = (pid // (NUM_HEADS * NUM_SPLITS * NUM_ROWS)).to(tl.int64)
+    h64 = h.to(tl.int64)
+    kvh = (h // HEAD_GROUP).to(tl.int64)
+    length = tl.load(LENS + b)
+    p = length - NUM_ROWS + row
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + row * stride_qn + h64 * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
+    k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
+    v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
+
+    total = 0   # the length of the key list
+    for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
+        start, count = _pattern_run(p, length, tl.load(PAT_W + i), tl.load(PAT_R + i),
+                                    tl.load(PAT_OFF + h * NUM_PATTERNS + i), CAUSAL)
+        total += count
+    per_split = tl.cdiv(total, NUM_SPLITS)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, total)
+
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    first = 0   # index in the key list of the current run's first key
+    for i in range(NUM_PATTERNS):
+        r = tl.load(PAT_R + i)
+        start, count = _pattern_run(p, length, tl.load(PAT_W + i), r, tl.load(PAT_OFF + h * NUM_PATTERNS + i),
+                                    CAUSAL)
+        # this split's part of the run: keys t in [lo - first, hi - first) of it
+        t_lo = tl.maximum(lo - first, 0)
+        t_hi = tl.minimum(hi - first, count)
+        acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, r, t_lo, t_hi,
+                                 d_ok, sm_scale, BLOCK_N)
+        first += count
+    part = ((b * NUM_ROWS + row) * NUM_HEADS + h64) * NUM_SPLITS + split
+    store_result(O, LSE, ACC, PART_M, PART_L, b * stride_ob + row * stride_on + h64 * stride_oh,
+                 b * stride_lb + h64 * stride_lh + row, part, acc, m_i, l_i, d, d_ok, NUM_SPLITS, HEAD_DIM)
+
+
+def longest_key_list(patterns, table, max_length: int) -> int:
+    """An upper bound on any query's key list: per head, the sum of its patterns' longest runs
+    ceil(min(w, max_length) / r); the maximum over heads."""
+    longest = 0
+    for row in table:
+        longest = max(longest, sum(-(-min(w, max_length) // r) for (w, r), o in zip(patterns, row) if o >= 0))
+    return longest
+
+
+@functools.lru_cache(maxsize=64)
+def _pattern_tables(patterns, table, device):
+    """PAT_W, PAT_R (int32 (m,)) and PAT_OFF (int32 (Hq * m,)) on the device, cached."""
+    as_dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    return as_dev([w for w, _ in patterns]), as_dev([r for _, r in patterns]), as_dev(table).reshape(-1)
+
+
+@on_tensor_device
+def dilated_decode_forward(q, k, v, patterns, table, lengths, *, causal, scale, max_length=None, splits=None,
+                           config=None):
+    """Dilated attention of q (B, Nq, Hq, D), the last Nq positions of each row's lengths[b]
+    (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D). Returns (out like
+    q, lse float32 (B, Hq, Nq)). `splits`: the number of splits per query (default:
+    common.decode_kernels.num_splits); `max_length`: max(lengths) if known (else Nk)."""
+    B, Nq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    block_d = padded_head_dim(D)
+    cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, k.shape[1], q.device)
+    longest = longest_key_list(patterns, table, max_length or k.shape[1])
+    splits = splits or num_splits(q.device, B * Nq * Hq, longest)
+    out, lse, acc, part_m, part_l = decode_buffers(q, splits)
+    pat_w, pat_r, pat_off = _pattern_tables(patterns, table, q.device)
+    _dilated_decode_kernel[(B * Nq * Hq * splits,)](
+        q, k, v, out, lse, acc, part_m, part_l, lengths, pat_w, pat_r, pat_off,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        Nq, Hq, Hq // Hkv, splits, scale,
+        HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+    return merge_splits(out, lse, acc, part_m, part_l, splits, num_warps=cfg.get("num_warps", 4))
