@@ -205,8 +205,9 @@ def _block_sparse_bwd_dkdv_kernel(
                              other=0.0)                                                   # [BLOCK_M, BLOCK_D]
                 dot_ = tl.load(do_base + qrows64[:, None] * stride_don + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
                                other=0.0)                                                 # [BLOCK_M, BLOCK_D]
-                row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats + qrows, q_ok)
-                delta = tl.load(DELTA + stats + qrows, mask=q_ok, other=0.0)
+                rows_st = stats + qrows   # into ROW_MAX, ROW_SUM, DELTA; one sum: no new spill on sm90
+                row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, rows_st, q_ok)
+                delta = tl.load(DELTA + rows_st, mask=q_ok, other=0.0)
                 if needs_mask:
                     mask = keys[None, :] <= qrows[:, None]                                # [BLOCK_M, BLOCK_N]
                     p, ds = softmax_grad_block(qt, k, v, dot_, row_max, row_log2l, delta, sm_scale, mask, True,
