@@ -21,26 +21,27 @@ import triton.language as tl
 
 from ...configs import select_config
 from ..common.hardware import padded_head_dim
-from ..common.kernels import dot, finalize, load_key_block, load_row_stats, online_softmax_step, softmax_grad_block
+from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
+                              program_tile, softmax_grad_block)
 from ..common.lse import softmax_delta
-from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device
+from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
 
+
+# Q, K, V and dO may come with any strides (unit stride on the head dim): their (batch,
+# sequence, head) strides are arguments. O, dQ, dK, dV (B, N, heads, HEAD_DIM) and the row
+# statistics ROW_MAX, ROW_SUM, DELTA (B, HQ, N) are contiguous and indexed from their shapes.
+# The block lists COUNT (LB, LH, rows) and INDEX (LB, LH, rows, WIDTH) are contiguous but for
+# their batch and head strides, 0 where one layout serves every batch or head.
 
 @triton.jit
 def _block_sparse_fwd_kernel(
         Q, K, V, O, ROW_MAX, ROW_SUM, KV_COUNT, KV_INDEX,
-        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-        stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-        stride_cb, stride_ch, stride_ib, stride_ih, stride_ir,
-        N, NUM_HEADS, HEAD_GROUP, sm_scale,
+        stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        N, HQ, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    # one flat grid axis, tiles of a head adjacent (a second axis caps batch x heads at 65,535)
-    n_tiles = tl.cdiv(N, BLOCK_M)
-    tile = tl.program_id(0) % n_tiles
-    bh = (tl.program_id(0) // n_tiles).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
-    b = bh // NUM_HEADS
-    h = bh % NUM_HEADS
+    tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
@@ -48,13 +49,16 @@ def _block_sparse_fwd_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     rows64 = rows.to(tl.int64)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + kvh * stride_kh
+    V += b * stride_vb + kvh * stride_vh
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
-    v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
+    q = tl.load(Q + rows64[:, None] * stride_qn + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)                                                               # [BLOCK_M, BLOCK_D]
+    k_base = K + d[None, :]
+    v_base = V + d[None, :]
     count = tl.load(KV_COUNT + b * stride_cb + h * stride_ch + qblock)
-    index_base = KV_INDEX + b * stride_ib + h * stride_ih + qblock.to(tl.int64) * stride_ir
+    index_base = KV_INDEX + b * stride_ib + h * stride_ih + qblock.to(tl.int64) * WIDTH   # this query block's list
     last_row = tl.minimum(tile * BLOCK_M + BLOCK_M, N) - 1
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -80,29 +84,26 @@ def _block_sparse_fwd_kernel(
                                             d_ok, CAUSAL, False, BLOCK_N)
                 acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, False, DOT_FP32,
                                                     PRECISION)
-    out = finalize(acc, m_i, l_i)
-    tl.store(O + b * stride_ob + h * stride_oh + rows64[:, None] * stride_on + d[None, :],
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(ROW_MAX + b * stride_lb + h * stride_lh + rows, m_i, mask=row_ok)
-    tl.store(ROW_SUM + b * stride_lb + h * stride_lh + rows, l_i, mask=row_ok)
+    out = finalize(acc, m_i, l_i)                                                        # [BLOCK_M, BLOCK_D]
+    O += (b * N * HQ + h) * HEAD_DIM
+    tl.store(O + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    ROW_MAX += b * N * HQ + h * N
+    ROW_SUM += b * N * HQ + h * N
+    tl.store(ROW_MAX + rows, m_i, mask=row_ok)
+    tl.store(ROW_SUM + rows, l_i, mask=row_ok)
 
 
 @triton.jit
 def _block_sparse_bwd_dq_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, KV_COUNT, KV_INDEX,
-        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-        stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
-        stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
-        stride_cb, stride_ch, stride_ib, stride_ih, stride_ir,
-        N, NUM_HEADS, HEAD_GROUP, sm_scale,
+        stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_don, stride_doh,
+        N, HQ, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    # one flat grid axis, tiles of a head adjacent (a second axis caps batch x heads at 65,535)
-    n_tiles = tl.cdiv(N, BLOCK_M)
-    tile = tl.program_id(0) % n_tiles
-    bh = (tl.program_id(0) // n_tiles).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
-    b = bh // NUM_HEADS
-    h = bh % NUM_HEADS
+    tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
@@ -110,16 +111,21 @@ def _block_sparse_bwd_dq_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     rows64 = rows.to(tl.int64)
-    tile_mask = row_ok[:, None] & d_ok[None, :]
+    tile_mask = row_ok[:, None] & d_ok[None, :]                                              # [BLOCK_M, BLOCK_D]
+    Q += b * stride_qb + h * stride_qh
+    DO += b * stride_dob + h * stride_doh
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_don + d[None, :], mask=tile_mask, other=0.0)
-    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, b * stride_lb + h * stride_lh + rows, row_ok)
-    delta = tl.load(DELTA + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=0.0)
-    k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
-    v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
+    q = tl.load(Q + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)       # [BLOCK_M, BLOCK_D]
+    do = tl.load(DO + rows64[:, None] * stride_don + d[None, :], mask=tile_mask, other=0.0)   # [BLOCK_M, BLOCK_D]
+    stats = (b * HQ + h) * N   # the head's rows of ROW_MAX, ROW_SUM, DELTA
+    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats + rows, row_ok)              # [BLOCK_M]
+    delta = tl.load(DELTA + stats + rows, mask=row_ok, other=0.0)                            # [BLOCK_M]
+    K += b * stride_kb + kvh * stride_kh
+    V += b * stride_vb + kvh * stride_vh
+    k_base = K + d[None, :]
+    v_base = V + d[None, :]
     count = tl.load(KV_COUNT + b * stride_cb + h * stride_ch + qblock)
-    index_base = KV_INDEX + b * stride_ib + h * stride_ih + qblock.to(tl.int64) * stride_ir
+    index_base = KV_INDEX + b * stride_ib + h * stride_ih + qblock.to(tl.int64) * WIDTH   # this query block's list
     last_row = tl.minimum(tile * BLOCK_M + BLOCK_M, N) - 1
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -137,34 +143,29 @@ def _block_sparse_bwd_dq_kernel(
                 k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
                                             d_ok, CAUSAL, True, BLOCK_N)
                 p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, True,
-                                           DOT_FP32, PRECISION)
+                                           DOT_FP32, PRECISION)                          # [BLOCK_M, BLOCK_N]
             else:
                 k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
                                             d_ok, CAUSAL, False, BLOCK_N)
                 p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, False,
                                            DOT_FP32, PRECISION)
             dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqn + d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=tile_mask)
+    DQ += bnhd_offset(b, h, N, HQ, HEAD_DIM)
+    tl.store(DQ + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=tile_mask)
 
 
 @triton.jit
 def _block_sparse_bwd_dkdv_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DK, DV, Q_COUNT, Q_INDEX,
-        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-        stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
-        stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh,
-        stride_cb, stride_ch, stride_ib, stride_ih, stride_ir,
-        N, NUM_HEADS, NUM_KV_HEADS, HEAD_GROUP, sm_scale,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_don, stride_doh,
+        stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
+        N, HKV, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     # this program: BLOCK_N keys of one key/value head; walks BLOCK_M query sub-tiles
-    # one flat grid axis, tiles of a head adjacent (a second axis caps batch x heads at 65,535)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    tile = tl.program_id(0) % n_tiles
-    bh = (tl.program_id(0) // n_tiles).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
-    b = bh // NUM_KV_HEADS
-    kvh = bh % NUM_KV_HEADS
+    tile, b, kvh = program_tile(tl.cdiv(N, BLOCK_N), HKV)
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     key_ok = keys < N
     kblock = (tile * BLOCK_N) // BLOCK_SIZE
@@ -172,18 +173,20 @@ def _block_sparse_bwd_dkdv_kernel(
     d_ok = d < HEAD_DIM
     m_off = tl.arange(0, BLOCK_M)
     keys64 = keys.to(tl.int64)
-    tile_mask = key_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + b * stride_kb + kvh * stride_kh + keys64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + kvh * stride_vh + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)
+    tile_mask = key_ok[:, None] & d_ok[None, :]                                           # [BLOCK_N, BLOCK_D]
+    K += b * stride_kb + kvh * stride_kh
+    V += b * stride_vb + kvh * stride_vh
+    k = tl.load(K + keys64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)    # [BLOCK_N, BLOCK_D]
+    v = tl.load(V + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)    # [BLOCK_N, BLOCK_D]
     first_key = tile * BLOCK_N
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    stats = (b * HKV + kvh) * HEAD_GROUP * N   # head h's rows of ROW_MAX, ROW_SUM, DELTA (B, HQ, N)
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
-        q_base = Q + b * stride_qb + h * stride_qh + d[None, :]
-        do_base = DO + b * stride_dob + h * stride_doh + d[None, :]
-        stats = b * stride_lb + h * stride_lh
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
         count = tl.load(Q_COUNT + b * stride_cb + h * stride_ch + kblock)
-        index_base = Q_INDEX + b * stride_ib + h * stride_ih + kblock.to(tl.int64) * stride_ir
+        index_base = Q_INDEX + b * stride_ib + h * stride_ih + kblock.to(tl.int64) * WIDTH   # this key block's list
         for j in range(0, count):
             qblock = tl.load(index_base + j)
             start = qblock * BLOCK_SIZE
@@ -195,15 +198,18 @@ def _block_sparse_bwd_dkdv_kernel(
             if CAUSAL:
                 needs_mask = qblock * BLOCK_SIZE < first_key + BLOCK_N
             for m0 in range(start, end, BLOCK_M):
-                qrows = m0 + m_off
+                qrows = m0 + m_off                                                        # [BLOCK_M]
                 q_ok = qrows < end
                 qrows64 = qrows.to(tl.int64)
-                qt = tl.load(q_base + qrows64[:, None] * stride_qn, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
-                dot_ = tl.load(do_base + qrows64[:, None] * stride_don, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
-                row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats + qrows, q_ok)
-                delta = tl.load(DELTA + stats + qrows, mask=q_ok, other=0.0)
+                qt = tl.load(q_base + qrows64[:, None] * stride_qn + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
+                             other=0.0)                                                   # [BLOCK_M, BLOCK_D]
+                dot_ = tl.load(do_base + qrows64[:, None] * stride_don + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
+                               other=0.0)                                                 # [BLOCK_M, BLOCK_D]
+                rows_st = stats + qrows   # into ROW_MAX, ROW_SUM, DELTA; one sum: no new spill on sm90
+                row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, rows_st, q_ok)
+                delta = tl.load(DELTA + rows_st, mask=q_ok, other=0.0)
                 if needs_mask:
-                    mask = keys[None, :] <= qrows[:, None]
+                    mask = keys[None, :] <= qrows[:, None]                                # [BLOCK_M, BLOCK_N]
                     p, ds = softmax_grad_block(qt, k, v, dot_, row_max, row_log2l, delta, sm_scale, mask, True,
                                                DOT_FP32, PRECISION)
                 else:
@@ -211,19 +217,29 @@ def _block_sparse_bwd_dkdv_kernel(
                                                False, DOT_FP32, PRECISION)
                 dv += dot(tl.trans(p.to(dot_.dtype)), dot_, DOT_FP32, PRECISION)
                 dk += dot(tl.trans(ds.to(qt.dtype)), qt, DOT_FP32, PRECISION)
-    tl.store(DK + b * stride_dkb + kvh * stride_dkh + keys64[:, None] * stride_dkn + d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=tile_mask)
-    tl.store(DV + b * stride_dvb + kvh * stride_dvh + keys64[:, None] * stride_dvn + d[None, :],
-             dv.to(DV.dtype.element_ty), mask=tile_mask)
+        stats += N   # the next head's rows
+    DK += (b * N * HKV + kvh) * HEAD_DIM
+    DV += (b * N * HKV + kvh) * HEAD_DIM
+    tl.store(DK + keys64[:, None] * (HKV * HEAD_DIM) + d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+             mask=tile_mask)
+    tl.store(DV + keys64[:, None] * (HKV * HEAD_DIM) + d[None, :], dv.to(DV.dtype.element_ty), mask=tile_mask)
 
 
 # ----------------------------------------------------------------------------- launchers
 
-def _layout_args(counts, indices, B, H):
-    """Broadcast (B|1, H|1, ...) lists to (B, H, ...) by zero strides."""
-    c = counts.expand(B, H, counts.shape[2])
+def _strides(**tensors):
+    """stride_<name>b, stride_<name>n, stride_<name>h of (B, N, H, D) tensors, as kernel keywords."""
+    return {f"stride_{name}{axis}": t.stride(i) for name, t in tensors.items() for i, axis in enumerate("bnh")}
+
+
+def _block_lists(counts, indices, B, H):
+    """(COUNT, INDEX, their keywords) for block lists (B|1, H|1, rows[, width]): one layout
+    for every batch or head is read through a zero stride (expand)."""
+    counts, indices = counts.contiguous(), indices.contiguous()
+    c = counts.expand(B, H, *counts.shape[2:])
     i = indices.expand(B, H, *indices.shape[2:])
-    return c, i, (c.stride(0), c.stride(1), i.stride(0), i.stride(1), i.stride(2))
+    return counts, indices, dict(stride_cb=c.stride(0), stride_ch=c.stride(1), stride_ib=i.stride(0),
+                                 stride_ih=i.stride(1), WIDTH=indices.shape[3])
 
 
 def _tiles(cfg, block_size):
@@ -241,14 +257,11 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
     out = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
     row_max = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     row_sum = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
-    counts, index, lay_strides = _layout_args(layout.kv_num_blocks, layout.kv_indices, B, Hq)
+    counts, index, lists = _block_lists(layout.kv_num_blocks, layout.kv_indices, B, Hq)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     _block_sparse_fwd_kernel[(triton.cdiv(N, bm) * B * Hq,)](
-        q, k, v, out, row_max, row_sum, counts, index,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        row_max.stride(0), row_max.stride(1), *lay_strides,
-        N, Hq, Hq // Hkv, scale,
+        Q=q, K=k, V=v, O=out, ROW_MAX=row_max, ROW_SUM=row_sum, KV_COUNT=counts, KV_INDEX=index,
+        **_strides(q=q, k=k, v=v), **lists, N=N, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
         DOT_FP32=dot_fp32, PRECISION=precision, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return out, row_max, row_sum
@@ -261,26 +274,23 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
     block_d = padded_head_dim(D)
     cfg = config or select_config("block_sparse_bwd", q.dtype, block_d, N, q.device)
     bm, bn = _tiles(cfg, layout.block_size)
+    for name, t in (("row_max", row_max), ("row_sum", row_sum)):
+        require_contiguous("block_sparse_backward", name, t, (B, Hq, N))
     do = last_dim_contiguous(do)
     delta = softmax_delta(do, out, dlse)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
-    common = dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
+    common = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
+                  **_strides(q=q, k=k, v=v, do=do), N=N, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
+                  HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
                   DOT_FP32=dot_fp32, PRECISION=precision, num_warps=cfg.get("num_warps", 4),
                   num_stages=cfg.get("num_stages", 2))
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     dq = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
-    counts, index, lay_strides = _layout_args(layout.kv_num_blocks, layout.kv_indices, B, Hq)
+    counts, index, lists = _block_lists(layout.kv_num_blocks, layout.kv_indices, B, Hq)
     _block_sparse_bwd_dq_kernel[(triton.cdiv(N, bm) * B * Hq,)](
-        q, k, v, do, row_max, row_sum, delta, dq, counts, index, *strides,
-        dq.stride(0), dq.stride(1), dq.stride(2), row_max.stride(0), row_max.stride(1), *lay_strides,
-        N, Hq, Hq // Hkv, scale, **common)
+        **common, DQ=dq, KV_COUNT=counts, KV_INDEX=index, **lists, HQ=Hq)
     dk = torch.empty(B, N, Hkv, D, dtype=k.dtype, device=q.device)
     dv = torch.empty(B, N, Hkv, D, dtype=v.dtype, device=q.device)
-    counts, index, lay_strides = _layout_args(layout.q_num_blocks, layout.q_indices, B, Hq)
+    counts, index, lists = _block_lists(layout.q_num_blocks, layout.q_indices, B, Hq)
     _block_sparse_bwd_dkdv_kernel[(triton.cdiv(N, bn) * B * Hkv,)](
-        q, k, v, do, row_max, row_sum, delta, dk, dv, counts, index, *strides,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        row_max.stride(0), row_max.stride(1), *lay_strides,
-        N, Hq, Hkv, Hq // Hkv, scale, **common)
+        **common, DK=dk, DV=dv, Q_COUNT=counts, Q_INDEX=index, **lists, HKV=Hkv)
     return dq, dk, dv

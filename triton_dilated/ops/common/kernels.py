@@ -22,6 +22,27 @@ def is_interpreted() -> bool:
 
 
 @triton.jit
+def program_tile(n_tiles, num_heads):
+    """(tile, b, h) of this program. The grid is one flat axis of B * num_heads * n_tiles
+    programs, the tiles of one (batch, head) adjacent: a second grid axis would cap batch x
+    heads at 65,535. b and h are int64 (b * batch-stride and h * head-stride can pass
+    2^31); num_heads = 1 gives (tile, b, 0)."""
+    pid = tl.program_id(0)
+    tile = pid % n_tiles
+    bh = (pid // n_tiles).to(tl.int64)
+    return tile, bh // num_heads, bh % num_heads
+
+
+@triton.jit
+def bnhd_offset(b, h, N, H, D: tl.constexpr):
+    """int64 offset of (batch b, head h) in a contiguous (B, N, H, D) tensor; row n is a
+    further n * H * D."""
+    # N zero-extended (a length, so the same value): the backward kernels also widen N for
+    # their row statistics, and sharing that widened N kept it live across the main loop
+    return b * N.to(tl.uint32).to(tl.int64) * (H * D) + h * D
+
+
+@triton.jit
 def dot(a, b, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     # DOT_FP32: the interpreter computes bf16 tl.dot wrongly, so it multiplies in float32.
     if DOT_FP32:

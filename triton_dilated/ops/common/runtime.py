@@ -117,6 +117,14 @@ def last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def require_contiguous(launcher: str, name: str, t, shape):
+    """The kernels index the buffers a launcher allocates (out, gradients, row statistics)
+    from their shapes; one passed in by a caller must be contiguous and of that shape."""
+    if tuple(t.shape) != tuple(shape) or not t.is_contiguous():
+        raise ValueError(f"{launcher}: {name} must be a contiguous tensor of shape {tuple(shape)} (the kernels index "
+                         f"it from its shape), got shape {tuple(t.shape)} with strides {t.stride()}")
+
+
 def empty_result(q, k, v, return_lse: bool):
     """The result for an empty batch or sequence: empty out (and lse), still connected to
     q, k and v so that backward runs."""

@@ -42,36 +42,36 @@ import triton.language as tl
 
 from ...configs import select_config
 from ..common.hardware import padded_head_dim
-from ..common.kernels import dot, finalize, load_key_block, load_row_stats, online_softmax_step, softmax_grad_block
+from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
+                              program_tile, softmax_grad_block)
 from ..common.lse import softmax_delta
-from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device
+from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
 from .plan import build_items, key_unit_triples, query_unit_triples
 
 
 # ----------------------------------------------------------------------------- kernels
+#
+# Q, K, V and dO may come with any strides (unit stride on the head dim): their (batch,
+# sequence, head) strides are arguments. O, dQ, dK, dV (B, N, heads, HEAD_DIM) and the row
+# statistics ROW_MAX, ROW_SUM, DELTA (B, HQ, N) are contiguous (the launchers allocate them)
+# and are indexed from their shapes.
 
 @triton.jit
-def _key_range(first_row, last_row, seg, seg_end, r, o, uniform_active, CAUSAL: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """For a query tile: keys s + o + r*t, t < key_end (causal: up to the last row);
-    t < full_end need no element mask (multiple of BLOCK_N)."""
-    n_keys = tl.maximum((seg_end - seg - o + r - 1) // r, 0)
-    key_end = n_keys
-    full_end = n_keys
-    if CAUSAL:
-        key_end = tl.minimum(n_keys, tl.maximum((last_row - seg - o) // r + 1, 0))
-        full_end = tl.minimum(n_keys, tl.maximum((first_row - seg - o) // r + 1, 0))
-    full_end = tl.where(uniform_active, (full_end // BLOCK_N) * BLOCK_N, 0)
-    return key_end, full_end
-
-
-@triton.jit
-def _load_item(ITEMS, item):
-    """Work item: first row, chunk end, unit (head), tile stride, document [start, end)."""
+def _item_tile(ITEMS, NUM_ITEMS, HEAD_GROUP, BLOCK: tl.constexpr):
+    """This program's tile: the work item (first row, chunk end, unit = head, tile stride T,
+    document [start, end)) of its flat-grid slot and its rows first + T*u, u < BLOCK.
+    Returns b, head and its key/value head (int64: head * head-stride overflows int32 for
+    long strided inputs), T, doc_start, doc_end, first, rows [BLOCK], rows_ok [BLOCK] and
+    last (the last row in the chunk)."""
+    item, b, _ = program_tile(NUM_ITEMS, 1)
     base = ITEMS + item * 6
-    # the head is int64: head * head-stride overflows int32 for long strided inputs
-    return (tl.load(base), tl.load(base + 1), tl.load(base + 2).to(tl.int64), tl.load(base + 3), tl.load(base + 4),
-            tl.load(base + 5))
+    first, chunk_end, head, T = tl.load(base), tl.load(base + 1), tl.load(base + 2).to(tl.int64), tl.load(base + 3)
+    doc_start, doc_end = tl.load(base + 4), tl.load(base + 5)
+    kv_head = head // HEAD_GROUP
+    rows = first + T * tl.arange(0, BLOCK)
+    rows_ok = rows < chunk_end
+    last = first + T * (tl.minimum(BLOCK, (chunk_end - first + T - 1) // T) - 1)
+    return b, head, kv_head, T, doc_start, doc_end, first, rows, rows_ok, last
 
 
 @triton.jit
@@ -83,28 +83,47 @@ def _segment(first_row, w, doc_start, doc_end):
 
 
 @triton.jit
+def _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row, rows, row_ok, T, doc_start, doc_end,
+                  CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pattern i, at offset o >= 0 for this head, seen from a query tile: its keys are
+    key0 + r*t for t < key_end (causal: up to the tile's last row), and t < full_end (a
+    multiple of BLOCK_N) need no element mask. Returns key0, r, key_end, full_end and
+    row_active [BLOCK_M], the tile's rows the pattern selects."""
+    w = tl.load(PAT_W + i)
+    r = tl.load(PAT_R + i)
+    seg, seg_end = _segment(first_row, w, doc_start, doc_end)
+    row_active = row_ok & ((rows - seg) % r == o)
+    # T % r == 0: every row has the residue of the first row (all on or all off)
+    uniform_active = ((T % r) == 0) & ((first_row - seg) % r == o)
+    uniform_idle = ((T % r) == 0) & ((first_row - seg) % r != o)
+    n_keys = tl.maximum((seg_end - seg - o + r - 1) // r, 0)
+    key_end = n_keys
+    full_end = n_keys
+    if CAUSAL:
+        key_end = tl.minimum(n_keys, tl.maximum((last_row - seg - o) // r + 1, 0))
+        full_end = tl.minimum(n_keys, tl.maximum((first_row - seg - o) // r + 1, 0))
+    full_end = tl.where(uniform_active, (full_end // BLOCK_N) * BLOCK_N, 0)
+    key_end = tl.where(uniform_idle, 0, key_end)
+    return seg + o, r, key_end, full_end, row_active
+
+
+@triton.jit
 def _dilated_fwd_kernel(
         Q, K, V, O, ROW_MAX, ROW_SUM, ITEMS, PAT_W, PAT_R, PAT_OFF,
-        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-        stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-        NUM_ITEMS, HEAD_GROUP, sm_scale,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    item = tl.program_id(0) % NUM_ITEMS   # one flat grid axis over (batch, item): a second caps at 65,535
-    b = (tl.program_id(0) // NUM_ITEMS).to(tl.int64)
-    first_row, chunk_end, h, T, doc_start, doc_end = _load_item(ITEMS, item)
-    kvh = h // HEAD_GROUP
+    b, h, kvh, T, doc_start, doc_end, first_row, rows, row_ok, last_row = _item_tile(ITEMS, NUM_ITEMS, HEAD_GROUP,
+                                                                                    BLOCK_M)
+    Q += b * stride_qb + h * stride_qh
 
-    u = tl.arange(0, BLOCK_M)
-    rows = first_row + T * u
-    row_ok = rows < chunk_end
-    last_row = first_row + T * (tl.minimum(BLOCK_M, (chunk_end - first_row + T - 1) // T) - 1)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_qn + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
+    rows64 = rows.to(tl.int64)
+    tile_mask = row_ok[:, None] & d_ok[None, :]                                          # [BLOCK_M, BLOCK_D]
+    q = tl.load(Q + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)   # [BLOCK_M, BLOCK_D]
+    k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]   # [1, BLOCK_D]: row 0 of this head's keys
     v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -113,62 +132,50 @@ def _dilated_fwd_kernel(
     for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
         o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
         if o >= 0:
-            w = tl.load(PAT_W + i)
-            r = tl.load(PAT_R + i)
-            seg, seg_end = _segment(first_row, w, doc_start, doc_end)
-            row_active = row_ok & ((rows - seg) % r == o)
-            # T % r == 0: every row has the residue of the first row (all on or all off)
-            uniform_active = ((T % r) == 0) & ((first_row - seg) % r == o)
-            uniform_idle = ((T % r) == 0) & ((first_row - seg) % r != o)
-            key_end, full_end = _key_range(first_row, last_row, seg, seg_end, r, o, uniform_active,
-                                           CAUSAL, BLOCK_N)
-            key_end = tl.where(uniform_idle, 0, key_end)
-            key0 = seg + o
+            key0, r, key_end, full_end, row_active = _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row, rows,
+                                                                   row_ok, T, doc_start, doc_end, CAUSAL, BLOCK_N)
             for t0 in range(0, full_end, BLOCK_N):
-                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, rows, row_ok,
-                                        d_ok, CAUSAL, False, BLOCK_N)
+                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
+                                            key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
                 acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
                                                     False, DOT_FP32, PRECISION)
             for t0 in range(full_end, key_end, BLOCK_N):
-                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, rows, row_active,
-                                        d_ok, CAUSAL, True, BLOCK_N)
+                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
+                                            key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
                 acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
                                                     True, DOT_FP32, PRECISION)
-    out = finalize(acc, m_i, l_i)
-    tl.store(O + b * stride_ob + h * stride_oh + rows.to(tl.int64)[:, None] * stride_on + d[None, :],
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    out = finalize(acc, m_i, l_i)                                                        # [BLOCK_M, BLOCK_D]
+    O += (b * N * HQ + h) * HEAD_DIM
+    tl.store(O + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], out.to(O.dtype.element_ty), mask=tile_mask)
     # row statistics (max score, denominator); lse = max + ln(denominator)
-    tl.store(ROW_MAX + b * stride_lb + h * stride_lh + rows, m_i, mask=row_ok)
-    tl.store(ROW_SUM + b * stride_lb + h * stride_lh + rows, l_i, mask=row_ok)
+    ROW_MAX += b * N * HQ + h * N
+    ROW_SUM += b * N * HQ + h * N
+    tl.store(ROW_MAX + rows, m_i, mask=row_ok)
+    tl.store(ROW_SUM + rows, l_i, mask=row_ok)
 
 
 @triton.jit
 def _dilated_bwd_dq_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, ITEMS, PAT_W, PAT_R, PAT_OFF,
-        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-        stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
-        stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
-        NUM_ITEMS, HEAD_GROUP, sm_scale,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_don, stride_doh,
+        N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    item = tl.program_id(0) % NUM_ITEMS   # one flat grid axis over (batch, item): a second caps at 65,535
-    b = (tl.program_id(0) // NUM_ITEMS).to(tl.int64)
-    first_row, chunk_end, h, T, doc_start, doc_end = _load_item(ITEMS, item)
-    kvh = h // HEAD_GROUP
+    b, h, kvh, T, doc_start, doc_end, first_row, rows, row_ok, last_row = _item_tile(ITEMS, NUM_ITEMS, HEAD_GROUP,
+                                                                                    BLOCK_M)
+    Q += b * stride_qb + h * stride_qh
+    DO += b * stride_dob + h * stride_doh
 
-    u = tl.arange(0, BLOCK_M)
-    rows = first_row + T * u
-    row_ok = rows < chunk_end
-    last_row = first_row + T * (tl.minimum(BLOCK_M, (chunk_end - first_row + T - 1) // T) - 1)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     rows64 = rows.to(tl.int64)
-    tile_mask = row_ok[:, None] & d_ok[None, :]
-
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_don + d[None, :], mask=tile_mask, other=0.0)
-    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, b * stride_lb + h * stride_lh + rows, row_ok)
-    delta = tl.load(DELTA + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=0.0)
+    tile_mask = row_ok[:, None] & d_ok[None, :]                                              # [BLOCK_M, BLOCK_D]
+    q = tl.load(Q + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)       # [BLOCK_M, BLOCK_D]
+    do = tl.load(DO + rows64[:, None] * stride_don + d[None, :], mask=tile_mask, other=0.0)   # [BLOCK_M, BLOCK_D]
+    stats = (b * HQ + h) * N   # the head's rows of ROW_MAX, ROW_SUM, DELTA
+    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats + rows, row_ok)              # [BLOCK_M]
+    delta = tl.load(DELTA + stats + rows, mask=row_ok, other=0.0)                            # [BLOCK_M]
     k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
 
@@ -176,64 +183,51 @@ def _dilated_bwd_dq_kernel(
     for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
         o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
         if o >= 0:
-            w = tl.load(PAT_W + i)
-            r = tl.load(PAT_R + i)
-            seg, seg_end = _segment(first_row, w, doc_start, doc_end)
-            row_active = row_ok & ((rows - seg) % r == o)
-            uniform_active = ((T % r) == 0) & ((first_row - seg) % r == o)
-            uniform_idle = ((T % r) == 0) & ((first_row - seg) % r != o)
-            key_end, full_end = _key_range(first_row, last_row, seg, seg_end, r, o, uniform_active,
-                                           CAUSAL, BLOCK_N)
-            key_end = tl.where(uniform_idle, 0, key_end)
-            key0 = seg + o
+            key0, r, key_end, full_end, row_active = _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row, rows,
+                                                                   row_ok, T, doc_start, doc_end, CAUSAL, BLOCK_N)
             for t0 in range(0, full_end, BLOCK_N):
-                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, rows, row_ok,
-                                        d_ok, CAUSAL, False, BLOCK_N)
+                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
+                                            key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
                 p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
-                                           False, DOT_FP32, PRECISION)
+                                           False, DOT_FP32, PRECISION)                   # [BLOCK_M, BLOCK_N]
                 dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
             for t0 in range(full_end, key_end, BLOCK_N):
-                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, rows, row_active,
-                                        d_ok, CAUSAL, True, BLOCK_N)
+                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
+                                            key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
                 p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
                                            True, DOT_FP32, PRECISION)
                 dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqn + d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=tile_mask)
+    DQ += b * N * (HQ * HEAD_DIM) + h * HEAD_DIM
+    tl.store(DQ + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=tile_mask)
 
 
 @triton.jit
 def _dilated_bwd_dkdv_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DK, DV, ITEMS, PAT_W, PAT_R, PAT_OFF,
-        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-        stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
-        stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh,
-        NUM_ITEMS, HEAD_GROUP, sm_scale,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_don, stride_doh,
+        N, HKV, NUM_ITEMS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     # BLOCK_N: the key tile this program owns; BLOCK_M: the query blocks it walks.
-    item = tl.program_id(0) % NUM_ITEMS   # one flat grid axis over (batch, item): a second caps at 65,535
-    b = (tl.program_id(0) // NUM_ITEMS).to(tl.int64)
-    first_key, chunk_end, kvh, T, doc_start, doc_end = _load_item(ITEMS, item)
+    b, kvh, _, T, doc_start, doc_end, first_key, keys, key_ok, last_key = _item_tile(ITEMS, NUM_ITEMS, 1, BLOCK_N)
+    K += b * stride_kb + kvh * stride_kh
+    V += b * stride_vb + kvh * stride_vh
 
-    u = tl.arange(0, BLOCK_N)
-    keys = first_key + T * u
-    key_ok = keys < chunk_end
-    last_key = first_key + T * (tl.minimum(BLOCK_N, (chunk_end - first_key + T - 1) // T) - 1)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     t_off = tl.arange(0, BLOCK_M)
     keys64 = keys.to(tl.int64)
-    tile_mask = key_ok[:, None] & d_ok[None, :]
-
-    k = tl.load(K + b * stride_kb + kvh * stride_kh + keys64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + kvh * stride_vh + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)
+    tile_mask = key_ok[:, None] & d_ok[None, :]                                             # [BLOCK_N, BLOCK_D]
+    k = tl.load(K + keys64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)      # [BLOCK_N, BLOCK_D]
+    v = tl.load(V + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)      # [BLOCK_N, BLOCK_D]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
+        stats = b * N * (HKV * HEAD_GROUP) + h * N   # into ROW_MAX, ROW_SUM, DELTA
         q_base = Q + b * stride_qb + h * stride_qh + d[None, :]
         do_base = DO + b * stride_dob + h * stride_doh + d[None, :]
-        stats_off = b * stride_lb + h * stride_lh
         for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
             o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
             if o >= 0:
@@ -254,51 +248,61 @@ def _dilated_bwd_dkdv_kernel(
                     full_begin = tl.minimum(tl.maximum((last_key - seg - o + r - 1) // r, 0), n_q)
                 q_begin = (q_begin // BLOCK_M) * BLOCK_M
                 # masked blocks up to full_lo, unmasked [full_lo, full_hi), masked tail
-                full_lo = tl.where(uniform_active, q_begin + ((full_begin - q_begin + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, n_q)
+                full_lo = tl.where(uniform_active,
+                                   q_begin + ((full_begin - q_begin + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, n_q)
                 full_lo = tl.minimum(full_lo, n_q)
                 full_hi = tl.where(uniform_active, full_lo + ((n_q - full_lo) // BLOCK_M) * BLOCK_M, n_q)
                 query0 = seg + o
                 for t0 in range(q_begin, full_lo, BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats_off, t0 + t_off,
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d_ok, stride_qn, stride_don,
                                          sm_scale, CAUSAL, True, DOT_FP32, PRECISION)
                 for t0 in range(full_lo, full_hi, BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats_off, t0 + t_off,
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d_ok, stride_qn, stride_don,
                                          sm_scale, CAUSAL, False, DOT_FP32, PRECISION)
                 for t0 in range(full_hi, n_q, BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats_off, t0 + t_off,
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d_ok, stride_qn, stride_don,
                                          sm_scale, CAUSAL, True, DOT_FP32, PRECISION)
-    tl.store(DK + b * stride_dkb + kvh * stride_dkh + keys64[:, None] * stride_dkn + d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=tile_mask)
-    tl.store(DV + b * stride_dvb + kvh * stride_dvh + keys64[:, None] * stride_dvn + d[None, :],
-             dv.to(DV.dtype.element_ty), mask=tile_mask)
+    DK += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
+    DV += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
+    tl.store(DK + keys64[:, None] * (HKV * HEAD_DIM) + d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+             mask=tile_mask)
+    tl.store(DV + keys64[:, None] * (HKV * HEAD_DIM) + d[None, :], dv.to(DV.dtype.element_ty), mask=tile_mask)
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats_off, t, query0, r, n_q, keys, key_active,
+def _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, t, query0, r, n_q, keys, key_active,
                 d_ok, stride_qn, stride_don, sm_scale, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
                 DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """Add one block of dilated queries (positions query0 + r*t) to the key tile's dK, dV."""
-    qpos = query0 + r * t
+    """Add one block of dilated queries (positions query0 + r*t) to the key tile's dK, dV
+    [BLOCK_N, BLOCK_D]; q_base, do_base point at the head (and the d columns), stats is the
+    head's offset into ROW_MAX, ROW_SUM, DELTA."""
+    qpos = query0 + r * t                                                             # [BLOCK_M]
     q_ok = t < n_q
     qpos64 = qpos.to(tl.int64)
-    q = tl.load(q_base + qpos64[:, None] * stride_qn, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(q_base + qpos64[:, None] * stride_qn, mask=q_ok[:, None] & d_ok[None, :],
+                other=0.0)                                                            # [BLOCK_M, BLOCK_D]
     do = tl.load(do_base + qpos64[:, None] * stride_don, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
-    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats_off + qpos, q_ok)
-    delta = tl.load(DELTA + stats_off + qpos, mask=q_ok, other=0.0)
-    mask = q_ok[:, None] & key_active[None, :]
+    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats + qpos, q_ok)
+    delta = tl.load(DELTA + stats + qpos, mask=q_ok, other=0.0)
+    mask = q_ok[:, None] & key_active[None, :]                                        # [BLOCK_M, BLOCK_N]
     if CAUSAL:
         mask = mask & (keys[None, :] <= qpos[:, None])
     p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, HAS_MASK,
-                               DOT_FP32, PRECISION)
+                               DOT_FP32, PRECISION)                                   # [BLOCK_M, BLOCK_N]
     dv += dot(tl.trans(p.to(do.dtype)), do, DOT_FP32, PRECISION)
     dk += dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32, PRECISION)
     return dk, dv
 
 
 # ----------------------------------------------------------------------------- launchers
+
+def _strides(**tensors):
+    """stride_<name>b, stride_<name>n, stride_<name>h of (B, N, H, D) tensors, as kernel keywords."""
+    return {f"stride_{name}{axis}": t.stride(i) for name, t in tensors.items() for i, axis in enumerate("bnh")}
+
 
 @functools.lru_cache(maxsize=128)
 def _device_plan(n, patterns, table, num_kv_heads, causal, block, block_inner, keys_side, device, doc_bounds=None):
@@ -328,11 +332,8 @@ def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None, doc
         return out, row_max, row_sum
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     _dilated_fwd_kernel[(items.shape[0] * B,)](
-        q, k, v, out, row_max, row_sum, items, pat_w, pat_r, pat_off,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        row_max.stride(0), row_max.stride(1),
-        items.shape[0], Hq // Hkv, scale,
+        Q=q, K=k, V=v, O=out, ROW_MAX=row_max, ROW_SUM=row_sum, ITEMS=items, PAT_W=pat_w, PAT_R=pat_r, PAT_OFF=pat_off,
+        **_strides(q=q, k=k, v=v), N=N, HQ=Hq, NUM_ITEMS=items.shape[0], HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=dot_fp32, PRECISION=precision,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
@@ -347,23 +348,24 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     Hkv = k.shape[2]
     block_d = padded_head_dim(D)
     cfg = config or select_config("dilated_bwd", q.dtype, block_d, N, q.device)
+    for name, t in (("row_max", row_max), ("row_sum", row_sum)):
+        require_contiguous("dilated_backward", name, t, (B, Hq, N))
     do = last_dim_contiguous(do)
     delta = softmax_delta(do, out, dlse)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=dot_fp32, PRECISION=precision,
                   num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+    inputs = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
+                  **_strides(q=q, k=k, v=v, do=do), N=N, HEAD_GROUP=Hq // Hkv, sm_scale=scale)
 
     items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_M"],
                                                       cfg["BLOCK_N"], False, q.device, doc_bounds)
     dq = (torch.empty if full else torch.zeros)(B, N, Hq, D, dtype=q.dtype, device=q.device)
     if items.shape[0]:
         _dilated_bwd_dq_kernel[(items.shape[0] * B,)](
-            q, k, v, do, row_max, row_sum, delta, dq, items, pat_w, pat_r, pat_off, *strides,
-            dq.stride(0), dq.stride(1), dq.stride(2), row_max.stride(0), row_max.stride(1),
-            items.shape[0], Hq // Hkv, scale, **common)
+            **inputs, DQ=dq, ITEMS=items, PAT_W=pat_w, PAT_R=pat_r, PAT_OFF=pat_off, HQ=Hq,
+            NUM_ITEMS=items.shape[0], **common)
 
     # key side: tiles of BLOCK_N keys, walking query blocks of BLOCK_M
     items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_N"],
@@ -373,8 +375,6 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     dv = alloc(B, N, Hkv, D, dtype=v.dtype, device=q.device)
     if items.shape[0]:
         _dilated_bwd_dkdv_kernel[(items.shape[0] * B,)](
-            q, k, v, do, row_max, row_sum, delta, dk, dv, items, pat_w, pat_r, pat_off, *strides,
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            row_max.stride(0), row_max.stride(1),
-            items.shape[0], Hq // Hkv, scale, **common)
+            **inputs, DK=dk, DV=dv, ITEMS=items, PAT_W=pat_w, PAT_R=pat_r, PAT_OFF=pat_off, HKV=Hkv,
+            NUM_ITEMS=items.shape[0], **common)
     return dq, dk, dv

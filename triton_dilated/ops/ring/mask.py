@@ -36,9 +36,5 @@ class StepMask:
             self.layout = torch.zeros(1, 1, 1, 1, dtype=torch.int8, device=device)
             self.layout_block = 1
 
-    def layout_args(self, B, H):
-        t = self.layout.expand(B, H, *self.layout.shape[2:])
-        return t, (t.stride(0), t.stride(1), t.stride(2))
-
     def kernel_meta(self):
         return dict(MASK_KIND=self.kind, NUM_PATTERNS=self.num_patterns, CAUSAL=self.causal)

@@ -20,8 +20,8 @@ import triton.language as tl
 
 from ...configs import select_config
 from ..common.hardware import padded_head_dim
-from ..common.kernels import dot, finalize, online_softmax_step, softmax_grad_block
-from ..common.runtime import kernel_options, on_tensor_device
+from ..common.kernels import dot, finalize, online_softmax_step, program_tile, softmax_grad_block
+from ..common.runtime import kernel_options, on_tensor_device, require_contiguous
 from . import mask as step_mask
 from .mask import StepMask
 
@@ -30,17 +30,23 @@ MASK_DILATED: tl.constexpr = tl.constexpr(step_mask.MASK_DILATED)
 MASK_LAYOUT: tl.constexpr = tl.constexpr(step_mask.MASK_LAYOUT)
 
 
+# Q, K, V, dO and the caller's accumulators OUT, DQ, DK, DV (views allowed, unit stride on
+# the head dim) come with their (batch, sequence, head) strides. LSE and DELTA (B, HQ, NQ)
+# are contiguous and indexed from their shapes. LAYOUT (LB, LH, n_blocks, LAYOUT_COLS) is
+# contiguous but for its batch and head strides (zero where the layout broadcasts).
+
 @triton.jit
-def _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT, stride_lb, stride_lh, stride_lr,
-                     layout_block, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) ln(weight) of each (query, key) pair, -inf where it does not count."""
+def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYOUT_COLS, layout_block,
+                     MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] ln(weight) of each (query, key) pair, -inf where it does not count.
+    PAT_OFF and LAYOUT point at the head's offsets and block table."""
     ok = q_ok[:, None] & k_ok[None, :]
     if CAUSAL:
         ok = ok & (kpos[None, :] <= qpos[:, None])
     if MASK_KIND == MASK_DILATED:
         count = tl.zeros([qpos.shape[0], kpos.shape[0]], tl.float32)
         for i in range(NUM_PATTERNS):
-            o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
+            o = tl.load(PAT_OFF + i)
             w = tl.load(PAT_W + i)
             r = tl.load(PAT_R + i)
             q_seg = qpos // w
@@ -54,7 +60,7 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT
     if MASK_KIND == MASK_LAYOUT:
         qb = (qpos // layout_block).to(tl.int64)   # qb * row stride passes 2^31 past ~46K blocks
         kb = (kpos // layout_block).to(tl.int64)
-        active = tl.load(LAYOUT + b * stride_lb + h * stride_lh + qb[:, None] * stride_lr + kb[None, :], mask=ok, other=0)
+        active = tl.load(LAYOUT + qb[:, None] * LAYOUT_COLS + kb[None, :], mask=ok, other=0)
         ok = ok & (active != 0)
     return tl.where(ok, 0.0, float("-inf"))
 
@@ -63,50 +69,51 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT
 def _ring_step_fwd_kernel(
         Q, K, V, OUT, LSE, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        stride_ob, stride_on, stride_oh, stride_sb, stride_sh, stride_lb, stride_lh, stride_lr,
-        NQ, NK, NUM_HEADS, HEAD_GROUP, sm_scale, layout_block,
+        stride_ob, stride_on, stride_oh, stride_lb, stride_lh, LAYOUT_COLS,
+        NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
         PRECISION: tl.constexpr):
-    # one flat grid axis, tiles of a head adjacent (a second axis caps batch x heads at 65,535)
-    n_tiles = tl.cdiv(NQ, BLOCK_M)
-    tile = tl.program_id(0) % n_tiles
-    bh = (tl.program_id(0) // n_tiles).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
-    b = bh // NUM_HEADS
-    h = bh % NUM_HEADS
+    tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
+    Q += b * stride_qb + h * stride_qh
+    OUT += b * stride_ob + h * stride_oh
+    PAT_OFF += h * NUM_PATTERNS
+    LAYOUT += b * stride_lb + h * stride_lh
+
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     q_ok = rows < NQ
     rows64 = rows.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    tile_mask = q_ok[:, None] & d_ok[None, :]
-    qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)
+    tile_mask = q_ok[:, None] & d_ok[None, :]                                            # [BLOCK_M, BLOCK_D]
+    qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)                                     # [BLOCK_M]
+    q = tl.load(Q + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)   # [BLOCK_M, BLOCK_D]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(0, NK, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         k_ok = cols < NK
-        kpos = tl.load(K_POS + cols, mask=k_ok, other=0)
-        log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT, stride_lb, stride_lh,
-                                 stride_lr, layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)
+        kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                 # [BLOCK_N]
+        log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYOUT_COLS, layout_block,
+                                 MASK_KIND, NUM_PATTERNS, CAUSAL)                        # [BLOCK_M, BLOCK_N]
         if tl.max(log_w) > float("-inf"):   # a tile with no counted pair costs no matmul
+            # K, V addressed here rather than offset before the loop: fewer registers
             cols64 = cols.to(tl.int64)
             k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)                   # [BLOCK_N, BLOCK_D]
             v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)                   # [BLOCK_N, BLOCK_D]
             acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, q_ok[:, None], False, DOT_FP32,
                                                 PRECISION, log_w, True)
     # merge (acc / l, lse_step) into the running (out, lse)
-    part = finalize(acc, m_i, l_i)
+    part = finalize(acc, m_i, l_i)                                                       # [BLOCK_M, BLOCK_D]
     empty = l_i == 0.0
     lse_step = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    o_ptrs = OUT + b * stride_ob + h * stride_oh + rows64[:, None] * stride_on + d[None, :]
-    s_ptrs = LSE + b * stride_sb + h * stride_sh + rows
-    lse_run = tl.load(s_ptrs, mask=q_ok, other=float("-inf"))
+    o_ptrs = OUT + rows64[:, None] * stride_on + d[None, :]
+    LSE += (b * HQ + h) * NQ
+    lse_run = tl.load(LSE + rows, mask=q_ok, other=float("-inf"))
     out_run = tl.load(o_ptrs, mask=tile_mask, other=0.0)
     top = tl.maximum(lse_run, lse_step)
     top_safe = tl.where(top == float("-inf"), 0.0, top)
@@ -117,52 +124,51 @@ def _ring_step_fwd_kernel(
     total_safe = tl.where(none, 1.0, total)
     merged = (out_run * w_run[:, None] + part * w_step[:, None]) / total_safe[:, None]
     tl.store(o_ptrs, merged, mask=tile_mask)
-    tl.store(s_ptrs, tl.where(none, float("-inf"), top_safe + tl.log(total_safe)), mask=q_ok)
+    tl.store(LSE + rows, tl.where(none, float("-inf"), top_safe + tl.log(total_safe)), mask=q_ok)
 
 
 @triton.jit
 def _ring_step_bwd_dq_kernel(
         Q, K, V, DO, LSE, DELTA, DQ, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        stride_dob, stride_don, stride_doh, stride_dqb, stride_dqn, stride_dqh, stride_sb, stride_sh,
-        stride_lb, stride_lh, stride_lr,
-        NQ, NK, NUM_HEADS, HEAD_GROUP, sm_scale, layout_block,
+        stride_dob, stride_don, stride_doh, stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, LAYOUT_COLS,
+        NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
         PRECISION: tl.constexpr):
-    # one flat grid axis, tiles of a head adjacent (a second axis caps batch x heads at 65,535)
-    n_tiles = tl.cdiv(NQ, BLOCK_M)
-    tile = tl.program_id(0) % n_tiles
-    bh = (tl.program_id(0) // n_tiles).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
-    b = bh // NUM_HEADS
-    h = bh % NUM_HEADS
+    tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     q_ok = rows < NQ
     rows64 = rows.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    tile_mask = q_ok[:, None] & d_ok[None, :]
-    qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_don + d[None, :], mask=tile_mask, other=0.0)
-    lse = tl.load(LSE + b * stride_sb + h * stride_sh + rows, mask=q_ok, other=float("-inf"))
+    tile_mask = q_ok[:, None] & d_ok[None, :]                                              # [BLOCK_M, BLOCK_D]
+    qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)                                       # [BLOCK_M]
+    Q += b * stride_qb + h * stride_qh
+    DO += b * stride_dob + h * stride_doh
+    q = tl.load(Q + rows64[:, None] * stride_qn + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_M, BLOCK_D]
+    do = tl.load(DO + rows64[:, None] * stride_don + d[None, :], mask=tile_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    stats = (b * HQ + h) * NQ   # into LSE, DELTA
+    lse = tl.load(LSE + stats + rows, mask=q_ok, other=float("-inf"))
     row_max = tl.where(lse == float("-inf"), float("inf"), lse)   # the global lse: P = w exp(s - lse)
     row_log2l = tl.zeros([BLOCK_M], tl.float32)
-    delta = tl.load(DELTA + b * stride_sb + h * stride_sh + rows, mask=q_ok, other=0.0)
+    delta = tl.load(DELTA + stats + rows, mask=q_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(0, NK, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         k_ok = cols < NK
-        kpos = tl.load(K_POS + cols, mask=k_ok, other=0)
-        log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT, stride_lb, stride_lh,
-                                 stride_lr, layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)
+        kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                   # [BLOCK_N]
+        log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF + h * NUM_PATTERNS,
+                                 LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS, layout_block,
+                                 MASK_KIND, NUM_PATTERNS, CAUSAL)                          # [BLOCK_M, BLOCK_N]
         if tl.max(log_w) > float("-inf"):
+            # K, V addressed here rather than offset before the loop: fewer registers
             cols64 = cols.to(tl.int64)
             k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)                     # [BLOCK_N, BLOCK_D]
             v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)                     # [BLOCK_N, BLOCK_D]
             p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, q_ok[:, None], False,
                                        DOT_FP32, PRECISION, log_w, True)
             dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
@@ -175,57 +181,64 @@ def _ring_step_bwd_dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DK, DV, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-        stride_sb, stride_sh,
-        stride_lb, stride_lh, stride_lr,
-        NQ, NK, NUM_KV_HEADS, HEAD_GROUP, sm_scale, layout_block,
+        stride_lb, stride_lh, LAYOUT_COLS,
+        NQ, NK, HKV, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
         PRECISION: tl.constexpr):
-    # one flat grid axis, tiles of a head adjacent (a second axis caps batch x heads at 65,535)
-    n_tiles = tl.cdiv(NK, BLOCK_N)
-    tile = tl.program_id(0) % n_tiles
-    bh = (tl.program_id(0) // n_tiles).to(tl.int64)   # int64 head: head * head-stride may pass 2^31
-    b = bh // NUM_KV_HEADS
-    kvh = bh % NUM_KV_HEADS
+    tile, b, kvh = program_tile(tl.cdiv(NK, BLOCK_N), HKV)
+    K += b * stride_kb + kvh * stride_kh
+    V += b * stride_vb + kvh * stride_vh
+    DK += b * stride_dkb + kvh * stride_dkh
+    DV += b * stride_dvb + kvh * stride_dvh
+
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     k_ok = cols < NK
     cols64 = cols.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    tile_mask = k_ok[:, None] & d_ok[None, :]
-    kpos = tl.load(K_POS + cols, mask=k_ok, other=0)
-    k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)
+    tile_mask = k_ok[:, None] & d_ok[None, :]                                              # [BLOCK_N, BLOCK_D]
+    kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                       # [BLOCK_N]
+    k = tl.load(K + cols64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_N, BLOCK_D]
+    v = tl.load(V + cols64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_N, BLOCK_D]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        stats = (b * HKV * HEAD_GROUP + h) * NQ   # into LSE, DELTA (B, HQ, NQ)
+        pat_off = PAT_OFF + h * NUM_PATTERNS
+        layout = LAYOUT + b * stride_lb + h * stride_lh
         for m0 in range(0, NQ, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             q_ok = rows < NQ
-            qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)
-            log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, h, b, PAT_W, PAT_R, PAT_OFF, LAYOUT, stride_lb,
-                                     stride_lh, stride_lr, layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)
+            qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)                               # [BLOCK_M]
+            log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, pat_off, layout, LAYOUT_COLS,
+                                     layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)        # [BLOCK_M, BLOCK_N]
             if tl.max(log_w) > float("-inf"):
                 rows64 = rows.to(tl.int64)
-                q_mask = q_ok[:, None] & d_ok[None, :]
-                q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + d[None, :], mask=q_mask,
-                            other=0.0)
-                do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_don + d[None, :],
-                             mask=q_mask, other=0.0)
-                lse = tl.load(LSE + b * stride_sb + h * stride_sh + rows, mask=q_ok, other=float("-inf"))
+                q_mask = q_ok[:, None] & d_ok[None, :]                                     # [BLOCK_M, BLOCK_D]
+                q = tl.load(q_base + rows64[:, None] * stride_qn + d[None, :], mask=q_mask, other=0.0)
+                do = tl.load(do_base + rows64[:, None] * stride_don + d[None, :], mask=q_mask, other=0.0)
+                lse = tl.load(LSE + stats + rows, mask=q_ok, other=float("-inf"))
                 row_max = tl.where(lse == float("-inf"), float("inf"), lse)
-                delta = tl.load(DELTA + b * stride_sb + h * stride_sh + rows, mask=q_ok, other=0.0)
+                delta = tl.load(DELTA + stats + rows, mask=q_ok, other=0.0)
                 p, ds = softmax_grad_block(q, k, v, do, row_max, tl.zeros([BLOCK_M], tl.float32), delta, sm_scale,
                                            q_ok[:, None], False, DOT_FP32, PRECISION, log_w, True)
                 dv += dot(tl.trans(p.to(do.dtype)), do, DOT_FP32, PRECISION)
                 dk += dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32, PRECISION)
-    dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + cols64[:, None] * stride_dkn + d[None, :]
-    dv_ptrs = DV + b * stride_dvb + kvh * stride_dvh + cols64[:, None] * stride_dvn + d[None, :]
+    dk_ptrs = DK + cols64[:, None] * stride_dkn + d[None, :]
+    dv_ptrs = DV + cols64[:, None] * stride_dvn + d[None, :]
     tl.store(dk_ptrs, tl.load(dk_ptrs, mask=tile_mask, other=0.0) + dk * sm_scale, mask=tile_mask)
     tl.store(dv_ptrs, tl.load(dv_ptrs, mask=tile_mask, other=0.0) + dv, mask=tile_mask)
 
 
 # ----------------------------------------------------------------------------- launchers
+
+def _strides(**tensors):
+    """stride_<name>b, stride_<name>n, stride_<name>h of (B, N, H, D) tensors, as kernel keywords."""
+    return {f"stride_{name}{axis}": t.stride(i) for name, t in tensors.items() for i, axis in enumerate("bnh")}
+
 
 def _config(q, name, config=None):
     D = q.shape[-1]
@@ -237,39 +250,44 @@ def _config(q, name, config=None):
                               num_stages=cfg.get("num_stages", 2))
 
 
+def _mask_args(mask: StepMask, B, H):
+    """The mask's tables and constants as kernel keywords; the block table is read through
+    zero batch/head strides where it broadcasts."""
+    lay = mask.layout.contiguous()
+    t = lay.expand(B, H, *lay.shape[2:])
+    return dict(PAT_W=mask.pat_w, PAT_R=mask.pat_r, PAT_OFF=mask.pat_off, LAYOUT=lay, stride_lb=t.stride(0),
+                stride_lh=t.stride(1), LAYOUT_COLS=lay.shape[3], layout_block=mask.layout_block, **mask.kernel_meta())
+
+
 @on_tensor_device
 def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale, config=None):
     """Fold the shard (k, v at global positions k_pos) into the running out (fp32, like q)
-    and lse (fp32 (B, Hq, Nq)) of the local queries q at q_pos, in place."""
+    and lse (fp32 (B, Hq, Nq), contiguous) of the local queries q at q_pos, in place."""
     B, NQ, Hq, D = q.shape
     NK, Hkv = k.shape[1], k.shape[2]
+    require_contiguous("step_forward", "lse", lse, (B, Hq, NQ))
     if NQ == 0 or NK == 0 or B == 0:
         return
     _, cfg, meta = _config(q, "ring_step_fwd", config)
-    lay, lay_strides = mask.layout_args(B, Hq)
     _ring_step_fwd_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
-        q, k, v, out, lse, q_pos, k_pos, mask.pat_w, mask.pat_r, mask.pat_off, lay,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), *lay_strides,
-        NQ, NK, Hq, Hq // Hkv, scale, mask.layout_block, **meta, **mask.kernel_meta())
+        Q=q, K=k, V=v, OUT=out, LSE=lse, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq),
+        **_strides(q=q, k=k, v=v, o=out), NQ=NQ, NK=NK, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale, **meta)
 
 
 @on_tensor_device
 def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepMask, *, scale, config=None):
-    """Add this shard's contributions to dq (fp32, local) and dk, dv (fp32, travelling)."""
+    """Add this shard's contributions to dq (fp32, local) and dk, dv (fp32, travelling);
+    lse and delta (fp32 (B, Hq, Nq)) contiguous."""
     B, NQ, Hq, D = q.shape
     NK, Hkv = k.shape[1], k.shape[2]
+    for name, t in (("lse", lse), ("delta", delta)):
+        require_contiguous("step_backward", name, t, (B, Hq, NQ))
     if NQ == 0 or NK == 0 or B == 0:
         return
     _, cfg, meta = _config(q, "ring_step_bwd", config)
-    lay, lay_strides = mask.layout_args(B, Hq)
-    common = (q_pos, k_pos, mask.pat_w, mask.pat_r, mask.pat_off, lay,
-              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-              v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+    common = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq),
+                  **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=scale, **meta)
     _ring_step_bwd_dq_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
-        q, k, v, do, lse, delta, dq, *common, dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1),
-        *lay_strides, NQ, NK, Hq, Hq // Hkv, scale, mask.layout_block, **meta, **mask.kernel_meta())
+        **common, DQ=dq, **_strides(dq=dq), HQ=Hq)
     _ring_step_bwd_dkdv_kernel[(triton.cdiv(NK, cfg["BLOCK_N"]) * B * Hkv,)](
-        q, k, v, do, lse, delta, dk, dv, *common, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
-        dv.stride(2), lse.stride(0),
-        lse.stride(1), *lay_strides, NQ, NK, Hkv, Hq // Hkv, scale, mask.layout_block, **meta, **mask.kernel_meta())
+        **common, DK=dk, DV=dv, **_strides(dk=dk, dv=dv), HKV=Hkv)
