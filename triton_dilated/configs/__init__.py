@@ -87,6 +87,14 @@ HOPPER_WIDE_HEAD_DEFAULTS = {
 }
 
 
+# Kernels whose untuned default differs from their family's (a tuned entry of the family
+# serves all its kernels): (Hopper?, padded head dim) -> config, 16-bit only. The dilated
+# dK/dV kernel's BLOCK_M is its key tile, the M dimension of its dots (S^T = K Q^T, dV +=
+# P^T dO, dP^T = V dO^T, dK += dS^T Q), and BLOCK_N the query blocks it walks. See
+# KERNEL_DEFAULTS_WHY below the table.
+KERNEL_DEFAULTS = {"dilated_bwd_dkdv": {}}
+
+
 def is_backward(family: str) -> bool:
     return family.endswith("_bwd")
 
@@ -113,16 +121,21 @@ def config_fits(family: str, config: dict, head_dim_padded: int, arch: Arch, dty
     return factor * shared_memory_estimate(family, config, head_dim_padded, element_size) <= limit
 
 
-def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.dtype = torch.bfloat16) -> dict:
+def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.dtype = torch.bfloat16,
+                   kernel: str | None = None) -> dict:
     """The config used where configs/<arch>.json has no tuned entry. Forward kernels:
     64x64 tiles, 4 warps (Hopper: HOPPER_FWD_DEFAULTS, else 4 warps up to D=64 and 8 up to
     D=128: no spills on sm80); backward kernels: BWD_DEFAULTS; D > 128: (HOPPER_)
-    WIDE_HEAD_DEFAULTS; float32: small tiles. Then fewer stages, then smaller tiles, until
-    the shared-memory estimate fits the arch."""
+    WIDE_HEAD_DEFAULTS; float32: small tiles; `kernel` (its AOT name): KERNEL_DEFAULTS where
+    it has an entry. Then fewer stages, then smaller tiles, until the shared-memory estimate
+    fits the arch."""
     big_smem = arch.shared_memory >= 160 * 1024
     hopper = arch.capability >= (9, 0)
     backward = is_backward(family)
-    if dtype == torch.float32:
+    own = KERNEL_DEFAULTS.get(kernel, {}).get((hopper, head_dim_padded))
+    if own is not None and dtype != torch.float32:
+        cfg = dict(own)
+    elif dtype == torch.float32:
         # three tf32 products per dot need about twice the registers and shared memory: every
         # tile spills at D=128 and 64x64 (s3) overflows an H100 block; 32x32 keeps spills
         # moderate (block-sparse backward: 64x32, where 32x32 spills 20 KB)
@@ -187,14 +200,15 @@ def tuned_entry(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen: i
 
 
 def select_config(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen: int,
-                  device: torch.device) -> dict:
+                  device: torch.device, kernel: str | None = None) -> dict:
     """The launch config: one fixed config off-GPU (the interpreter); on a GPU, the tuned
-    entry of configs/<arch>.json, else default_config."""
+    entry of configs/<arch>.json (one for every kernel of the family), else default_config
+    (per kernel where KERNEL_DEFAULTS has it)."""
     if device.type != "cuda":
         return dict(INTERPRETER_CONFIG)
     arch = device_arch(device)
     cfg, _ = tuned_entry(family, dtype, head_dim_padded, seqlen, arch.name)
-    return cfg if cfg is not None else default_config(family, head_dim_padded, arch, dtype)
+    return cfg if cfg is not None else default_config(family, head_dim_padded, arch, dtype, kernel)
 
 
 def kernels_fit(families, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -314,6 +314,12 @@ def _strides(**tensors):
     return {f"stride_{name}{axis}": t.stride(i) for name, t in tensors.items() for i, axis in enumerate("bnh")}
 
 
+def _launch(cfg):
+    """A config's tile constexprs and launch options, as kernel keywords."""
+    return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg.get("num_warps", 4),
+                num_stages=cfg.get("num_stages", 2))
+
+
 @functools.lru_cache(maxsize=128)
 def _device_plan(n, patterns, table, num_kv_heads, causal, block, block_inner, keys_side, device, doc_bounds=None):
     """Items and pattern tables as device tensors, cached per shape (and documents)."""
@@ -357,15 +363,16 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
     block_d = padded_head_dim(D)
+    # one config for both kernels when given (or tuned); untuned, the dK/dV kernel has its own
     cfg = config or select_config("dilated_bwd", q.dtype, block_d, N, q.device)
+    kv_cfg = config or select_config("dilated_bwd", q.dtype, block_d, N, q.device, kernel="dilated_bwd_dkdv")
     for name, t in (("row_max", row_max), ("row_sum", row_sum)):
         require_contiguous("dilated_backward", name, t, (B, Hq, N))
     do = last_dim_contiguous(do)
     delta = softmax_delta(do, out, dlse)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
-    common = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
-                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=dot_fp32, PRECISION=precision,
-                  num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+    common = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, DOT_FP32=dot_fp32,
+                  PRECISION=precision)
     inputs = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
                   **_strides(q=q, k=k, v=v, do=do), N=N, HEAD_GROUP=Hq // Hkv, sm_scale=scale)
 
@@ -375,16 +382,16 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     if items.shape[0]:
         _dilated_bwd_dq_kernel[(items.shape[0] * B,)](
             **inputs, DQ=dq, ITEMS=items, PAT_W=pat_w, PAT_R=pat_r, PAT_OFF=pat_off, HQ=Hq,
-            NUM_ITEMS=items.shape[0], **common)
+            NUM_ITEMS=items.shape[0], **common, **_launch(cfg))
 
     # key side: tiles of BLOCK_M keys, walking query blocks of BLOCK_N
-    items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_M"],
-                                                      cfg["BLOCK_N"], True, q.device, doc_bounds)
+    items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, kv_cfg["BLOCK_M"],
+                                                      kv_cfg["BLOCK_N"], True, q.device, doc_bounds)
     alloc = torch.empty if full else torch.zeros
     dk = alloc(B, N, Hkv, D, dtype=k.dtype, device=q.device)
     dv = alloc(B, N, Hkv, D, dtype=v.dtype, device=q.device)
     if items.shape[0]:
         _dilated_bwd_dkdv_kernel[(items.shape[0] * B,)](
             **inputs, DK=dk, DV=dv, ITEMS=items, PAT_W=pat_w, PAT_R=pat_r, PAT_OFF=pat_off, HKV=Hkv,
-            NUM_ITEMS=items.shape[0], **common)
+            NUM_ITEMS=items.shape[0], **common, **_launch(kv_cfg))
     return dq, dk, dv
