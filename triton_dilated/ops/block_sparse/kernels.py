@@ -181,10 +181,10 @@ def _block_sparse_bwd_dkdv_kernel(
     first_key = tile * BLOCK_N
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    stats = (b * HKV + kvh) * HEAD_GROUP * N   # head h's rows of ROW_MAX, ROW_SUM, DELTA (B, HQ, N)
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
-        stats = b * N * (HKV * HEAD_GROUP) + h * N   # the head's rows of ROW_MAX, ROW_SUM, DELTA (B, HQ, N)
         count = tl.load(Q_COUNT + b * stride_cb + h * stride_ch + kblock)
         index_base = Q_INDEX + b * stride_ib + h * stride_ih + kblock.to(tl.int64) * WIDTH   # this key block's list
         for j in range(0, count):
@@ -205,8 +205,9 @@ def _block_sparse_bwd_dkdv_kernel(
                              other=0.0)                                                   # [BLOCK_M, BLOCK_D]
                 dot_ = tl.load(do_base + qrows64[:, None] * stride_don + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
                                other=0.0)                                                 # [BLOCK_M, BLOCK_D]
-                row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats + qrows, q_ok)
-                delta = tl.load(DELTA + stats + qrows, mask=q_ok, other=0.0)
+                rows_st = stats + qrows   # into ROW_MAX, ROW_SUM, DELTA; one sum: no new spill on sm90
+                row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, rows_st, q_ok)
+                delta = tl.load(DELTA + rows_st, mask=q_ok, other=0.0)
                 if needs_mask:
                     mask = keys[None, :] <= qrows[:, None]                                # [BLOCK_M, BLOCK_N]
                     p, ds = softmax_grad_block(qt, k, v, dot_, row_max, row_log2l, delta, sm_scale, mask, True,
@@ -216,8 +217,9 @@ def _block_sparse_bwd_dkdv_kernel(
                                                False, DOT_FP32, PRECISION)
                 dv += dot(tl.trans(p.to(dot_.dtype)), dot_, DOT_FP32, PRECISION)
                 dk += dot(tl.trans(ds.to(qt.dtype)), qt, DOT_FP32, PRECISION)
-    DK += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
-    DV += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
+        stats += N   # the next head's rows
+    DK += (b * N * HKV + kvh) * HEAD_DIM
+    DV += (b * N * HKV + kvh) * HEAD_DIM
     tl.store(DK + keys64[:, None] * (HKV * HEAD_DIM) + d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
              mask=tile_mask)
     tl.store(DV + keys64[:, None] * (HKV * HEAD_DIM) + d[None, :], dv.to(DV.dtype.element_ty), mask=tile_mask)
