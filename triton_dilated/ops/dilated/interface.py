@@ -13,7 +13,6 @@ query blocks, and gradients with the Triton backend, take the general path
 """
 from __future__ import annotations
 
-import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -22,7 +21,7 @@ from torch import Tensor
 from ..common.decode import decode_path
 from ..common.first_order import first_order_backward
 from ..common.lse import lse_from_stats
-from ..common.op_support import check_path, empty_stats, fresh, recompute_grads, resolve_path
+from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.query_offset import run_with_query_offset
 from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale
@@ -33,18 +32,8 @@ from .portable import dilated_attention_torch
 CONFIG_FAMILIES = ("dilated_fwd", "dilated_bwd")
 
 
-@functools.cache
-def _kernels():
-    """kernels.py (imports triton): loaded on the first Triton call only."""
-    from . import kernels
-    return kernels
-
-
-@functools.cache
-def _decode_kernels():
-    """decode_kernels.py (imports triton): loaded on the first Triton decode call only."""
-    from . import decode_kernels
-    return decode_kernels
+_kernels = lazy_module(__package__ + ".kernels")                 # imports triton
+_decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
 
 
 def _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
