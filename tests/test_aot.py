@@ -7,14 +7,15 @@ and 256 (causal), and checks what the compiler made of it, so a regression fails
 * sm90 (16-bit): every forward kernel at D <= 128, and the dQ kernels where the defaults
   give them 64-row tiles, run on wgmma with no MMA tile computed twice (BLOCK_M >= 16 x
   num_warps: 8 warps on 64 rows make both warpgroups compute the same S);
+* sm90 (16-bit), D = 64 and 128: the dilated backward, dQ and dK/dV (S^T = K Q^T: the key
+  tile is the M dimension), runs on wgmma only, with no register spills;
 * no register spills outside the known list below (which may only shrink);
 * the dilated forward stays software-pipelined (cp.async into num_stages rotating buffers on
   sm90, num_stages - 1 on sm80).
 
-Not yet true, so not asserted (issue 12): dQ on wgmma for the dilated kernels at D = 128
-(32x32 tiles: every wgmma tile spills in dK/dV or costs the planner 128-row query tiles) and
-dK/dV on wgmma anywhere (dK += dS^T Q has the key tile as M; the S^T rewrite comes later);
-any pipelining in the block-sparse forward/dQ and the ring step kernels (their loads sit
+Not yet true, so not asserted (issue 12): dK/dV on wgmma for the block-sparse and ring
+kernels (dK += dS^T Q with the query tile as M) and for the dilated one at D = 256 (every
+wgmma tile spills 4 KB there); any pipelining in the block-sparse forward/dQ and the ring step kernels (their loads sit
 under a runtime `if`: 0 cp.async); TMA (cp.async.bulk) anywhere.
 """
 from __future__ import annotations
@@ -44,9 +45,9 @@ SPILLS_TRITON_36 = {
 }
 SPILLS_TRITON_39 = {
     ("sm90", "dilated_fwd", "128"),            # 4 B at 255 registers (none with 3.6)
-    ("sm90", "dilated_fwd", "256"), ("sm90", "ring_step_fwd", "256"), ("sm90", "dilated_bwd_dkdv", "128"),
+    ("sm90", "dilated_fwd", "256"), ("sm90", "ring_step_fwd", "256"),
     ("sm90", "block_sparse_fwd", "256"), ("sm90", "block_sparse_bwd_dq", "256"),
-    ("sm80", "dilated_fwd", "64"), ("sm80", "dilated_bwd_dkdv", "64"), ("sm80", "block_sparse_bwd_dq", "128"),
+    ("sm80", "dilated_fwd", "64"), ("sm80", "block_sparse_bwd_dq", "128"),
     ("sm80", "block_sparse_bwd_dkdv", "128"), ("sm80", "block_sparse_bwd_dkdv", "256"),
     ("sm80", "ring_step_fwd", "256"),
 }
@@ -129,6 +130,18 @@ def test_sm90_forward_and_dq_kernels_use_wgmma_on_their_own_rows(aot):
 
 
 @needs_ptxas
+def test_sm90_dilated_backward_on_wgmma_without_spills(aot):
+    rows, _, _ = aot
+    bad = [f"{r['kernel']} D={r['D']} {r['BLOCK_M']}x{r['BLOCK_N']} w{r['num_warps']}: wgmma {r['wgmma']}, "
+           f"mma.sync {r['mma_sync']}, replicated {r['mma_replicated']}, spills {r['spill_stores']} B"
+           for r in rows if r["arch"] == "sm90" and r["kernel"] in ("dilated_bwd_dq", "dilated_bwd_dkdv")
+           and r["D"] in ("64", "128")
+           and not (int(r["wgmma"]) > 0 and int(r["mma_sync"]) == 0 and r["mma_replicated"] == "0"
+                    and int(r["spill_stores"]) == 0)]
+    assert not bad, "\n".join(bad)
+
+
+@needs_ptxas
 def test_no_register_spills_beyond_the_known_ones(aot):
     rows, _, _ = aot
     spilled = {(r["arch"], r["kernel"], r["D"]): r["spill_stores"] for r in rows if int(r["spill_stores"])}
@@ -154,11 +167,12 @@ def test_sm90_16bit_defaults_never_put_8_warps_on_64_rows():
     from triton_dilated.configs import default_config
     from triton_dilated.ops.common.hardware import Arch
     arch = Arch("sm90", (9, 0), 227 * 1024, 132, "fake")
-    for family in ("dilated_fwd", "block_sparse_fwd", "ring_step_fwd", "dilated_bwd", "block_sparse_bwd",
-                   "ring_step_bwd"):
+    for family, kernel in (("dilated_fwd", None), ("block_sparse_fwd", None), ("ring_step_fwd", None),
+                           ("dilated_bwd", None), ("dilated_bwd", "dilated_bwd_dkdv"), ("block_sparse_bwd", None),
+                           ("ring_step_bwd", None)):
         for d in (16, 32, 64, 128, 256):
             for dtype in (torch.bfloat16, torch.float16):
-                cfg = default_config(family, d, arch, dtype)
+                cfg = default_config(family, d, arch, dtype, kernel)
                 if family.endswith("_fwd") and d <= 128:
                     assert cfg["BLOCK_M"] >= 16 * cfg["num_warps"], (family, d, cfg)
                 if cfg["num_warps"] == 8 and d <= 128:

@@ -340,6 +340,23 @@ def test_deterministic_backward(backend):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dq_tile, dkdv_tile", [((16, 32), (32, 16)), ((32, 16), (16, 32))],
+                         ids=["dq16x32-dkdv32x16", "dq32x16-dkdv16x32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_with_its_own_dkdv_tiles(monkeypatch, dq_tile, dkdv_tile, causal):
+    """The dK/dV kernel with a config of its own, key tile (BLOCK_M) != query block
+    (BLOCK_N), and dQ with another (the interpreter's default is square, 32 x 32 for both):
+    the key-side plan and the S^T = K Q^T formulation against the oracle, with GQA, dilated
+    rates and masked/unmasked query blocks."""
+    from triton_dilated.ops.dilated import kernels
+    cfg = lambda m, n: dict(BLOCK_M=m, BLOCK_N=n, num_warps=4, num_stages=1)  # noqa: E731
+    picked = {None: cfg(*dq_tile), "dilated_bwd_dkdv": cfg(*dkdv_tile)}
+    monkeypatch.setattr(kernels, "select_config", lambda family, *a, kernel=None: (
+        picked[kernel] if family == "dilated_bwd" else cfg(32, 32)))
+    check_dilated("triton", make_qkv(1, 80, 2, 1, 16, torch.float32, seed=11), [32, 80], [1, 2], causal=causal,
+                  check_definition=False)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_variable_length_sequences(backend, causal):

@@ -45,18 +45,40 @@ def make_config(block_m: int, block_n: int, warps: int, stages: int) -> dict:
 # spills least. dK/dV holds k, v, dk and dv in registers, so it is what forces the smaller
 # tiles. Hopper: dQ on wgmma where a tile allows it without spills (64x32, 4 warps; at
 # D = 128, 128x32 with 8 warps for the block-sparse and ring kernels, whose query tiles lose
-# nothing to 128 rows); the dilated kernels keep 32x32 at D = 128 (mma.sync): every wgmma
-# tile there either spills in dK/dV (64x32: 68 B, 64x64: 136 B) or takes 128-row query tiles,
-# which cost the planner 15% more computed pairs (LongNet, N = 32K).
+# nothing to 128 rows). The dilated family's config is its dQ kernel's; its dK/dV kernel
+# has its own (KERNEL_DEFAULTS): dilated dQ on sm90 at 64x64 (D = 64) and 64x32 (D = 128),
+# 4 warps, wgmma with no spills (triton 3.9; 64x64 at D = 128 spills 4 B), 64-row query
+# tiles (128 rows cost the planner 15% more computed pairs, LongNet N = 32K).
 BWD_DEFAULTS = {
-    (True, True): {"dilated_bwd": make_config(64, 32, 4, 2), "block_sparse_bwd": make_config(64, 32, 4, 2),
+    (True, True): {"dilated_bwd": make_config(64, 64, 4, 2), "block_sparse_bwd": make_config(64, 32, 4, 2),
                    "ring_step_bwd": make_config(64, 32, 4, 2)},
-    (True, False): {"dilated_bwd": make_config(32, 32, 4, 2),
+    (True, False): {"dilated_bwd": make_config(64, 32, 4, 2),
                     "block_sparse_bwd": make_config(128, 32, 8, 2), "ring_step_bwd": make_config(128, 32, 8, 2)},
     (False, True): {"dilated_bwd": make_config(64, 32, 4, 2),
                     "block_sparse_bwd": make_config(64, 32, 4, 2), "ring_step_bwd": make_config(64, 32, 4, 2)},
     (False, False): {"dilated_bwd": make_config(64, 64, 8, 2), "block_sparse_bwd": make_config(64, 32, 4, 2),
                      "ring_step_bwd": make_config(64, 64, 8, 2)},
+}
+
+# Kernels whose untuned 16-bit default differs from their family's (a tuned entry of the
+# family serves all its kernels): kernel -> (Hopper?, padded head dim band 64/128/256) ->
+# config. The dilated dK/dV kernel's BLOCK_M is its key tile, the M dimension of its dots
+# (S^T = K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q), BLOCK_N the query blocks it
+# walks; it holds k, v, dk, dv (4 x BLOCK_M x D) in registers. From `perf aot --configs`
+# over 8-14 candidates (bf16, triton 3.9, causal and not):
+# * sm90 D = 64: 64x32 w4, wgmma, 200 registers (64x64 w4: 255, 128x32 w8: 210);
+# * sm90 D = 128: 128 keys x 32 queries, 8 warps (two warpgroups of 64 keys), wgmma, 254
+#   registers, no spills; every 4-warp wgmma tile spills (64x16: 52 B, 64x32: 28 B,
+#   64x64: 380 B) and 8 warps on 64 keys compute S^T twice;
+# * sm90 D = 256: every wgmma tile spills 4-5 KB: 32x32 w8 on mma.sync (no spills);
+# * sm80 D = 64: 64x16 w4 (64x32 w4 spills 8-32 B); D = 128: 64x64 w8 with one stage (two
+#   spill 24 B; 32x32 w4 s2 keeps its cp.async but has a quarter of the tile).
+KERNEL_DEFAULTS = {
+    "dilated_bwd_dkdv": {
+        (True, 64): make_config(64, 32, 4, 2), (True, 128): make_config(128, 32, 8, 2),
+        (True, 256): make_config(32, 32, 8, 2),
+        (False, 64): make_config(64, 16, 4, 2), (False, 128): make_config(64, 64, 8, 1),
+    },
 }
 
 # Hopper forward defaults at D <= 128 that differ from 64x64, 4 warps: the ring step kernel
@@ -78,12 +100,13 @@ WIDE_HEAD_DEFAULTS = {
 }
 # Hopper at D = 256: 64-row tiles with 4 warps or 128-row tiles with 8 (no duplicated S).
 # dilated_fwd 64x32 w4 s3 spills 8 B (128x32 w8 spills none but costs the planner 15%);
-# block-sparse 128-row tiles (one layout block) spill nothing. The ring step forward and the
-# dilated and ring backward keep the tiles above: every wgmma tile spills 0.5-4 KB there.
+# block-sparse 128-row tiles (one layout block) spill nothing; dilated dQ 128x16 w8: wgmma,
+# no spills (64x16 w4: 124 B; its dK/dV: KERNEL_DEFAULTS). The ring step forward and the
+# ring backward keep the tiles above: every wgmma tile spills 0.5-4 KB there.
 HOPPER_WIDE_HEAD_DEFAULTS = {
     **WIDE_HEAD_DEFAULTS,
     "dilated_fwd": make_config(64, 32, 4, 3), "block_sparse_fwd": make_config(128, 32, 8, 2),
-    "block_sparse_bwd": make_config(128, 16, 8, 2),
+    "block_sparse_bwd": make_config(128, 16, 8, 2), "dilated_bwd": make_config(128, 16, 8, 2),
 }
 
 
@@ -113,16 +136,22 @@ def config_fits(family: str, config: dict, head_dim_padded: int, arch: Arch, dty
     return factor * shared_memory_estimate(family, config, head_dim_padded, element_size) <= limit
 
 
-def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.dtype = torch.bfloat16) -> dict:
+def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.dtype = torch.bfloat16,
+                   kernel: str | None = None) -> dict:
     """The config used where configs/<arch>.json has no tuned entry. Forward kernels:
     64x64 tiles, 4 warps (Hopper: HOPPER_FWD_DEFAULTS, else 4 warps up to D=64 and 8 up to
     D=128: no spills on sm80); backward kernels: BWD_DEFAULTS; D > 128: (HOPPER_)
-    WIDE_HEAD_DEFAULTS; float32: small tiles. Then fewer stages, then smaller tiles, until
-    the shared-memory estimate fits the arch."""
+    WIDE_HEAD_DEFAULTS; float32: small tiles; `kernel` (its AOT name): KERNEL_DEFAULTS where
+    it has an entry. Then fewer stages, then smaller tiles, until the shared-memory estimate
+    fits the arch."""
     big_smem = arch.shared_memory >= 160 * 1024
     hopper = arch.capability >= (9, 0)
     backward = is_backward(family)
-    if dtype == torch.float32:
+    band = 64 if head_dim_padded <= 64 else 128 if head_dim_padded <= 128 else 256
+    own = KERNEL_DEFAULTS.get(kernel, {}).get((hopper, band))
+    if own is not None and dtype != torch.float32:
+        cfg = dict(own)
+    elif dtype == torch.float32:
         # three tf32 products per dot need about twice the registers and shared memory: every
         # tile spills at D=128 and 64x64 (s3) overflows an H100 block; 32x32 keeps spills
         # moderate (block-sparse backward: 64x32, where 32x32 spills 20 KB)
@@ -187,14 +216,15 @@ def tuned_entry(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen: i
 
 
 def select_config(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen: int,
-                  device: torch.device) -> dict:
+                  device: torch.device, kernel: str | None = None) -> dict:
     """The launch config: one fixed config off-GPU (the interpreter); on a GPU, the tuned
-    entry of configs/<arch>.json, else default_config."""
+    entry of configs/<arch>.json (one for every kernel of the family), else default_config
+    (per kernel where KERNEL_DEFAULTS has it)."""
     if device.type != "cuda":
         return dict(INTERPRETER_CONFIG)
     arch = device_arch(device)
     cfg, _ = tuned_entry(family, dtype, head_dim_padded, seqlen, arch.name)
-    return cfg if cfg is not None else default_config(family, head_dim_padded, arch, dtype)
+    return cfg if cfg is not None else default_config(family, head_dim_padded, arch, dtype, kernel)
 
 
 def kernels_fit(families, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -178,7 +178,7 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
             for dtype in dtypes:
                 for D in head_dims:
                     cfgs = configs or [default_config(family, padded_head_dim(D), fake,
-                                                      torch_dtype[dtype])]
+                                                      torch_dtype[dtype], kernel=name)]
                     work += [(name, arch, dtype, D, c, dict(cfg)) for c in causal for cfg in cfgs]
     if ptx_dir:
         for i, (name, arch, dtype, D, c, cfg) in enumerate(work):

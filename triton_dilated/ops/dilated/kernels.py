@@ -42,8 +42,8 @@ import triton.language as tl
 
 from ...configs import select_config
 from ..common.hardware import padded_head_dim
-from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
-                              program_tile, softmax_grad_block)
+from ..common.kernels import (LOG2E, bnhd_offset, dot, finalize, load_key_block, load_row_stats,
+                              online_softmax_step, program_tile, softmax_grad_block)
 from ..common.lse import softmax_delta
 from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
 from .plan import build_items, key_unit_triples, query_unit_triples
@@ -210,24 +210,25 @@ def _dilated_bwd_dkdv_kernel(
         N, HKV, NUM_ITEMS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    # BLOCK_N: the key tile this program owns; BLOCK_M: the query blocks it walks.
-    b, kvh, _, T, doc_start, doc_end, first_key, keys, key_ok, last_key = _item_tile(ITEMS, NUM_ITEMS, 1, BLOCK_N)
+    # BLOCK_M: the key tile this program owns (the M dimension of every dot); BLOCK_N: the
+    # query blocks it walks.
+    b, kvh, _, T, doc_start, doc_end, first_key, keys, key_ok, last_key = _item_tile(ITEMS, NUM_ITEMS, 1, BLOCK_M)
     K += b * stride_kb + kvh * stride_kh
     V += b * stride_vb + kvh * stride_vh
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    t_off = tl.arange(0, BLOCK_M)
+    t_off = tl.arange(0, BLOCK_N)
     keys64 = keys.to(tl.int64)
-    tile_mask = key_ok[:, None] & d_ok[None, :]                                             # [BLOCK_N, BLOCK_D]
-    k = tl.load(K + keys64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)      # [BLOCK_N, BLOCK_D]
-    v = tl.load(V + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)      # [BLOCK_N, BLOCK_D]
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    tile_mask = key_ok[:, None] & d_ok[None, :]                                             # [BLOCK_M, BLOCK_D]
+    k = tl.load(K + keys64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)      # [BLOCK_M, BLOCK_D]
+    v = tl.load(V + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)      # [BLOCK_M, BLOCK_D]
+    dk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
         stats = b * N * (HKV * HEAD_GROUP) + h * N   # into ROW_MAX, ROW_SUM, DELTA
-        q_base = Q + b * stride_qb + h * stride_qh + d[None, :]
-        do_base = DO + b * stride_dob + h * stride_doh + d[None, :]
+        q_head = Q + b * stride_qb + h * stride_qh
+        do_head = DO + b * stride_dob + h * stride_doh
         for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
             o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
             if o >= 0:
@@ -246,24 +247,24 @@ def _dilated_bwd_dkdv_kernel(
                 if CAUSAL:
                     q_begin = tl.minimum(tl.maximum((first_key - seg - o + r - 1) // r, 0), n_q)
                     full_begin = tl.minimum(tl.maximum((last_key - seg - o + r - 1) // r, 0), n_q)
-                q_begin = (q_begin // BLOCK_M) * BLOCK_M
+                q_begin = (q_begin // BLOCK_N) * BLOCK_N
                 # masked blocks up to full_lo, unmasked [full_lo, full_hi), masked tail
                 full_lo = tl.where(uniform_active,
-                                   q_begin + ((full_begin - q_begin + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, n_q)
+                                   q_begin + ((full_begin - q_begin + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, n_q)
                 full_lo = tl.minimum(full_lo, n_q)
-                full_hi = tl.where(uniform_active, full_lo + ((n_q - full_lo) // BLOCK_M) * BLOCK_M, n_q)
+                full_hi = tl.where(uniform_active, full_lo + ((n_q - full_lo) // BLOCK_N) * BLOCK_N, n_q)
                 query0 = seg + o
-                for t0 in range(q_begin, full_lo, BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
-                                         query0, r, n_q, keys, key_active, d_ok, stride_qn, stride_don,
+                for t0 in range(q_begin, full_lo, BLOCK_N):
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
+                                         query0, r, n_q, keys, key_active, d, d_ok, stride_qn, stride_don,
                                          sm_scale, CAUSAL, True, DOT_FP32, PRECISION)
-                for t0 in range(full_lo, full_hi, BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
-                                         query0, r, n_q, keys, key_active, d_ok, stride_qn, stride_don,
+                for t0 in range(full_lo, full_hi, BLOCK_N):
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
+                                         query0, r, n_q, keys, key_active, d, d_ok, stride_qn, stride_don,
                                          sm_scale, CAUSAL, False, DOT_FP32, PRECISION)
-                for t0 in range(full_hi, n_q, BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
-                                         query0, r, n_q, keys, key_active, d_ok, stride_qn, stride_don,
+                for t0 in range(full_hi, n_q, BLOCK_N):
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
+                                         query0, r, n_q, keys, key_active, d, d_ok, stride_qn, stride_don,
                                          sm_scale, CAUSAL, True, DOT_FP32, PRECISION)
     DK += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
     DV += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
@@ -273,27 +274,36 @@ def _dilated_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, t, query0, r, n_q, keys, key_active,
-                d_ok, stride_qn, stride_don, sm_scale, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+def _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t, query0, r, n_q, keys, key_active,
+                d, d_ok, stride_qn, stride_don, sm_scale, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
                 DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """Add one block of dilated queries (positions query0 + r*t) to the key tile's dK, dV
-    [BLOCK_N, BLOCK_D]; q_base, do_base point at the head (and the d columns), stats is the
-    head's offset into ROW_MAX, ROW_SUM, DELTA."""
-    qpos = query0 + r * t                                                             # [BLOCK_M]
+    [BLOCK_M, BLOCK_D]; q_head, do_head point at the head's row 0, stats is the head's
+    offset into ROW_MAX, ROW_SUM, DELTA. Transposed scores: the key tile is the M
+    dimension of every dot (S^T = K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q), so
+    P^T and dS^T feed the next dots straight from registers, and the query statistics
+    broadcast along columns."""
+    qpos = query0 + r * t                                                             # [BLOCK_N]
     q_ok = t < n_q
     qpos64 = qpos.to(tl.int64)
-    q = tl.load(q_base + qpos64[:, None] * stride_qn, mask=q_ok[:, None] & d_ok[None, :],
-                other=0.0)                                                            # [BLOCK_M, BLOCK_D]
-    do = tl.load(do_base + qpos64[:, None] * stride_don, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
-    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats + qpos, q_ok)
+    qT = tl.load(q_head + qpos64[None, :] * stride_qn + d[:, None], mask=d_ok[:, None] & q_ok[None, :],
+                 other=0.0)                                                           # [BLOCK_D, BLOCK_N]
+    do = tl.load(do_head + qpos64[:, None] * stride_don + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
+                 other=0.0)                                                           # [BLOCK_N, BLOCK_D]
+    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats + qpos, q_ok)         # [BLOCK_N]
     delta = tl.load(DELTA + stats + qpos, mask=q_ok, other=0.0)
-    mask = q_ok[:, None] & key_active[None, :]                                        # [BLOCK_M, BLOCK_N]
-    if CAUSAL:
-        mask = mask & (keys[None, :] <= qpos[:, None])
-    p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, HAS_MASK,
-                               DOT_FP32, PRECISION)                                   # [BLOCK_M, BLOCK_N]
-    dv += dot(tl.trans(p.to(do.dtype)), do, DOT_FP32, PRECISION)
-    dk += dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32, PRECISION)
+    s_t = dot(k, qT, DOT_FP32, PRECISION) * sm_scale                                  # [BLOCK_M, BLOCK_N]
+    if HAS_MASK:
+        mask = key_active[:, None] & q_ok[None, :]
+        if CAUSAL:
+            mask = mask & (keys[:, None] <= qpos[None, :])
+        s_t = tl.where(mask, s_t, float("-inf"))
+    # P^T from the saved (max, log2 denominator) of each query (load_row_stats)
+    p_t = tl.math.exp2((s_t - row_max[None, :]) * LOG2E - row_log2l[None, :])
+    dv += dot(p_t.to(do.dtype), do, DOT_FP32, PRECISION)
+    dp_t = dot(v, tl.trans(do), DOT_FP32, PRECISION)                                  # [BLOCK_M, BLOCK_N]
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_FP32, PRECISION)
     return dk, dv
 
 
@@ -302,6 +312,12 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, t
 def _strides(**tensors):
     """stride_<name>b, stride_<name>n, stride_<name>h of (B, N, H, D) tensors, as kernel keywords."""
     return {f"stride_{name}{axis}": t.stride(i) for name, t in tensors.items() for i, axis in enumerate("bnh")}
+
+
+def _launch(cfg):
+    """A config's tile constexprs and launch options, as kernel keywords."""
+    return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg.get("num_warps", 4),
+                num_stages=cfg.get("num_stages", 2))
 
 
 @functools.lru_cache(maxsize=128)
@@ -347,15 +363,16 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
     block_d = padded_head_dim(D)
+    # one config for both kernels when given (or tuned); untuned, the dK/dV kernel has its own
     cfg = config or select_config("dilated_bwd", q.dtype, block_d, N, q.device)
+    kv_cfg = config or select_config("dilated_bwd", q.dtype, block_d, N, q.device, kernel="dilated_bwd_dkdv")
     for name, t in (("row_max", row_max), ("row_sum", row_sum)):
         require_contiguous("dilated_backward", name, t, (B, Hq, N))
     do = last_dim_contiguous(do)
     delta = softmax_delta(do, out, dlse)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
-    common = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
-                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=dot_fp32, PRECISION=precision,
-                  num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+    common = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, DOT_FP32=dot_fp32,
+                  PRECISION=precision)
     inputs = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
                   **_strides(q=q, k=k, v=v, do=do), N=N, HEAD_GROUP=Hq // Hkv, sm_scale=scale)
 
@@ -365,16 +382,16 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     if items.shape[0]:
         _dilated_bwd_dq_kernel[(items.shape[0] * B,)](
             **inputs, DQ=dq, ITEMS=items, PAT_W=pat_w, PAT_R=pat_r, PAT_OFF=pat_off, HQ=Hq,
-            NUM_ITEMS=items.shape[0], **common)
+            NUM_ITEMS=items.shape[0], **common, **_launch(cfg))
 
-    # key side: tiles of BLOCK_N keys, walking query blocks of BLOCK_M
-    items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, cfg["BLOCK_N"],
-                                                      cfg["BLOCK_M"], True, q.device, doc_bounds)
+    # key side: tiles of BLOCK_M keys, walking query blocks of BLOCK_N
+    items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, kv_cfg["BLOCK_M"],
+                                                      kv_cfg["BLOCK_N"], True, q.device, doc_bounds)
     alloc = torch.empty if full else torch.zeros
     dk = alloc(B, N, Hkv, D, dtype=k.dtype, device=q.device)
     dv = alloc(B, N, Hkv, D, dtype=v.dtype, device=q.device)
     if items.shape[0]:
         _dilated_bwd_dkdv_kernel[(items.shape[0] * B,)](
             **inputs, DK=dk, DV=dv, ITEMS=items, PAT_W=pat_w, PAT_R=pat_r, PAT_OFF=pat_off, HKV=Hkv,
-            NUM_ITEMS=items.shape[0], **common)
+            NUM_ITEMS=items.shape[0], **common, **_launch(kv_cfg))
     return dq, dk, dv
