@@ -73,7 +73,12 @@ BWD_DEFAULTS = {
 # * sm90 D = 256: every wgmma tile spills 4-5 KB: 32x32 w8 on mma.sync (no spills);
 # * sm80 D = 64: 64x16 w4 (64x32 w4 spills 8-32 B); D = 128: 64x64 w8 with one stage (two
 #   spill 24 B; 32x32 w4 s2 keeps its cp.async but has a quarter of the tile).
+# The decode kernels (one query row against BLOCK_N keys of its key list: vector-matrix
+# work) take 64-key tiles with 4 warps and 3 stages everywhere: 0 spills on sm80 and sm90 at
+# D = 64-256, where the forward family's tiles (64x32 w8 at D = 256) spill 8 B on sm80.
+_DECODE = {(hopper, band): make_config(16, 64, 4, 3) for hopper in (True, False) for band in (64, 128, 256)}
 KERNEL_DEFAULTS = {
+    "dilated_decode": _DECODE, "block_sparse_decode": _DECODE, "decode_merge": _DECODE,
     "dilated_bwd_dkdv": {
         (True, 64): make_config(64, 32, 4, 2), (True, 128): make_config(128, 32, 8, 2),
         (True, 256): make_config(32, 32, 8, 2),

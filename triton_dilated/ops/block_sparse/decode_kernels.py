@@ -74,7 +74,7 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, spli
     Hkv = k.shape[2]
     bs = layout.block_size
     block_d = padded_head_dim(D)
-    cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, k.shape[1], q.device)
+    cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, k.shape[1], q.device, kernel="block_sparse_decode")
     counts = layout.kv_num_blocks.expand(B, Hq, layout.n_q_blocks)   # broadcast dims: zero strides
     index = layout.kv_indices.expand(B, Hq, *layout.kv_indices.shape[2:])
     longest = index.shape[-1] * bs

@@ -117,7 +117,7 @@ def dilated_decode_forward(q, k, v, patterns, table, lengths, *, causal, scale, 
     B, Nq, Hq, D = q.shape
     Hkv = k.shape[2]
     block_d = padded_head_dim(D)
-    cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, k.shape[1], q.device)
+    cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, k.shape[1], q.device, kernel="dilated_decode")
     longest = longest_key_list(patterns, table, max_length or k.shape[1])
     splits = splits or num_splits(q.device, B * Nq * Hq, longest)
     out, lse, acc, part_m, part_l = decode_buffers(q, splits)
