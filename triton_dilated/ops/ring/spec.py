@@ -7,8 +7,10 @@ from ..common.spec import KernelSpec, VariantSpec, dense_pairs
 from .mask import MASK_DILATED
 
 _MODULE = "triton_dilated.ops.ring.step_kernels"
-_TABLES = {"Q_POS": "i32", "K_POS": "i32", "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32", "LAYOUT": "i8"}
-_LAYOUT_STRIDES = frozenset({"stride_lb", "stride_lh"})   # block-table strides: any value, 0 broadcasts
+_TABLES = {"Q_POS": "i32", "K_POS": "i32", "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32", "LAYOUT": "i8",
+           "TILE_COUNT": "i32", "TILE_INDEX": "i32"}
+# block-table and tile-list strides: any value, 0 broadcasts
+_LAYOUT_STRIDES = frozenset({"stride_lb", "stride_lh", "stride_tb", "stride_th"})
 
 
 def count_pairs(B, N, H, causal, *, segment_lengths=None, dilation_rates=None, layout=None, mode="longnet",
