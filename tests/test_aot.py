@@ -9,13 +9,15 @@ and 256 (causal), and checks what the compiler made of it, so a regression fails
   num_warps: 8 warps on 64 rows make both warpgroups compute the same S);
 * no register spills outside the known list below (which may only shrink);
 * the dilated forward stays software-pipelined (cp.async into num_stages rotating buffers on
-  sm90, num_stages - 1 on sm80).
+  sm90, num_stages - 1 on sm80);
+* the block-sparse and ring step kernels (forward, dQ, dK/dV) at D <= 128 are
+  software-pipelined (cp.async into at least 2 rotating buffers: their loops walk lists of
+  active tiles with no load under a runtime `if`) and spill no register.
 
 Not yet true, so not asserted (issue 12): dQ on wgmma for the dilated kernels at D = 128
 (32x32 tiles: every wgmma tile spills in dK/dV or costs the planner 128-row query tiles) and
 dK/dV on wgmma anywhere (dK += dS^T Q has the key tile as M; the S^T rewrite comes later);
-any pipelining in the block-sparse forward/dQ and the ring step kernels (their loads sit
-under a runtime `if`: 0 cp.async); TMA (cp.async.bulk) anywhere.
+TMA (cp.async.bulk) anywhere.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from triton_dilated.perf.aot import KERNELS, ptx_counts
 
 HEAD_DIMS = ("64", "128", "256")
 FORWARD = ("dilated_fwd", "block_sparse_fwd", "ring_step_fwd")
+LIST_KERNELS = ("block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv", "ring_step_fwd", "ring_step_bwd_dq",
+                "ring_step_bwd_dkdv")
 # (arch, kernel, D) that spill registers with the default configs today (causal, bf16;
 # perf/aot/*-after-triton36.csv, *-after-triton39.csv). Triton 3.6 is what the GPU machines
 # run; other versions allocate registers differently. Remove an entry when it stops
@@ -144,6 +148,16 @@ def test_the_dilated_forward_is_software_pipelined(aot):
             depth = int(r["num_stages"]) - (r["arch"] == "sm80")
             assert int(r["cp_async"]) > 0 and int(r["pipeline_depth"]) >= depth >= 1, (r["arch"], r["D"])
         assert r["cp_async_bulk"] == "0"   # no TMA yet: a change here wants a look (and this line updated)
+
+
+@needs_ptxas
+def test_block_sparse_and_ring_step_kernels_are_pipelined_without_spills(aot):
+    rows, _, _ = aot
+    bad = [f"{r['arch']} {r['kernel']} D={r['D']} {r['BLOCK_M']}x{r['BLOCK_N']} w{r['num_warps']} s{r['num_stages']}: "
+           f"cp.async {r['cp_async']}, pipeline depth {r['pipeline_depth']}, spills {r['spill_stores']} B"
+           for r in rows if r["kernel"] in LIST_KERNELS and r["D"] in ("64", "128")
+           and not (int(r["cp_async"]) > 0 and int(r["pipeline_depth"]) >= 2 and int(r["spill_stores"]) == 0)]
+    assert not bad, "\n".join(bad)
 
 
 def test_sm90_16bit_defaults_never_put_8_warps_on_64_rows():

@@ -139,8 +139,13 @@ def _ring_step_fwd_kernel(
     index_base = TILE_INDEX + lists * TILE_WIDTH
     # only the key tiles with a counted pair (host-built list): no branch in the loop, whose
     # loads the compiler software-pipelines
+    # the next tile's index is read an iteration ahead: loads addressed by a load of the same
+    # iteration cost the pipeliner a stage (one buffer fewer)
+    t_next = tl.load(index_base, mask=count > 0, other=0)
     for j in range(0, count):
-        cols = tl.load(index_base + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+        t = t_next
+        t_next = tl.load(index_base + j + 1, mask=j + 1 < count, other=0)
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         k_ok = cols < NK
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                 # [BLOCK_N]
         log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYOUT_COLS, layout_block,
@@ -205,8 +210,11 @@ def _ring_step_bwd_dq_kernel(
     count = tl.load(TILE_COUNT + lists)
     index_base = TILE_INDEX + lists * TILE_WIDTH
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    t_next = tl.load(index_base, mask=count > 0, other=0)   # read an iteration ahead (as in the forward)
     for j in range(0, count):   # the active key tiles only: a branch-free, pipelined loop
-        cols = tl.load(index_base + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+        t = t_next
+        t_next = tl.load(index_base + j + 1, mask=j + 1 < count, other=0)
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         k_ok = cols < NK
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                   # [BLOCK_N]
         log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF + h * NUM_PATTERNS,
@@ -261,8 +269,11 @@ def _ring_step_bwd_dkdv_kernel(
         lists = b * stride_tb + h * stride_th + tile   # this key tile's list of query tiles for head h
         count = tl.load(TILE_COUNT + lists)
         index_base = TILE_INDEX + lists * TILE_WIDTH
+        t_next = tl.load(index_base, mask=count > 0, other=0)   # read an iteration ahead (as in the forward)
         for j in range(0, count):   # the active query tiles only: a branch-free, pipelined loop
-            rows = tl.load(index_base + j) * BLOCK_M + tl.arange(0, BLOCK_M)
+            t = t_next
+            t_next = tl.load(index_base + j + 1, mask=j + 1 < count, other=0)
+            rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
             q_ok = rows < NQ
             qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)                               # [BLOCK_M]
             log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, pat_off, layout, LAYOUT_COLS,
