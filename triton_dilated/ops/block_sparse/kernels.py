@@ -171,8 +171,9 @@ def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, sta
     q_mask = q_ok[:, None] & d_ok[None, :]                                               # [BLOCK_M, BLOCK_D]
     qt = tl.load(q_base + qrows64[:, None] * stride_qn + d[None, :], mask=q_mask, other=0.0)
     dot_ = tl.load(do_base + qrows64[:, None] * stride_don + d[None, :], mask=q_mask, other=0.0)
-    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats + qrows, q_ok)
-    delta = tl.load(DELTA + stats + qrows, mask=q_ok, other=0.0)
+    rows_st = stats + qrows   # into ROW_MAX, ROW_SUM, DELTA; one sum: no new spill on sm90
+    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, rows_st, q_ok)
+    delta = tl.load(DELTA + rows_st, mask=q_ok, other=0.0)
     p, ds = softmax_grad_block(qt, k, v, dot_, row_max, row_log2l, delta, sm_scale, keys[None, :] <= qrows[:, None],
                                CAUSAL_MASK, DOT_FP32, PRECISION)                         # [BLOCK_M, BLOCK_N]
     dv += dot(tl.trans(p.to(dot_.dtype)), dot_, DOT_FP32, PRECISION)
@@ -206,10 +207,10 @@ def _block_sparse_bwd_dkdv_kernel(
     subs = BLOCK_SIZE // BLOCK_M   # query sub-tiles of a block
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    stats = (b * HKV + kvh) * HEAD_GROUP * N   # head h's rows of ROW_MAX, ROW_SUM, DELTA (B, HQ, N)
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
-        stats = b * N * (HKV * HEAD_GROUP) + h * N   # the head's rows of ROW_MAX, ROW_SUM, DELTA (B, HQ, N)
         lists = b * stride_cb + h * stride_ch + kblock
         n_skip = tl.load(Q_SKIP + lists)
         n_full = tl.load(Q_FULL + lists)
@@ -229,8 +230,9 @@ def _block_sparse_bwd_dkdv_kernel(
             m0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_M
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
                                 stride_qn, stride_don, sm_scale, d, d_ok, False, BLOCK_M, DOT_FP32, PRECISION)
-    DK += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
-    DV += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
+        stats += N   # the next head's rows
+    DK += (b * N * HKV + kvh) * HEAD_DIM
+    DV += (b * N * HKV + kvh) * HEAD_DIM
     tl.store(DK + keys64[:, None] * (HKV * HEAD_DIM) + d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
              mask=tile_mask)
     tl.store(DV + keys64[:, None] * (HKV * HEAD_DIM) + d[None, :], dv.to(DV.dtype.element_ty), mask=tile_mask)
