@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ops.dilated.patterns import check_patterns, head_offsets
+from ..ops.dilated.patterns import check_patterns, head_offsets, pattern_pairs
 from ..ops.dilated.plan import plan_tiles, query_unit_triples
 from ..ops.dilated.spec import LONGNET_R, LONGNET_W
 
@@ -73,20 +73,7 @@ class PlanCost:
 
 def useful_pairs(n, patterns, table, causal) -> int:
     """Exact (query, key) pairs per batch row, summed over heads and patterns."""
-    per_triple = {}
-    total = 0
-    for row in table:
-        for (w, r), o in zip(patterns, row):
-            if o < 0:
-                continue
-            if (w, r, o) not in per_triple:
-                count = 0
-                for s in range(0, n, w):
-                    length = len(range(s + o, min(s + w, n), r))
-                    count += length * (length + 1) // 2 if causal else length * length
-                per_triple[(w, r, o)] = count
-            total += per_triple[(w, r, o)]
-    return total
+    return pattern_pairs(n, patterns, table, causal)
 
 
 def computed_pairs(n, patterns, table, causal, block_m, block_n) -> float:

@@ -8,11 +8,12 @@ block size. Queries shorter than keys (DESIGN §5b): up to DECODE_MAX_QUERIES ro
 decode path that reads only the key blocks of each query's layout row (decode_kernels.py,
 or decode.py on the portable path and whenever the Triton path would need gradients: the
 decode kernel has no backward); longer query blocks, and gradients with the Triton
-backend, take the general path (common/query_offset.py).
+backend, take the general path (common/query_offset.py): a full-length call on q padded in
+front, with a layout whose query blocks before the chunk have no key block, so that every
+kernel (and the portable path) does the chunk's work only.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -21,7 +22,7 @@ from torch import Tensor
 from ..common.decode import decode_path
 from ..common.first_order import first_order_backward
 from ..common.lse import lse_from_stats
-from ..common.op_support import check_path, empty_stats, fresh, recompute_grads, resolve_path
+from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.query_offset import run_with_query_offset
 from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale
@@ -32,18 +33,8 @@ from .portable import block_sparse_attention_torch
 CONFIG_FAMILIES = ("block_sparse_fwd", "block_sparse_bwd")
 
 
-@functools.cache
-def _kernels():
-    """kernels.py (imports triton): loaded on the first Triton call only."""
-    from . import kernels
-    return kernels
-
-
-@functools.cache
-def _decode_kernels():
-    """decode_kernels.py (imports triton): loaded on the first Triton decode call only."""
-    from . import decode_kernels
-    return decode_kernels
+_kernels = lazy_module(__package__ + ".kernels")                 # imports triton
+_decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
 
 
 def _check_args(q, k, v, layout, causal, scale, return_lse, *, packed=False, allow_shorter_q=False):
@@ -89,6 +80,8 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
         q: (B, N, Hq, D); k, v: (B, N, Hkv, D), Hq % Hkv == 0 (GQA); float16/bfloat16/float32.
             For inference q may be shorter, (B, Nq, Hq, D) with Nq <= N: the last Nq positions
             (query i at N - Nq + i); the layout covers the whole sequence (absolute positions).
+            Cost: that of the layout rows of the query blocks holding the queries, forward
+            and backward, both backends (memory: q, out and row statistics at full length).
         layout: a BlockLayout with ceil(N / block_size) blocks per side, laid out for
             (B|1, Hq|1) (query heads).
         causal: also require key position <= query position (the diagonal block is masked
@@ -124,7 +117,13 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
             return (out, lse) if return_lse else out
 
         def call(qq, kk, vv, rows, n):
-            lay = layout.prefix(-(-n // layout.block_size), rows) if n != k.shape[1] or len(rows) != B else layout
+            # rows before n - Nq are padding: their query blocks get no key block, so the work
+            # (forward, dQ; dK/dV walk only the query blocks left) is that of the chunk
+            first = (n - N) // layout.block_size
+            if n != k.shape[1] or len(rows) != B or first > 0:
+                lay = layout.prefix(-(-n // layout.block_size), rows, first_query_block=first)
+            else:
+                lay = layout
             return block_sparse_attention(qq, kk, vv, lay, causal=causal, scale=scale, return_lse=True,
                                           backend=backend)
 

@@ -254,12 +254,14 @@ class BlockLayout:
         shape = torch.broadcast_shapes(self.kv_num_blocks.shape, other.kv_num_blocks.shape)
         return shape, [self.broadcast_pairs(shape), other.broadcast_pairs(shape)]
 
-    def prefix(self, n_blocks: int, batch_rows=None) -> "BlockLayout":
+    def prefix(self, n_blocks: int, batch_rows=None, first_query_block: int = 0) -> "BlockLayout":
         """The layout of the first n_blocks query and key blocks (a shorter sequence at the same
-        absolute positions), for the batch rows `batch_rows` when it has a batch dimension."""
+        absolute positions), for the batch rows `batch_rows` when it has a batch dimension.
+        first_query_block > 0: query blocks before it get no key block (empty rows: 0 and
+        lse = -inf), for callers that keep only later rows (chunked prefill)."""
         b, h, r, c = self.pairs()
         lb, lh = self.kv_num_blocks.shape[:2]
-        keep = (r < n_blocks) & (c < n_blocks)
+        keep = (r < n_blocks) & (c < n_blocks) & (r >= first_query_block)
         shape_b = lb
         if batch_rows is not None and lb > 1:
             rows = torch.as_tensor(batch_rows, dtype=torch.long, device=b.device)

@@ -9,12 +9,21 @@ kept alive between forward and backward (activation-checkpoint style).
 """
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 from torch import Tensor
 
 from .runtime import resolve_backend
 
 PATHS = ("triton", "torch")
+
+
+def lazy_module(name: str):
+    """A function that returns the module `name`, importing it on its first call: the kernel
+    files import triton, so they load on the first Triton call, never on `import triton_dilated`."""
+    return functools.cache(lambda: importlib.import_module(name))
 
 
 def check_path(path: str) -> None:

@@ -6,9 +6,21 @@ the queries are the last Nq of the L_b valid positions, and key rows at L_b and 
 ignored. Every row of the full-sequence call depends only on its own query, so running the
 full function on q padded with zero rows in front, and keeping the last Nq rows, gives
 exactly those rows, forward and backward (the padded rows' outputs are dropped, so their
-gradient is zero and they add nothing to dK, dV). This is the general path: it costs a
-full-length call per distinct L_b. Decoding paths that touch only the keys a query reads
-come on top of it.
+gradient is zero and they add nothing to dK, dV). This is the general path, one call per
+distinct L_b; q, out and the row statistics are allocated at length L_b.
+
+What the call computes is up to it (`call` gets the padded length; the padding is the
+first L_b - Nq rows):
+* dilated, Triton backend: the planner keeps only the tiles that hold a kept row, so the
+  forward and dQ cost about Nq/L_b of a full call; dK/dV skip the key tiles whose segments
+  end before the chunk, but a kept key tile still walks every query row of its segment
+  (the kernel takes those from the segment, not from the plan), padded rows included.
+  Rows no tile covers come back as 0 with l = 0 (an empty row: P = 0 in the backward).
+* block-sparse, both backends: query blocks wholly before the chunk get no key block
+  (their programs exit at once; the portable path skips them), and the dK/dV lists drop
+  them: every kernel's work is that of the chunk's query blocks.
+* dilated, portable backend: a full-length call.
+Decoding (Nq <= DECODE_MAX_QUERIES) takes paths that touch only the keys a query reads.
 """
 from __future__ import annotations
 

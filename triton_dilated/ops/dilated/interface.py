@@ -9,11 +9,12 @@ than keys (DESIGN §5b): up to DECODE_MAX_QUERIES rows take a decode path that r
 the keys each query attends to (decode_kernels.py, or decode.py on the portable path and
 whenever the Triton path would need gradients: the decode kernel has no backward); longer
 query blocks, and gradients with the Triton backend, take the general path
-(common/query_offset.py).
+(common/query_offset.py): a full-length call on q padded in front, which on the Triton path
+plans only the chunk's tiles (plan.QueryWindow; forward and dQ cost the chunk, dK/dV skip
+only the key tiles no chunk row reads) and on the portable path costs the full length.
 """
 from __future__ import annotations
 
-import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -22,29 +23,20 @@ from torch import Tensor
 from ..common.decode import decode_path
 from ..common.first_order import first_order_backward
 from ..common.lse import lse_from_stats
-from ..common.op_support import check_path, empty_stats, fresh, recompute_grads, resolve_path
+from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.query_offset import run_with_query_offset
 from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale
 from .decode import dilated_decode
 from .patterns import check_patterns, fit_patterns, head_offsets, warn_if_heads_first
+from .plan import QueryWindow
 from .portable import dilated_attention_torch
 
 CONFIG_FAMILIES = ("dilated_fwd", "dilated_bwd")
 
 
-@functools.cache
-def _kernels():
-    """kernels.py (imports triton): loaded on the first Triton call only."""
-    from . import kernels
-    return kernels
-
-
-@functools.cache
-def _decode_kernels():
-    """decode_kernels.py (imports triton): loaded on the first Triton decode call only."""
-    from . import decode_kernels
-    return decode_kernels
+_kernels = lazy_module(__package__ + ".kernels")                 # imports triton
+_decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
 
 
 def _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
@@ -97,6 +89,10 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
             the last Nq positions of the sequence (query i at position N - Nq + i, flash-attn's
             bottom-right convention); segments, residues and the causal mask apply to
             absolute positions, so each row equals that row of the full-sequence call.
+            Cost: up to 16 rows (decoding, no gradient on the Triton path) read only their
+            keys; longer chunks (chunked prefill) on the Triton backend compute the forward
+            and dQ for the chunk's rows only, while dK/dV and the portable backend cost a
+            full-length call (memory: q, out and row statistics at the full length).
         segment_lengths, dilation_rates: one (w, r) per pattern. N % w != 0, w % r != 0
             and w >= N are all legal; the last segment may be shorter.
         causal: each query attends only to keys at or before its position.
@@ -135,10 +131,12 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
             out, lse = _decode(q, k, v, patterns, head_offsets(Hq, patterns, mode, offsets), lengths, cache_seqlens,
                                causal=causal, scale=scale, path=path)
             return (out, lse) if return_lse else out
-        out, lse = run_with_query_offset(
-            lambda qq, kk, vv, rows, n: dilated_attention(qq, kk, vv, segment_lengths, dilation_rates, causal=causal,
-                                                          scale=scale, mode=mode, offsets=offsets, return_lse=True,
-                                                          backend=backend), q, k, v, lengths)
+
+        def call(qq, kk, vv, rows, n):
+            return _padded_call(qq, kk, vv, n - N, patterns, segment_lengths, dilation_rates, causal=causal,
+                                scale=scale, mode=mode, offsets=offsets, backend=backend)
+
+        out, lse = run_with_query_offset(call, q, k, v, lengths)   # N = Nq: the rows kept
         return (out, lse) if return_lse else out
     path = resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype)
     doc_bounds = check_cu_seqlens(cu_seqlens, B, N)
@@ -155,6 +153,23 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     out, lse = dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=return_lse,
                                        backend=path, doc_bounds=doc_bounds)
     return (out, lse) if return_lse else out
+
+
+def _padded_call(q, k, v, first_query_row, patterns, segment_lengths, dilation_rates, *, causal, scale, mode,
+                 offsets, backend):
+    """(out, lse) of the full-sequence call on q padded with first_query_row zero rows in
+    front (common/query_offset.py), of which only the rows from first_query_row on are kept.
+    The Triton path plans only the work those rows need (plan.QueryWindow): forward and dQ
+    cost the chunk, not the sequence; dK/dV skip the key tiles no kept row reads. The
+    portable path, and tracing under torch.compile, run the full call."""
+    B, N, Hq, D = q.shape
+    if B and N and not torch.compiler.is_compiling() and \
+            resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype) == "triton":
+        patterns = fit_patterns(patterns, N, Hq)
+        return dilated_attention_table(q, k, v, patterns, head_offsets(Hq, patterns, mode, offsets), causal=causal,
+                                       scale=scale, backend="triton", doc_bounds=QueryWindow(None, first_query_row))
+    return dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
+                             offsets=offsets, return_lse=True, backend=backend)
 
 
 def _decode(q, k, v, patterns, table, lengths, cache_seqlens, *, causal, scale, path):

@@ -80,3 +80,23 @@ def warn_if_heads_first(patterns: tuple, seq_len: int, num_heads: int) -> None:
         warnings.warn(f"q has {num_heads} heads but a sequence length of only {seq_len}, and every segment covers the "
                       f"whole sequence: are q, k, v in (B, H, N, D) layout (scaled_dot_product_attention's)? Dilated "
                       f"attention takes (B, N, H, D): pass q.transpose(1, 2) etc.", UserWarning, stacklevel=4)
+
+
+def pattern_pairs(n: int, patterns: tuple, table: tuple, causal: bool) -> int:
+    """(query, key) pairs the patterns compute in one batch row of length n, summed over the
+    heads of `table` (head_offsets' rows; offset -1: the head skips that pattern). A key two
+    patterns select counts twice: both are computed."""
+    per_triple = {}
+    total = 0
+    for row in table:
+        for (w, r), o in zip(patterns, row):
+            if o < 0:
+                continue
+            if (w, r, o) not in per_triple:
+                count = 0
+                for s in range(0, n, w):
+                    length = len(range(s + o, min(s + w, n), r))
+                    count += length * (length + 1) // 2 if causal else length * length
+                per_triple[(w, r, o)] = count
+            total += per_triple[(w, r, o)]
+    return total

@@ -21,15 +21,39 @@ Item rows (int32): [first_row, chunk_end, unit (head), T, doc_start, doc_end]. P
 variable-length sequences plan each document on its own (segments restart at its start);
 one document is the whole sequence. Items are sorted by descending cost (longest first)
 so causal work balances over the GPU.
+
+Queries shorter than keys (DESIGN §5b, chunked prefill): the query-offset path runs the
+full-length kernels on q padded with zero rows in front, and only the rows from
+`first_query_row` on are kept. The plan then holds only what those rows need:
+* query side (forward, dQ): the tiles that hold a row >= first_query_row (a tile that
+  straddles it also computes a few padded rows, which are dropped);
+* key side (dK/dV): the key tiles that some pattern's segment ending past first_query_row
+  holds (a key only gets gradient from queries of its own segment). The dK/dV kernel takes
+  the query rows a key tile walks from the segment, not from the plan, so a kept key tile
+  still walks the segment's padded rows (dO = 0 there: they add nothing, but they cost).
+The launchers receive the window as their doc_bounds argument (a `QueryWindow`), which
+reaches build_items unchanged; the plan then does not cover every row (`full` is False),
+so the launchers zero-fill out, the row statistics (l = 0: an empty row, P = 0 when
+recomputed) and the gradients of the rows and keys no tile covers.
 """
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 ITEM_FIELDS = 6
+
+
+@dataclass(frozen=True)
+class QueryWindow:
+    """Plan scope for a call whose results are kept only from query row first_query_row on
+    (DESIGN §5b). Passed where the launchers take doc_bounds; hashable, so the plan caches
+    key on it."""
+    doc_bounds: tuple | None
+    first_query_row: int
 
 
 def _ceil_div(a, b):
@@ -135,19 +159,25 @@ def choose_strides(lengths, ws, rs, offsets, block: int, block_inner: int, causa
 
 @functools.lru_cache(maxsize=256)
 def build_items(n: int, unit_triples: tuple, block: int, block_inner: int, causal: bool,
-                keys_side: bool = False, doc_bounds: tuple | None = None):
+                keys_side: bool = False, doc_bounds: tuple | QueryWindow | None = None):
     """Work items for all units over documents doc_bounds = (0, e1, e2, ..., n) (None: one
-    document). unit_triples[u] = tuple of (w, r, o). Returns (items int32 (n_items, 6)
-    numpy array, full_coverage)."""
-    items, _, full = plan_tiles(n, unit_triples, block, block_inner, causal, keys_side, doc_bounds)
+    document), or over a QueryWindow (its documents, only the work its rows need).
+    unit_triples[u] = tuple of (w, r, o). Returns (items int32 (n_items, 6) numpy array,
+    full_coverage)."""
+    first_query_row = 0
+    if isinstance(doc_bounds, QueryWindow):
+        doc_bounds, first_query_row = doc_bounds.doc_bounds, doc_bounds.first_query_row
+    items, _, full = plan_tiles(n, unit_triples, block, block_inner, causal, keys_side, doc_bounds,
+                                first_query_row=first_query_row)
     return items, full
 
 
 def plan_tiles(n: int, unit_triples: tuple, block: int, block_inner: int, causal: bool,
-               keys_side: bool = False, doc_bounds: tuple | None = None):
+               keys_side: bool = False, doc_bounds: tuple | None = None, first_query_row: int = 0):
     """(items, cost, full_coverage): build_items' work items with, per item, the (row, key)
     pairs its tile computes (padding included: the planner's cost, which the cost model of
-    `perf plan` sums).
+    `perf plan` sums). first_query_row > 0: only the items that rows from it on need (see
+    the module docstring); full_coverage is then False when any item was left out.
 
     Units with the same (w, r) list are planned together, vectorised over units and
     documents (packed training brings new document bounds every step)."""
@@ -174,9 +204,30 @@ def plan_tiles(n: int, unit_triples: tuple, block: int, block_inner: int, causal
     if not parts:
         return np.zeros((0, ITEM_FIELDS), dtype=np.int32), np.zeros(0), False
     items, cost = np.concatenate(parts), np.concatenate(costs)
+    if first_query_row > 0:
+        keep = _needed(items, unit_triples, block, keys_side, first_query_row)
+        full &= bool(keep.all())
+        items, cost = items[keep], cost[keep]
     # longest first; ties in (unit, document, chunk, class, tile) order
     order = np.lexsort((np.arange(items.shape[0]), items[:, 2], -cost))
     return np.ascontiguousarray(items[order].astype(np.int32)), cost[order], full
+
+
+def _needed(items, unit_triples, block: int, keys_side: bool, first_query_row: int):
+    """bool (n_items,): the items that query rows >= first_query_row need. Query side: the
+    tile's last row reaches first_query_row. Key side: some pattern of the unit has the tile
+    in a segment that ends past first_query_row (queries read only keys of their segment)."""
+    first, chunk_end, unit, T, doc_start, doc_end = items.T
+    if not keys_side:
+        last = first + T * (np.minimum(block, _ceil_div(chunk_end - first, T)) - 1)
+        return last >= first_query_row
+    keep = np.zeros(first.shape, dtype=bool)
+    for u, triples in enumerate(unit_triples):
+        mine = unit == u
+        for w in {w for w, _, _ in triples}:
+            seg = doc_start + (first - doc_start) // w * w
+            keep |= mine & (np.minimum(seg + w, doc_end) > first_query_row)
+    return keep
 
 
 def query_unit_triples(patterns: tuple, table: tuple) -> tuple:

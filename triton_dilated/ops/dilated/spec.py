@@ -23,22 +23,9 @@ def longnet_patterns(n: int):
 def count_pairs(B, N, H, causal, *, segment_lengths, dilation_rates, mode="longnet", offsets="modulo") -> int:
     """(query, key) pairs the dilated patterns compute, summed over batch, heads and patterns
     (a key two patterns select counts twice: both are computed)."""
-    from .patterns import head_offsets
+    from .patterns import head_offsets, pattern_pairs
     patterns = tuple(zip(segment_lengths, dilation_rates))
-    per_offset = {}
-    total = 0
-    for row in head_offsets(H, patterns, mode, offsets):
-        for (w, r), o in zip(patterns, row):
-            if o < 0:
-                continue
-            if (w, r, o) not in per_offset:
-                count = 0
-                for s in range(0, N, w):
-                    L = len(range(s + o, min(s + w, N), r))
-                    count += L * (L + 1) // 2 if causal else L * L
-                per_offset[(w, r, o)] = count
-            total += per_offset[(w, r, o)]
-    return total * B
+    return B * pattern_pairs(N, patterns, head_offsets(H, patterns, mode, offsets), causal)
 
 
 def call(q, k, v, *, causal, backend="auto", segment_lengths, dilation_rates, mode="longnet", offsets="modulo"):
