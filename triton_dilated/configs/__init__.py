@@ -50,15 +50,22 @@ def make_config(block_m: int, block_n: int, warps: int, stages: int) -> dict:
 # 4 warps, wgmma with no spills (triton 3.9; 64x64 at D = 128 spills 4 B), 64-row query
 # tiles (128 rows cost the planner 15% more computed pairs, LongNet N = 32K).
 BWD_DEFAULTS = {
-    (True, True): {"dilated_bwd": make_config(64, 64, 4, 2), "block_sparse_bwd": make_config(64, 32, 4, 2),
-                   "ring_step_bwd": make_config(64, 32, 4, 2)},
+    (True, True): {"dilated_bwd": make_config(64, 64, 4, 2), "block_sparse_bwd": make_config(64, 32, 4, 3),
+                   "ring_step_bwd": make_config(64, 32, 4, 3)},
     (True, False): {"dilated_bwd": make_config(64, 32, 4, 2),
-                    "block_sparse_bwd": make_config(128, 32, 8, 2), "ring_step_bwd": make_config(128, 32, 8, 2)},
+                    "block_sparse_bwd": make_config(128, 32, 8, 3), "ring_step_bwd": make_config(128, 16, 8, 3)},
     (False, True): {"dilated_bwd": make_config(64, 32, 4, 2),
-                    "block_sparse_bwd": make_config(64, 32, 4, 2), "ring_step_bwd": make_config(64, 32, 4, 2)},
-    (False, False): {"dilated_bwd": make_config(64, 64, 8, 2), "block_sparse_bwd": make_config(64, 32, 4, 2),
-                     "ring_step_bwd": make_config(64, 64, 8, 2)},
+                    "block_sparse_bwd": make_config(64, 32, 4, 3), "ring_step_bwd": make_config(32, 32, 4, 3)},
+    (False, False): {"dilated_bwd": make_config(64, 64, 8, 2), "block_sparse_bwd": make_config(32, 32, 4, 3),
+                     "ring_step_bwd": make_config(64, 64, 8, 3)},
 }
+# The block-sparse and ring step backward kernels walk lists of active tiles in branch-free,
+# software-pipelined loops: 3 stages give the pipeliner two rotating buffers on sm80 (an
+# mma.sync reads its operands through registers: num_stages - 1 buffers) and three on sm90.
+# Their tiles are the largest without spills at D <= 128 on sm90 and sm80 (`perf aot
+# --configs`, triton 3.6 and 3.9): the ring dK/dV spills with 32-key tiles on sm90 at D = 128
+# (128x32 w8: 16 B) and with 64-row tiles on sm80 at D = 64 (64x32 w4: 28 B); the
+# block-sparse dK/dV with 64-row tiles on sm80 at D = 128 (64x32 w4: 24 B).
 
 # Kernels whose untuned 16-bit default differs from their family's (a tuned entry of the
 # family serves all its kernels): kernel -> (Hopper?, padded head dim band 64/128/256) ->
@@ -88,7 +95,7 @@ KERNEL_DEFAULTS = {
 
 # Hopper forward defaults at D <= 128 that differ from 64x64, 4 warps: the ring step kernel
 # spills 124-132 B at 64x64 (and duplicates S with 8 warps); 64x32 keeps it in registers.
-HOPPER_FWD_DEFAULTS = {"ring_step_fwd": make_config(64, 32, 4, 2)}
+HOPPER_FWD_DEFAULTS = {"ring_step_fwd": make_config(64, 32, 4, 3)}
 
 # 16-bit defaults for head dims over 128 (D = 256), from the same ahead-of-time compile over
 # 6-7 candidates on sm90 and sm80 (perf/aot/d256-bf16.csv): 8 warps halve the registers a

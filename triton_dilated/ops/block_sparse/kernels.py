@@ -6,7 +6,11 @@ A program owns BLOCK_M query rows (BLOCK_M divides the layout block size) and, f
 active key block of its layout row, streams the block in BLOCK_N sub-tiles through the
 shared online softmax. Element masks run only where they matter: the causal diagonal
 block and the ragged last key block (N not a multiple of the block size); key blocks
-above the diagonal are skipped when causal. Layouts broadcast over batch and heads by
+above the diagonal are skipped when causal. The lists are ascending, so the blocks that
+need a mask are the end of a query block's key list (the start of a key block's query
+list): the launchers count, per list, where the unmasked part ends, and the kernels walk
+it as one flat loop of sub-tiles with unconditional loads (software-pipelined: cp.async
+into rotating buffers), then the few masked blocks in a second loop. Layouts broadcast over batch and heads by
 zero strides. GQA: query head h reads key/value head h // (Hq // Hkv); the dK/dV program
 of a key/value head loops over its query heads.
 
@@ -35,7 +39,7 @@ from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_devi
 
 @triton.jit
 def _block_sparse_fwd_kernel(
-        Q, K, V, O, ROW_MAX, ROW_SUM, KV_COUNT, KV_INDEX,
+        Q, K, V, O, ROW_MAX, ROW_SUM, KV_FULL, KV_END, KV_INDEX,
         stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         N, HQ, HEAD_GROUP, sm_scale,
@@ -57,33 +61,33 @@ def _block_sparse_fwd_kernel(
                 other=0.0)                                                               # [BLOCK_M, BLOCK_D]
     k_base = K + d[None, :]
     v_base = V + d[None, :]
-    count = tl.load(KV_COUNT + b * stride_cb + h * stride_ch + qblock)
+    lists = b * stride_cb + h * stride_ch + qblock
+    n_full = tl.load(KV_FULL + lists)
+    n_end = tl.load(KV_END + lists)
     index_base = KV_INDEX + b * stride_ib + h * stride_ih + qblock.to(tl.int64) * WIDTH   # this query block's list
     last_row = tl.minimum(tile * BLOCK_M + BLOCK_M, N) - 1
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for j in range(0, count):
-        kblock = tl.load(index_base + j)
-        start = kblock * BLOCK_SIZE
+    # the full blocks (no element mask), as one flat loop of BLOCK_N sub-tiles with
+    # unconditional loads: the compiler software-pipelines it
+    subs = BLOCK_SIZE // BLOCK_N   # sub-tiles of a block
+    for it in range(0, n_full * subs):
+        n0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_N
+        k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, BLOCK_N, rows, row_ok, d_ok,
+                                    CAUSAL, False, BLOCK_N)
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, False, DOT_FP32, PRECISION)
+    # then the masked ones (the causal diagonal, the ragged last block): the end of the list
+    for j in range(n_full, n_end):
+        start = tl.load(index_base + j) * BLOCK_SIZE
         end = tl.minimum(start + BLOCK_SIZE, N)
         if CAUSAL:
             end = tl.minimum(end, last_row + 1)     # keys after the tile's last row: skipped
-        # element masks only on the causal diagonal and the ragged last block
-        needs_mask = (start + BLOCK_SIZE > N)
-        if CAUSAL:
-            needs_mask = needs_mask | (start + BLOCK_SIZE > tile * BLOCK_M)
         for n0 in range(start, end, BLOCK_N):
-            if needs_mask:
-                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
-                                            d_ok, CAUSAL, True, BLOCK_N)
-                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, True, DOT_FP32, PRECISION)
-            else:
-                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
-                                            d_ok, CAUSAL, False, BLOCK_N)
-                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, False, DOT_FP32,
-                                                    PRECISION)
+            k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
+                                        d_ok, CAUSAL, True, BLOCK_N)
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, True, DOT_FP32, PRECISION)
     out = finalize(acc, m_i, l_i)                                                        # [BLOCK_M, BLOCK_D]
     O += (b * N * HQ + h) * HEAD_DIM
     tl.store(O + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], out.to(O.dtype.element_ty),
@@ -96,7 +100,7 @@ def _block_sparse_fwd_kernel(
 
 @triton.jit
 def _block_sparse_bwd_dq_kernel(
-        Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, KV_COUNT, KV_INDEX,
+        Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, KV_FULL, KV_END, KV_INDEX,
         stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh,
@@ -124,31 +128,31 @@ def _block_sparse_bwd_dq_kernel(
     V += b * stride_vb + kvh * stride_vh
     k_base = K + d[None, :]
     v_base = V + d[None, :]
-    count = tl.load(KV_COUNT + b * stride_cb + h * stride_ch + qblock)
+    lists = b * stride_cb + h * stride_ch + qblock
+    n_full = tl.load(KV_FULL + lists)
+    n_end = tl.load(KV_END + lists)
     index_base = KV_INDEX + b * stride_ib + h * stride_ih + qblock.to(tl.int64) * WIDTH   # this query block's list
     last_row = tl.minimum(tile * BLOCK_M + BLOCK_M, N) - 1
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for j in range(0, count):
-        kblock = tl.load(index_base + j)
-        start = kblock * BLOCK_SIZE
+    subs = BLOCK_SIZE // BLOCK_N   # sub-tiles of a block
+    for it in range(0, n_full * subs):   # full blocks: one flat, pipelinable loop
+        n0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_N
+        k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, BLOCK_N, rows, row_ok, d_ok,
+                                    CAUSAL, False, BLOCK_N)
+        p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, False, DOT_FP32,
+                                   PRECISION)                                            # [BLOCK_M, BLOCK_N]
+        dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+    for j in range(n_full, n_end):       # masked blocks: the end of the list
+        start = tl.load(index_base + j) * BLOCK_SIZE
         end = tl.minimum(start + BLOCK_SIZE, N)
         if CAUSAL:
             end = tl.minimum(end, last_row + 1)
-        needs_mask = (start + BLOCK_SIZE > N)
-        if CAUSAL:
-            needs_mask = needs_mask | (start + BLOCK_SIZE > tile * BLOCK_M)
         for n0 in range(start, end, BLOCK_N):
-            if needs_mask:
-                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
-                                            d_ok, CAUSAL, True, BLOCK_N)
-                p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, True,
-                                           DOT_FP32, PRECISION)                          # [BLOCK_M, BLOCK_N]
-            else:
-                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
-                                            d_ok, CAUSAL, False, BLOCK_N)
-                p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, False,
-                                           DOT_FP32, PRECISION)
+            k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
+                                        d_ok, CAUSAL, True, BLOCK_N)
+            p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, True, DOT_FP32,
+                                       PRECISION)
             dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
     DQ += bnhd_offset(b, h, N, HQ, HEAD_DIM)
     tl.store(DQ + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
@@ -156,8 +160,30 @@ def _block_sparse_bwd_dq_kernel(
 
 
 @triton.jit
+def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N, stride_qn, stride_don,
+               sm_scale, d, d_ok, CAUSAL_MASK: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """Add the query rows [m0, m0 + BLOCK_M) to the key tile's (dk, dv). Rows past N load as
+    zero with empty statistics (P = 0); CAUSAL_MASK also drops keys after the query."""
+    qrows = m0 + tl.arange(0, BLOCK_M)                                                   # [BLOCK_M]
+    q_ok = qrows < N
+    qrows64 = qrows.to(tl.int64)
+    q_mask = q_ok[:, None] & d_ok[None, :]                                               # [BLOCK_M, BLOCK_D]
+    qt = tl.load(q_base + qrows64[:, None] * stride_qn + d[None, :], mask=q_mask, other=0.0)
+    dot_ = tl.load(do_base + qrows64[:, None] * stride_don + d[None, :], mask=q_mask, other=0.0)
+    rows_st = stats + qrows   # into ROW_MAX, ROW_SUM, DELTA; one sum: no new spill on sm90
+    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, rows_st, q_ok)
+    delta = tl.load(DELTA + rows_st, mask=q_ok, other=0.0)
+    p, ds = softmax_grad_block(qt, k, v, dot_, row_max, row_log2l, delta, sm_scale, keys[None, :] <= qrows[:, None],
+                               CAUSAL_MASK, DOT_FP32, PRECISION)                         # [BLOCK_M, BLOCK_N]
+    dv += dot(tl.trans(p.to(dot_.dtype)), dot_, DOT_FP32, PRECISION)
+    dk += dot(tl.trans(ds.to(qt.dtype)), qt, DOT_FP32, PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def _block_sparse_bwd_dkdv_kernel(
-        Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DK, DV, Q_COUNT, Q_INDEX,
+        Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DK, DV, Q_SKIP, Q_FULL, Q_COUNT, Q_INDEX,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh,
         stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
@@ -171,7 +197,6 @@ def _block_sparse_bwd_dkdv_kernel(
     kblock = (tile * BLOCK_N) // BLOCK_SIZE
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    m_off = tl.arange(0, BLOCK_M)
     keys64 = keys.to(tl.int64)
     tile_mask = key_ok[:, None] & d_ok[None, :]                                           # [BLOCK_N, BLOCK_D]
     K += b * stride_kb + kvh * stride_kh
@@ -179,44 +204,32 @@ def _block_sparse_bwd_dkdv_kernel(
     k = tl.load(K + keys64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)    # [BLOCK_N, BLOCK_D]
     v = tl.load(V + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)    # [BLOCK_N, BLOCK_D]
     first_key = tile * BLOCK_N
+    subs = BLOCK_SIZE // BLOCK_M   # query sub-tiles of a block
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     stats = (b * HKV + kvh) * HEAD_GROUP * N   # head h's rows of ROW_MAX, ROW_SUM, DELTA (B, HQ, N)
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
-        count = tl.load(Q_COUNT + b * stride_cb + h * stride_ch + kblock)
+        lists = b * stride_cb + h * stride_ch + kblock
+        n_skip = tl.load(Q_SKIP + lists)
+        n_full = tl.load(Q_FULL + lists)
+        count = tl.load(Q_COUNT + lists)
         index_base = Q_INDEX + b * stride_ib + h * stride_ih + kblock.to(tl.int64) * WIDTH   # this key block's list
-        for j in range(0, count):
-            qblock = tl.load(index_base + j)
-            start = qblock * BLOCK_SIZE
+        # the causal diagonal block (masked), then the full blocks below it, whose loads are
+        # unconditional in one flat loop the compiler software-pipelines. Queries past N
+        # load as zero with empty statistics (P = 0): no mask needed for them.
+        for j in range(n_skip, n_full):
+            start = tl.load(index_base + j) * BLOCK_SIZE
             end = tl.minimum(start + BLOCK_SIZE, N)
-            if CAUSAL:
-                start = tl.maximum(start, (first_key // BLOCK_M) * BLOCK_M)   # queries before the keys: none
-            # queries past N load as zero with empty statistics (P = 0): no mask needed for them
-            needs_mask = False
-            if CAUSAL:
-                needs_mask = qblock * BLOCK_SIZE < first_key + BLOCK_N
+            start = tl.maximum(start, (first_key // BLOCK_M) * BLOCK_M)   # queries before the keys: none
             for m0 in range(start, end, BLOCK_M):
-                qrows = m0 + m_off                                                        # [BLOCK_M]
-                q_ok = qrows < end
-                qrows64 = qrows.to(tl.int64)
-                qt = tl.load(q_base + qrows64[:, None] * stride_qn + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
-                             other=0.0)                                                   # [BLOCK_M, BLOCK_D]
-                dot_ = tl.load(do_base + qrows64[:, None] * stride_don + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
-                               other=0.0)                                                 # [BLOCK_M, BLOCK_D]
-                rows_st = stats + qrows   # into ROW_MAX, ROW_SUM, DELTA; one sum: no new spill on sm90
-                row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, rows_st, q_ok)
-                delta = tl.load(DELTA + rows_st, mask=q_ok, other=0.0)
-                if needs_mask:
-                    mask = keys[None, :] <= qrows[:, None]                                # [BLOCK_M, BLOCK_N]
-                    p, ds = softmax_grad_block(qt, k, v, dot_, row_max, row_log2l, delta, sm_scale, mask, True,
-                                               DOT_FP32, PRECISION)
-                else:
-                    p, ds = softmax_grad_block(qt, k, v, dot_, row_max, row_log2l, delta, sm_scale, q_ok[:, None],
-                                               False, DOT_FP32, PRECISION)
-                dv += dot(tl.trans(p.to(dot_.dtype)), dot_, DOT_FP32, PRECISION)
-                dk += dot(tl.trans(ds.to(qt.dtype)), qt, DOT_FP32, PRECISION)
+                dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
+                                    stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_M, DOT_FP32, PRECISION)
+        for it in range(n_full * subs, count * subs):
+            m0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_M
+            dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
+                                stride_qn, stride_don, sm_scale, d, d_ok, False, BLOCK_M, DOT_FP32, PRECISION)
         stats += N   # the next head's rows
     DK += (b * N * HKV + kvh) * HEAD_DIM
     DV += (b * N * HKV + kvh) * HEAD_DIM
@@ -242,6 +255,39 @@ def _block_lists(counts, indices, B, H):
                                  stride_ih=i.stride(1), WIDTH=indices.shape[3])
 
 
+def _list_positions(counts, indices, limits):
+    """For each list (ascending block indices, `counts` long), how many of its entries lie
+    below each of `limits` (one (rows,) tensor per limit): where that part of the list ends.
+    int32, shaped like counts (contiguous)."""
+    rows, width = indices.shape[2], indices.shape[3]
+    valid = torch.arange(width, device=indices.device) < counts.unsqueeze(-1)
+    return [(valid & (indices < lim.view(1, 1, rows, 1))).sum(-1, dtype=torch.int32) for lim in limits]
+
+
+def _key_lists(layout, N, causal):
+    """(full, end) per query block: its key list is [0, full) blocks that need no element
+    mask, then [full, end) the masked ones (the causal diagonal, the ragged last block);
+    blocks above the diagonal (causal) come after end."""
+    n, bs = layout.n_kv_blocks, layout.block_size
+    r = torch.arange(layout.n_q_blocks, device=layout.kv_indices.device, dtype=torch.int32)
+    full_lim = r if causal else torch.full_like(r, n)
+    if N % bs:
+        full_lim = full_lim.clamp(max=n - 1)
+    limits = (full_lim, r + 1) if causal else (full_lim,)
+    out = _list_positions(layout.kv_num_blocks, layout.kv_indices, limits)
+    return out[0], (out[1] if causal else layout.kv_num_blocks.contiguous())
+
+
+def _query_lists(layout, causal):
+    """(skip, full) per key block: its query list is [0, skip) blocks before the keys
+    (causal: nothing to do), [skip, full) the diagonal (masked), then the unmasked rest."""
+    c = torch.arange(layout.n_kv_blocks, device=layout.q_indices.device, dtype=torch.int32)
+    if not causal:
+        zero = torch.zeros_like(layout.q_num_blocks, dtype=torch.int32).contiguous()
+        return zero, zero
+    return tuple(_list_positions(layout.q_num_blocks, layout.q_indices, (c, c + 1)))
+
+
 def _tiles(cfg, block_size):
     bm, bn = min(cfg["BLOCK_M"], block_size), min(cfg["BLOCK_N"], block_size)
     return bm, bn
@@ -257,10 +303,11 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
     out = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
     row_max = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     row_sum = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
-    counts, index, lists = _block_lists(layout.kv_num_blocks, layout.kv_indices, B, Hq)
+    _, index, lists = _block_lists(layout.kv_num_blocks, layout.kv_indices, B, Hq)
+    full, end = _key_lists(layout, N, causal)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     _block_sparse_fwd_kernel[(triton.cdiv(N, bm) * B * Hq,)](
-        Q=q, K=k, V=v, O=out, ROW_MAX=row_max, ROW_SUM=row_sum, KV_COUNT=counts, KV_INDEX=index,
+        Q=q, K=k, V=v, O=out, ROW_MAX=row_max, ROW_SUM=row_sum, KV_FULL=full, KV_END=end, KV_INDEX=index,
         **_strides(q=q, k=k, v=v), **lists, N=N, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
         DOT_FP32=dot_fp32, PRECISION=precision, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
@@ -285,12 +332,14 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
                   DOT_FP32=dot_fp32, PRECISION=precision, num_warps=cfg.get("num_warps", 4),
                   num_stages=cfg.get("num_stages", 2))
     dq = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
-    counts, index, lists = _block_lists(layout.kv_num_blocks, layout.kv_indices, B, Hq)
+    _, index, lists = _block_lists(layout.kv_num_blocks, layout.kv_indices, B, Hq)
+    full, end = _key_lists(layout, N, causal)
     _block_sparse_bwd_dq_kernel[(triton.cdiv(N, bm) * B * Hq,)](
-        **common, DQ=dq, KV_COUNT=counts, KV_INDEX=index, **lists, HQ=Hq)
+        **common, DQ=dq, KV_FULL=full, KV_END=end, KV_INDEX=index, **lists, HQ=Hq)
     dk = torch.empty(B, N, Hkv, D, dtype=k.dtype, device=q.device)
     dv = torch.empty(B, N, Hkv, D, dtype=v.dtype, device=q.device)
     counts, index, lists = _block_lists(layout.q_num_blocks, layout.q_indices, B, Hq)
+    skip, full = _query_lists(layout, causal)
     _block_sparse_bwd_dkdv_kernel[(triton.cdiv(N, bn) * B * Hkv,)](
-        **common, DK=dk, DV=dv, Q_COUNT=counts, Q_INDEX=index, **lists, HKV=Hkv)
+        **common, DK=dk, DV=dv, Q_SKIP=skip, Q_FULL=full, Q_COUNT=counts, Q_INDEX=index, **lists, HKV=Hkv)
     return dq, dk, dv

@@ -7,8 +7,10 @@ from ..common.spec import KernelSpec, VariantSpec, dense_pairs
 from .mask import MASK_DILATED
 
 _MODULE = "triton_dilated.ops.ring.step_kernels"
-_TABLES = {"Q_POS": "i32", "K_POS": "i32", "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32", "LAYOUT": "i8"}
-_LAYOUT_STRIDES = frozenset({"stride_lb", "stride_lh"})   # block-table strides: any value, 0 broadcasts
+_TABLES = {"Q_POS": "i32", "K_POS": "i32", "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32", "LAYOUT": "i8",
+           "TILE_COUNT": "i32", "TILE_INDEX": "i32"}
+# block-table and tile-list strides: any value, 0 broadcasts
+_LAYOUT_STRIDES = frozenset({"stride_lb", "stride_lh", "stride_tb", "stride_th"})
 
 
 def count_pairs(B, N, H, causal, *, segment_lengths=None, dilation_rates=None, layout=None, mode="longnet",
@@ -84,8 +86,12 @@ SPEC = VariantSpec(
         KernelSpec("ring_step_bwd_dkdv", _MODULE, "_ring_step_bwd_dkdv_kernel", "ring_step_bwd",
                    pointers={"Q": "act", "K": "act", "V": "act", "DO": "act", "LSE": "fp32", "DELTA": "fp32",
                              "DK": "fp32", "DV": "fp32", **_TABLES}, odd_strides=_LAYOUT_STRIDES),
+        # the per-step lists of active tiles the three kernels above walk (compiled with the
+        # forward's tiles; the backward builds its lists with its own)
+        KernelSpec("ring_step_lists", _MODULE, "_ring_tile_lists_kernel", "ring_step_fwd",
+                   pointers={**_TABLES, "COUNT": "i32", "INDEX": "i32"}, odd_strides=_LAYOUT_STRIDES),
     ),
-    aot_constexprs={"NUM_PATTERNS": 3, "MASK_KIND": MASK_DILATED},
+    aot_constexprs={"NUM_PATTERNS": 3, "MASK_KIND": MASK_DILATED, "BY_KEY": False},
     problem=RingStepProblem,
     pairs=count_pairs,
 )

@@ -15,6 +15,7 @@ running state per step, no separate pass.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -45,7 +46,7 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYO
         ok = ok & (kpos[None, :] <= qpos[:, None])
     if MASK_KIND == MASK_DILATED:
         count = tl.zeros([qpos.shape[0], kpos.shape[0]], tl.float32)
-        for i in range(NUM_PATTERNS):
+        for i in tl.static_range(NUM_PATTERNS):   # unrolled: a nested loop would stop the pipeliner
             o = tl.load(PAT_OFF + i)
             w = tl.load(PAT_W + i)
             r = tl.load(PAT_R + i)
@@ -66,10 +67,51 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYO
 
 
 @triton.jit
+def _ring_tile_lists_kernel(
+        Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, COUNT, INDEX, stride_lb, stride_lh, LAYOUT_COLS,
+        NQ, NK, LH, layout_block,
+        MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BY_KEY: tl.constexpr):
+    """The active tiles of a step: for one query tile (BY_KEY: one key tile) of one (layout
+    batch, head) row, the ascending tiles of the other side with a counted pair, written to
+    INDEX (LB, LH, tiles, other tiles) with their number in COUNT (LB, LH, tiles)."""
+    n_tiles = tl.cdiv(NK, BLOCK_N) if BY_KEY else tl.cdiv(NQ, BLOCK_M)
+    n_other = tl.cdiv(NQ, BLOCK_M) if BY_KEY else tl.cdiv(NK, BLOCK_N)
+    tile, b, h = program_tile(n_tiles, LH)
+    row = (b * LH + h) * n_tiles + tile
+    INDEX += row * n_other
+    if BY_KEY:
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_ok = cols < NK
+        kpos = tl.load(K_POS + cols, mask=k_ok, other=0)
+    else:
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_ok = rows < NQ
+        qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)
+    count = tl.zeros([1], tl.int32).sum(0)   # an int32 scalar
+    for t in range(0, n_other):
+        if BY_KEY:
+            rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
+            q_ok = rows < NQ
+            qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)
+        else:
+            cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+            k_ok = cols < NK
+            kpos = tl.load(K_POS + cols, mask=k_ok, other=0)
+        log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF + h * NUM_PATTERNS,
+                                 LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS, layout_block, MASK_KIND,
+                                 NUM_PATTERNS, CAUSAL)                                   # [BLOCK_M, BLOCK_N]
+        active = tl.max(log_w) > float("-inf")
+        tl.store(INDEX + count, t, mask=active)
+        count += active.to(tl.int32)
+    tl.store(COUNT + row, count)
+
+
+@triton.jit
 def _ring_step_fwd_kernel(
-        Q, K, V, OUT, LSE, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT,
+        Q, K, V, OUT, LSE, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, TILE_COUNT, TILE_INDEX,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        stride_ob, stride_on, stride_oh, stride_lb, stride_lh, LAYOUT_COLS,
+        stride_ob, stride_on, stride_oh, stride_lb, stride_lh, LAYOUT_COLS, stride_tb, stride_th, TILE_WIDTH,
         NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -92,21 +134,30 @@ def _ring_step_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, NK, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
+    lists = b * stride_tb + h * stride_th + tile   # this query tile's list of key tiles
+    count = tl.load(TILE_COUNT + lists)
+    index_base = TILE_INDEX + lists * TILE_WIDTH
+    # only the key tiles with a counted pair (host-built list): no branch in the loop, whose
+    # loads the compiler software-pipelines
+    # the next tile's index is read an iteration ahead: loads addressed by a load of the same
+    # iteration cost the pipeliner a stage (one buffer fewer)
+    t_next = tl.load(index_base, mask=count > 0, other=0)
+    for j in range(0, count):
+        t = t_next
+        t_next = tl.load(index_base + j + 1, mask=j + 1 < count, other=0)
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         k_ok = cols < NK
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                 # [BLOCK_N]
         log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYOUT_COLS, layout_block,
                                  MASK_KIND, NUM_PATTERNS, CAUSAL)                        # [BLOCK_M, BLOCK_N]
-        if tl.max(log_w) > float("-inf"):   # a tile with no counted pair costs no matmul
-            # K, V addressed here rather than offset before the loop: fewer registers
-            cols64 = cols.to(tl.int64)
-            k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)                   # [BLOCK_N, BLOCK_D]
-            v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)                   # [BLOCK_N, BLOCK_D]
-            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, q_ok[:, None], False, DOT_FP32,
-                                                PRECISION, log_w, True)
+        # K, V addressed here rather than offset before the loop: fewer registers
+        cols64 = cols.to(tl.int64)
+        k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)                       # [BLOCK_N, BLOCK_D]
+        v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)                       # [BLOCK_N, BLOCK_D]
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, q_ok[:, None], False, DOT_FP32,
+                                            PRECISION, log_w, True)
     # merge (acc / l, lse_step) into the running (out, lse)
     part = finalize(acc, m_i, l_i)                                                       # [BLOCK_M, BLOCK_D]
     empty = l_i == 0.0
@@ -129,9 +180,10 @@ def _ring_step_fwd_kernel(
 
 @triton.jit
 def _ring_step_bwd_dq_kernel(
-        Q, K, V, DO, LSE, DELTA, DQ, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT,
+        Q, K, V, DO, LSE, DELTA, DQ, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, TILE_COUNT, TILE_INDEX,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh, stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, LAYOUT_COLS,
+        stride_tb, stride_th, TILE_WIDTH,
         NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -154,34 +206,39 @@ def _ring_step_bwd_dq_kernel(
     row_max = tl.where(lse == float("-inf"), float("inf"), lse)   # the global lse: P = w exp(s - lse)
     row_log2l = tl.zeros([BLOCK_M], tl.float32)
     delta = tl.load(DELTA + stats + rows, mask=q_ok, other=0.0)
+    lists = b * stride_tb + h * stride_th + tile   # this query tile's list of key tiles
+    count = tl.load(TILE_COUNT + lists)
+    index_base = TILE_INDEX + lists * TILE_WIDTH
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, NK, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
+    t_next = tl.load(index_base, mask=count > 0, other=0)   # read an iteration ahead (as in the forward)
+    for j in range(0, count):   # the active key tiles only: a branch-free, pipelined loop
+        t = t_next
+        t_next = tl.load(index_base + j + 1, mask=j + 1 < count, other=0)
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         k_ok = cols < NK
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                   # [BLOCK_N]
         log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF + h * NUM_PATTERNS,
                                  LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS, layout_block,
                                  MASK_KIND, NUM_PATTERNS, CAUSAL)                          # [BLOCK_M, BLOCK_N]
-        if tl.max(log_w) > float("-inf"):
-            # K, V addressed here rather than offset before the loop: fewer registers
-            cols64 = cols.to(tl.int64)
-            k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)                     # [BLOCK_N, BLOCK_D]
-            v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)                     # [BLOCK_N, BLOCK_D]
-            p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, q_ok[:, None], False,
-                                       DOT_FP32, PRECISION, log_w, True)
-            dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+        # K, V addressed here rather than offset before the loop: fewer registers
+        cols64 = cols.to(tl.int64)
+        k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)                         # [BLOCK_N, BLOCK_D]
+        v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)                         # [BLOCK_N, BLOCK_D]
+        p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, q_ok[:, None], False,
+                                   DOT_FP32, PRECISION, log_w, True)
+        dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqn + d[None, :]
     tl.store(dq_ptrs, tl.load(dq_ptrs, mask=tile_mask, other=0.0) + dq * sm_scale, mask=tile_mask)
 
 
 @triton.jit
 def _ring_step_bwd_dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT,
+        Q, K, V, DO, LSE, DELTA, DK, DV, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, TILE_COUNT, TILE_INDEX,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-        stride_lb, stride_lh, LAYOUT_COLS,
+        stride_lb, stride_lh, LAYOUT_COLS, stride_tb, stride_th, TILE_WIDTH,
         NQ, NK, HKV, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -209,24 +266,29 @@ def _ring_step_bwd_dkdv_kernel(
         stats = (b * HKV * HEAD_GROUP + h) * NQ   # into LSE, DELTA (B, HQ, NQ)
         pat_off = PAT_OFF + h * NUM_PATTERNS
         layout = LAYOUT + b * stride_lb + h * stride_lh
-        for m0 in range(0, NQ, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
+        lists = b * stride_tb + h * stride_th + tile   # this key tile's list of query tiles for head h
+        count = tl.load(TILE_COUNT + lists)
+        index_base = TILE_INDEX + lists * TILE_WIDTH
+        t_next = tl.load(index_base, mask=count > 0, other=0)   # read an iteration ahead (as in the forward)
+        for j in range(0, count):   # the active query tiles only: a branch-free, pipelined loop
+            t = t_next
+            t_next = tl.load(index_base + j + 1, mask=j + 1 < count, other=0)
+            rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
             q_ok = rows < NQ
             qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)                               # [BLOCK_M]
             log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, pat_off, layout, LAYOUT_COLS,
                                      layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)        # [BLOCK_M, BLOCK_N]
-            if tl.max(log_w) > float("-inf"):
-                rows64 = rows.to(tl.int64)
-                q_mask = q_ok[:, None] & d_ok[None, :]                                     # [BLOCK_M, BLOCK_D]
-                q = tl.load(q_base + rows64[:, None] * stride_qn + d[None, :], mask=q_mask, other=0.0)
-                do = tl.load(do_base + rows64[:, None] * stride_don + d[None, :], mask=q_mask, other=0.0)
-                lse = tl.load(LSE + stats + rows, mask=q_ok, other=float("-inf"))
-                row_max = tl.where(lse == float("-inf"), float("inf"), lse)
-                delta = tl.load(DELTA + stats + rows, mask=q_ok, other=0.0)
-                p, ds = softmax_grad_block(q, k, v, do, row_max, tl.zeros([BLOCK_M], tl.float32), delta, sm_scale,
-                                           q_ok[:, None], False, DOT_FP32, PRECISION, log_w, True)
-                dv += dot(tl.trans(p.to(do.dtype)), do, DOT_FP32, PRECISION)
-                dk += dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32, PRECISION)
+            rows64 = rows.to(tl.int64)
+            q_mask = q_ok[:, None] & d_ok[None, :]                                         # [BLOCK_M, BLOCK_D]
+            q = tl.load(q_base + rows64[:, None] * stride_qn + d[None, :], mask=q_mask, other=0.0)
+            do = tl.load(do_base + rows64[:, None] * stride_don + d[None, :], mask=q_mask, other=0.0)
+            lse = tl.load(LSE + stats + rows, mask=q_ok, other=float("-inf"))
+            row_max = tl.where(lse == float("-inf"), float("inf"), lse)
+            delta = tl.load(DELTA + stats + rows, mask=q_ok, other=0.0)
+            p, ds = softmax_grad_block(q, k, v, do, row_max, tl.zeros([BLOCK_M], tl.float32), delta, sm_scale,
+                                       q_ok[:, None], False, DOT_FP32, PRECISION, log_w, True)
+            dv += dot(tl.trans(p.to(do.dtype)), do, DOT_FP32, PRECISION)
+            dk += dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32, PRECISION)
     dk_ptrs = DK + cols64[:, None] * stride_dkn + d[None, :]
     dv_ptrs = DV + cols64[:, None] * stride_dvn + d[None, :]
     tl.store(dk_ptrs, tl.load(dk_ptrs, mask=tile_mask, other=0.0) + dk * sm_scale, mask=tile_mask)
@@ -259,6 +321,38 @@ def _mask_args(mask: StepMask, B, H):
                 stride_lh=t.stride(1), LAYOUT_COLS=lay.shape[3], layout_block=mask.layout_block, **mask.kernel_meta())
 
 
+def _list_shape(mask: StepMask, Hq):
+    """(LB, LH) of the tile lists: what the mask varies over (the dilated offsets differ per
+    query head; a block table may have batch and head dimensions)."""
+    if mask.kind == step_mask.MASK_DILATED:
+        return 1, Hq
+    if mask.kind == step_mask.MASK_LAYOUT:
+        return tuple(mask.layout.shape[:2])
+    return 1, 1
+
+
+def _tile_lists(q_pos, k_pos, mask: StepMask, B, Hq, block_m, block_n, by_key):
+    """The active tiles of a step as kernel keywords: TILE_COUNT (LB, LH, tiles) and
+    TILE_INDEX (LB, LH, tiles, other tiles), per query tile its key tiles with a counted pair
+    (by_key: per key tile its query tiles), read through zero strides where they broadcast."""
+    NQ, NK = q_pos.shape[0], k_pos.shape[0]
+    LB, LH = _list_shape(mask, Hq)
+    n_q, n_k = triton.cdiv(NQ, block_m), triton.cdiv(NK, block_n)
+    n_tiles, n_other = (n_k, n_q) if by_key else (n_q, n_k)
+    count = torch.empty(LB, LH, n_tiles, dtype=torch.int32, device=q_pos.device)
+    if mask.kind == step_mask.MASK_DENSE and not mask.causal:   # every tile
+        count.fill_(n_other)
+        index = torch.arange(n_other, dtype=torch.int32, device=q_pos.device).expand(LB, LH, n_tiles, n_other)
+    else:
+        index = torch.empty(LB, LH, n_tiles, n_other, dtype=torch.int32, device=q_pos.device)
+        _ring_tile_lists_kernel[(LB * LH * n_tiles,)](
+            Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, LB, LH), COUNT=count, INDEX=index, NQ=NQ, NK=NK, LH=LH,
+            BLOCK_M=block_m, BLOCK_N=block_n, BY_KEY=by_key)
+    c = count.expand(B, Hq, n_tiles)
+    return dict(TILE_COUNT=count, TILE_INDEX=index.contiguous(), stride_tb=c.stride(0), stride_th=c.stride(1),
+                TILE_WIDTH=n_other)
+
+
 @on_tensor_device
 def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale, config=None):
     """Fold the shard (k, v at global positions k_pos) into the running out (fp32, like q)
@@ -271,6 +365,7 @@ def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale, conf
     _, cfg, meta = _config(q, "ring_step_fwd", config)
     _ring_step_fwd_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
         Q=q, K=k, V=v, OUT=out, LSE=lse, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq),
+        **_tile_lists(q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"], False),
         **_strides(q=q, k=k, v=v, o=out), NQ=NQ, NK=NK, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale, **meta)
 
 
@@ -287,7 +382,8 @@ def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepM
     _, cfg, meta = _config(q, "ring_step_bwd", config)
     common = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq),
                   **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=scale, **meta)
+    tiles = (q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"])
     _ring_step_bwd_dq_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
-        **common, DQ=dq, **_strides(dq=dq), HQ=Hq)
+        **common, DQ=dq, **_strides(dq=dq), HQ=Hq, **_tile_lists(*tiles, False))
     _ring_step_bwd_dkdv_kernel[(triton.cdiv(NK, cfg["BLOCK_N"]) * B * Hkv,)](
-        **common, DK=dk, DV=dv, **_strides(dk=dk, dv=dv), HKV=Hkv)
+        **common, DK=dk, DV=dv, **_strides(dk=dk, dv=dv), HKV=Hkv, **_tile_lists(*tiles, True))
