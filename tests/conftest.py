@@ -9,9 +9,22 @@ DEVICE = os.environ.get("TRITON_DILATED_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # read when kernels are decorated: set it first
 
+import importlib  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+
+# The package loads its kernel files at the first Triton call, and triton fixes interpreted
+# or compiled when a kernel is defined. Define them all now, under the setting above, so a
+# test that sets TRITON_INTERPRET=0 for a while cannot decide it for the tests after it.
+for _module in ("ops.common.kernels", "ops.common.decode_kernels", "ops.dilated.kernels",
+                "ops.dilated.decode_kernels", "ops.block_sparse.kernels", "ops.block_sparse.decode_kernels",
+                "ops.ring.step_kernels"):
+    try:
+        importlib.import_module("triton_dilated." + _module)
+    except ImportError:      # no triton: the portable backend's tests still run
+        break
 
 # ci: derandomized (a failure reproduces exactly), no shrinking (the interpreter makes
 # each example cost seconds; the failing example is printed as generated).

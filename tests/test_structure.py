@@ -74,6 +74,11 @@ def _package_files():
     return sorted(p for p in PACKAGE.rglob("*.py"))
 
 
+# runtime.triton_importable() imports triton inside a try (the backend dispatch asks whether
+# it is there); it must not import the kernel files, which would fix interpreted-or-compiled
+AVAILABILITY_PROBE = {("ops/common/runtime.py", "triton"), ("ops/common/runtime.py", "triton.language")}
+
+
 def test_only_kernel_files_import_triton():
     offenders = []
     for path in _package_files():
@@ -81,7 +86,7 @@ def test_only_kernel_files_import_triton():
         if name in KERNEL_FILES or name in TOOLS:
             continue
         for mod, line in _imports(path):
-            if mod == "triton" or mod.startswith("triton."):
+            if (mod == "triton" or mod.startswith("triton.")) and (name, mod) not in AVAILABILITY_PROBE:
                 offenders.append(f"{name}:{line} imports {mod}")
     assert not offenders, "\n".join(offenders)
 

@@ -104,11 +104,8 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
     scale = _check_args(q, k, v, layout, causal, scale, return_lse, packed=cu_seqlens is not None,
                         allow_shorter_q=True)
     B, N, Hq, D = q.shape
-    lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1])
+    lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1], cu_seqlens)
     if lengths is not None or k.shape[1] != N:
-        if cu_seqlens is not None:
-            raise ValueError("cu_seqlens (packed documents) cannot be combined with q shorter than k, v or with "
-                             "cache_seqlens")
         layout.check_seq_len(k.shape[1])
         layout.check_heads(B, Hq)
         path = decode_path(backend, q, k, v, CONFIG_FAMILIES[:1])

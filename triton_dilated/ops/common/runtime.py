@@ -18,9 +18,12 @@ BACKENDS = ("auto", "triton", "torch")
 
 @functools.lru_cache(maxsize=None)
 def triton_importable() -> bool:
-    """Whether triton (and with it the kernel files) imports on this machine."""
+    """Whether triton imports on this machine. Only triton itself: importing the kernel files
+    would define their jit functions, fixing interpreted-or-compiled by TRITON_INTERPRET as it
+    is now (a later TRITON_INTERPRET=1 would then not switch them)."""
     try:
-        from . import kernels  # noqa: F401  (imports triton)
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
     except ImportError:
         return False
     return True

@@ -152,9 +152,13 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int):
     return bounds
 
 
-def check_cache_seqlens(cache_seqlens, batch: int, q_len: int, kv_len: int):
+def check_cache_seqlens(cache_seqlens, batch: int, q_len: int, kv_len: int, cu_seqlens=None):
     """cache_seqlens (DESIGN §5b): an integer tensor (B,) of valid key rows per batch row,
-    queries included, each in [Nq, Nk]. Returns a tuple of ints, or None."""
+    queries included, each in [Nq, Nk]. Returns a tuple of ints, or None. Packed documents
+    (cu_seqlens) do not combine with queries shorter than keys."""
+    if cu_seqlens is not None and (cache_seqlens is not None or q_len != kv_len):
+        raise ValueError("cu_seqlens (packed documents) cannot be combined with q shorter than k, v or with "
+                         "cache_seqlens")
     if cache_seqlens is None:
         return None
     if not isinstance(cache_seqlens, torch.Tensor):

@@ -121,11 +121,8 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     patterns, scale = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
                                   allow_shorter_q=True)
     B, N, Hq, D = q.shape
-    lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1])
+    lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1], cu_seqlens)
     if lengths is not None or k.shape[1] != N:
-        if cu_seqlens is not None:
-            raise ValueError("cu_seqlens (packed documents) cannot be combined with q shorter than k, v or with "
-                             "cache_seqlens")
         path = decode_path(backend, q, k, v, CONFIG_FAMILIES[:1])
         if path is not None:
             out, lse = _decode(q, k, v, patterns, head_offsets(Hq, patterns, mode, offsets), lengths, cache_seqlens,
