@@ -7,7 +7,7 @@
 #                                         interpreter, no GPU needed (tests/test_gpu_check.py)
 #
 # The most valuable numbers first; each stage under its own `timeout`, writing its rows as it
-# goes (a failing or slow stage never stops the next). Stage limits add up to 445 s (+ 5 s
+# goes (a failing or slow stage never stops the next). Stage limits add up to 440 s (+ 5 s
 # each to kill a stage that ignores SIGTERM); with the GPU check before (30 + 5 s at most) and
 # the result tables after (20 + 5 s) even a run where everything hits its limit takes 9 minutes.
 #   1. smoke (25 s)      nvidia-smi (clocks, power), python/python3, a C compiler, Python.h and
@@ -19,12 +19,15 @@
 #                        (perf/gpu_key_rows.py -> key_rows.csv)
 #   3. breakdown (40 s)  torch.profiler per kernel of one dilated fwd+bwd at the key shape:
 #                        fwd, dQ, dK/dV, delta, rest (perf/kernel_breakdown.py -> kernel_breakdown.csv)
-#   4. configs (75 s)    config A/B of the dilated forward and backward at the key shape,
+#   4. configs (70 s)    config A/B of the dilated forward and backward at the key shape,
 #                        paired against the defaults (perf/config_ab.py -> config_ab.csv)
 #   5. flex (75 s)       block-sparse vs FlexAttention (compiled) and dense at 16K, ~90% sparsity
 #                        (perf/block_sparse_vs_flex.py -> block_sparse_vs_flex.csv)
 #   6. ringstep (25 s)   issue 4's one-GPU ring check (perf/ring_step_vs_dense.py -> ring_step_vs_dense.txt)
-#   7. tests (120 s)     the test suite on CUDA with compiled kernels, bf16 included, 12 xdist
+#   6b. decode (20 s)    one decode step (bf16, H = 16, D = 128) at 4K, 32K, 256K and 1M tokens of
+#                        context: dilated (Triton decode kernel) vs dense SDPA on the same cache
+#                        (python -m triton_dilated.perf decode -> decode.csv)
+#   7. tests (100 s)     the test suite on CUDA with compiled kernels, bf16 included, 12 xdist
 #                        workers (TRITON_DILATED_TEST_DEVICE=cuda) -> tests.log, tests.xml
 #   then the result tables.
 # Python: $PYTHON if set, else python, else python3 on PATH.
@@ -69,6 +72,7 @@ if [ "$DRY" = 1 ]; then
   CONFIG_ARGS=("${SHAPE[@]}" --quick --causal yes --fwd-configs 16,16,4,1 --bwd-configs 16,16,4,1)
   FLEX_ARGS=("${SHAPE[@]}" --block-size 32 --quick)
   RING_ARGS=("${SHAPE[@]}" --worlds 2)
+  DECODE_ARGS=(--contexts 256 512 --heads 2 --head-dim 16 --dtype float32 --budget 0.05)
   TEST_ARGS=(tests/test_perf.py -k "plan_cli")
   SCALE=${GPU_CHECK_DRY_SCALE:-4}      # the interpreter on a shared CPU: longer limits
 else
@@ -79,6 +83,7 @@ else
   CONFIG_ARGS=()
   FLEX_ARGS=()
   RING_ARGS=()
+  DECODE_ARGS=(--contexts 4096 32768 262144 1048576 --budget 0.2)
   # CPU-only suites (the gloo ring processes, notebooks, the ahead-of-time compile) run in CI:
   # not here, where the ring children would fall back to the slow interpreter and the real
   # compiles make the AOT one redundant. The ring step kernels do run here.
@@ -132,10 +137,12 @@ fi
 
 stage key 85 "$PY" perf/gpu_key_rows.py --out "$OUT/key_rows.csv" "${KEY_ARGS[@]}"
 stage breakdown 40 "$PY" perf/kernel_breakdown.py --out "$OUT/kernel_breakdown.csv" "${BREAKDOWN_ARGS[@]}"
-stage configs 75 "$PY" perf/config_ab.py --out "$OUT/config_ab.csv" "${CONFIG_ARGS[@]}"
+stage configs 70 "$PY" perf/config_ab.py --out "$OUT/config_ab.csv" "${CONFIG_ARGS[@]}"
 stage flex 75 "$PY" perf/block_sparse_vs_flex.py --out "$OUT/block_sparse_vs_flex.csv" "${FLEX_ARGS[@]}"
 stage ringstep 25 bash -c '"$1" perf/ring_step_vs_dense.py "${@:2}" > "$0/ring_step_vs_dense.txt" 2>&1; rc=$?;
   cat "$0/ring_step_vs_dense.txt"; exit $rc' "$OUT" "$PY" "${RING_ARGS[@]}"
+stage decode 20 "$PY" -m triton_dilated.perf decode --out "$OUT/decode.csv" --memory-contexts --max-call-seconds 5 \
+  "${DECODE_ARGS[@]}"
 
 # the test suite last: its GPU-only value (compiled bf16 numerics, bounds) is real, but compile
 # errors are already excluded by the ahead-of-time check in CPU CI
@@ -144,7 +151,7 @@ if [ "$DRY" = 0 ]; then
   "$PY" -c "import xdist" 2>/dev/null && PYTEST_ARGS+=(-n 12)
   "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=100)
 fi
-stage tests 120 "$PY" -m pytest "${TEST_ARGS[@]}" "${PYTEST_ARGS[@]}" > "$OUT/tests.log" 2>&1
+stage tests 100 "$PY" -m pytest "${TEST_ARGS[@]}" "${PYTEST_ARGS[@]}" > "$OUT/tests.log" 2>&1
 tail -40 "$OUT/tests.log"
 
 echo

@@ -16,7 +16,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "perf" / "gpu_check.sh"
-STAGES = ["smoke", "key", "breakdown", "configs", "flex", "ringstep", "tests"]
+STAGES = ["smoke", "key", "breakdown", "configs", "flex", "ringstep", "decode", "tests"]
 
 
 def _load(name):
@@ -94,6 +94,8 @@ def test_dry_run_runs_every_stage_in_order_and_each_writes_its_rows(tmp_path):
     assert {"local", "bigbird"} == {r["variant"] for r in flex}
 
     assert "steps/one" in (out / "ring_step_vs_dense.txt").read_text()
+    decode = {(r["provider"], r["N"]) for r in _rows(out / "decode.csv") if r["metric"] == "ms"}
+    assert {(p, n) for p in ("dilated", "dilated_bounded", "sdpa_dense") for n in ("256", "512")} <= decode
     assert " passed" in (out / "tests.log").read_text()
     assert "== results ==" in proc.stdout
 
