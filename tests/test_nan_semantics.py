@@ -19,26 +19,19 @@ from triton_dilated import BlockLayout, block_sparse_attention, dilated_attentio
 from triton_dilated.ops.block_sparse.naive import block_sparse_attention_naive, element_mask
 from triton_dilated.ops.common.lse import masked_attention_with_lse, merge_partials
 from triton_dilated.ops.dilated.naive import dilated_attention_naive, dilated_multiplicity
+from triton_dilated.ops.dilated.patterns import head_offsets
+from triton_dilated.ops.ring.mask import MASK_DILATED, MASK_LAYOUT, StepMask
+from triton_dilated.ops.ring.step_kernels import step_forward
 
 NAN, INF = float("nan"), float("inf")
 
-# The Triton kernels (read-only for the numerics work) break the rule in three ways; each
-# xfail is strict, so a kernel fix shows up as a failure here and the mark goes.
-TRITON_V = pytest.mark.xfail(strict=True, reason="Triton kernels: lse comes from the row statistics, which never "
-                                                 "see v (NaN/Inf in v leaves lse finite; Inf in v gives +-Inf, not "
-                                                 "NaN), and causal tiles multiply masked P = 0 by v (0 * NaN spreads "
-                                                 "to earlier rows)")
-TRITON_K_INF = pytest.mark.xfail(strict=True, reason="Triton kernels: an infinite key gives a -inf score for some "
-                                                     "rows, which drop the key and stay finite")
-
-
-def _inputs(B, N, Hq, Hkv, D, which, pos, head, value, seed=0):
+def _inputs(B, N, Hq, Hkv, D, which, pos, head, value, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, N, Hq, D, generator=g)
     k, v = (torch.randn(B, N, Hkv, D, generator=g) for _ in range(2))
     {"q": q, "k": k, "v": v}[which][0, pos, head, 3] = value
     dev = torch.device(DEVICE)
-    return q.to(dev), k.to(dev), v.to(dev)
+    return q.to(dev, dtype), k.to(dev, dtype), v.to(dev, dtype)
 
 
 def _reads(pairs, which, pos, head, group):
@@ -73,10 +66,11 @@ def _check(name, out, lse, rows, clean_out, clean_lse):
 DIL = dict(B=2, N=64, Hq=4, Hkv=2, D=16, ws=[16, 64], rs=[1, 2])
 
 
-def _dilated_case(backend, causal, which, value, scale=None):
+def _dilated_case(backend, causal, which, value, scale=None, dtype=torch.float32):
     c = DIL
     pos, head = 21, 1
-    q, k, v = _inputs(c["B"], c["N"], c["Hq"], c["Hkv"], c["D"], which, pos, head if which != "q" else 2, value)
+    q, k, v = _inputs(c["B"], c["N"], c["Hq"], c["Hkv"], c["D"], which, pos, head if which != "q" else 2, value,
+                      dtype=dtype)
     pairs = dilated_multiplicity(c["N"], c["ws"], c["rs"], c["Hq"], causal=causal) > 0
     rows = _reads(pairs, which, pos, head if which != "q" else 2, c["Hq"] // c["Hkv"])
     assert rows.any() and not rows.all()
@@ -108,12 +102,19 @@ def test_dilated_oracle(causal, which, value):
     _dilated_case("naive", causal, which, value)
 
 
-@pytest.mark.parametrize("which,value", [("q", NAN), ("k", NAN), ("q", INF),
-                                         pytest.param("k", INF, marks=TRITON_K_INF),
-                                         pytest.param("v", NAN, marks=TRITON_V)], ids=str)
+# float32 inputs take the exact softmax form, 16-bit ones the FMA form (ops/common/kernels.py):
+# every case in float32, the ones each form treats apart (infinite key, value) in bfloat16
+TRITON_CASES = pytest.mark.parametrize(
+    "which,value,dtype",
+    [(w, x, torch.float32) for w, x in (("q", NAN), ("k", NAN), ("q", INF), ("k", INF), ("k", -INF), ("v", NAN),
+                                        ("v", INF))]
+    + [(w, x, torch.bfloat16) for w, x in (("k", INF), ("v", NAN), ("v", INF))], ids=str)
+
+
+@TRITON_CASES
 @pytest.mark.parametrize("causal", [False, True])
-def test_dilated_triton(causal, which, value):
-    _dilated_case("triton", causal, which, value)
+def test_dilated_triton(causal, which, value, dtype):
+    _dilated_case("triton", causal, which, value, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------- block-sparse
@@ -130,10 +131,10 @@ def _layout():
     return BlockLayout.from_dense(dense, 16)
 
 
-def _block_sparse_case(backend, causal, which, pos, value, scale=None):
+def _block_sparse_case(backend, causal, which, pos, value, scale=None, dtype=torch.float32):
     N, layout = 100, _layout()
     head = 0
-    q, k, v = _inputs(2, N, 2, 1, 16, which, pos, head, value)
+    q, k, v = _inputs(2, N, 2, 1, 16, which, pos, head, value, dtype=dtype)
     pairs = element_mask(layout, N, causal)[0, 0].expand(2, N, N)
     rows = _reads(pairs, which, pos, head, 2)
     assert rows.any() and not rows.all()
@@ -167,12 +168,49 @@ def test_block_sparse_oracle(causal, which, pos, value):
     _block_sparse_case("naive", causal, which, pos, value)
 
 
-@pytest.mark.parametrize("which,value", [("q", NAN), ("k", NAN), pytest.param("k", INF, marks=TRITON_K_INF),
-                                         pytest.param("v", NAN, marks=TRITON_V)], ids=str)
+@TRITON_CASES
 @pytest.mark.parametrize("pos", [2, 40])
 @pytest.mark.parametrize("causal", [False, True])
-def test_block_sparse_triton(causal, which, pos, value):
-    _block_sparse_case("triton", causal, which, pos, value)
+def test_block_sparse_triton(causal, which, pos, value, dtype):
+    _block_sparse_case("triton", causal, which, pos, value, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- ring step
+
+@pytest.mark.parametrize("which,value,dtype", [("q", NAN, torch.float32), ("k", NAN, torch.float32),
+                                               ("k", INF, torch.float32), ("v", NAN, torch.float32),
+                                               ("k", INF, torch.bfloat16), ("v", INF, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("kind", [MASK_DILATED, MASK_LAYOUT], ids=["dilated", "layout"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_step_triton(causal, kind, which, value, dtype):
+    """The ring step kernel, shard by shard on one process: the merged (out, lse) follow the
+    rule, whichever shard holds the bad element and in whatever order the shards come."""
+    B, N, Hq, Hkv, D = 2, 48, 4, 2, 16
+    pos, head = 21, (2 if which == "q" else 1)
+    q, k, v = _inputs(B, N, Hq, Hkv, D, which, pos, head, value, dtype=dtype)
+    pats = ((8, 1), (24, 2), (48, 3))
+    dense = torch.zeros(3, 3, dtype=torch.bool)
+    for i in range(3):
+        dense[i, max(0, i - 1):i + 1] = True
+    lay = BlockLayout.from_dense(dense, 16)
+    mask = StepMask(kind, causal, q.device, patterns=pats, table=head_offsets(Hq, pats, "longnet", "modulo"),
+                    layout=lay)
+    if kind == MASK_DILATED:
+        pairs = dilated_multiplicity(N, [w for w, _ in pats], [r for _, r in pats], Hq, causal=causal) > 0
+    else:
+        pairs = element_mask(lay, N, causal)[0, 0].expand(Hq, N, N)
+    rows = _reads(pairs, which, pos, head, Hq // Hkv)
+    assert rows.any() and not rows.all()
+    at = torch.arange(N, dtype=torch.int32, device=q.device)
+
+    def run(q_, k_, v_):
+        out = torch.zeros(B, N, Hq, D, device=q.device)
+        lse = torch.full((B, Hq, N), -INF, device=q.device)
+        for s in (slice(24, 48), slice(0, 16), slice(16, 24)):
+            step_forward(q_, k_[:, s], v_[:, s], at, at[s].contiguous(), out, lse, mask, scale=D ** -0.5)
+        return out, lse
+    clean = run(*(torch.nan_to_num(x, nan=0.5, posinf=0.5, neginf=0.5) for x in (q, k, v)))
+    _check(f"ring step kind={kind} causal={causal} {which}={value}", *run(q, k, v), rows, *clean)
 
 
 # ----------------------------------------------------------------------------- building blocks

@@ -159,9 +159,10 @@ def _ring_step_fwd_kernel(
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, q_ok[:, None], False, DOT_FP32,
                                             PRECISION, log_w, True)
     # merge (acc / l, lse_step) into the running (out, lse)
-    part = finalize(acc, m_i, l_i)                                                       # [BLOCK_M, BLOCK_D]
-    empty = l_i == 0.0
-    lse_step = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    # NaN rule: a NaN part or lse on either side makes the merged row NaN (w * NaN, log(NaN))
+    part, row_max, row_sum = finalize(acc, m_i, l_i, q)                                 # [BLOCK_M, BLOCK_D]
+    empty = row_sum == 0.0
+    lse_step = tl.where(empty, float("-inf"), row_max + tl.log(tl.where(empty, 1.0, row_sum)))
     o_ptrs = OUT + rows64[:, None] * stride_on + d[None, :]
     LSE += (b * HQ + h) * NQ
     lse_run = tl.load(LSE + rows, mask=q_ok, other=float("-inf"))
