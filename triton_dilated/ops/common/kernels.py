@@ -130,15 +130,14 @@ def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
             p = tl.math.exp2(x - m_safe[:, None])
         else:
             # the max is taken on the raw q.k (one op per row, not per score): max(q.k) * scale2
-            # for scale2 > 0, min(q.k) * scale2 for scale2 < 0 (a uniform branch); masked pairs
-            # get the q.k whose log2 score is -inf.
+            # for scale2 > 0, min(q.k) * scale2 for scale2 < 0; masked pairs get the q.k whose
+            # log2 score is -inf. Only the reduction sits in the (uniform) branch: the select
+            # in it too made sm90 block_sparse_fwd causal spill (12 B at D = 128)
+            if HAS_MASK:
+                qk = tl.where(mask, qk, tl.where(sm_scale >= 0, float("-inf"), float("inf")))
             if sm_scale >= 0:
-                if HAS_MASK:
-                    qk = tl.where(mask, qk, float("-inf"))
                 top = tl.max(qk, 1)
             else:
-                if HAS_MASK:
-                    qk = tl.where(mask, qk, float("inf"))
                 top = tl.min(qk, 1)
             m_new = tl.maximum(m_i, top * scale2)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -150,13 +149,15 @@ def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
 
 
 @triton.jit
-def finalize(acc, m_i, l_i, q):
+def finalize(acc, m_i, l_i, q, NAN_CHECK: tl.constexpr = True):
     """(out, row max, denominator) of a tile from the running (acc, m, l) that
     online_softmax_step left for the query tile q: out = acc / l in float32 (0 for an empty
     row, l = 0), the row max in natural units (m was in log2 units for 16-bit q).
-    NaN rule: a non-finite accumulator row (a NaN or Inf value was read; finite inputs
-    never give one) makes l NaN, so the output and lse = max + ln(l) are NaN."""
-    l_i = l_i + tl.sum(acc * 0.0, 1)
+    NaN rule (NAN_CHECK): a non-finite accumulator row (a NaN or Inf value was read; finite
+    inputs never give one) makes l NaN, so the output and lse = max + ln(l) are NaN. Without
+    it the caller checks its own output (the ring step, after its merge: fewer live registers)."""
+    if NAN_CHECK:
+        l_i = l_i + tl.sum(acc * 0.0, 1)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if q.dtype != tl.float32:
         m_i = m_i * LN2
