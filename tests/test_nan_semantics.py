@@ -25,6 +25,23 @@ from triton_dilated.ops.ring.step_kernels import step_forward
 
 NAN, INF = float("nan"), float("inf")
 
+
+class SpreadsNaN(AssertionError):
+    """Every row that reads the bad element is NaN, but so are rows that do not read it."""
+
+
+# A NaN or Inf value spreads, in the Triton kernels, through the masked P = 0 of its tile
+# (0 * NaN = NaN in P @ V) to rows that do not read it: masked tiles (causal diagonal, ragged
+# or dilated spans) and the uncounted pairs of the ring step's weighted tiles. Strict, and only
+# for that failure (raises=SpreadsNaN): a row that reads the value and is not NaN still fails.
+SPREAD = pytest.mark.xfail(
+    strict=True, raises=SpreadsNaN,
+    reason="Triton kernels: a NaN/Inf value spreads through masked P = 0 to rows of its tile that do not read it. "
+           "Zeroing non-finite value rows in masked/weighted tiles needs v in registers for the check: sm90 "
+           "block_sparse_fwd causal then spills 24 B (D = 64) and 32 B (D = 128), sm90 ring_step_fwd D = 256 goes "
+           "from 20 B to 380 B spilled (branch nan-fma). Such a check must multiply in float32 under the "
+           "interpreter: its bf16 multiply turns 0 * NaN into 0.")
+
 def _inputs(B, N, Hq, Hkv, D, which, pos, head, value, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, N, Hq, D, generator=g)
@@ -51,6 +68,12 @@ def _check(name, out, lse, rows, clean_out, clean_lse):
     """out (B, N, Hq, D), lse (B, Hq, N): NaN exactly on `rows`, the rest equal to the clean run."""
     rows_n = rows.transpose(1, 2).to(out.device)                   # (B, N, Hq)
     out_nan = torch.isnan(out).all(dim=-1)
+    lse_nan = torch.isnan(lse)
+    assert out_nan[rows_n].all() and lse_nan[rows.to(lse.device)].all(), \
+        f"{name}: a row that reads the bad element has a finite output or lse"
+    if (out_nan & ~rows_n).any() or (lse_nan & ~rows.to(lse.device)).any():
+        raise SpreadsNaN(f"{name}: NaN on {int(out_nan.sum())} output and {int(lse_nan.sum())} lse rows, "
+                         f"want {int(rows.sum())}")
     assert torch.equal(out_nan, rows_n), f"{name}: NaN output on {int(out_nan.sum())} rows, want {int(rows.sum())}"
     assert torch.equal(torch.isnan(lse), rows.to(lse.device)), \
         f"{name}: NaN lse on {int(torch.isnan(lse).sum())} rows, want {int(rows.sum())}"
@@ -104,15 +127,20 @@ def test_dilated_oracle(causal, which, value):
 
 # float32 inputs take the exact softmax form, 16-bit ones the FMA form (ops/common/kernels.py):
 # every case in float32, the ones each form treats apart (infinite key, value) in bfloat16
-TRITON_CASES = pytest.mark.parametrize(
-    "which,value,dtype",
-    [(w, x, torch.float32) for w, x in (("q", NAN), ("k", NAN), ("q", INF), ("k", INF), ("k", -INF), ("v", NAN),
-                                        ("v", INF))]
-    + [(w, x, torch.bfloat16) for w, x in (("k", INF), ("v", NAN), ("v", INF))], ids=str)
+CASES = ([(w, x, torch.float32) for w, x in (("q", NAN), ("k", NAN), ("q", INF), ("k", INF), ("k", -INF),
+                                             ("v", NAN), ("v", INF))]
+         + [(w, x, torch.bfloat16) for w, x in (("k", INF), ("v", NAN), ("v", INF))])
 
 
-@TRITON_CASES
-@pytest.mark.parametrize("causal", [False, True])
+def triton_cases(spreads):
+    """Parametrize causal, which, value, dtype; SPREAD where spreads(causal, which)."""
+    return pytest.mark.parametrize("causal,which,value,dtype", [
+        pytest.param(c, w, x, t, marks=[SPREAD] if spreads(c, w) else []) for c in (False, True) for w, x, t in CASES],
+        ids=str)
+
+
+# the dilated tiles that hold the value have masked pairs here (causal, or a pattern's inactive rows)
+@triton_cases(lambda causal, which: which == "v")
 def test_dilated_triton(causal, which, value, dtype):
     _dilated_case("triton", causal, which, value, dtype=dtype)
 
@@ -168,9 +196,9 @@ def test_block_sparse_oracle(causal, which, pos, value):
     _block_sparse_case("naive", causal, which, pos, value)
 
 
-@TRITON_CASES
+# without causal, the only masked pairs are the ragged last block's padding (no value there)
+@triton_cases(lambda causal, which: causal and which == "v")
 @pytest.mark.parametrize("pos", [2, 40])
-@pytest.mark.parametrize("causal", [False, True])
 def test_block_sparse_triton(causal, which, pos, value, dtype):
     _block_sparse_case("triton", causal, which, pos, value, dtype=dtype)
 
@@ -178,8 +206,10 @@ def test_block_sparse_triton(causal, which, pos, value, dtype):
 # ----------------------------------------------------------------------------- ring step
 
 @pytest.mark.parametrize("which,value,dtype", [("q", NAN, torch.float32), ("k", NAN, torch.float32),
-                                               ("k", INF, torch.float32), ("v", NAN, torch.float32),
-                                               ("k", INF, torch.bfloat16), ("v", INF, torch.bfloat16)], ids=str)
+                                               ("k", INF, torch.float32),
+                                               pytest.param("v", NAN, torch.float32, marks=SPREAD),
+                                               ("k", INF, torch.bfloat16),
+                                               pytest.param("v", INF, torch.bfloat16, marks=SPREAD)], ids=str)
 @pytest.mark.parametrize("kind", [MASK_DILATED, MASK_LAYOUT], ids=["dilated", "layout"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_ring_step_triton(causal, kind, which, value, dtype):
