@@ -51,11 +51,10 @@ SPILLS_TRITON_36 = {
     ("sm80", "ring_step_lists", "64"), ("sm80", "ring_step_lists", "128"), ("sm80", "ring_step_lists", "256"),
 }
 SPILLS_TRITON_39 = {
-    ("sm90", "dilated_fwd", "128"),            # 4 B at 255 registers (none with 3.6)
     ("sm90", "dilated_fwd", "256"), ("sm90", "ring_step_fwd", "256"),
     ("sm90", "block_sparse_bwd_dkdv", "256"),  # as with 3.6
     ("sm80", "block_sparse_bwd_dkdv", "256"),  # 64x16 w8: 16 B (480 B before the list loops)
-    ("sm80", "dilated_fwd", "64"), ("sm80", "ring_step_fwd", "256"),
+    ("sm80", "ring_step_fwd", "256"),
 }
 
 

@@ -248,3 +248,18 @@ def test_packed_variable_length_sequences(backend):
         lambda q, k, v: block_sparse_attention(q, k, v, builder, causal=True, return_lse=True, backend=backend,
                                                cu_seqlens=bounds),
         per_document, lambda q, k, v: dense_reference(q, k, v, counts), qkv, counts=counts)
+
+
+@pytest.mark.parametrize("scale", [-0.5, 0.0])
+def test_triton_16bit_negative_and_zero_scale(scale):
+    """16-bit inputs take the FMA softmax form (ops/common/kernels.py): a negative scale takes
+    the row min of q.k for the running max, scale 0 a floored scale2; causal, so both the
+    full-block loop and the masked one, forward and backward."""
+    layout = BlockLayout.from_dense(torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool), 32)
+    N = 90
+    qkv = tuple(seeded((1, N, 2, 16), torch.float16, s, DEVICE) for s in range(3))
+    counts = element_mask(layout, N, True).double()
+    check_against_oracle(
+        lambda q, k, v: block_sparse_attention(q, k, v, layout, causal=True, scale=scale, return_lse=True),
+        lambda q, k, v: block_sparse_attention_naive(q, k, v, layout, causal=True, scale=scale),
+        lambda q, k, v: dense_reference(q, k, v, counts, scale), qkv, counts=counts)

@@ -475,3 +475,12 @@ def test_attention_with_lse_both_paths(dtype, last_dim_strided, causal):
         same = grads(lambda a, b, c, s: lse_mod.masked_attention_with_lse(a, b, c, keep, s), torch.float32, scale)
         for i, (name, x, sd, o) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), got, same, ref)):
             assert_rule(f"{name} (fused={fused})", x, o, sd, factor=2 if i < 2 else 3, floor=floor)
+
+
+@pytest.mark.parametrize("scale", [-0.5, 0.0])
+def test_triton_16bit_negative_and_zero_scale(scale):
+    """16-bit inputs take the FMA softmax form (ops/common/kernels.py): a negative scale takes
+    the row min of q.k for the running max, scale 0 a floored scale2; causal, so both the
+    masked and the unmasked tiles, forward and backward."""
+    qkv = tuple(seeded((1, 96, 2, 16), torch.float16, s, DEVICE) for s in range(3))
+    check_dilated("triton", qkv, [32, 96], [1, 2], causal=True, scale=scale, check_definition=False)

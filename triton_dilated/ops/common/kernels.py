@@ -1,17 +1,36 @@
 """Shared @triton.jit pieces: the online-softmax step and its backward counterparts. With
 the variants' kernels.py files, the only module that imports triton.
 
-Scores s = q.k * scale stay in natural units; exponentials are exp2((s - max) * log2(e)),
-so log2(e) multiplies a difference near 0 rather than a score: with |s| ~ 1e4 a score is
-only good to ~1e-3 in float32, and folding log2(e) into the scale would add another such
-rounding. The running max, the denominators and the accumulators are float32. A row whose keys are all
-masked keeps m = -inf; the max is replaced by 0 before it is subtracted so that no
+Two forms of the exponentials, picked by the query's dtype:
+* float32 inputs (exact form): scores s = q.k * scale stay in natural units and
+  p = exp2((s - max) * log2(e)), so log2(e) multiplies a difference near 0 rather than a
+  score: with |s| ~ 1e4 a score is only good to ~1e-3 in float32, and folding log2(e) into
+  the scale would add another such rounding (the float32 tolerance is 1e-5).
+* 16-bit inputs (FMA form, as FlashAttention): the running max is kept in log2 units
+  (max of s * log2(e)) and p = exp2(q.k * (scale * log2(e)) - max2), one FMA per score
+  instead of three operations; the max is taken on the raw q.k (its min for a negative
+  scale). The extra rounding is far below 16-bit resolution. `finalize` converts the
+  max back to natural units, so the saved row statistics mean the same in both forms.
+The running max, the denominators and the accumulators are float32. A row whose keys are
+all masked keeps m = -inf; the max is replaced by 0 before it is subtracted so that no
 -inf - -inf = NaN appears, and such a row ends with l = 0: output 0, lse = -inf.
+
+NaN rule (DESIGN §6): a row that reads a NaN or Inf key, value or query gives NaN output and
+NaN lse; other rows are untouched. Scores go through s + s * 0, which turns +-Inf (an
+infinite key or query) into NaN: a -inf score would otherwise drop the key as if masked.
+`finalize` turns a non-finite accumulator row (a NaN or Inf value was read) into a NaN
+denominator, hence NaN output and lse. Not covered: where P has masked zeros (masked tiles,
+uncounted pairs of weighted ones), P @ V multiplies them by a NaN or Inf value too (0 * NaN
+is NaN) and spreads it to rows of the tile that do not read that value. Zeroing such value
+rows needs v in registers for the check, which costs spills on sm90 (block_sparse_fwd
+causal 24 B at D = 64, 32 B at D = 128; ring_step_fwd D = 256 from 20 B to 380 B).
 """
 import triton
 import triton.language as tl
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)   # exp(x) = exp2(x * LOG2E)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)      # 1 / LOG2E
+MIN_SCALE2: tl.constexpr = tl.constexpr(1.1754943508222875e-38)   # smallest normal float32
 
 
 def is_interpreted() -> bool:
@@ -84,25 +103,65 @@ def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
     """Fold one key block (k, v: (BLOCK_N, BLOCK_D)) into the running (acc, m, l) of the
     query tile q (BLOCK_M, BLOCK_D). `mask` (BLOCK_M, BLOCK_N) keeps pairs when HAS_MASK.
     HAS_WEIGHT: `log_weight` (BLOCK_M, BLOCK_N) is added to the scores: ln of how many
-    times a pair counts (a key two dilated patterns select counts twice), -inf for 0."""
-    s = dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale
-    if HAS_MASK:
-        s = tl.where(mask, s, float("-inf"))
-    if HAS_WEIGHT:
-        s = s + log_weight
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
-    alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+    times a pair counts (a key two dilated patterns select counts twice), -inf for 0.
+    m is in natural units for float32 q, in log2 units for 16-bit q (module docstring);
+    `finalize` gives the natural row max either way."""
+    qk = dot(q, tl.trans(k), DOT_FP32, PRECISION)
+    qk = qk + qk * 0.0     # +-Inf (an infinite key or query) -> NaN, never a dropped -inf
+    if q.dtype == tl.float32:   # exact form
+        s = qk * sm_scale
+        if HAS_MASK:
+            s = tl.where(mask, s, float("-inf"))
+        if HAS_WEIGHT:   # where: a NaN score of an uncounted pair must not survive + -inf
+            s = tl.where(log_weight > float("-inf"), s + log_weight, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
+        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+    else:   # FMA form, m in log2 units
+        scale2 = tl.where(sm_scale == 0, MIN_SCALE2, sm_scale * LOG2E)   # never 0: 0 * -inf is NaN
+        if HAS_WEIGHT:
+            x = qk * scale2 + log_weight * LOG2E
+            if HAS_MASK:
+                x = tl.where(mask, x, float("-inf"))
+            x = tl.where(log_weight > float("-inf"), x, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(x, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(x - m_safe[:, None])
+        else:
+            # the max is taken on the raw q.k (one op per row, not per score): max(q.k) * scale2
+            # for scale2 > 0, min(q.k) * scale2 for scale2 < 0; masked pairs get the q.k whose
+            # log2 score is -inf. Only the reduction sits in the (uniform) branch: the select
+            # in it too made sm90 block_sparse_fwd causal spill (12 B at D = 128)
+            if HAS_MASK:
+                qk = tl.where(mask, qk, tl.where(sm_scale >= 0, float("-inf"), float("inf")))
+            if sm_scale >= 0:
+                top = tl.max(qk, 1)
+            else:
+                top = tl.min(qk, 1)
+            m_new = tl.maximum(m_i, top * scale2)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk * scale2 - m_safe[:, None])      # one FMA per score
+        alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_FP32, PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
-def finalize(acc, m_i, l_i):
-    """Normalised float32 output of a tile; empty rows (l = 0) give 0."""
-    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+def finalize(acc, m_i, l_i, q, NAN_CHECK: tl.constexpr = True):
+    """(out, row max, denominator) of a tile from the running (acc, m, l) that
+    online_softmax_step left for the query tile q: out = acc / l in float32 (0 for an empty
+    row, l = 0), the row max in natural units (m was in log2 units for 16-bit q).
+    NaN rule (NAN_CHECK): a non-finite accumulator row (a NaN or Inf value was read; finite
+    inputs never give one) makes l NaN, so the output and lse = max + ln(l) are NaN. Without
+    it the caller checks its own output (the ring step, after its merge: fewer live registers)."""
+    if NAN_CHECK:
+        l_i = l_i + tl.sum(acc * 0.0, 1)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if q.dtype != tl.float32:
+        m_i = m_i * LN2
+    return out, m_i, l_i
 
 
 @triton.jit

@@ -144,14 +144,14 @@ def _dilated_fwd_kernel(
                                             key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
                 acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
                                                     True, DOT_FP32, PRECISION)
-    out = finalize(acc, m_i, l_i)                                                        # [BLOCK_M, BLOCK_D]
+    out, row_max, row_sum = finalize(acc, m_i, l_i, q)                                  # [BLOCK_M, BLOCK_D]
     O += (b * N * HQ + h) * HEAD_DIM
     tl.store(O + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], out.to(O.dtype.element_ty), mask=tile_mask)
     # row statistics (max score, denominator); lse = max + ln(denominator)
     ROW_MAX += b * N * HQ + h * N
     ROW_SUM += b * N * HQ + h * N
-    tl.store(ROW_MAX + rows, m_i, mask=row_ok)
-    tl.store(ROW_SUM + rows, l_i, mask=row_ok)
+    tl.store(ROW_MAX + rows, row_max, mask=row_ok)
+    tl.store(ROW_SUM + rows, row_sum, mask=row_ok)
 
 
 @triton.jit

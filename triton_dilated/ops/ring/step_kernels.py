@@ -159,9 +159,13 @@ def _ring_step_fwd_kernel(
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, q_ok[:, None], False, DOT_FP32,
                                             PRECISION, log_w, True)
     # merge (acc / l, lse_step) into the running (out, lse)
-    part = finalize(acc, m_i, l_i)                                                       # [BLOCK_M, BLOCK_D]
-    empty = l_i == 0.0
-    lse_step = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    # NaN rule: a NaN lse on either side makes the merged row NaN (w * NaN, log(NaN)); a
+    # non-finite part (a NaN or Inf value was read) is found on the merged row, as w_step * part
+    # is then non-finite even for w_step = 0: checked there, where acc is no longer live (the
+    # check in finalize spilled 24 B more on sm80/sm90 at D = 256)
+    part, row_max, row_sum = finalize(acc, m_i, l_i, q, False)                          # [BLOCK_M, BLOCK_D]
+    empty = row_sum == 0.0
+    lse_step = tl.where(empty, float("-inf"), row_max + tl.log(tl.where(empty, 1.0, row_sum)))
     o_ptrs = OUT + rows64[:, None] * stride_on + d[None, :]
     LSE += (b * HQ + h) * NQ
     lse_run = tl.load(LSE + rows, mask=q_ok, other=float("-inf"))
@@ -174,8 +178,9 @@ def _ring_step_fwd_kernel(
     none = total == 0.0
     total_safe = tl.where(none, 1.0, total)
     merged = (out_run * w_run[:, None] + part * w_step[:, None]) / total_safe[:, None]
-    tl.store(o_ptrs, merged, mask=tile_mask)
-    tl.store(LSE + rows, tl.where(none, float("-inf"), top_safe + tl.log(total_safe)), mask=q_ok)
+    bad = tl.sum(merged * 0.0, 1)                  # NaN on a non-finite row, else 0
+    tl.store(o_ptrs, merged + bad[:, None], mask=tile_mask)
+    tl.store(LSE + rows, tl.where(none, float("-inf"), top_safe + tl.log(total_safe)) + bad, mask=q_ok)
 
 
 @triton.jit
