@@ -30,6 +30,30 @@ MERGE_CHUNK: tl.constexpr = tl.constexpr(16)   # splits the merge kernel reads p
 
 
 @triton.jit
+def decode_program(Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                   NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """What a decode program works on: batch row b, query row `row`, head h (also as int64),
+    split; the row's length and the query's position p = length - NUM_ROWS + row; its query
+    (float32, (BLOCK_D,)) and the [1, BLOCK_D] bases of its key head's K and V rows. Heads
+    vary fastest over the programs, so the query heads of a GQA group run side by side."""
+    pid = tl.program_id(0)
+    h = pid % NUM_HEADS
+    split = (pid // NUM_HEADS) % NUM_SPLITS
+    row = (pid // (NUM_HEADS * NUM_SPLITS)) % NUM_ROWS
+    b = (pid // (NUM_HEADS * NUM_SPLITS * NUM_ROWS)).to(tl.int64)
+    h64 = h.to(tl.int64)
+    kvh = (h // HEAD_GROUP).to(tl.int64)
+    length = tl.load(LENS + b)
+    p = length - NUM_ROWS + row
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + row * stride_qn + h64 * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
+    k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
+    v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
+    return b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base
+
+
+@triton.jit
 def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stride, t_lo, t_hi, d_ok, sm_scale,
              BLOCK_N: tl.constexpr):
     """Fold the keys start + stride*t, t in [t_lo, t_hi), into the running (acc (BLOCK_D,),

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from ...configs import select_config
-from ..common.decode_kernels import decode_buffers, fold_run, merge_splits, num_splits, store_result
+from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, merge_splits, num_splits,
+                                     store_result)
 from ..common.hardware import padded_head_dim
 from ..common.runtime import on_tensor_device
 
@@ -47,21 +48,9 @@ def _dilated_decode_kernel(
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_N: tl.constexpr):
-    # heads fastest: the query heads of a GQA group run side by side
-    pid = tl.program_id(0)
-    h = pid % NUM_HEADS
-    split = (pid // NUM_HEADS) % NUM_SPLITS
-    row = (pid // (NUM_HEADS * NUM_SPLITS)) % NUM_ROWS
-    b = (pid // (NUM_HEADS * NUM_SPLITS * NUM_ROWS)).to(tl.int64)
-    h64 = h.to(tl.int64)
-    kvh = (h // HEAD_GROUP).to(tl.int64)
-    length = tl.load(LENS + b)
-    p = length - NUM_ROWS + row
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    q = tl.load(Q + b * stride_qb + row * stride_qn + h64 * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
-    k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
-    v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
+    b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
+        Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+        NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D)
 
     total = 0   # the length of the key list
     for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
