@@ -38,6 +38,15 @@ from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_devi
 # their batch and head strides, 0 where one layout serves every batch or head.
 
 @triton.jit
+def _key_list(KV_FULL, KV_END, KV_INDEX, b, h, qblock, stride_cb, stride_ch, stride_ib, stride_ih, WIDTH):
+    """A query block's key-block list: (n_full, n_end, first entry). Entries [0, n_full) need no
+    element mask, [n_full, n_end) do (the causal diagonal, a short last block)."""
+    lists = b * stride_cb + h * stride_ch + qblock
+    return (tl.load(KV_FULL + lists), tl.load(KV_END + lists),
+            KV_INDEX + b * stride_ib + h * stride_ih + qblock.to(tl.int64) * WIDTH)
+
+
+@triton.jit
 def _block_sparse_fwd_kernel(
         Q, K, V, O, ROW_MAX, ROW_SUM, KV_FULL, KV_END, KV_INDEX,
         stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
@@ -61,10 +70,8 @@ def _block_sparse_fwd_kernel(
                 other=0.0)                                                               # [BLOCK_M, BLOCK_D]
     k_base = K + d[None, :]
     v_base = V + d[None, :]
-    lists = b * stride_cb + h * stride_ch + qblock
-    n_full = tl.load(KV_FULL + lists)
-    n_end = tl.load(KV_END + lists)
-    index_base = KV_INDEX + b * stride_ib + h * stride_ih + qblock.to(tl.int64) * WIDTH   # this query block's list
+    n_full, n_end, index_base = _key_list(KV_FULL, KV_END, KV_INDEX, b, h, qblock, stride_cb, stride_ch, stride_ib,
+                                          stride_ih, WIDTH)
     last_row = tl.minimum(tile * BLOCK_M + BLOCK_M, N) - 1
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -128,10 +135,8 @@ def _block_sparse_bwd_dq_kernel(
     V += b * stride_vb + kvh * stride_vh
     k_base = K + d[None, :]
     v_base = V + d[None, :]
-    lists = b * stride_cb + h * stride_ch + qblock
-    n_full = tl.load(KV_FULL + lists)
-    n_end = tl.load(KV_END + lists)
-    index_base = KV_INDEX + b * stride_ib + h * stride_ih + qblock.to(tl.int64) * WIDTH   # this query block's list
+    n_full, n_end, index_base = _key_list(KV_FULL, KV_END, KV_INDEX, b, h, qblock, stride_cb, stride_ch, stride_ib,
+                                          stride_ih, WIDTH)
     last_row = tl.minimum(tile * BLOCK_M + BLOCK_M, N) - 1
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

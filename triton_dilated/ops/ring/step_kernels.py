@@ -67,6 +67,14 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYO
 
 
 @triton.jit
+def _tile_positions(POS, tile, n, BLOCK: tl.constexpr):
+    """(in range, position) of the BLOCK rows of tile `tile` of a side with n rows."""
+    idx = tile * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < n
+    return ok, tl.load(POS + idx, mask=ok, other=0)
+
+
+@triton.jit
 def _ring_tile_lists_kernel(
         Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, COUNT, INDEX, stride_lb, stride_lh, LAYOUT_COLS,
         NQ, NK, LH, layout_block,
@@ -81,23 +89,15 @@ def _ring_tile_lists_kernel(
     row = (b * LH + h) * n_tiles + tile
     INDEX += row * n_other
     if BY_KEY:
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_ok = cols < NK
-        kpos = tl.load(K_POS + cols, mask=k_ok, other=0)
+        k_ok, kpos = _tile_positions(K_POS, tile, NK, BLOCK_N)
     else:
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        q_ok = rows < NQ
-        qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)
+        q_ok, qpos = _tile_positions(Q_POS, tile, NQ, BLOCK_M)
     count = tl.zeros([1], tl.int32).sum(0)   # an int32 scalar
     for t in range(0, n_other):
         if BY_KEY:
-            rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
-            q_ok = rows < NQ
-            qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)
+            q_ok, qpos = _tile_positions(Q_POS, t, NQ, BLOCK_M)
         else:
-            cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-            k_ok = cols < NK
-            kpos = tl.load(K_POS + cols, mask=k_ok, other=0)
+            k_ok, kpos = _tile_positions(K_POS, t, NK, BLOCK_N)
         log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF + h * NUM_PATTERNS,
                                  LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS, layout_block, MASK_KIND,
                                  NUM_PATTERNS, CAUSAL)                                   # [BLOCK_M, BLOCK_N]
