@@ -544,3 +544,30 @@ def test_plan_cli_rejects_bad_arguments(args, message, capsys):
     argv = ["plan", *args] if "--seqlen" in args else ["plan", "--seqlen", "4096", *args]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_tuned_family_entry_leaves_kernels_with_their_own_default(monkeypatch):
+    """perf tune times a family's first kernel; the dilated dK/dV and decode kernels keep their
+    KERNEL_DEFAULTS entry (a spill-free tile of their own) whatever the family's tuned entry."""
+    fake = Arch("sm90", (9, 0), 227 * 1024, 132, "fake H100")
+    tuned = configs.make_config(32, 32, 4, 1)
+    monkeypatch.setattr(configs, "device_arch", lambda device: fake)
+    monkeypatch.setattr(configs, "tuned_entry", lambda *args: (dict(tuned), "sm90.json"))
+    cuda = torch.device("cuda")
+    assert configs.select_config("dilated_bwd", torch.bfloat16, 128, 32768, cuda) == tuned
+    for family, kernel in (("dilated_bwd", "dilated_bwd_dkdv"), ("dilated_fwd", "dilated_decode"),
+                           ("block_sparse_fwd", "block_sparse_decode")):
+        own = configs.default_config(family, 128, fake, torch.bfloat16, kernel)
+        assert own != tuned
+        assert configs.select_config(family, torch.bfloat16, 128, 32768, cuda, kernel=kernel) == own
+
+
+def test_decode_sweep_labels_the_longnet_schedule():
+    from triton_dilated.perf import decode as perf_decode
+    one = timing.Timing(warmup=0, budget_s=0.0, min_reps=1, max_reps=1)
+    rows = perf_decode.run_decode([64], providers=["sdpa_dense"], heads=2, head_dim=8, device="cpu",
+                                  memory_contexts=[], quiet=True, timing=one)
+    assert rows and {r["variant"] for r in rows} == {"longnet"}
+    rows = perf_decode.run_decode([64], providers=["sdpa_dense"], heads=2, head_dim=8, ws=[16], rs=[1],
+                                  device="cpu", memory_contexts=[], quiet=True, timing=one)
+    assert {r["variant"] for r in rows} == {"custom"}

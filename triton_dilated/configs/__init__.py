@@ -44,7 +44,7 @@ def make_config(block_m: int, block_n: int, warps: int, stages: int) -> dict:
 # the dK/dV kernel (they share one config) keep everything in registers, or else the one that
 # spills least. dK/dV holds k, v, dk and dv in registers, so it is what forces the smaller
 # tiles. Hopper: dQ on wgmma where a tile allows it without spills (64x32, 4 warps; at
-# D = 128, 128x32 with 8 warps for the block-sparse and ring kernels, whose query tiles lose
+# D = 128, 128x32 (block-sparse) and 128x16 (ring) with 8 warps, whose query tiles lose
 # nothing to 128 rows). The dilated family's config is its dQ kernel's; its dK/dV kernel
 # has its own (KERNEL_DEFAULTS): dilated dQ on sm90 at 64x64 (D = 64) and 64x32 (D = 128),
 # 4 warps, wgmma with no spills (triton 3.9; 64x64 at D = 128 spills 4 B), 64-row query
@@ -230,11 +230,15 @@ def tuned_entry(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen: i
 def select_config(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen: int,
                   device: torch.device, kernel: str | None = None) -> dict:
     """The launch config: one fixed config off-GPU (the interpreter); on a GPU, the tuned
-    entry of configs/<arch>.json (one for every kernel of the family), else default_config
-    (per kernel where KERNEL_DEFAULTS has it)."""
+    entry of configs/<arch>.json (one for every kernel of the family), else default_config.
+    A kernel with a KERNEL_DEFAULTS entry (dilated dK/dV, the decode kernels) keeps its own
+    default: `perf tune` times each family's first kernel, so a tuned family entry says
+    nothing about them."""
     if device.type != "cuda":
         return dict(INTERPRETER_CONFIG)
     arch = device_arch(device)
+    if kernel in KERNEL_DEFAULTS:
+        return default_config(family, head_dim_padded, arch, dtype, kernel)
     cfg, _ = tuned_entry(family, dtype, head_dim_padded, seqlen, arch.name)
     return cfg if cfg is not None else default_config(family, head_dim_padded, arch, dtype, kernel)
 

@@ -99,7 +99,8 @@ def dilated_decode(q, k, v, patterns, table, lengths, *, causal: bool, scale: fl
     Nq)), differentiable."""
     lengths = torch.as_tensor(lengths, dtype=torch.long, device=q.device)
     pos = query_positions(lengths, q.shape[1], q.device)
-    if not needs_grad(q, k, v):
+    if not needs_grad(q, k, v) and q.device.type == "cpu":
+        # strided views, no gather; a Python step per (row, query, head): for CPUs only
         DECODE_STATS["calls"] += 1
         return attend_runs(q, k, v, patterns, table, pos, lengths, causal, scale)
     key_pos, key_ok = dilated_key_lists(pos, lengths, patterns, table, causal)

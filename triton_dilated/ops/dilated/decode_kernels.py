@@ -23,7 +23,7 @@ from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, m
 from ..common.hardware import padded_head_dim
 from ..common.runtime import on_tensor_device
 
-CONFIG_FAMILY = "dilated_fwd"   # tiles and warps: the forward's (no tuning entry of its own yet)
+CONFIG_FAMILY = "dilated_fwd"   # the family; tiles and warps: configs.KERNEL_DEFAULTS (not tuned)
 
 
 @triton.jit
