@@ -11,10 +11,10 @@ machinery (perf/bench.py run_sweep): interleaved rounds, FlexAttention timed aft
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
+from triton_dilated.perf.cli import shape_parser
 from triton_dilated.perf.bench import Case, build_layout, main_provider, run_sweep
 from triton_dilated.perf.results import print_table
 from triton_dilated.perf.timing import Timing
@@ -24,13 +24,7 @@ LAYOUTS = (("local", (("window", 6),)),
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="CSV to write")
-    p.add_argument("--seqlen", type=int, default=16384, help="default: %(default)s")
-    p.add_argument("--heads", type=int, default=16, help="default: %(default)s")
-    p.add_argument("--head-dim", type=int, default=128, help="default: %(default)s")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                   help="default: %(default)s")
+    p = shape_parser(__doc__, 16384, causal=False)
     p.add_argument("--block-size", type=int, default=128, help="default: %(default)s")
     p.add_argument("--quick", action="store_true", help="one timed round per call (dry runs; default: off)")
     args = p.parse_args()

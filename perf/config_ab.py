@@ -19,7 +19,6 @@ rounds: > 1 means faster than the default), the config in `config`.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
@@ -27,6 +26,7 @@ import torch
 from triton_dilated.configs import make_config, select_config
 from triton_dilated.ops.common.hardware import padded_head_dim
 from triton_dilated.ops.dilated.spec import DilatedProblem
+from triton_dilated.perf.cli import CAUSAL, shape_parser
 from triton_dilated.perf.results import CsvSink, make_row, provenance, sig
 from triton_dilated.perf.timing import Timing, interleaved, paired_ratio, spread_pct
 from triton_dilated.perf.tune import _agrees
@@ -90,14 +90,7 @@ def ab_rows(prob, family, configs, timing, device, base, fields) -> list:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="CSV to write")
-    p.add_argument("--seqlen", type=int, default=32768, help="default: %(default)s")
-    p.add_argument("--heads", type=int, default=16, help="default: %(default)s")
-    p.add_argument("--head-dim", type=int, default=128, help="default: %(default)s")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                   help="default: %(default)s")
-    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="default: %(default)s")
+    p = shape_parser(__doc__, 32768)
     p.add_argument("--fwd-configs", nargs="*", default=FWD, metavar="M,N,W,S", help="default: %(default)s")
     p.add_argument("--bwd-configs", nargs="*", default=BWD, metavar="M,N,W,S", help="default: %(default)s")
     p.add_argument("--quick", action="store_true", help="one timed round per call (dry runs; default: off)")
@@ -110,7 +103,7 @@ def main() -> int:
     base = provenance(device)
     n = 0
     with CsvSink(args.out) as sink:
-        for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
+        for causal in CAUSAL[args.causal]:
             prob = DilatedProblem(1, args.seqlen, args.heads, args.head_dim, dtype, device, causal)
             ws, rs = zip(*prob.patterns)
             fields = dict(variant="longnet", B=1, N=args.seqlen, H=args.heads, Hkv=args.heads, D=args.head_dim,

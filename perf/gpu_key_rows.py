@@ -17,7 +17,6 @@ triton), speedup_vs_dense (paired against the default SDPA) and speedup_vs_best_
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 
 from triton_dilated.ops.common.spec import attention_flops, dense_pairs
 from triton_dilated.ops.dilated.spec import longnet_patterns
+from triton_dilated.perf.cli import CAUSAL, shape_parser
 from triton_dilated.perf.bench import Case, case_pairs, case_params, main_provider, provider_config
 from triton_dilated.perf.results import PASSES, CsvSink, make_row, provenance, sig, summary_table
 from triton_dilated.perf.timing import Timing, matmul_peak_tflops, measure_interleaved, paired_ratio, spread_pct
@@ -116,14 +116,7 @@ def case_rows(case, measured, note, base) -> list:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="CSV to write")
-    p.add_argument("--seqlen", type=int, default=32768, help="default: %(default)s")
-    p.add_argument("--heads", type=int, default=16, help="default: %(default)s")
-    p.add_argument("--head-dim", type=int, default=128, help="default: %(default)s")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                   help="default: %(default)s")
-    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="default: %(default)s")
+    p = shape_parser(__doc__, 32768)
     p.add_argument("--quick", action="store_true", help="one timed round per call (dry runs; default: off)")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -136,7 +129,7 @@ def main() -> int:
     print(f"{base['machine']}; torch {base['torch']}, triton {base['triton']}; SDPA priority order: {order or '?'}")
     rows = []
     with CsvSink(args.out) as sink:
-        for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
+        for causal in CAUSAL[args.causal]:
             case = key_case(args.seqlen, args.heads, args.head_dim, dtype, device, causal)
             params = case_params(case, on_device=True)
             provs = {main_name: lambda q, k, v, c=case, pr=params: c.spec.call(q, k, v, causal=c.causal,

@@ -17,7 +17,6 @@ longest kernels.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import time
@@ -26,6 +25,7 @@ import torch
 
 from triton_dilated import dilated_attention
 from triton_dilated.ops.dilated.spec import longnet_patterns
+from triton_dilated.perf.cli import CAUSAL, shape_parser
 from triton_dilated.perf.results import CsvSink, make_row, provenance, sig
 
 DELTA_RANGE = "triton_dilated::softmax_delta"
@@ -103,14 +103,7 @@ def delta_range():
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="CSV to write")
-    p.add_argument("--seqlen", type=int, default=32768, help="default: %(default)s")
-    p.add_argument("--heads", type=int, default=16, help="default: %(default)s")
-    p.add_argument("--head-dim", type=int, default=128, help="default: %(default)s")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                   help="default: %(default)s")
-    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="default: %(default)s")
+    p = shape_parser(__doc__, 32768)
     p.add_argument("--iters", type=int, default=3, help="profiled iterations (default: %(default)s)")
     args = p.parse_args()
     from torch.profiler import ProfilerActivity, profile
@@ -125,7 +118,7 @@ def main() -> int:
     q, k, v, do = (torch.randn(1, n, h, d, generator=gen, device=device).to(dtype) for _ in range(4))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     with CsvSink(args.out) as sink:
-        for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
+        for causal in CAUSAL[args.causal]:
             def step():
                 out = dilated_attention(q, k, v, ws, rs, causal=causal)
                 torch.autograd.grad(out, (q, k, v), do)

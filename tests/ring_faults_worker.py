@@ -5,14 +5,13 @@ collective (the process group's) and on the join, so a scenario that hangs fails
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
-import tempfile
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
+
+from ring_worker import spawn_world
 
 BASE = dict(B=1, N=48, Hq=2, Hkv=1, D=8, dtype="float32")
 
@@ -93,23 +92,4 @@ def worker(rank, world, init_file, scenarios, queue, timeout_s):
 def run_world(world, scenarios, timeout_s=20, join_s=180):
     """{rank: ("ok", {scenario: result}) or ("error", traceback)}; a rank that died or hung
     is missing."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(), "rendezvous")
-    procs = [ctx.Process(target=worker, args=(r, world, init_file, scenarios, queue, timeout_s))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results, deadline = {}, time.monotonic() + join_s
-    try:
-        for _ in procs:
-            rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            results[rank] = (status, payload)
-    except Exception:   # queue.Empty: some rank died or hangs; report what came
-        pass
-    finally:
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-    return results
+    return spawn_world(worker, world, lambda queue: (scenarios, queue, timeout_s), join_s, missing_ok=True)

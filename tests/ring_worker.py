@@ -4,7 +4,10 @@ float64 oracle). Imported by the spawned children."""
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
+import tempfile
+import time
 import traceback
 
 import torch
@@ -78,3 +81,30 @@ def worker(rank, world, init_file, cases, queue, fail_rank=None, timeout_s=60):
         dist.destroy_process_group()
     except Exception:
         queue.put((rank, "error", traceback.format_exc()))
+
+
+def spawn_world(target, world, args_of, join_s, missing_ok=False):
+    """Run target(rank, world, init_file, *args_of(queue)) in `world` spawned processes that
+    put (rank, status, payload) on the queue; {rank: (status, payload)}. With missing_ok, a
+    rank that died or hangs is missing from the result (else queue.Empty is raised); every
+    process is joined or killed by join_s."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    init_file = os.path.join(tempfile.mkdtemp(), "rendezvous")
+    procs = [ctx.Process(target=target, args=(r, world, init_file, *args_of(queue))) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + join_s
+    try:
+        for _ in procs:
+            rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            results[rank] = (status, payload)
+    except Exception:   # queue.Empty: some rank died or hangs
+        if not missing_ok:
+            raise
+    finally:
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+    return results

@@ -2,9 +2,6 @@
 group, timeouts on init and join, many cases per group), the step kernel alone, shards."""
 from __future__ import annotations
 
-import multiprocessing
-import os
-import tempfile
 import time
 
 import pytest
@@ -20,7 +17,7 @@ from triton_dilated.ops.ring.mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, 
 from triton_dilated.ops.ring.step_kernels import step_backward, step_forward
 from conftest import DEVICE
 from reference import FLOOR, assert_rule, assert_rule_all, dense_reference
-from ring_worker import case_layout, loss_of, make_inputs, worker
+from ring_worker import case_layout, loss_of, make_inputs, spawn_world, worker
 
 CASES = [
     dict(kind="dense", B=1, N=48, Hq=2, Hkv=1, D=16, causal=True),
@@ -38,24 +35,7 @@ CASES = [
 
 
 def run_world(world, cases, fail_rank=None, timeout_s=60, join_s=400):
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(), "rendezvous")
-    procs = [ctx.Process(target=worker, args=(r, world, init_file, cases, queue, fail_rank, timeout_s))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results, deadline = {}, time.monotonic() + join_s
-    try:
-        for _ in procs:
-            rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            results[rank] = (status, payload)
-    finally:
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-    return results
+    return spawn_world(worker, world, lambda queue: (cases, queue, fail_rank, timeout_s), join_s)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4])

@@ -30,8 +30,9 @@ import argparse
 import os
 import sys
 
+from .cli import CAUSAL, DTYPES, add_causal
+
 COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot", "plan", "decode")
-DTYPES = ("float16", "bfloat16", "float32")
 
 
 def _parser():
@@ -116,7 +117,7 @@ def _parser():
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], metavar="D", help="default: 64 128")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["bfloat16"], help="default: bfloat16")
     p.add_argument("--kernels", nargs="+", help="kernel names as in the AOT CSV (default: all)")
-    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="default: %(default)s")
+    add_causal(p)
     p.add_argument("--configs", nargs="+", metavar="M,N,W,S",
                    help="compile each kernel with each of these configs (BLOCK_M,BLOCK_N,num_warps,num_stages) "
                         "instead of the arch's default (default: the default config)")
@@ -139,7 +140,7 @@ def _parser():
                    help="the schedule's dilation rates (default: LongNet 1 2 4 6 12)")
     p.add_argument("--mode", choices=("longnet", "head_groups"), default="longnet", help="default: %(default)s")
     p.add_argument("--offsets", choices=("modulo", "blocked"), default="modulo", help="default: %(default)s")
-    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="default: %(default)s")
+    add_causal(p)
     p.add_argument("--block-m", type=int, default=64, help="query rows per tile (default: %(default)s)")
     p.add_argument("--block-n", type=int, default=64, help="keys per inner step (default: %(default)s)")
 
@@ -337,7 +338,7 @@ def _aot(args) -> int:
             print(f"aot: --configs takes BLOCK_M,BLOCK_N,num_warps,num_stages (four integers, e.g. 64,64,4,3); "
                   f"got {' '.join(args.configs)}", file=sys.stderr)
             return 2
-    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    causal = CAUSAL[args.causal]
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}    # the AOT CSV's spelling
     rows = run_aot(archs=args.arch, head_dims=args.head_dims, dtypes=[short[d] for d in args.dtypes], causal=causal,
                    kernels=args.kernels, configs=configs, out=args.out, jobs=args.jobs, ptx_dir=args.ptx_dir)
@@ -368,7 +369,7 @@ def _plan(args) -> int:
     if problems:
         print("plan: " + "; ".join(problems), file=sys.stderr)
         return 2
-    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    causal = CAUSAL[args.causal]
     try:
         print(main_report(n=args.seqlen, heads=args.heads, head_dim=args.head_dim, causal_values=causal,
                           kv_heads=kv, batch=args.batch, segment_lengths=ws, dilation_rates=rs, mode=args.mode,
