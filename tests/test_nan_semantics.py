@@ -42,6 +42,7 @@ SPREAD = pytest.mark.xfail(
            "from 20 B to 380 B spilled (branch nan-fma). Such a check must multiply in float32 under the "
            "interpreter: its bf16 multiply turns 0 * NaN into 0.")
 
+
 def _inputs(B, N, Hq, Hkv, D, which, pos, head, value, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, N, Hq, D, generator=g)
