@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from importlib import resources
 
 import torch
@@ -28,8 +29,60 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages"
 CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
 
-def make_config(block_m: int, block_n: int, warps: int, stages: int) -> dict:
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+def make_config(block_m: int, block_n: int, warps: int, stages: int, **switches) -> dict:
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, **switches}
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A kernel variant a config can select: an extra constexpr key beside CONFIG_FIELDS.
+    values[0] is used where a config does not name the switch; archs before min_capability
+    do not have the variant (their launchers use values[0])."""
+    values: tuple
+    min_capability: tuple = (0, 0)
+
+
+# Variants the compiled code cannot choose between (`perf aot` shows both spill-free and on
+# the same instructions; only a GPU can time them): `perf tune` times every value of a
+# family's switches on its best tile and keeps the fastest in the tuned entry, and the GPU
+# check's config A/B (perf/config_ab.py) times them against the default.
+# * FLAT_LOOP (dilated forward and dQ): 1 walks the key blocks of all the tile's patterns in
+#   two flat loops (unmasked, then masked); 0 runs one pair of loops per pattern.
+# * TMA (block-sparse forward, sm90 on): 1 loads the K/V blocks through tensor descriptors
+#   (cp.async.bulk.tensor); 0 with pointer loads (cp.async).
+VARIANT_SWITCHES = {
+    "dilated_fwd": {"FLAT_LOOP": Switch((1, 0))},
+    "dilated_bwd": {"FLAT_LOOP": Switch((1, 0))},
+    "block_sparse_fwd": {"TMA": Switch((0, 1), (9, 0))},
+}
+
+
+def switch_value(family: str, config: dict, name: str) -> int:
+    """The value of variant switch `name` that `config` selects (its default when absent)."""
+    switch = VARIANT_SWITCHES[family][name]
+    value = config.get(name, switch.values[0])
+    if isinstance(value, bool) or not isinstance(value, int) or value not in switch.values:
+        raise ValueError(f"config[{name!r}] of {family}: expected one of {list(switch.values)}, got {value!r}")
+    return value
+
+
+def switch_alternatives(family: str, config: dict, capability: tuple) -> list:
+    """`config` with one switch of the family set to each of its other values, for the
+    switches an arch of this compute capability has ((0, 0): the interpreter, which has
+    those without a minimum)."""
+    out = []
+    for name, switch in VARIANT_SWITCHES.get(family, {}).items():
+        if capability < switch.min_capability:
+            continue
+        current = switch_value(family, config, name)
+        out += [{**config, name: v} for v in switch.values if v != current]
+    return out
+
+
+def config_label(config: dict) -> str:
+    """"64x64 w4 s3", with the switches a config names: "64x64 w4 s3 FLAT_LOOP=0"."""
+    extra = "".join(f" {k}={v}" for k, v in config.items() if k not in CONFIG_FIELDS)
+    return f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}{extra}"
 
 
 # Hopper (sm90; the same tables serve later archs, unchecked) with 16-bit inputs: warpgroup
