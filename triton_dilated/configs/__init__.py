@@ -135,10 +135,13 @@ BWD_DEFAULTS = {
 #   spill 24 B; 32x32 w4 s2 keeps its cp.async but has a quarter of the tile).
 # The decode kernels (one query row against BLOCK_N keys of its key list: vector-matrix
 # work) take 64-key tiles with 4 warps and 3 stages everywhere: 0 spills on sm80 and sm90 at
-# D = 64-256, where the forward family's tiles (64x32 w8 at D = 256) spill 8 B on sm80.
+# D = 64-256 with triton 3.9, where the forward family's tiles (64x32 w8 at D = 256) spill 8 B
+# on sm80. Triton 3.6 spills 8 B in the causal block-sparse decode on sm90 at D = 128 with
+# 64-key tiles: 32 keys there (0 spills on both versions; on sm80 32-key tiles spill 8-12 B).
 _DECODE = {(hopper, band): make_config(16, 64, 4, 3) for hopper in (True, False) for band in (64, 128, 256)}
 KERNEL_DEFAULTS = {
-    "dilated_decode": _DECODE, "block_sparse_decode": _DECODE, "decode_merge": _DECODE,
+    "dilated_decode": _DECODE, "decode_merge": _DECODE,
+    "block_sparse_decode": {**_DECODE, (True, 128): make_config(16, 32, 4, 3)},
     "dilated_bwd_dkdv": {
         (True, 64): make_config(64, 32, 4, 2), (True, 128): make_config(128, 32, 8, 2),
         (True, 256): make_config(32, 32, 8, 2),
@@ -149,6 +152,9 @@ KERNEL_DEFAULTS = {
 # Hopper forward defaults at D <= 128 that differ from 64x64, 4 warps: the ring step kernel
 # spills 124-132 B at 64x64 (and duplicates S with 8 warps); 64x32 keeps it in registers.
 HOPPER_FWD_DEFAULTS = {"ring_step_fwd": make_config(64, 32, 4, 3)}
+# Before Hopper at D <= 64: the ring step forward spills 24 B at 64x64 w4 with triton 3.6
+# (0 with 3.9); 64x32 w4 spills nothing on either.
+NARROW_HEAD_FWD_DEFAULTS = {"ring_step_fwd": make_config(64, 32, 4, 3)}
 
 # 16-bit defaults for head dims over 128 (D = 256), from the same ahead-of-time compile over
 # 6-7 candidates on sm90 and sm80 (perf/aot/d256-bf16.csv): 8 warps halve the registers a
@@ -228,6 +234,8 @@ def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.d
         cfg = dict(by_family.get(family, make_config(64, 32, 4, 2)))
     elif hopper:
         cfg = dict(HOPPER_FWD_DEFAULTS.get(family, make_config(64, 64, 4, 3 if big_smem else 2)))
+    elif head_dim_padded <= 64 and family in NARROW_HEAD_FWD_DEFAULTS:
+        cfg = dict(NARROW_HEAD_FWD_DEFAULTS[family])
     else:
         cfg = make_config(64, 64, 4 if head_dim_padded <= 64 else 8, 3 if big_smem else 2)
     while not config_fits(family, cfg, head_dim_padded, arch, dtype):
