@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ...configs import select_config
 from ..common.hardware import padded_head_dim
-from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
+from ..common.kernels import (LOG2E, bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
                               program_tile, softmax_grad_block)
 from ..common.lse import softmax_delta
 from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
@@ -166,23 +166,32 @@ def _block_sparse_bwd_dq_kernel(
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N, stride_qn, stride_don,
-               sm_scale, d, d_ok, CAUSAL_MASK: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr,
+               sm_scale, d, d_ok, CAUSAL_MASK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
                PRECISION: tl.constexpr):
-    """Add the query rows [m0, m0 + BLOCK_M) to the key tile's (dk, dv). Rows past N load as
-    zero with empty statistics (P = 0); CAUSAL_MASK also drops keys after the query."""
-    qrows = m0 + tl.arange(0, BLOCK_M)                                                   # [BLOCK_M]
+    """Add the query rows [m0, m0 + BLOCK_N) to the key tile's (dk, dv) [BLOCK_M, BLOCK_D].
+    Transposed scores: the key tile is the M dimension of every dot (S^T = K Q^T, dV += P^T dO,
+    dP^T = V dO^T, dK += dS^T Q), so P^T and dS^T feed the next dots from registers and the
+    query statistics broadcast along columns. Queries past N load as zero with empty
+    statistics (P = 0); CAUSAL_MASK also drops keys after the query."""
+    qrows = m0 + tl.arange(0, BLOCK_N)                                                   # [BLOCK_N]
     q_ok = qrows < N
     qrows64 = qrows.to(tl.int64)
-    q_mask = q_ok[:, None] & d_ok[None, :]                                               # [BLOCK_M, BLOCK_D]
-    qt = tl.load(q_base + qrows64[:, None] * stride_qn + d[None, :], mask=q_mask, other=0.0)
-    dot_ = tl.load(do_base + qrows64[:, None] * stride_don + d[None, :], mask=q_mask, other=0.0)
-    rows_st = stats + qrows   # into ROW_MAX, ROW_SUM, DELTA; one sum: no new spill on sm90
-    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, rows_st, q_ok)
+    qT = tl.load(q_base + qrows64[None, :] * stride_qn + d[:, None], mask=d_ok[:, None] & q_ok[None, :],
+                 other=0.0)                                                              # [BLOCK_D, BLOCK_N]
+    do = tl.load(do_base + qrows64[:, None] * stride_don + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
+                 other=0.0)                                                              # [BLOCK_N, BLOCK_D]
+    rows_st = stats + qrows   # into ROW_MAX, ROW_SUM, DELTA
+    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, rows_st, q_ok)                 # [BLOCK_N]
     delta = tl.load(DELTA + rows_st, mask=q_ok, other=0.0)
-    p, ds = softmax_grad_block(qt, k, v, dot_, row_max, row_log2l, delta, sm_scale, keys[None, :] <= qrows[:, None],
-                               CAUSAL_MASK, DOT_FP32, PRECISION)                         # [BLOCK_M, BLOCK_N]
-    dv += dot(tl.trans(p.to(dot_.dtype)), dot_, DOT_FP32, PRECISION)
-    dk += dot(tl.trans(ds.to(qt.dtype)), qt, DOT_FP32, PRECISION)
+    s_t = dot(k, qT, DOT_FP32, PRECISION) * sm_scale                                     # [BLOCK_M, BLOCK_N]
+    if CAUSAL_MASK:
+        s_t = tl.where(keys[:, None] <= qrows[None, :], s_t, float("-inf"))
+    # P^T from the saved (max, log2 denominator) of each query (load_row_stats)
+    p_t = tl.math.exp2((s_t - row_max[None, :]) * LOG2E - row_log2l[None, :])
+    dv += dot(p_t.to(do.dtype), do, DOT_FP32, PRECISION)
+    dp_t = dot(v, tl.trans(do), DOT_FP32, PRECISION)                                     # [BLOCK_M, BLOCK_N]
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_FP32, PRECISION)
     return dk, dv
 
 
@@ -195,23 +204,24 @@ def _block_sparse_bwd_dkdv_kernel(
         N, HKV, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    # this program: BLOCK_N keys of one key/value head; walks BLOCK_M query sub-tiles
-    tile, b, kvh = program_tile(tl.cdiv(N, BLOCK_N), HKV)
-    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    # this program: BLOCK_M keys of one key/value head (the M dimension of every dot); walks
+    # BLOCK_N query sub-tiles
+    tile, b, kvh = program_tile(tl.cdiv(N, BLOCK_M), HKV)
+    keys = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     key_ok = keys < N
-    kblock = (tile * BLOCK_N) // BLOCK_SIZE
+    kblock = (tile * BLOCK_M) // BLOCK_SIZE
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     keys64 = keys.to(tl.int64)
-    tile_mask = key_ok[:, None] & d_ok[None, :]                                           # [BLOCK_N, BLOCK_D]
+    tile_mask = key_ok[:, None] & d_ok[None, :]                                           # [BLOCK_M, BLOCK_D]
     K += b * stride_kb + kvh * stride_kh
     V += b * stride_vb + kvh * stride_vh
-    k = tl.load(K + keys64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)    # [BLOCK_N, BLOCK_D]
-    v = tl.load(V + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)    # [BLOCK_N, BLOCK_D]
-    first_key = tile * BLOCK_N
-    subs = BLOCK_SIZE // BLOCK_M   # query sub-tiles of a block
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    k = tl.load(K + keys64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)    # [BLOCK_M, BLOCK_D]
+    v = tl.load(V + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)    # [BLOCK_M, BLOCK_D]
+    first_key = tile * BLOCK_M
+    subs = BLOCK_SIZE // BLOCK_N   # query sub-tiles of a block
+    dk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     stats = (b * HKV + kvh) * HEAD_GROUP * N   # head h's rows of ROW_MAX, ROW_SUM, DELTA (B, HQ, N)
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
         q_base = Q + b * stride_qb + h * stride_qh
@@ -227,14 +237,14 @@ def _block_sparse_bwd_dkdv_kernel(
         for j in range(n_skip, n_full):
             start = tl.load(index_base + j) * BLOCK_SIZE
             end = tl.minimum(start + BLOCK_SIZE, N)
-            start = tl.maximum(start, (first_key // BLOCK_M) * BLOCK_M)   # queries before the keys: none
-            for m0 in range(start, end, BLOCK_M):
+            start = tl.maximum(start, (first_key // BLOCK_N) * BLOCK_N)   # queries before the keys: none
+            for m0 in range(start, end, BLOCK_N):
                 dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
-                                    stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_M, DOT_FP32, PRECISION)
+                                    stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_FP32, PRECISION)
         for it in range(n_full * subs, count * subs):
-            m0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_M
+            m0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_N
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
-                                stride_qn, stride_don, sm_scale, d, d_ok, False, BLOCK_M, DOT_FP32, PRECISION)
+                                stride_qn, stride_don, sm_scale, d, d_ok, False, BLOCK_N, DOT_FP32, PRECISION)
         stats += N   # the next head's rows
     DK += (b * N * HKV + kvh) * HEAD_DIM
     DV += (b * N * HKV + kvh) * HEAD_DIM
@@ -324,7 +334,9 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
     block_d = padded_head_dim(D)
+    # one config for both kernels when given (or tuned); untuned, the dK/dV kernel has its own
     cfg = config or select_config("block_sparse_bwd", q.dtype, block_d, N, q.device)
+    kv_cfg = config or select_config("block_sparse_bwd", q.dtype, block_d, N, q.device, kernel="block_sparse_bwd_dkdv")
     bm, bn = _tiles(cfg, layout.block_size)
     for name, t in (("row_max", row_max), ("row_sum", row_sum)):
         require_contiguous("block_sparse_backward", name, t, (B, Hq, N))
@@ -333,18 +345,21 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     common = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
                   **_strides(q=q, k=k, v=v, do=do), N=N, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
-                  HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
-                  DOT_FP32=dot_fp32, PRECISION=precision, num_warps=cfg.get("num_warps", 4),
-                  num_stages=cfg.get("num_stages", 2))
+                  HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal,
+                  DOT_FP32=dot_fp32, PRECISION=precision)
     dq = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
     _, index, lists = _block_lists(layout.kv_num_blocks, layout.kv_indices, B, Hq)
     full, end = _key_lists(layout, N, causal)
     _block_sparse_bwd_dq_kernel[(triton.cdiv(N, bm) * B * Hq,)](
-        **common, DQ=dq, KV_FULL=full, KV_END=end, KV_INDEX=index, **lists, HQ=Hq)
+        **common, DQ=dq, KV_FULL=full, KV_END=end, KV_INDEX=index, **lists, HQ=Hq, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     dk = torch.empty(B, N, Hkv, D, dtype=k.dtype, device=q.device)
     dv = torch.empty(B, N, Hkv, D, dtype=v.dtype, device=q.device)
     counts, index, lists = _block_lists(layout.q_num_blocks, layout.q_indices, B, Hq)
     skip, full = _query_lists(layout, causal)
-    _block_sparse_bwd_dkdv_kernel[(triton.cdiv(N, bn) * B * Hkv,)](
-        **common, DK=dk, DV=dv, Q_SKIP=skip, Q_FULL=full, Q_COUNT=counts, Q_INDEX=index, **lists, HKV=Hkv)
+    # key tiles of BLOCK_M keys, walking query sub-tiles of BLOCK_N
+    km, qn = _tiles(kv_cfg, layout.block_size)
+    _block_sparse_bwd_dkdv_kernel[(triton.cdiv(N, km) * B * Hkv,)](
+        **common, DK=dk, DV=dv, Q_SKIP=skip, Q_FULL=full, Q_COUNT=counts, Q_INDEX=index, **lists, HKV=Hkv,
+        BLOCK_M=km, BLOCK_N=qn, num_warps=kv_cfg.get("num_warps", 4), num_stages=kv_cfg.get("num_stages", 2))
     return dq, dk, dv
