@@ -234,13 +234,10 @@ def _block_sparse_bwd_dkdv_kernel(
         # the causal diagonal block (masked), then the full blocks below it, whose loads are
         # unconditional in one flat loop the compiler software-pipelines. Queries past N
         # load as zero with empty statistics (P = 0): no mask needed for them.
-        for j in range(n_skip, n_full):
-            start = tl.load(index_base + j) * BLOCK_SIZE
-            end = tl.minimum(start + BLOCK_SIZE, N)
-            start = tl.maximum(start, (first_key // BLOCK_N) * BLOCK_N)   # queries before the keys: none
-            for m0 in range(start, end, BLOCK_N):
-                dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
-                                    stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_FP32, PRECISION)
+        diag_end = tl.where(n_full > n_skip, tl.minimum(kblock * BLOCK_SIZE + BLOCK_SIZE, N), 0)
+        for m0 in range((first_key // BLOCK_N) * BLOCK_N, diag_end, BLOCK_N):
+            dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
+                                stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_FP32, PRECISION)
         for it in range(n_full * subs, count * subs):
             m0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_N
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
