@@ -98,10 +98,11 @@ def config_label(config: dict) -> str:
 # spills least. dK/dV holds k, v, dk and dv in registers, so it is what forces the smaller
 # tiles. Hopper: dQ on wgmma where a tile allows it without spills (64x32, 4 warps; at
 # D = 128, 128x32 (block-sparse) and 128x16 (ring) with 8 warps, whose query tiles lose
-# nothing to 128 rows). The dilated family's config is its dQ kernel's; its dK/dV kernel
-# has its own (KERNEL_DEFAULTS): dilated dQ on sm90 at 64x64 (D = 64) and 64x32 (D = 128),
-# 4 warps, wgmma with no spills (triton 3.9; 64x64 at D = 128 spills 4 B), 64-row query
-# tiles (128 rows cost the planner 15% more computed pairs, LongNet N = 32K).
+# nothing to 128 rows). The dilated and block-sparse families' configs are their dQ
+# kernels'; their dK/dV kernels have their own (KERNEL_DEFAULTS). Dilated dQ on sm90 at
+# 64x64 (D = 64) and 64x32 (D = 128), 4 warps, wgmma with no spills (triton 3.9; 64x64 at
+# D = 128 spills 4 B), 64-row query tiles (128 rows cost the planner 15% more computed
+# pairs, LongNet N = 32K).
 BWD_DEFAULTS = {
     (True, True): {"dilated_bwd": make_config(64, 64, 4, 2), "block_sparse_bwd": make_config(64, 32, 4, 3),
                    "ring_step_bwd": make_config(64, 32, 4, 3)},
@@ -117,8 +118,7 @@ BWD_DEFAULTS = {
 # mma.sync reads its operands through registers: num_stages - 1 buffers) and three on sm90.
 # Their tiles are the largest without spills at D <= 128 on sm90 and sm80 (`perf aot
 # --configs`, triton 3.6 and 3.9): the ring dK/dV spills with 32-key tiles on sm90 at D = 128
-# (128x32 w8: 16 B) and with 64-row tiles on sm80 at D = 64 (64x32 w4: 28 B); the
-# block-sparse dK/dV with 64-row tiles on sm80 at D = 128 (64x32 w4: 24 B).
+# (128x32 w8: 16 B) and with 64-row tiles on sm80 at D = 64 (64x32 w4: 28 B).
 
 # Kernels whose untuned 16-bit default differs from their family's (a tuned entry of the
 # family serves all its kernels): kernel -> (Hopper?, padded head dim band 64/128/256) ->
@@ -133,6 +133,21 @@ BWD_DEFAULTS = {
 # * sm90 D = 256: every wgmma tile spills 4-5 KB: 32x32 w8 on mma.sync (no spills);
 # * sm80 D = 64: 64x16 w4 (64x32 w4 spills 8-32 B); D = 128: 64x64 w8 with one stage (two
 #   spill 24 B; 32x32 w4 s2 keeps its cp.async but has a quarter of the tile).
+# The block-sparse dK/dV kernel likewise: BLOCK_M keys (the M dimension), BLOCK_N the query
+# sub-tiles of its list walk (both divide the layout block size), in pipelined loops (3
+# stages). From `perf aot --configs` (bf16, triton 3.9 and 3.6, registers 3.9/3.6):
+# * sm90 D = 64: 128x64 w8, wgmma, 242/246 registers (128x128 w8 spills 0.5 KB, 64x64 w4
+#   16 B on 3.6; 128x32 w8 and 64x32 w4 also spill nothing, with narrower query tiles);
+# * sm90 D = 128: 128x32 w8, wgmma, 253/243 registers (128x64 w8: 172/68 B, 64x32 w4:
+#   148/132 B; 128x16 w8 spills nothing, with half the query tile);
+# * sm90 D = 256: every wgmma tile spills: 2.6-3.2 KB with 64 keys a warpgroup (dK and dV
+#   alone are 256 registers a thread), 124-740 B with 8 warps on 64 keys (which compute
+#   S^T twice), 1.7 KB with 16 warps: 32x64 w8 on mma.sync, 237/249 registers, no spills,
+#   two buffers;
+# * sm80 D = 64: 32x64 w4, 231/246 registers (64x32 w4: 24 B and 128x32 w8: 28 B on 3.6);
+#   D = 128: 64x64 w8, 247/246 registers (64x32 w4: 68 B; 128x32 w8: 164 B); D = 256:
+#   32x64 w8 with 2 stages (one buffer), 236/241 registers (3 stages: 24 B; 16x32 w4 s3
+#   spills nothing but has half the keys).
 # The decode kernels (one query row against BLOCK_N keys of its key list: vector-matrix
 # work) take 64-key tiles with 4 warps and 3 stages everywhere: 0 spills on sm80 and sm90 at
 # D = 64-256 with triton 3.9, where the forward family's tiles (64x32 w8 at D = 256) spill 8 B
@@ -147,6 +162,12 @@ KERNEL_DEFAULTS = {
         (True, 256): make_config(32, 32, 8, 2),
         (False, 64): make_config(64, 16, 4, 2), (False, 128): make_config(64, 64, 8, 1),
     },
+    "block_sparse_bwd_dkdv": {
+        (True, 64): make_config(128, 64, 8, 3), (True, 128): make_config(128, 32, 8, 3),
+        (True, 256): make_config(32, 64, 8, 3),
+        (False, 64): make_config(32, 64, 4, 3), (False, 128): make_config(64, 64, 8, 3),
+        (False, 256): make_config(32, 64, 8, 2),
+    },
 }
 
 # Hopper forward defaults at D <= 128 that differ from 64x64, 4 warps: the ring step kernel
@@ -159,10 +180,9 @@ NARROW_HEAD_FWD_DEFAULTS = {"ring_step_fwd": make_config(64, 32, 4, 3)}
 # 16-bit defaults for head dims over 128 (D = 256), from the same ahead-of-time compile over
 # 6-7 candidates on sm90 and sm80 (perf/aot/d256-bf16.csv): 8 warps halve the registers a
 # thread needs for its rows of the wide accumulators. With triton 3.6 on sm80 they spill in
-# block-sparse dK/dV (496 B; 4-warp tiles spill 5-11 KB there) and the ring step forward
-# (92 B), and 8 warps side by side (64 columns) compute the 32-column S tiles twice
-# (mma_replicated in perf/aot/sm90-sm80-bf16-after-triton36.csv): a 64-column tile spills
-# 0.2-6 KB in dK/dV instead.
+# the ring step forward (92 B), and 8 warps side by side (64 columns) compute the
+# 32-column S tiles twice (mma_replicated in perf/aot/sm90-sm80-bf16-after-triton36.csv):
+# a 64-column tile spills 0.2-6 KB in dK/dV instead.
 WIDE_HEAD_DEFAULTS = {
     "dilated_fwd": make_config(64, 32, 8, 2), "block_sparse_fwd": make_config(64, 32, 8, 2),
     "ring_step_fwd": make_config(32, 64, 4, 2),
@@ -292,9 +312,9 @@ def select_config(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen:
                   device: torch.device, kernel: str | None = None) -> dict:
     """The launch config: one fixed config off-GPU (the interpreter); on a GPU, the tuned
     entry of configs/<arch>.json (one for every kernel of the family), else default_config.
-    A kernel with a KERNEL_DEFAULTS entry (dilated dK/dV, the decode kernels) keeps its own
-    default: `perf tune` times each family's first kernel, so a tuned family entry says
-    nothing about them."""
+    A kernel with a KERNEL_DEFAULTS entry (dilated and block-sparse dK/dV, the decode
+    kernels) keeps its own default: `perf tune` times each family's first kernel, so a tuned
+    family entry says nothing about them."""
     if device.type != "cuda":
         return dict(INTERPRETER_CONFIG)
     arch = device_arch(device)

@@ -12,7 +12,8 @@ list): the launchers count, per list, where the unmasked part ends, and the kern
 it as one flat loop of sub-tiles with unconditional loads (software-pipelined: cp.async
 into rotating buffers), then the few masked blocks in a second loop. Layouts broadcast over batch and heads by
 zero strides. GQA: query head h reads key/value head h // (Hq // Hkv); the dK/dV program
-of a key/value head loops over its query heads.
+of a key/value head loops over its query heads. The dK/dV program owns BLOCK_M keys instead,
+the M dimension of its dots (S^T = K Q^T), and walks BLOCK_N query sub-tiles.
 
 Work: 4*D*(active pairs) forward FLOPs; K/V bytes move once per (query tile, active
 block), Q and O once.
@@ -231,9 +232,10 @@ def _block_sparse_bwd_dkdv_kernel(
         n_full = tl.load(Q_FULL + lists)
         count = tl.load(Q_COUNT + lists)
         index_base = Q_INDEX + b * stride_ib + h * stride_ih + kblock.to(tl.int64) * WIDTH   # this key block's list
-        # the causal diagonal block (masked), then the full blocks below it, whose loads are
-        # unconditional in one flat loop the compiler software-pipelines. Queries past N
-        # load as zero with empty statistics (P = 0): no mask needed for them.
+        # the causal diagonal (entries [n_skip, n_full): the key block itself, at most one),
+        # masked, from the query sub-tile of the first key on; then the full blocks below it,
+        # whose loads are unconditional in one flat loop the compiler software-pipelines.
+        # Queries past N load as zero with empty statistics (P = 0): no mask needed for them.
         diag_end = tl.where(n_full > n_skip, tl.minimum(kblock * BLOCK_SIZE + BLOCK_SIZE, N), 0)
         for m0 in range((first_key // BLOCK_N) * BLOCK_N, diag_end, BLOCK_N):
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
