@@ -8,7 +8,8 @@ and 256 (causal), and checks what the compiler made of it, so a regression fails
   give them 64-row tiles, run on wgmma with no MMA tile computed twice (BLOCK_M >= 16 x
   num_warps: 8 warps on 64 rows make both warpgroups compute the same S);
 * sm90 (16-bit), D = 64 and 128: the dilated backward, dQ and dK/dV (S^T = K Q^T: the key
-  tile is the M dimension), runs on wgmma only, with no register spills;
+  tile is the M dimension), and the block-sparse dK/dV (likewise S^T), run on wgmma only,
+  with no register spills;
 * no register spills outside the known list below (which may only shrink);
 * the dilated forward stays software-pipelined (cp.async into num_stages rotating buffers on
   sm90, num_stages - 1 on sm80);
@@ -16,9 +17,9 @@ and 256 (causal), and checks what the compiler made of it, so a regression fails
   software-pipelined (cp.async into at least 2 rotating buffers: their loops walk lists of
   active tiles with no load under a runtime `if`) and spill no register.
 
-Not yet true, so not asserted (issue 12): dK/dV on wgmma for the block-sparse and ring
-kernels (their dK/dV products still take mma.sync) and for the dilated one at D = 256 (every
-wgmma tile spills 4 KB there); TMA (cp.async.bulk) anywhere.
+Not yet true, so not asserted (issue 12): dK/dV on wgmma for the ring kernel (its dK/dV
+products still take mma.sync) and for the dilated and block-sparse ones at D = 256 (every
+wgmma tile spills 0.1-5 KB there); TMA (cp.async.bulk) anywhere.
 """
 from __future__ import annotations
 
@@ -43,18 +44,13 @@ SPILLS_TRITON_36 = {
     ("sm90", "dilated_fwd", "256"),            # 64x32 w4 s3: 8 B (128x32 w8: none, but 15% more planner pairs)
     ("sm90", "ring_step_fwd", "256"),          # every tile spills at D = 256
     ("sm80", "dilated_bwd_dq", "64"), ("sm80", "dilated_bwd_dkdv", "64"), ("sm80", "dilated_bwd_dkdv", "128"),
-    ("sm80", "block_sparse_bwd_dkdv", "256"), ("sm80", "ring_step_fwd", "256"),
-    # the pipelined list loops keep more in flight: every sm90 tile with a wgmma dQ spills
-    # 84-532 B in dK/dV at D = 256 (perf/aot/pipelining-*.csv)
-    ("sm90", "block_sparse_bwd_dkdv", "256"),
+    ("sm80", "ring_step_fwd", "256"),
     # the ring step's tile-list pre-pass (the dilated mask of a whole tile, once per step) with
     # 8 warps or 32-row tiles (8-12 B)
     ("sm80", "ring_step_lists", "128"), ("sm80", "ring_step_lists", "256"),
 }
 SPILLS_TRITON_39 = {
     ("sm90", "dilated_fwd", "256"), ("sm90", "ring_step_fwd", "256"),
-    ("sm90", "block_sparse_bwd_dkdv", "256"),  # as with 3.6
-    ("sm80", "block_sparse_bwd_dkdv", "256"),  # 64x16 w8: 16 B (480 B before the list loops)
     ("sm80", "ring_step_fwd", "256"),
 }
 
@@ -148,6 +144,20 @@ def test_sm90_dilated_backward_on_wgmma_without_spills(aot):
 
 
 @needs_ptxas
+def test_sm90_block_sparse_dkdv_on_wgmma_without_spills(aot):
+    """S^T = K Q^T with 128-key tiles on 8 warps: every dK/dV product on wgmma at D <= 128."""
+    rows, _, _ = aot
+    bad = [f"D={r['D']} {r['BLOCK_M']}x{r['BLOCK_N']} w{r['num_warps']}: wgmma {r['wgmma']}, mma.sync "
+           f"{r['mma_sync']}, replicated {r['mma_replicated']}, spills {r['spill_stores']} B"
+           for r in rows if r["arch"] == "sm90" and r["kernel"] == "block_sparse_bwd_dkdv" and r["D"] in ("64", "128")
+           and not (int(r["wgmma"]) > 0 and int(r["mma_sync"]) == 0 and r["mma_replicated"] == "0"
+                    and int(r["spill_stores"]) == 0)]
+    assert not bad, "\n".join(bad)
+    assert len([r for r in rows if r["arch"] == "sm90" and r["kernel"] == "block_sparse_bwd_dkdv"
+                and r["D"] in ("64", "128")]) == 2
+
+
+@needs_ptxas
 def test_no_register_spills_beyond_the_known_ones(aot):
     rows, _, _ = aot
     spilled = {(r["arch"], r["kernel"], r["D"]): r["spill_stores"] for r in rows if int(r["spill_stores"])}
@@ -185,7 +195,7 @@ def test_sm90_16bit_defaults_never_put_8_warps_on_64_rows():
     arch = Arch("sm90", (9, 0), 227 * 1024, 132, "fake")
     for family, kernel in (("dilated_fwd", None), ("block_sparse_fwd", None), ("ring_step_fwd", None),
                            ("dilated_bwd", None), ("dilated_bwd", "dilated_bwd_dkdv"), ("block_sparse_bwd", None),
-                           ("ring_step_bwd", None)):
+                           ("block_sparse_bwd", "block_sparse_bwd_dkdv"), ("ring_step_bwd", None)):
         for d in (16, 32, 64, 128, 256):
             for dtype in (torch.bfloat16, torch.float16):
                 cfg = default_config(family, d, arch, dtype, kernel)

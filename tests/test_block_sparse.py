@@ -67,6 +67,25 @@ def test_kernel_tiles_smaller_than_block():
         run_case(B=1, N=150, Hq=2, Hkv=1, D=16, layout=layout, causal=causal)
 
 
+@pytest.mark.parametrize("dq_tile, dkdv_tile", [((16, 32), (32, 16)), ((32, 16), (16, 32)), ((32, 32), (64, 16))],
+                         ids=["dq16x32-dkdv32x16", "dq32x16-dkdv16x32", "dq32x32-dkdv64x16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_with_its_own_dkdv_tiles(monkeypatch, dq_tile, dkdv_tile, causal):
+    """The dK/dV kernel with a config of its own, key tile (BLOCK_M, the M dimension of
+    S^T = K Q^T) larger or smaller than its query sub-tile (BLOCK_N), and dQ with another
+    (the interpreter's default is 32 x 32 for both): per-head lists under GQA (one dK/dV
+    program walks both query heads' lists), a query block with no keys, a key block only
+    above the diagonal, ragged N (150 = 2 x 64 + 22), the diagonal's partial sub-tiles."""
+    from triton_dilated.ops.block_sparse import kernels
+    cfg = lambda m, n: dict(BLOCK_M=m, BLOCK_N=n, num_warps=4, num_stages=1)  # noqa: E731
+    picked = {None: cfg(*dq_tile), "block_sparse_bwd_dkdv": cfg(*dkdv_tile)}
+    monkeypatch.setattr(kernels, "select_config", lambda family, *a, kernel=None: (
+        picked[kernel] if family == "block_sparse_bwd" else cfg(32, 32)))
+    mask = torch.tensor([[[1, 0, 1], [1, 1, 0], [0, 0, 0]], [[1, 1, 1], [0, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+    layout = BlockLayout.from_dense(mask[None], 64)
+    run_case(B=1, N=150, Hq=2, Hkv=1, D=16, layout=layout, causal=causal, seed=5)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_all_ones_is_dense_attention(backend, causal):
