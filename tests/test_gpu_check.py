@@ -86,8 +86,11 @@ def test_dry_run_runs_every_stage_in_order_and_each_writes_its_rows(tmp_path):
         assert breakdown[(causal, "wall_ms")] > 0
 
     ab = _rows(out / "config_ab.csv")
-    assert {r["op"] for r in ab} == {"config_ab:dilated_fwd", "config_ab:dilated_bwd"}
+    assert {r["op"] for r in ab} == {"config_ab:dilated_fwd", "config_ab:dilated_bwd", "config_ab:block_sparse_fwd"}
     assert any(r["metric"] == "ratio_vs_default" and "BLOCK_M=16" in r["config"] for r in ab)
+    # the default's variant switches are timed against it (the interpreter has FLAT_LOOP, not TMA)
+    assert {r["op"] for r in ab if r["metric"] == "ratio_vs_default" and "FLAT_LOOP=0" in r["config"]} == {
+        "config_ab:dilated_fwd", "config_ab:dilated_bwd"}
 
     flex = _rows(out / "block_sparse_vs_flex.csv")
     assert {"triton", "flex", "sdpa_dense"} <= {r["provider"] for r in flex}
