@@ -179,6 +179,14 @@ def test_block_sparse_and_ring_step_kernels_are_pipelined_without_spills(aot):
     assert not bad, "\n".join(bad)
 
 
+def test_aot_compiles_the_launchers_flat_loop_default():
+    """The AOT compile of the dilated forward and dQ takes FLAT_LOOP from the variant's spec;
+    the launchers' default is kernels.FLAT_LOOP: the same value, so CI checks what runs."""
+    from triton_dilated.ops.dilated import kernels
+    from triton_dilated.ops.dilated.spec import SPEC
+    assert SPEC.aot_constexprs["FLAT_LOOP"] == kernels.FLAT_LOOP
+
+
 def test_sm90_16bit_defaults_never_put_8_warps_on_64_rows():
     """The config rule itself (no compile): on sm90 every 16-bit default with 8 warps has
     128-row tiles, and every forward default at D <= 128 has BLOCK_M >= 16 x num_warps."""

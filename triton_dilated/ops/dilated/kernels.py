@@ -47,7 +47,13 @@ from ..common.kernels import (LOG2E, bnhd_offset, dot, finalize, load_key_block,
 from ..common.lse import softmax_delta
 from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
 from .plan import build_items, key_unit_triples, query_unit_triples
-from .spec import FLAT_LOOP
+
+
+# Default of the forward and dQ kernels' FLAT_LOOP constexpr (a config dict may carry its own
+# "FLAT_LOOP"; spec.py's AOT constexprs name the same value): 1 walks the unmasked key blocks
+# of all the tile's patterns in one flat loop, then the masked ones in a second; 0 runs an
+# unmasked and a masked loop per pattern.
+FLAT_LOOP = 1
 
 
 # ----------------------------------------------------------------------------- kernels

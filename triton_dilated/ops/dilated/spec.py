@@ -9,11 +9,6 @@ _MODULE = "triton_dilated.ops.dilated.kernels"
 _TABLES = {"ITEMS": "i32", "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32"}
 _STATS = {"ROW_MAX": "fp32", "ROW_SUM": "fp32"}
 
-# Default of the forward and dQ kernels' FLAT_LOOP constexpr (a config may carry its own
-# "FLAT_LOOP"): 1 walks the key blocks of all patterns in one flat loop (then the masked ones
-# in a second), 0 runs an unmasked and a masked loop per pattern (kernels.py).
-FLAT_LOOP = 1
-
 LONGNET_W = (2048, 4096, 8192, 16384, 32768)
 LONGNET_R = (1, 2, 4, 6, 12)
 
@@ -142,7 +137,7 @@ SPEC = VariantSpec(
         KernelSpec("decode_merge", "triton_dilated.ops.common.decode_kernels", "_decode_merge_kernel", "dilated_fwd",
                    pointers=DECODE_POINTERS, odd_strides=DECODE_ODD_STRIDES),
     ),
-    aot_constexprs={"NUM_PATTERNS": 3, "FLAT_LOOP": FLAT_LOOP},
+    aot_constexprs={"NUM_PATTERNS": 3, "FLAT_LOOP": 1},   # FLAT_LOOP: kernels.FLAT_LOOP, the launchers' default
     problem=DilatedProblem,
     pairs=count_pairs,
     call=call,
