@@ -24,6 +24,13 @@ schedule non-causal at N = 32K, about 0.70 causal (the diagonal of a strided til
 T*BLOCK_M positions). Inside a pattern, key blocks that need no mask (all keys valid,
 and before the tile's first row when causal) run without any element mask.
 
+Loop structure (FLAT_LOOP, the default): an unrolled prologue turns the tile's patterns
+into runs (key start, rate, block counts) held in small register vectors; one
+software-pipelined loop then walks the unmasked blocks of all patterns and a second the
+masked ones, each block's keys found from the loop index and those vectors (no table load,
+no pipeline drained per pattern). FLAT_LOOP=0 keeps an unmasked and a masked loop per
+pattern. Only the order of the online-softmax steps differs (results equal up to rounding).
+
 Backward: dQ mirrors the forward tiling (P recomputed from the saved row max and
 denominator). dK/dV: a
 program owns a key tile of one key/value head (same planner, key side) and loops over
