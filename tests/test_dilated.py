@@ -362,6 +362,10 @@ def test_backward_with_its_own_dkdv_tiles(monkeypatch, dq_tile, dkdv_tile, causa
 def test_packed_variable_length_sequences(backend, causal):
     """cu_seqlens: segments restart at each document; the oracle is per-document calls, the
     multiplicity block-diagonal (an empty document too)."""
+    check_packed_documents(backend, causal)
+
+
+def check_packed_documents(backend, causal):
     bounds = [0, 17, 17, 60, 96]
     ws, rs, Hq = [8, 32], [1, 2], 4
     qkv = make_qkv(1, 96, Hq, 2, 16, torch.float32, seed=0)
@@ -429,6 +433,82 @@ def test_planner_covers_every_row_once():
                 for w, r, o in triples:
                     used[u] |= (pos - pos // w * w) % r == o
             assert torch.equal(seen.bool() | ~used, torch.ones_like(used)) and (full == bool(seen.all()))
+
+
+# ----------------------------------------------------------------------------- Triton: the two loop structures
+
+class _LaunchSpy:
+    """Stands in for a kernel: records the FLAT_LOOP of each launch, then launches."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.append(kwargs["FLAT_LOOP"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.fixture(params=[0, 1], ids=["per-pattern-loops", "flat-loop"])
+def flat_loop(request, monkeypatch):
+    """The forward and dQ kernels with FLAT_LOOP = the param (0: an unmasked and a masked key
+    loop per pattern; 1: the unmasked blocks of all patterns in one loop, then the masked
+    ones), set by the "FLAT_LOOP" key of the config dict the launchers get; afterwards,
+    every forward and dQ launch is checked to have received it."""
+    from triton_dilated.ops.dilated import kernels
+    pick = kernels.select_config
+    monkeypatch.setattr(kernels, "select_config", lambda *a, **kw: dict(pick(*a, **kw), FLAT_LOOP=request.param))
+    seen = []
+    for name in ("_dilated_fwd_kernel", "_dilated_bwd_dq_kernel"):
+        monkeypatch.setattr(kernels, name, _LaunchSpy(getattr(kernels, name), seen))
+    yield request.param
+    assert len(seen) >= 2 and set(seen) == {request.param}, seen
+
+
+# (N, ws, rs, Hq, Hkv, mode): tiles where two patterns have unmasked key blocks (one flat loop
+# crosses from one pattern's run to the next) and a pattern whose rate does not divide the
+# tile stride (masked blocks, rows of the tile inactive); GQA; a head that does not use
+# every pattern (head_groups: offset -1)
+LOOP_CASES = {
+    "two-unmasked-runs-masked-rows": (96, [32, 64, 96], [1, 1, 3], 2, 1, "longnet"),
+    "stride-2-tiles": (128, [64, 128, 128], [1, 2, 3], 2, 2, "longnet"),
+    "head-groups": (64, [8, 32, 64], [1, 2, 4], 3, 1, "head_groups"),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", list(LOOP_CASES))
+def test_both_loop_structures_match_oracle(flat_loop, name, causal):
+    N, ws, rs, Hq, Hkv, mode = LOOP_CASES[name]
+    pats = tuple(zip(ws, rs))
+    items, _ = build_items(N, query_unit_triples(pats, head_offsets(Hq, pats, mode, "modulo")), 32, 32, causal)
+    strides = set(items[:, 3].tolist())
+    assert any(T % r for T in strides for r in rs)   # masked rows
+    if mode == "longnet" and not causal:   # some tile has two patterns with a full 32-key block each
+        assert any(sum(T % r == 0 and w // r >= 32 for w, r in pats) >= 2 for T in strides)
+    check_dilated("triton", make_qkv(1, N, Hq, Hkv, 16, torch.float32, seed=N + Hq), ws, rs, causal=causal,
+                  mode=mode, check_definition=False)
+
+
+def test_both_loop_structures_packed_documents(flat_loop):
+    check_packed_documents("triton", True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_both_loop_structures_chunked_prefill(flat_loop, causal):
+    """Queries shorter than keys with ragged lengths (a query window: the plan holds only the
+    tiles of the last Nq rows of each row's keys) against the definition."""
+    from test_query_offset import _check
+    ws, rs, lengths = [32, 64, 96], [1, 1, 3], [96, 71]
+    q = seeded((2, 24, 2, 16), torch.float32, 1, DEVICE)
+    k = seeded((2, 96, 1, 16), torch.float32, 2, DEVICE)
+    v = seeded((2, 96, 1, 16), torch.float32, 3, DEVICE)
+    cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    _check(lambda q_, k_, v_: dilated_attention(q_, k_, v_, ws, rs, causal=causal, return_lse=True, backend="triton",
+                                                cache_seqlens=cache),
+           lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, ws, rs, causal=causal), q, k, v, lengths,
+           torch.float32)
 
 
 @pytest.mark.gpu

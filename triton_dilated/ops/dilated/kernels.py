@@ -24,6 +24,13 @@ schedule non-causal at N = 32K, about 0.70 causal (the diagonal of a strided til
 T*BLOCK_M positions). Inside a pattern, key blocks that need no mask (all keys valid,
 and before the tile's first row when causal) run without any element mask.
 
+Loop structure (FLAT_LOOP, the default): an unrolled prologue turns the tile's patterns
+into runs (key start, rate, block counts) held in small register vectors; one
+software-pipelined loop then walks the unmasked blocks of all patterns and a second the
+masked ones, each block's keys found from the loop index and those vectors (no table load,
+no pipeline drained per pattern). FLAT_LOOP=0 keeps an unmasked and a masked loop per
+pattern. Only the order of the online-softmax steps differs (results equal up to rounding).
+
 Backward: dQ mirrors the forward tiling (P recomputed from the saved row max and
 denominator). dK/dV: a
 program owns a key tile of one key/value head (same planner, key side) and loops over
@@ -40,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...configs import select_config
+from ...configs import select_config, switch_value
 from ..common.hardware import padded_head_dim
 from ..common.kernels import (LOG2E, bnhd_offset, dot, finalize, load_key_block, load_row_stats,
                               online_softmax_step, program_tile, softmax_grad_block)
@@ -108,12 +115,68 @@ def _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row, rows, row_ok, T, doc_
 
 
 @triton.jit
+def _runs(PAT_W, PAT_R, PAT_OFF, h, first_row, last_row, rows, row_ok, T, doc_start, doc_end,
+          NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """FLAT_LOOP: the key blocks of all the head's patterns, seen from a query tile, as the
+    runs of two flat loops: the unmasked blocks [0, full_end) of every pattern, then the
+    masked ones [full_end, key_end) (_pattern_span). Pattern i is slot i of small vectors
+    (padded to a power of two): in each loop its run is the blocks j in [start_i, end_i),
+    at keys key0_i + r_i*t for t = j*BLOCK_N - shift_i + [0, BLOCK_N), t < key_end_i.
+    Returns n_full, full_runs, n_masked, masked_runs; runs = (start, end, shift, key0, r, key_end)."""
+    # slots: the next power of two >= NUM_PATTERNS (a tl.arange size), in constexpr arithmetic
+    S1: tl.constexpr = (NUM_PATTERNS - 1) | ((NUM_PATTERNS - 1) >> 1)
+    S2: tl.constexpr = S1 | (S1 >> 2)
+    S3: tl.constexpr = S2 | (S2 >> 4)
+    SLOTS: tl.constexpr = (S3 | (S3 >> 8)) + 1
+    slot = tl.arange(0, SLOTS)
+    zero = tl.zeros([SLOTS], tl.int32)   # unused slots keep start = end = 0: never picked
+    full_start, full_stop = zero, zero
+    masked_start, masked_stop, masked_shift = zero, zero, zero
+    key0s, rs, key_ends = zero, zero + 1, zero
+    n_full = 0
+    n_masked = 0
+    for i in tl.static_range(NUM_PATTERNS):   # unrolled: independent table loads, no loop to drain
+        o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
+        key0, r, key_end, full_end, _ = _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row, rows, row_ok, T,
+                                                      doc_start, doc_end, CAUSAL, BLOCK_N)
+        used = o >= 0   # o < 0: the head does not use pattern i
+        here = slot == i
+        full_start = tl.where(here, n_full, full_start)
+        n_full += tl.where(used, full_end // BLOCK_N, 0)   # full_end: a multiple of BLOCK_N
+        full_stop = tl.where(here, n_full, full_stop)
+        masked_start = tl.where(here, n_masked, masked_start)
+        masked_shift = tl.where(here, n_masked * BLOCK_N - full_end, masked_shift)
+        n_masked += tl.where(used, (key_end - full_end + BLOCK_N - 1) // BLOCK_N, 0)
+        masked_stop = tl.where(here, n_masked, masked_stop)
+        key0s = tl.where(here, key0, key0s)
+        rs = tl.where(here, r, rs)
+        key_ends = tl.where(here, key_end, key_ends)
+    full_runs = (full_start, full_stop, full_start * BLOCK_N, key0s, rs, key_ends)
+    masked_runs = (masked_start, masked_stop, masked_shift, key0s, rs, key_ends)
+    return n_full, full_runs, n_masked, masked_runs
+
+
+@triton.jit
+def _run_at(j, runs, BLOCK_N: tl.constexpr):
+    """(key0, r, t0, key_end) of block j of a flat loop (_runs): sums over the one slot whose
+    run holds j, so the block's key addresses depend on j and loop-invariant registers only."""
+    start, stop, shift, key0s, rs, key_ends = runs
+    here = (start <= j) & (j < stop)
+    key0 = tl.sum(tl.where(here, key0s, 0), 0)
+    r = tl.sum(tl.where(here, rs, 0), 0)
+    t0 = j * BLOCK_N - tl.sum(tl.where(here, shift, 0), 0)
+    key_end = tl.sum(tl.where(here, key_ends, 0), 0)
+    return key0, r, t0, key_end
+
+
+@triton.jit
 def _dilated_fwd_kernel(
         Q, K, V, O, ROW_MAX, ROW_SUM, ITEMS, PAT_W, PAT_R, PAT_OFF,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+        FLAT_LOOP: tl.constexpr):
     b, h, kvh, T, doc_start, doc_end, first_row, rows, row_ok, last_row = _item_tile(ITEMS, NUM_ITEMS, HEAD_GROUP,
                                                                                     BLOCK_M)
     Q += b * stride_qb + h * stride_qh
@@ -129,21 +192,39 @@ def _dilated_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
-        o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
-        if o >= 0:
-            key0, r, key_end, full_end, row_active = _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row, rows,
-                                                                   row_ok, T, doc_start, doc_end, CAUSAL, BLOCK_N)
-            for t0 in range(0, full_end, BLOCK_N):
-                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
-                                            key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
-                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
-                                                    False, DOT_FP32, PRECISION)
-            for t0 in range(full_end, key_end, BLOCK_N):
-                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
-                                            key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
-                acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
-                                                    True, DOT_FP32, PRECISION)
+    if FLAT_LOOP:   # the unmasked blocks of all patterns in one loop, then the masked ones
+        n_full, full_runs, n_masked, masked_runs = _runs(PAT_W, PAT_R, PAT_OFF, h, first_row, last_row, rows, row_ok,
+                                                         T, doc_start, doc_end, NUM_PATTERNS, CAUSAL, BLOCK_N)
+        for j in range(n_full):
+            key0, r, t0, key_end = _run_at(j, full_runs, BLOCK_N)
+            k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
+                                        key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
+                                                False, DOT_FP32, PRECISION)
+        for j in range(n_masked):
+            key0, r, t0, key_end = _run_at(j, masked_runs, BLOCK_N)
+            row_active = row_ok & ((rows - key0) % r == 0)   # the rows of the block's pattern
+            k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
+                                        key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
+                                                True, DOT_FP32, PRECISION)
+    else:   # per pattern: an unmasked and a masked loop each
+        for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
+            o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
+            if o >= 0:
+                key0, r, key_end, full_end, row_active = _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row,
+                                                                       rows, row_ok, T, doc_start, doc_end,
+                                                                       CAUSAL, BLOCK_N)
+                for t0 in range(0, full_end, BLOCK_N):
+                    k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
+                                                key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
+                    acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
+                                                        False, DOT_FP32, PRECISION)
+                for t0 in range(full_end, key_end, BLOCK_N):
+                    k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
+                                                key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
+                    acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
+                                                        True, DOT_FP32, PRECISION)
     out, row_max, row_sum = finalize(acc, m_i, l_i, q)                                  # [BLOCK_M, BLOCK_D]
     O += (b * N * HQ + h) * HEAD_DIM
     tl.store(O + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], out.to(O.dtype.element_ty), mask=tile_mask)
@@ -161,7 +242,8 @@ def _dilated_bwd_dq_kernel(
         stride_dob, stride_don, stride_doh,
         N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+        FLAT_LOOP: tl.constexpr):
     b, h, kvh, T, doc_start, doc_end, first_row, rows, row_ok, last_row = _item_tile(ITEMS, NUM_ITEMS, HEAD_GROUP,
                                                                                     BLOCK_M)
     Q += b * stride_qb + h * stride_qh
@@ -180,23 +262,43 @@ def _dilated_bwd_dq_kernel(
     v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
-        o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
-        if o >= 0:
-            key0, r, key_end, full_end, row_active = _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row, rows,
-                                                                   row_ok, T, doc_start, doc_end, CAUSAL, BLOCK_N)
-            for t0 in range(0, full_end, BLOCK_N):
-                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
-                                            key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
-                p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
-                                           False, DOT_FP32, PRECISION)                   # [BLOCK_M, BLOCK_N]
-                dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
-            for t0 in range(full_end, key_end, BLOCK_N):
-                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
-                                            key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
-                p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
-                                           True, DOT_FP32, PRECISION)
-                dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+    if FLAT_LOOP:   # as the forward: all unmasked blocks in one loop, then the masked ones
+        n_full, full_runs, n_masked, masked_runs = _runs(PAT_W, PAT_R, PAT_OFF, h, first_row, last_row, rows, row_ok,
+                                                         T, doc_start, doc_end, NUM_PATTERNS, CAUSAL, BLOCK_N)
+        for j in range(n_full):
+            key0, r, t0, key_end = _run_at(j, full_runs, BLOCK_N)
+            k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
+                                        key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
+            p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
+                                       False, DOT_FP32, PRECISION)                       # [BLOCK_M, BLOCK_N]
+            dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+        for j in range(n_masked):
+            key0, r, t0, key_end = _run_at(j, masked_runs, BLOCK_N)
+            row_active = row_ok & ((rows - key0) % r == 0)
+            k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
+                                        key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
+            p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
+                                       True, DOT_FP32, PRECISION)
+            dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+    else:
+        for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
+            o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
+            if o >= 0:
+                key0, r, key_end, full_end, row_active = _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row,
+                                                                       rows, row_ok, T, doc_start, doc_end,
+                                                                       CAUSAL, BLOCK_N)
+                for t0 in range(0, full_end, BLOCK_N):
+                    k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
+                                                key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
+                    p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
+                                               False, DOT_FP32, PRECISION)               # [BLOCK_M, BLOCK_N]
+                    dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+                for t0 in range(full_end, key_end, BLOCK_N):
+                    k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
+                                                key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
+                    p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
+                                               True, DOT_FP32, PRECISION)
+                    dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
     DQ += b * N * (HQ * HEAD_DIM) + h * HEAD_DIM
     tl.store(DQ + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=tile_mask)
@@ -352,7 +454,8 @@ def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None, doc
         **_strides(q=q, k=k, v=v), N=N, HQ=Hq, NUM_ITEMS=items.shape[0], HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=dot_fp32, PRECISION=precision,
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+        FLAT_LOOP=switch_value("dilated_fwd", cfg, "FLAT_LOOP"), num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 2))
     return out, row_max, row_sum
 
 
@@ -382,7 +485,8 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     if items.shape[0]:
         _dilated_bwd_dq_kernel[(items.shape[0] * B,)](
             **inputs, DQ=dq, ITEMS=items, PAT_W=pat_w, PAT_R=pat_r, PAT_OFF=pat_off, HQ=Hq,
-            NUM_ITEMS=items.shape[0], **common, **_launch(cfg))
+            NUM_ITEMS=items.shape[0], FLAT_LOOP=switch_value("dilated_bwd", cfg, "FLAT_LOOP"), **common,
+            **_launch(cfg))
 
     # key side: tiles of BLOCK_M keys, walking query blocks of BLOCK_N
     items, full, pat_w, pat_r, pat_off = _device_plan(N, patterns, table, Hkv, causal, kv_cfg["BLOCK_M"],

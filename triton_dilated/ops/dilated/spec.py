@@ -137,7 +137,7 @@ SPEC = VariantSpec(
         KernelSpec("decode_merge", "triton_dilated.ops.common.decode_kernels", "_decode_merge_kernel", "dilated_fwd",
                    pointers=DECODE_POINTERS, odd_strides=DECODE_ODD_STRIDES),
     ),
-    aot_constexprs={"NUM_PATTERNS": 3},
+    aot_constexprs={"NUM_PATTERNS": 3, "FLAT_LOOP": 1},   # FLAT_LOOP: the launchers' default (configs.VARIANT_SWITCHES)
     problem=DilatedProblem,
     pairs=count_pairs,
     call=call,
