@@ -14,6 +14,12 @@ into rotating buffers), then the few masked blocks in a second loop. Layouts bro
 zero strides. GQA: query head h reads key/value head h // (Hq // Hkv); the dK/dV program
 of a key/value head loops over its query heads.
 
+Experimental (issue 12): a forward config with "TMA": 1 reads the K and V sub-tiles through
+host-side tensor descriptors (TMA copies on sm90) instead of pointer loads, with the same
+loops and the same bits; `perf tune` is to time it against "TMA": 0 (the default). Where
+TMA cannot read the inputs (before sm90, misaligned strides or base: tma_usable) the
+launcher uses the pointer loads.
+
 Work: 4*D*(active pairs) forward FLOPs; K/V bytes move once per (query tile, active
 block), Q and O once.
 """
