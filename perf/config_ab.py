@@ -6,10 +6,13 @@ with the others in interleaved rounds, so each ratio to the default is a paired 
 
 Defaults of the candidate lists: the forward's sm90 default (64x64, 4 warps, 3 stages), the
 earlier 8-warp default that computes S twice on Hopper (64x64, 8 warps, 3 stages), a 2-stage
-and a 128-row variant; the backward's default at D = 128 (32x32, 4 warps: mma.sync) against
-tiles that put dQ on wgmma: 64x64 and 64x32 with 4 warps (dK/dV spills 136 and 68 B) and
-128x32 with 8 warps (no spills, but 128-row query tiles: the planner computes 15% more
-pairs for dQ at N = 32K). Rows (results.COLUMNS) to --out as each (causal, pass) finishes:
+variant and 128-row tiles (the planner then takes tile stride 6: two residue classes per
+tile, 41% fewer K/V bytes from L2 by `perf plan`, 17% more computed pairs); the backward's
+dQ tiles 64x32 / 64x64 with 4 warps and 128x32 with 8 (its dK/dV kernel keeps its own
+default). Each family's default is also timed with every other value of its kernel variant
+switches (configs.VARIANT_SWITCHES: the dilated FLAT_LOOP), and the block-sparse forward at
+the same length (BigBird layout, block 128) with its TMA switch, where the GPU has TMA.
+Rows (results.COLUMNS) to --out as each (causal, pass) finishes:
 op "config_ab:<family>", metric ms and ratio_vs_default (default ms / candidate ms, paired
 rounds: > 1 means faster than the default), the config in `config`.
 
@@ -23,8 +26,9 @@ import statistics
 
 import torch
 
-from triton_dilated.configs import make_config, select_config
+from triton_dilated.configs import config_label, make_config, select_config, switch_alternatives
 from triton_dilated.ops.common.hardware import padded_head_dim
+from triton_dilated.ops.block_sparse.spec import BlockSparseProblem
 from triton_dilated.ops.dilated.spec import DilatedProblem
 from triton_dilated.perf.cli import CAUSAL, shape_parser
 from triton_dilated.perf.results import CsvSink, make_row, provenance, sig
@@ -36,16 +40,18 @@ BWD = ["32,32,4,2", "64,64,4,2", "64,32,4,2", "128,32,8,2"]
 
 
 def parse_config(text: str) -> dict:
+    """"M,N,W,S" with optional variant switches after it: "64,64,4,3,FLAT_LOOP=0"."""
+    parts = text.split(",")
     try:
-        m, n, w, s = (int(x) for x in text.split(","))
+        m, n, w, s = (int(x) for x in parts[:4])
+        switches = {k: int(v) for k, v in (p.split("=", 1) for p in parts[4:])}
     except ValueError:
-        raise SystemExit(f"config_ab: a config is BLOCK_M,BLOCK_N,num_warps,num_stages (four integers), "
-                         f"got {text!r}") from None
-    return make_config(m, n, w, s)
+        raise SystemExit(f"config_ab: a config is BLOCK_M,BLOCK_N,num_warps,num_stages (four integers), then "
+                         f"optional NAME=VALUE switches, got {text!r}") from None
+    return make_config(m, n, w, s, **switches)
 
 
-def label(cfg: dict) -> str:
-    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
+label = config_label
 
 
 def ab_rows(prob, family, configs, timing, device, base, fields) -> list:
@@ -53,9 +59,10 @@ def ab_rows(prob, family, configs, timing, device, base, fields) -> list:
     run = (lambda cfg: prob.backward(cfg)) if family.endswith("_bwd") else (lambda cfg: prob.forward(cfg))
     default = select_config(family, prob.q.dtype, padded_head_dim(prob.q.shape[-1]), prob.q.shape[1],
                             prob.q.device)
+    capability = torch.cuda.get_device_capability(prob.q.device) if prob.q.is_cuda else (0, 0)
     ref = run(None)
     calls, notes = {"default": lambda: run(None)}, {}
-    for cfg in configs:
+    for cfg in list(configs) + switch_alternatives(family, default, capability):
         name = label(cfg)
         if cfg == default:
             continue   # timed as "default"
@@ -94,6 +101,8 @@ def main() -> int:
     p.add_argument("--fwd-configs", nargs="*", default=FWD, metavar="M,N,W,S", help="default: %(default)s")
     p.add_argument("--bwd-configs", nargs="*", default=BWD, metavar="M,N,W,S", help="default: %(default)s")
     p.add_argument("--quick", action="store_true", help="one timed round per call (dry runs; default: off)")
+    p.add_argument("--no-block-sparse", dest="block_sparse", action="store_false",
+                   help="skip the block-sparse forward's variant A/B (default: run it)")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
@@ -118,6 +127,15 @@ def main() -> int:
             del prob
             if device == "cuda":
                 torch.cuda.empty_cache()
+            if args.block_sparse:   # the block-sparse forward's default against its switches
+                prob = BlockSparseProblem(1, args.seqlen, args.heads, args.head_dim, dtype, device, causal)
+                fields = dict(variant="block_sparse", B=1, N=args.seqlen, H=args.heads, Hkv=args.heads,
+                              D=args.head_dim, dtype=args.dtype, causal=causal, layout=prob.shape)
+                print(f"\n{prob.shape}")
+                rows = ab_rows(prob, "block_sparse_fwd", [], timing, device, base, fields)
+                sink.write(rows)
+                n += len(rows)
+                del prob
     print(f"\nwrote {n} rows to {args.out}")
     return 0 if n else 1
 

@@ -19,15 +19,16 @@
 #                        (perf/gpu_key_rows.py -> key_rows.csv)
 #   3. breakdown (40 s)  torch.profiler per kernel of one dilated fwd+bwd at the key shape:
 #                        fwd, dQ, dK/dV, delta, rest (perf/kernel_breakdown.py -> kernel_breakdown.csv)
-#   4. configs (70 s)    config A/B of the dilated forward and backward at the key shape,
-#                        paired against the defaults (perf/config_ab.py -> config_ab.csv)
+#   4. configs (90 s)    config A/B of the dilated forward and backward at the key shape,
+#                        paired against the defaults, the kernel variant switches (dilated
+#                        FLAT_LOOP, block-sparse TMA) included (perf/config_ab.py -> config_ab.csv)
 #   5. flex (75 s)       block-sparse vs FlexAttention (compiled) and dense at 16K, ~90% sparsity
 #                        (perf/block_sparse_vs_flex.py -> block_sparse_vs_flex.csv)
 #   6. ringstep (25 s)   issue 4's one-GPU ring check (perf/ring_step_vs_dense.py -> ring_step_vs_dense.txt)
 #   6b. decode (20 s)    one decode step (bf16, H = 16, D = 128) at 4K, 32K, 256K and 1M tokens of
 #                        context: dilated (Triton decode kernel) vs dense SDPA on the same cache
 #                        (python -m triton_dilated.perf decode -> decode.csv)
-#   7. tests (100 s)     the test suite on CUDA with compiled kernels, bf16 included, 12 xdist
+#   7. tests (80 s)      the test suite on CUDA with compiled kernels, bf16 included, 12 xdist
 #                        workers (TRITON_DILATED_TEST_DEVICE=cuda) -> tests.log, tests.xml
 #   then the result tables.
 # Python: $PYTHON if set, else python, else python3 on PATH.
@@ -137,7 +138,7 @@ fi
 
 stage key 85 "$PY" perf/gpu_key_rows.py --out "$OUT/key_rows.csv" "${KEY_ARGS[@]}"
 stage breakdown 40 "$PY" perf/kernel_breakdown.py --out "$OUT/kernel_breakdown.csv" "${BREAKDOWN_ARGS[@]}"
-stage configs 70 "$PY" perf/config_ab.py --out "$OUT/config_ab.csv" "${CONFIG_ARGS[@]}"
+stage configs 90 "$PY" perf/config_ab.py --out "$OUT/config_ab.csv" "${CONFIG_ARGS[@]}"
 stage flex 75 "$PY" perf/block_sparse_vs_flex.py --out "$OUT/block_sparse_vs_flex.csv" "${FLEX_ARGS[@]}"
 stage ringstep 25 bash -c '"$1" perf/ring_step_vs_dense.py "${@:2}" > "$0/ring_step_vs_dense.txt" 2>&1; rc=$?;
   cat "$0/ring_step_vs_dense.txt"; exit $rc' "$OUT" "$PY" "${RING_ARGS[@]}"
@@ -149,9 +150,9 @@ stage decode 20 "$PY" -m triton_dilated.perf decode --out "$OUT/decode.csv" --me
 PYTEST_ARGS=(-q -p no:cacheprovider -o addopts= -rfEs --maxfail=25 --durations=15 --junitxml="$OUT/tests.xml")
 if [ "$DRY" = 0 ]; then
   "$PY" -c "import xdist" 2>/dev/null && PYTEST_ARGS+=(-n 12)
-  "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=100)
+  "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=80)
 fi
-stage tests 100 "$PY" -m pytest "${TEST_ARGS[@]}" "${PYTEST_ARGS[@]}" > "$OUT/tests.log" 2>&1
+stage tests 80 "$PY" -m pytest "${TEST_ARGS[@]}" "${PYTEST_ARGS[@]}" > "$OUT/tests.log" 2>&1
 tail -40 "$OUT/tests.log"
 
 echo

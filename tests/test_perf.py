@@ -128,8 +128,14 @@ def test_tune_writes_a_table_select_config_reads(tmp_path, monkeypatch, capsys):
     assert set(saved["kernels"]) >= set(tune.KERNELS)
     for kernel in tune.KERNELS:
         for key, cfg in saved["measured"][kernel].items():
-            assert set(saved["kernels"][kernel][key]) == set(tune.CONFIG_KEYS)
+            entry = set(saved["kernels"][kernel][key])   # the tile, and any variant switch that won
+            assert set(tune.CONFIG_KEYS) <= entry <= set(tune.CONFIG_KEYS) | set(configs.VARIANT_SWITCHES.get(kernel, ()))
             assert cfg["ms"] > 0
+    # the variant switches were timed on the best tile (the interpreter's: those without a
+    # minimum arch, the dilated FLAT_LOOP)
+    with open(tmp_path / f"tune-{saved['arch']}.csv") as f:
+        timed = [r["config"] for r in csv.DictReader(f) if r["op"] in ("tune:dilated_fwd", "tune:dilated_bwd")]
+    assert any("FLAT_LOOP=0" in c for c in timed) and any("FLAT_LOOP" not in c for c in timed), timed
     # select_config (as on a GPU of this arch) finds the tuned entries
     arch_name = saved["arch"]
     fake = Arch(arch_name, (9, 0), 228 * 1024, 132, "fake")

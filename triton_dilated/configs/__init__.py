@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from importlib import resources
 
 import torch
@@ -28,8 +29,60 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages"
 CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
 
-def make_config(block_m: int, block_n: int, warps: int, stages: int) -> dict:
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+def make_config(block_m: int, block_n: int, warps: int, stages: int, **switches) -> dict:
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, **switches}
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A kernel variant a config can select: an extra constexpr key beside CONFIG_FIELDS.
+    values[0] is used where a config does not name the switch; archs before min_capability
+    do not have the variant (their launchers use values[0])."""
+    values: tuple
+    min_capability: tuple = (0, 0)
+
+
+# Variants the compiled code cannot choose between (`perf aot` shows both spill-free and on
+# the same instructions; only a GPU can time them): `perf tune` times every value of a
+# family's switches on its best tile and keeps the fastest in the tuned entry, and the GPU
+# check's config A/B (perf/config_ab.py) times them against the default.
+# * FLAT_LOOP (dilated forward and dQ): 1 walks the key blocks of all the tile's patterns in
+#   two flat loops (unmasked, then masked); 0 runs one pair of loops per pattern.
+# * TMA (block-sparse forward, sm90 on): 1 loads the K/V blocks through tensor descriptors
+#   (cp.async.bulk.tensor); 0 with pointer loads (cp.async).
+VARIANT_SWITCHES = {
+    "dilated_fwd": {"FLAT_LOOP": Switch((1, 0))},
+    "dilated_bwd": {"FLAT_LOOP": Switch((1, 0))},
+    "block_sparse_fwd": {"TMA": Switch((0, 1), (9, 0))},
+}
+
+
+def switch_value(family: str, config: dict, name: str) -> int:
+    """The value of variant switch `name` that `config` selects (its default when absent)."""
+    switch = VARIANT_SWITCHES[family][name]
+    value = config.get(name, switch.values[0])
+    if isinstance(value, bool) or not isinstance(value, int) or value not in switch.values:
+        raise ValueError(f"config[{name!r}] of {family}: expected one of {list(switch.values)}, got {value!r}")
+    return value
+
+
+def switch_alternatives(family: str, config: dict, capability: tuple) -> list:
+    """`config` with one switch of the family set to each of its other values, for the
+    switches an arch of this compute capability has ((0, 0): the interpreter, which has
+    those without a minimum)."""
+    out = []
+    for name, switch in VARIANT_SWITCHES.get(family, {}).items():
+        if capability < switch.min_capability:
+            continue
+        current = switch_value(family, config, name)
+        out += [{**config, name: v} for v in switch.values if v != current]
+    return out
+
+
+def config_label(config: dict) -> str:
+    """"64x64 w4 s3", with the switches a config names: "64x64 w4 s3 FLAT_LOOP=0"."""
+    extra = "".join(f" {k}={v}" for k, v in config.items() if k not in CONFIG_FIELDS)
+    return f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}{extra}"
 
 
 # Hopper (sm90; the same tables serve later archs, unchecked) with 16-bit inputs: warpgroup
@@ -82,10 +135,13 @@ BWD_DEFAULTS = {
 #   spill 24 B; 32x32 w4 s2 keeps its cp.async but has a quarter of the tile).
 # The decode kernels (one query row against BLOCK_N keys of its key list: vector-matrix
 # work) take 64-key tiles with 4 warps and 3 stages everywhere: 0 spills on sm80 and sm90 at
-# D = 64-256, where the forward family's tiles (64x32 w8 at D = 256) spill 8 B on sm80.
+# D = 64-256 with triton 3.9, where the forward family's tiles (64x32 w8 at D = 256) spill 8 B
+# on sm80. Triton 3.6 spills 8 B in the causal block-sparse decode on sm90 at D = 128 with
+# 64-key tiles: 32 keys there (0 spills on both versions; on sm80 32-key tiles spill 8-12 B).
 _DECODE = {(hopper, band): make_config(16, 64, 4, 3) for hopper in (True, False) for band in (64, 128, 256)}
 KERNEL_DEFAULTS = {
-    "dilated_decode": _DECODE, "block_sparse_decode": _DECODE, "decode_merge": _DECODE,
+    "dilated_decode": _DECODE, "decode_merge": _DECODE,
+    "block_sparse_decode": {**_DECODE, (True, 128): make_config(16, 32, 4, 3)},
     "dilated_bwd_dkdv": {
         (True, 64): make_config(64, 32, 4, 2), (True, 128): make_config(128, 32, 8, 2),
         (True, 256): make_config(32, 32, 8, 2),
@@ -96,6 +152,9 @@ KERNEL_DEFAULTS = {
 # Hopper forward defaults at D <= 128 that differ from 64x64, 4 warps: the ring step kernel
 # spills 124-132 B at 64x64 (and duplicates S with 8 warps); 64x32 keeps it in registers.
 HOPPER_FWD_DEFAULTS = {"ring_step_fwd": make_config(64, 32, 4, 3)}
+# Before Hopper at D <= 64: the ring step forward spills 24 B at 64x64 w4 with triton 3.6
+# (0 with 3.9); 64x32 w4 spills nothing on either.
+NARROW_HEAD_FWD_DEFAULTS = {"ring_step_fwd": make_config(64, 32, 4, 3)}
 
 # 16-bit defaults for head dims over 128 (D = 256), from the same ahead-of-time compile over
 # 6-7 candidates on sm90 and sm80 (perf/aot/d256-bf16.csv): 8 warps halve the registers a
@@ -175,6 +234,8 @@ def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.d
         cfg = dict(by_family.get(family, make_config(64, 32, 4, 2)))
     elif hopper:
         cfg = dict(HOPPER_FWD_DEFAULTS.get(family, make_config(64, 64, 4, 3 if big_smem else 2)))
+    elif head_dim_padded <= 64 and family in NARROW_HEAD_FWD_DEFAULTS:
+        cfg = dict(NARROW_HEAD_FWD_DEFAULTS[family])
     else:
         cfg = make_config(64, 64, 4 if head_dim_padded <= 64 else 8, 3 if big_smem else 2)
     while not config_fits(family, cfg, head_dim_padded, arch, dtype):

@@ -2,10 +2,13 @@
 (DESIGN §8).
 
 For each config family (the variants' spec.py: dilated_fwd, dilated_bwd, block_sparse_fwd,
-block_sparse_bwd, ring_step_fwd, ring_step_bwd), dtype, head dim and sequence bucket, every candidate {BLOCK_M, BLOCK_N, num_warps, num_stages} is
-timed by calling the launchers with `config=...`; a candidate that fails to compile or run
-(shared memory, registers) or disagrees with the current default config's result is dropped, and
-the fastest of the rest is kept. The result is written as `configs/<arch>.json` in the
+block_sparse_bwd, ring_step_fwd, ring_step_bwd), dtype, head dim and sequence bucket, every
+candidate {BLOCK_M, BLOCK_N, num_warps, num_stages} is timed by calling the launchers with
+`config=...`; then the best tile again with each other value of the family's kernel variant
+switches (configs.VARIANT_SWITCHES: the dilated FLAT_LOOP, the block-sparse TMA), so one
+run settles what the compiled code cannot. A candidate that fails to compile or run (shared
+memory, registers) or disagrees with the current default config's result is dropped, and
+the fastest of the rest is kept, switches included. The result is written as `configs/<arch>.json` in the
 format `configs.select_config` reads:
 
     {"arch": "sm90", "tuned": true, "kernels": {kernel: {"<dtype>/d<padded D>/n<bucket>": {...}}},
@@ -26,7 +29,8 @@ from importlib import resources
 
 import torch
 
-from ..configs import CONFIG_FIELDS, INTERPRETER_CONFIG, config_fits, config_key, default_config
+from ..configs import (CONFIG_FIELDS, INTERPRETER_CONFIG, config_fits, config_key, default_config,
+                       switch_alternatives)
 from ..configs import make_config as _cfg
 from ..ops import SPECS
 from ..ops.common.hardware import get_arch, padded_head_dim
@@ -175,20 +179,22 @@ def run_tune(out_dir=None, kernels=KERNELS, dtypes=None, head_dims=None, seqlens
                     log(f"  {kernel} {key}: the default config failed ({type(exc).__name__}); "
                         "comparing candidates with each other")
             results = []
-            for cfg in cands:
+
+            def try_config(cfg):
+                nonlocal ref
                 try:
                     got = run_problem(prob, kernel, cfg)
                     if ref is None:
                         ref = got
                     elif not _agrees(ref, got):
                         log(f"  {kernel} {key} {cfg}: result differs from the default config's, dropped")
-                        continue
+                        return
                     ms = median_ms(lambda: run_problem(prob, kernel, cfg), device, timing)
                 except Exception as exc:     # out of shared memory / registers, compile errors
                     log(f"  {kernel} {key} {cfg}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})")
                     if device == "cuda":
                         torch.cuda.synchronize()
-                    continue
+                    return
                 results.append((ms, cfg))
                 sink.write([make_row(op=f"tune:{kernel}", variant=FAMILIES[kernel].name, provider="triton",
                                      **{"pass": kernel.rsplit("_", 1)[1]},
@@ -196,11 +202,20 @@ def run_tune(out_dir=None, kernels=KERNELS, dtypes=None, head_dims=None, seqlens
                                      causal=causal, metric="ms", value=round(ms, 6),
                                      config=" ".join(f"{k}={v}" for k, v in cfg.items()), layout=prob.shape,
                                      **prov)])
+
+            for cfg in cands:
+                try_config(cfg)
+            if results:   # the kernel variants (configs.VARIANT_SWITCHES), timed on the best tile
+                best_tile = min(results, key=lambda t: t[0])[1]
+                alternatives = switch_alternatives(kernel, best_tile, arch.capability)
+                for cfg in alternatives:
+                    try_config(cfg)
+                cands = cands + alternatives
             if not results:
                 log(f"[{i + 1}/{len(jobs)}] {kernel} {key}: no candidate ran; entry left as it was")
                 continue
             best_ms, best = min(results, key=lambda t: t[0])
-            table["kernels"].setdefault(kernel, {})[key] = {k: int(best[k]) for k in CONFIG_KEYS}
+            table["kernels"].setdefault(kernel, {})[key] = {k: int(v) for k, v in best.items()}
             table["measured"].setdefault(kernel, {})[key] = {
                 "ms": round(best_ms, 4), "worst_ms": round(max(r[0] for r in results), 4),
                 "candidates": len(cands), "ran": len(results), "shape": prob.shape,
