@@ -174,9 +174,10 @@ def test_tma_usable_rules():
     assert not kernels.tma_usable(t.transpose(1, 3), 64, 64)                   # D not the unit stride
 
 
-@pytest.mark.parametrize("value", [2, -1, "1", 1.0, None, "yes"])
+@pytest.mark.parametrize("value", [2, -1, "1", 1.0, True, None, "yes"])
 def test_bad_tma_switch_is_a_value_error(value):
     q, k, v = _qkv(1, 32, 1, 1, 16, torch.float32)
     layout = BlockLayout.from_dense(torch.ones(1, 1, dtype=torch.bool), 32).to(DEVICE)
-    with pytest.raises(ValueError, match=r"config\['TMA'\] must be 0 .* or 1 .*got " + repr(value).replace(".", r"\.")):
+    with pytest.raises(ValueError, match=r"config\['TMA'\] of block_sparse_fwd: expected one of \[0, 1\], got "
+                       + repr(value).replace(".", r"\.")):
         _forward(q, k, v, layout, False, dict(INTERPRETER_CONFIG, TMA=value))

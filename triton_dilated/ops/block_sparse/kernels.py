@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...configs import select_config
+from ...configs import VARIANT_SWITCHES, select_config, switch_value
 from ..common.hardware import padded_head_dim
 from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
                               program_tile, softmax_grad_block)
@@ -332,16 +332,6 @@ def _query_lists(layout, causal):
     return tuple(_list_positions(layout.q_num_blocks, layout.q_indices, (c, c + 1)))
 
 
-def _tma_switch(cfg) -> int:
-    """The forward config's "TMA" key: 0 (absent: pointer loads, cp.async) or 1 (K and V
-    through tensor descriptors, TMA on sm90)."""
-    tma = cfg.get("TMA", 0)
-    if not isinstance(tma, int) or tma not in (0, 1):
-        raise ValueError(f"block_sparse_forward: config['TMA'] must be 0 (pointer loads) or 1 (TMA tensor "
-                         f"descriptors for K and V), got {tma!r}")
-    return int(tma)
-
-
 def tma_usable(t, block_n: int, block_d: int) -> bool:
     """Whether K or V (B, N, H, D) can be read through a TMA descriptor with (block_n,
     block_d) boxes: on sm90 or later (TMA is Hopper's), or off-GPU (the interpreter); a
@@ -349,7 +339,8 @@ def tma_usable(t, block_n: int, block_d: int) -> bool:
     multiple of 16 bytes (a row of an odd head dim, a broadcast (expanded) head or a
     misaligned slice do not qualify); boxes of at most 256 rows and columns. The launcher
     falls back to pointer loads (TMA = 0) otherwise."""
-    if t.device.type == "cuda" and (torch.version.hip or torch.cuda.get_device_capability(t.device) < (9, 0)):
+    first = VARIANT_SWITCHES["block_sparse_fwd"]["TMA"].min_capability
+    if t.device.type == "cuda" and (torch.version.hip or torch.cuda.get_device_capability(t.device) < first):
         return False
     size = t.element_size()
     return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and max(block_n, block_d) <= 256
@@ -377,7 +368,7 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
     cfg = config or select_config("block_sparse_fwd", q.dtype, block_d, N, q.device)
     bm, bn = _tiles(cfg, layout.block_size)
     # TMA = 1 where the inputs allow it (tma_usable), else the pointer loads
-    tma = _tma_switch(cfg) and tma_usable(k, bn, block_d) and tma_usable(v, bn, block_d)
+    tma = switch_value("block_sparse_fwd", cfg, "TMA") and tma_usable(k, bn, block_d) and tma_usable(v, bn, block_d)
     k_desc, v_desc = _kv_descriptors(k, v, bn, block_d) if tma else (None, None)
     out = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
     row_max = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
