@@ -20,7 +20,10 @@ and 256 (causal), and checks what the compiler made of it, so a regression fails
 
 Not yet true, so not asserted (issue 12): dK/dV on wgmma for the ring kernel (its dK/dV
 products still take mma.sync) and for the dilated and block-sparse ones at D = 256 (every
-wgmma tile spills 0.1-5 KB there); TMA (cp.async.bulk) anywhere.
+wgmma tile spills 0.1-5 KB there); TMA (cp.async.bulk) in any default config. The
+experimental TMA variant of the block-sparse forward (config TMA = 1, AOT name
+block_sparse_fwd_tma) is compiled on its own: on sm90 its K/V loads are TMA copies,
+pipelined, on wgmma, no spills.
 """
 from __future__ import annotations
 
@@ -198,6 +201,31 @@ def test_aot_compiles_the_launchers_flat_loop_default():
     from triton_dilated.ops.dilated.spec import SPEC
     for family in ("dilated_fwd", "dilated_bwd"):
         assert SPEC.aot_constexprs["FLAT_LOOP"] == VARIANT_SWITCHES[family]["FLAT_LOOP"].values[0]
+
+
+@needs_ptxas
+def test_block_sparse_forward_tma_variant_on_sm90(tmp_path):
+    """block_sparse_fwd_tma (the sm90 default tiles with TMA = 1): K and V arrive by TMA
+    (cp.async.bulk; the only cp.async left are the 4-byte block-list entries), through a
+    software pipeline of at least 2 buffers, into wgmma with no MMA tile computed twice and
+    no register spill, at D = 64, 128 and 256, causal and not."""
+    out = tmp_path / "tma.csv"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", "90", "--head-dims",
+                           *HEAD_DIMS, "--kernels", "block_sparse_fwd_tma", "--jobs", "1", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["D"], r["causal"]) for r in rows} == {(d, c) for d in HEAD_DIMS for c in ("0", "1")}
+    bad = [f"D={r['D']} causal={r['causal']} {r['BLOCK_M']}x{r['BLOCK_N']} w{r['num_warps']}: cp.async.bulk "
+           f"{r['cp_async_bulk']}, cp.async {r['cp_async']}, depth {r['pipeline_depth']}, wgmma {r['wgmma']}, "
+           f"mma.sync {r['mma_sync']}, replicated {r['mma_replicated']}, spills {r['spill_stores']} B {r['error']}"
+           for r in rows
+           if r["error"] or not (int(r["cp_async_bulk"]) > 0 and int(r["cp_async"]) <= 3
+                                 and int(r["pipeline_depth"]) >= 2 and int(r["wgmma"]) > 0 and r["mma_sync"] == "0"
+                                 and r["mma_replicated"] == "0" and r["spill_stores"] == "0")]
+    assert not bad, "\n".join(bad)
 
 
 def test_sm90_16bit_defaults_never_put_8_warps_on_64_rows():

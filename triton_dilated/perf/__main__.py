@@ -116,7 +116,8 @@ def _parser():
                    help="compute capabilities (default: 90 80)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], metavar="D", help="default: 64 128")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["bfloat16"], help="default: bfloat16")
-    p.add_argument("--kernels", nargs="+", help="kernel names as in the AOT CSV (default: all)")
+    p.add_argument("--kernels", nargs="+", help="kernel names as in the AOT CSV (default: all; experimental variants "
+                                                  "such as block_sparse_fwd_tma only when named)")
     add_causal(p)
     p.add_argument("--configs", nargs="+", metavar="M,N,W,S",
                    help="compile each kernel with each of these configs (BLOCK_M,BLOCK_N,num_warps,num_stages) "
@@ -324,10 +325,10 @@ def _aot(args) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("aot: TRITON_INTERPRET=1 replaces the compiled kernels by the interpreter: unset it", file=sys.stderr)
         return 2
-    from .aot import KERNELS, run_aot
-    unknown = set(args.kernels or ()) - set(KERNELS)
+    from .aot import KERNELS, VARIANTS, run_aot
+    unknown = set(args.kernels or ()) - set(KERNELS) - set(VARIANTS)
     if unknown:
-        print(f"aot: unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}", file=sys.stderr)
+        print(f"aot: unknown kernels {sorted(unknown)}; known: {', '.join([*KERNELS, *VARIANTS])}", file=sys.stderr)
         return 2
     configs = None
     if args.configs:

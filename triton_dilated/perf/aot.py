@@ -39,6 +39,9 @@ from ..ops import SPECS, kernel_specs
 from ..ops.common.hardware import padded_head_dim
 
 KERNELS = kernel_specs()   # name -> KernelSpec, from the variants' spec.py
+# Experimental variants of a kernel, compiled only when named (--kernels): AOT name -> (the
+# kernel, the config keys the variant sets). TMA = 1: K and V through tensor descriptors.
+VARIANTS = {"block_sparse_fwd_tma": ("block_sparse_fwd", {"TMA": 1})}
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
           "spill_stores", "spill_loads", "shared_bytes", "wgmma", "mma_sync", "cp_async", "cp_async_bulk",
           "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "compile_s", "error"]
@@ -47,10 +50,13 @@ _SMEM = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1
 
 def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict):
     """(signature, constexprs, attrs) for triton.compile, read off the kernel's parameters
-    and its KernelSpec (pointer element types, odd strides)."""
+    and its KernelSpec (pointer element types, odd strides). Parameters named *_DESC are
+    tensor descriptors of (B, H, N, D) views with [1, 1, BLOCK_N, BLOCK_D] boxes where the
+    config has TMA = 1, else None (constexpr)."""
+    tma = cfg.get("TMA", 0)
     constexprs = dict(HEAD_DIM=D, BLOCK_D=padded_head_dim(D), CAUSAL=causal,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=False,
-                      PRECISION="tf32x3" if dtype == "fp32" else "tf32")
+                      PRECISION="tf32x3" if dtype == "fp32" else "tf32", TMA=bool(tma))
     for variant in SPECS:
         if spec in variant.kernels:
             constexprs.update(variant.aot_constexprs)
@@ -61,6 +67,11 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict):
             if a not in constexprs:
                 raise ValueError(f"{spec.name}: no value for constexpr {a}")
             sig[a], given[a] = "constexpr", constexprs[a]
+        elif a.endswith("_DESC"):
+            if tma:
+                sig[a] = f"tensordesc<{dtype}[1, 1, {cfg['BLOCK_N']}, {padded_head_dim(D)}]>"
+            else:
+                sig[a], given[a] = "constexpr", None
         elif a in spec.pointers:
             ty = spec.pointers[a]
             sig[a] = "*" + (dtype if ty == "act" else ty)
@@ -125,7 +136,8 @@ def compile_one(job) -> dict:
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.compiler import get_ptxas
-        spec = KERNELS[name]
+        base, extra = VARIANTS.get(name, (name, {}))
+        spec, cfg = KERNELS[base], {**cfg, **extra}
         fn = spec.load()
         if not hasattr(fn, "params"):
             raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): unset it to compile them")
@@ -163,7 +175,7 @@ def compile_one(job) -> dict:
 def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False, True), kernels=None,
             configs=None, out=None, jobs=2, log=print, ptx_dir=None) -> list[dict]:
     """Compile every kernel for each arch/dtype/head dim/causal with the default config of
-    that arch (or each of `configs`). Returns the rows (also written to `out`); with
+    that arch (or each of `configs`); `kernels` may name VARIANTS too. Returns the rows (also written to `out`); with
     `ptx_dir`, each kernel's PTX goes to ptx_dir/sm<arch>/ptx_name(row)."""
     import torch
 
@@ -174,7 +186,7 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
     for arch in archs:
         fake = Arch(f"sm{arch}", (arch // 10, arch % 10), _SMEM.get(arch, 99 * 1024), 1, f"sm{arch} (ahead of time)")
         for name in kernels or KERNELS:
-            family = KERNELS[name].family
+            family = KERNELS[VARIANTS.get(name, (name,))[0]].family
             for dtype in dtypes:
                 for D in head_dims:
                     cfgs = configs or [default_config(family, padded_head_dim(D), fake,

@@ -15,6 +15,12 @@ zero strides. GQA: query head h reads key/value head h // (Hq // Hkv); the dK/dV
 of a key/value head loops over its query heads. The dK/dV program owns BLOCK_M keys instead,
 the M dimension of its dots (S^T = K Q^T), and walks BLOCK_N query sub-tiles.
 
+Experimental (issue 12): a forward config with "TMA": 1 reads the K and V sub-tiles through
+host-side tensor descriptors (TMA copies on sm90) instead of pointer loads, with the same
+loops and the same bits; `perf tune` is to time it against "TMA": 0 (the default). Where
+TMA cannot read the inputs (before sm90, misaligned strides or base: tma_usable) the
+launcher uses the pointer loads.
+
 Work: 4*D*(active pairs) forward FLOPs; K/V bytes move once per (query tile, active
 block), Q and O once.
 """
@@ -24,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...configs import select_config
+from ...configs import VARIANT_SWITCHES, select_config, switch_value
 from ..common.hardware import padded_head_dim
 from ..common.kernels import (LOG2E, bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
                               program_tile, softmax_grad_block)
@@ -48,13 +54,38 @@ def _key_list(KV_FULL, KV_END, KV_INDEX, b, h, qblock, stride_cb, stride_ch, str
 
 
 @triton.jit
+def _tma_key_block(K_DESC, V_DESC, b, kvh, n0, key_end, rows, row_ok, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """load_key_block (r = 1, t0 = 0) through tensor descriptors over (B, Hkv, N, D) views of K
+    and V (TMA on sm90): keys n0 .. n0 + BLOCK_N of head kvh. The copy fills rows past N and
+    columns past the head dim with zeros, as the pointer path's masked loads do. Inside N, a
+    causal diagonal block ends before the sub-tile does (keys after the tile's last row): the
+    mask drops their scores, and their v rows are zeroed as the pointer path loads them
+    (p = 0 times a NaN/Inf value would be NaN), so both paths give the same bits."""
+    at = [b.to(tl.int32), kvh.to(tl.int32), n0, 0]    # descriptor coordinates are int32 (b, kvh < 2^31)
+    k = K_DESC.load(at).reshape(BLOCK_N, BLOCK_D)
+    v = V_DESC.load(at).reshape(BLOCK_N, BLOCK_D)
+    t = tl.arange(0, BLOCK_N)
+    if HAS_MASK:
+        key_ok = t < key_end
+        mask = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            mask = mask & ((n0 + t)[None, :] <= rows[:, None])
+            v = tl.where(key_ok[:, None], v, 0.0)
+    else:
+        mask = row_ok[:, None] & (t >= 0)[None, :]   # (BLOCK_M, BLOCK_N), as load_key_block's
+    return k, v, mask
+
+
+@triton.jit
 def _block_sparse_fwd_kernel(
-        Q, K, V, O, ROW_MAX, ROW_SUM, KV_FULL, KV_END, KV_INDEX,
+        Q, K, V, K_DESC, V_DESC, O, ROW_MAX, ROW_SUM, KV_FULL, KV_END, KV_INDEX,
         stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         N, HQ, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+        TMA: tl.constexpr):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -83,8 +114,12 @@ def _block_sparse_fwd_kernel(
     subs = BLOCK_SIZE // BLOCK_N   # sub-tiles of a block
     for it in range(0, n_full * subs):
         n0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_N
-        k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, BLOCK_N, rows, row_ok, d_ok,
-                                    CAUSAL, False, BLOCK_N)
+        if TMA:
+            k, v, mask = _tma_key_block(K_DESC, V_DESC, b, kvh, n0, BLOCK_N, rows, row_ok, CAUSAL, False, BLOCK_N,
+                                        BLOCK_D)
+        else:
+            k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, BLOCK_N, rows, row_ok, d_ok,
+                                        CAUSAL, False, BLOCK_N)
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, False, DOT_FP32, PRECISION)
     # then the masked ones (the causal diagonal, the ragged last block): the end of the list
     for j in range(n_full, n_end):
@@ -93,8 +128,12 @@ def _block_sparse_fwd_kernel(
         if CAUSAL:
             end = tl.minimum(end, last_row + 1)     # keys after the tile's last row: skipped
         for n0 in range(start, end, BLOCK_N):
-            k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
-                                        d_ok, CAUSAL, True, BLOCK_N)
+            if TMA:
+                k, v, mask = _tma_key_block(K_DESC, V_DESC, b, kvh, n0, end - n0, rows, row_ok, CAUSAL, True,
+                                            BLOCK_N, BLOCK_D)
+            else:
+                k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
+                                            d_ok, CAUSAL, True, BLOCK_N)
             acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, True, DOT_FP32, PRECISION)
     out, row_max, row_sum = finalize(acc, m_i, l_i, q)                                  # [BLOCK_M, BLOCK_D]
     O += (b * N * HQ + h) * HEAD_DIM
@@ -302,6 +341,29 @@ def _query_lists(layout, causal):
     return tuple(_list_positions(layout.q_num_blocks, layout.q_indices, (c, c + 1)))
 
 
+def tma_usable(t, block_n: int, block_d: int) -> bool:
+    """Whether K or V (B, N, H, D) can be read through a TMA descriptor with (block_n,
+    block_d) boxes: on sm90 or later (TMA is Hopper's), or off-GPU (the interpreter); a
+    16-byte aligned base, unit stride on the head dim, and every other stride a positive
+    multiple of 16 bytes (a row of an odd head dim, a broadcast (expanded) head or a
+    misaligned slice do not qualify); boxes of at most 256 rows and columns. The launcher
+    falls back to pointer loads (TMA = 0) otherwise."""
+    first = VARIANT_SWITCHES["block_sparse_fwd"]["TMA"].min_capability
+    if t.device.type == "cuda" and (torch.version.hip or torch.cuda.get_device_capability(t.device) < first):
+        return False
+    size = t.element_size()
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and max(block_n, block_d) <= 256
+            and all(s > 0 and s * size % 16 == 0 for s in t.stride()[:-1]))
+
+
+def _kv_descriptors(k, v, block_n, block_d):
+    """Host-side tensor descriptors of K and V as (B, H, N, D) views (a permute, no copy):
+    the key block of one head is then a [1, 1, block_n, block_d] box; rows past N and columns
+    past D read as zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return tuple(TensorDescriptor.from_tensor(t.permute(0, 2, 1, 3), [1, 1, block_n, block_d]) for t in (k, v))
+
+
 def _tiles(cfg, block_size):
     bm, bn = min(cfg["BLOCK_M"], block_size), min(cfg["BLOCK_N"], block_size)
     return bm, bn
@@ -314,6 +376,9 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
     block_d = padded_head_dim(D)
     cfg = config or select_config("block_sparse_fwd", q.dtype, block_d, N, q.device)
     bm, bn = _tiles(cfg, layout.block_size)
+    # TMA = 1 where the inputs allow it (tma_usable), else the pointer loads
+    tma = switch_value("block_sparse_fwd", cfg, "TMA") and tma_usable(k, bn, block_d) and tma_usable(v, bn, block_d)
+    k_desc, v_desc = _kv_descriptors(k, v, bn, block_d) if tma else (None, None)
     out = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
     row_max = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     row_sum = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
@@ -321,10 +386,12 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
     full, end = _key_lists(layout, N, causal)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     _block_sparse_fwd_kernel[(triton.cdiv(N, bm) * B * Hq,)](
-        Q=q, K=k, V=v, O=out, ROW_MAX=row_max, ROW_SUM=row_sum, KV_FULL=full, KV_END=end, KV_INDEX=index,
+        Q=q, K=k, V=v, K_DESC=k_desc, V_DESC=v_desc, O=out, ROW_MAX=row_max, ROW_SUM=row_sum, KV_FULL=full,
+        KV_END=end, KV_INDEX=index,
         **_strides(q=q, k=k, v=v), **lists, N=N, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
-        DOT_FP32=dot_fp32, PRECISION=precision, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+        DOT_FP32=dot_fp32, PRECISION=precision, TMA=bool(tma), num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 2))
     return out, row_max, row_sum
 
 
