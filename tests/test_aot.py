@@ -8,7 +8,8 @@ and 256 (causal), and checks what the compiler made of it, so a regression fails
   give them 64-row tiles, run on wgmma with no MMA tile computed twice (BLOCK_M >= 16 x
   num_warps: 8 warps on 64 rows make both warpgroups compute the same S);
 * sm90 (16-bit), D = 64 and 128: the dilated backward, dQ and dK/dV (S^T = K Q^T: the key
-  tile is the M dimension), runs on wgmma only, with no register spills;
+  tile is the M dimension), runs on wgmma only, with no register spills; so does the ring
+  step dK/dV (the same transposed dots);
 * no register spills outside the known list below (which may only shrink);
 * the dilated forward stays software-pipelined (cp.async into num_stages rotating buffers on
   sm90, num_stages - 1 on sm80);
@@ -16,9 +17,9 @@ and 256 (causal), and checks what the compiler made of it, so a regression fails
   software-pipelined (cp.async into at least 2 rotating buffers: their loops walk lists of
   active tiles with no load under a runtime `if`) and spill no register.
 
-Not yet true, so not asserted (issue 12): dK/dV on wgmma for the block-sparse and ring
-kernels (their dK/dV products still take mma.sync) and for the dilated one at D = 256 (every
-wgmma tile spills 4 KB there); TMA (cp.async.bulk) anywhere.
+Not yet true, so not asserted (issue 12): dK/dV on wgmma for the block-sparse kernel (its
+dK/dV products still take mma.sync) and for the dilated and ring ones at D = 256 (every
+wgmma tile spills 2-5 KB there); TMA (cp.async.bulk) anywhere.
 """
 from __future__ import annotations
 
@@ -147,6 +148,18 @@ def test_sm90_dilated_backward_on_wgmma_without_spills(aot):
 
 
 @needs_ptxas
+def test_sm90_ring_step_dkdv_on_wgmma_without_spills(aot):
+    rows, _, _ = aot
+    bad = [f"D={r['D']} {r['BLOCK_M']}x{r['BLOCK_N']} w{r['num_warps']} s{r['num_stages']}: wgmma {r['wgmma']}, "
+           f"mma.sync {r['mma_sync']}, replicated {r['mma_replicated']}, spills {r['spill_stores']} B, "
+           f"cp.async {r['cp_async']}, pipeline depth {r['pipeline_depth']}"
+           for r in rows if r["arch"] == "sm90" and r["kernel"] == "ring_step_bwd_dkdv" and r["D"] in ("64", "128")
+           and not (int(r["wgmma"]) > 0 and int(r["mma_sync"]) == 0 and r["mma_replicated"] == "0"
+                    and int(r["spill_stores"]) == 0 and int(r["cp_async"]) > 0 and int(r["pipeline_depth"]) >= 2)]
+    assert not bad, "\n".join(bad)
+
+
+@needs_ptxas
 def test_no_register_spills_beyond_the_known_ones(aot):
     rows, _, _ = aot
     spilled = {(r["arch"], r["kernel"], r["D"]): r["spill_stores"] for r in rows if int(r["spill_stores"])}
@@ -184,7 +197,7 @@ def test_sm90_16bit_defaults_never_put_8_warps_on_64_rows():
     arch = Arch("sm90", (9, 0), 227 * 1024, 132, "fake")
     for family, kernel in (("dilated_fwd", None), ("block_sparse_fwd", None), ("ring_step_fwd", None),
                            ("dilated_bwd", None), ("dilated_bwd", "dilated_bwd_dkdv"), ("block_sparse_bwd", None),
-                           ("ring_step_bwd", None)):
+                           ("ring_step_bwd", None), ("ring_step_bwd", "ring_step_bwd_dkdv")):
         for d in (16, 32, 64, 128, 256):
             for dtype in (torch.bfloat16, torch.float16):
                 cfg = default_config(family, d, arch, dtype, kernel)
