@@ -8,8 +8,8 @@ and 256 (causal), and checks what the compiler made of it, so a regression fails
   give them 64-row tiles, run on wgmma with no MMA tile computed twice (BLOCK_M >= 16 x
   num_warps: 8 warps on 64 rows make both warpgroups compute the same S);
 * sm90 (16-bit), D = 64 and 128: the dilated backward, dQ and dK/dV (S^T = K Q^T: the key
-  tile is the M dimension), and the block-sparse dK/dV (likewise S^T), run on wgmma only,
-  with no register spills;
+  tile is the M dimension), and the block-sparse and ring step dK/dV (likewise S^T), run on
+  wgmma only, with no register spills;
 * no register spills outside the known list below (which may only shrink);
 * the dilated forward and dQ kernels (with the default FLAT_LOOP: the key blocks of all
   patterns in one flat loop) stay software-pipelined (cp.async into num_stages rotating
@@ -18,12 +18,11 @@ and 256 (causal), and checks what the compiler made of it, so a regression fails
   software-pipelined (cp.async into at least 2 rotating buffers: their loops walk lists of
   active tiles with no load under a runtime `if`) and spill no register.
 
-Not yet true, so not asserted (issue 12): dK/dV on wgmma for the ring kernel (its dK/dV
-products still take mma.sync) and for the dilated and block-sparse ones at D = 256 (every
-wgmma tile spills 0.1-5 KB there); TMA (cp.async.bulk) in any default config. The
-experimental TMA variant of the block-sparse forward (config TMA = 1, AOT name
-block_sparse_fwd_tma) is compiled on its own: on sm90 its K/V loads are TMA copies,
-pipelined, on wgmma, no spills.
+Not yet true, so not asserted (issue 12): dK/dV on wgmma at D = 256 (every wgmma tile
+spills 0.1-5 KB there: the dilated, block-sparse and ring step dK/dV stay on mma.sync); TMA
+(cp.async.bulk) in any default config. The experimental TMA variant of the block-sparse
+forward (config TMA = 1, AOT name block_sparse_fwd_tma) is compiled on its own: on sm90 its
+K/V loads are TMA copies, pipelined, on wgmma, no spills.
 """
 from __future__ import annotations
 
@@ -164,6 +163,18 @@ def test_sm90_block_sparse_dkdv_on_wgmma_without_spills(aot):
 
 
 @needs_ptxas
+def test_sm90_ring_step_dkdv_on_wgmma_without_spills(aot):
+    rows, _, _ = aot
+    bad = [f"D={r['D']} {r['BLOCK_M']}x{r['BLOCK_N']} w{r['num_warps']} s{r['num_stages']}: wgmma {r['wgmma']}, "
+           f"mma.sync {r['mma_sync']}, replicated {r['mma_replicated']}, spills {r['spill_stores']} B, "
+           f"cp.async {r['cp_async']}, pipeline depth {r['pipeline_depth']}"
+           for r in rows if r["arch"] == "sm90" and r["kernel"] == "ring_step_bwd_dkdv" and r["D"] in ("64", "128")
+           and not (int(r["wgmma"]) > 0 and int(r["mma_sync"]) == 0 and r["mma_replicated"] == "0"
+                    and int(r["spill_stores"]) == 0 and int(r["cp_async"]) > 0 and int(r["pipeline_depth"]) >= 2)]
+    assert not bad, "\n".join(bad)
+
+
+@needs_ptxas
 def test_no_register_spills_beyond_the_known_ones(aot):
     rows, _, _ = aot
     spilled = {(r["arch"], r["kernel"], r["D"]): r["spill_stores"] for r in rows if int(r["spill_stores"])}
@@ -238,7 +249,8 @@ def test_sm90_16bit_defaults_never_put_8_warps_on_64_rows():
     arch = Arch("sm90", (9, 0), 227 * 1024, 132, "fake")
     for family, kernel in (("dilated_fwd", None), ("block_sparse_fwd", None), ("ring_step_fwd", None),
                            ("dilated_bwd", None), ("dilated_bwd", "dilated_bwd_dkdv"), ("block_sparse_bwd", None),
-                           ("block_sparse_bwd", "block_sparse_bwd_dkdv"), ("ring_step_bwd", None)):
+                           ("block_sparse_bwd", "block_sparse_bwd_dkdv"), ("ring_step_bwd", None),
+                           ("ring_step_bwd", "ring_step_bwd_dkdv")):
         for d in (16, 32, 64, 128, 256):
             for dtype in (torch.bfloat16, torch.float16):
                 cfg = default_config(family, d, arch, dtype, kernel)

@@ -138,11 +138,10 @@ def test_shard_rejects_indivisible_lengths():
         shard(torch.randn(1, 10, 2), 0, 2, "striped")
 
 
-@pytest.mark.parametrize("kind", [MASK_DENSE, MASK_DILATED, MASK_LAYOUT])
-@pytest.mark.parametrize("causal", [False, True])
-def test_step_kernel_alone_against_oracle(kind, causal):
-    """The ring-local-block kernel, shard by shard on one process (interpreter on CPU,
-    compiled on CUDA): merged steps equal the float64 oracle, forward and backward."""
+def check_step_kernel_against_oracle(kind, causal, config=None, shards=(slice(48, 72), slice(0, 24), slice(24, 48))):
+    """The ring-local-block kernels, shard by shard on one process (interpreter on CPU,
+    compiled on CUDA): merged steps equal the float64 oracle, forward and backward (the
+    backward with `config`, if given, for both its kernels)."""
     dev = torch.device(DEVICE)
     g = torch.Generator().manual_seed(0)
     B, N, Hq, Hkv, D = 1, 72, 4, 2, 16
@@ -170,14 +169,30 @@ def test_step_kernel_alone_against_oracle(kind, causal):
     pos = torch.arange(N, dtype=torch.int32, device=dev)
     out = torch.zeros(B, N, Hq, D, device=dev)
     lse = torch.full((B, Hq, N), float("-inf"), device=dev)
-    shards = [slice(48, 72), slice(0, 24), slice(24, 48)]      # any order
-    for s in shards:
+    for s in shards:      # any order
         step_forward(q, k[:, s], v[:, s], pos, pos[s].contiguous(), out, lse, mask, scale=D ** -0.5)
     delta = (do * out).sum(-1).transpose(1, 2).contiguous()
     dq = torch.zeros(B, N, Hq, D, device=dev)
     dk, dv = torch.zeros(B, N, Hkv, D, device=dev), torch.zeros(B, N, Hkv, D, device=dev)
     for s in shards:
         dks, dvs = dk[:, s].clone(), dv[:, s].clone()
-        step_backward(q, k[:, s], v[:, s], do, lse, delta, pos, pos[s].contiguous(), dq, dks, dvs, mask, scale=D ** -0.5)
+        step_backward(q, k[:, s], v[:, s], do, lse, delta, pos, pos[s].contiguous(), dq, dks, dvs, mask,
+                      scale=D ** -0.5, config=config)
         dk[:, s], dv[:, s] = dks, dvs
     assert_rule_all((out, lse, dq, dk, dv), ref, same, floor=FLOOR[torch.float32])
+
+
+@pytest.mark.parametrize("kind", [MASK_DENSE, MASK_DILATED, MASK_LAYOUT])
+@pytest.mark.parametrize("causal", [False, True])
+def test_step_kernel_alone_against_oracle(kind, causal):
+    check_step_kernel_against_oracle(kind, causal)
+
+
+# An explicit backward config serves both kernels: dQ walks BLOCK_N-key tiles for each
+# BLOCK_M-query tile, dK/dV BLOCK_N-query tiles for each BLOCK_M-key tile (S^T = K Q^T),
+# each over lists built with its own tiles. Shards of 40 and 32 keys: ragged key tiles.
+@pytest.mark.parametrize("kind", [MASK_DENSE, MASK_DILATED, MASK_LAYOUT])
+@pytest.mark.parametrize("tiles", [(16, 32), (64, 16)])
+def test_step_backward_with_key_and_query_tiles_that_differ(kind, tiles):
+    config = {"BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "num_warps": 4, "num_stages": 1}
+    check_step_kernel_against_oracle(kind, True, config, shards=(slice(32, 72), slice(0, 32)))

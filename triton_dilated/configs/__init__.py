@@ -98,8 +98,8 @@ def config_label(config: dict) -> str:
 # spills least. dK/dV holds k, v, dk and dv in registers, so it is what forces the smaller
 # tiles. Hopper: dQ on wgmma where a tile allows it without spills (64x32, 4 warps; at
 # D = 128, 128x32 (block-sparse) and 128x16 (ring) with 8 warps, whose query tiles lose
-# nothing to 128 rows). The dilated and block-sparse families' configs are their dQ
-# kernels'; their dK/dV kernels have their own (KERNEL_DEFAULTS). Dilated dQ on sm90 at
+# nothing to 128 rows). The dilated, block-sparse and ring step families' configs are their
+# dQ kernels'; their dK/dV kernels have their own (KERNEL_DEFAULTS). Dilated dQ on sm90 at
 # 64x64 (D = 64) and 64x32 (D = 128), 4 warps, wgmma with no spills (triton 3.9; 64x64 at
 # D = 128 spills 4 B), 64-row query tiles (128 rows cost the planner 15% more computed
 # pairs, LongNet N = 32K).
@@ -117,8 +117,9 @@ BWD_DEFAULTS = {
 # software-pipelined loops: 3 stages give the pipeliner two rotating buffers on sm80 (an
 # mma.sync reads its operands through registers: num_stages - 1 buffers) and three on sm90.
 # Their tiles are the largest without spills at D <= 128 on sm90 and sm80 (`perf aot
-# --configs`, triton 3.6 and 3.9): the ring dK/dV spills with 32-key tiles on sm90 at D = 128
-# (128x32 w8: 16 B) and with 64-row tiles on sm80 at D = 64 (64x32 w4: 28 B).
+# --configs`, triton 3.6 and 3.9). The ring step family's tiles were chosen when its dK/dV
+# kernel shared them (it spilled with 32-key tiles on sm90 at D = 128 and 64-row tiles on
+# sm80 at D = 64); that kernel now has its own (KERNEL_DEFAULTS), as the block-sparse one.
 
 # Kernels whose untuned 16-bit default differs from their family's (a tuned entry of the
 # family serves all its kernels): kernel -> (Hopper?, padded head dim band 64/128/256) ->
@@ -148,6 +149,18 @@ BWD_DEFAULTS = {
 #   D = 128: 64x64 w8, 247/246 registers (64x32 w4: 68 B; 128x32 w8: 164 B); D = 256:
 #   32x64 w8 with 2 stages (one buffer), 236/241 registers (3 stages: 24 B; 16x32 w4 s3
 #   spills nothing but has half the keys).
+# The ring step dK/dV kernel has the same transposed dots (BLOCK_M keys x BLOCK_N queries,
+# walking its list of active query tiles) and adds into the travelling dK, dV with
+# reductions. From `perf aot --configs` over 8-10 candidates per arch and head dim (bf16,
+# triton 3.9 and 3.6, causal and not):
+# * sm90 D = 64: 128x32 w8 s3, wgmma, 234-236 registers, 3 buffers (64x32 w4: 236-240);
+# * sm90 D = 128: 128x32 w8 s2, wgmma, 248-255 registers, no spills (s3: 12-32 B; every
+#   4-warp tile spills 20-144 B with triton 3.6; 128x64: 250-470 B);
+# * sm90 D = 256: every wgmma tile spills 2 KB (64x16 w4, 128x16 w8): 32x32 w8 s3 on
+#   mma.sync, 196-229 registers, no spills, 2 buffers;
+# * sm80 D = 64: 128x32 w8 s3 (244 registers, 255 with 3.6; 64x32 w4 spills 24 B with
+#   3.6); D = 128: 64x64 w8 s3 (254-255; every 64-key 4-warp tile and 128x32 w8 spill
+#   16-830 B); D = 256: 32x32 w8 s3 (190-240, no spills).
 # The decode kernels (one query row against BLOCK_N keys of its key list: vector-matrix
 # work) take 64-key tiles with 4 warps and 3 stages everywhere: 0 spills on sm80 and sm90 at
 # D = 64-256 with triton 3.9, where the forward family's tiles (64x32 w8 at D = 256) spill 8 B
@@ -167,6 +180,12 @@ KERNEL_DEFAULTS = {
         (True, 256): make_config(32, 64, 8, 3),
         (False, 64): make_config(32, 64, 4, 3), (False, 128): make_config(64, 64, 8, 3),
         (False, 256): make_config(32, 64, 8, 2),
+    },
+    "ring_step_bwd_dkdv": {
+        (True, 64): make_config(128, 32, 8, 3), (True, 128): make_config(128, 32, 8, 2),
+        (True, 256): make_config(32, 32, 8, 3),
+        (False, 64): make_config(128, 32, 8, 3), (False, 128): make_config(64, 64, 8, 3),
+        (False, 256): make_config(32, 32, 8, 3),
     },
 }
 
@@ -312,9 +331,9 @@ def select_config(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen:
                   device: torch.device, kernel: str | None = None) -> dict:
     """The launch config: one fixed config off-GPU (the interpreter); on a GPU, the tuned
     entry of configs/<arch>.json (one for every kernel of the family), else default_config.
-    A kernel with a KERNEL_DEFAULTS entry (dilated and block-sparse dK/dV, the decode
-    kernels) keeps its own default: `perf tune` times each family's first kernel, so a tuned
-    family entry says nothing about them."""
+    A kernel with a KERNEL_DEFAULTS entry (the dilated, block-sparse and ring step dK/dV, the
+    decode kernels) keeps its own default: `perf tune` times each family's first kernel, so a
+    tuned family entry says nothing about them."""
     if device.type != "cuda":
         return dict(INTERPRETER_CONFIG)
     arch = device_arch(device)

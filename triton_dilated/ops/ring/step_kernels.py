@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ...configs import select_config
 from ..common.hardware import padded_head_dim
-from ..common.kernels import dot, finalize, online_softmax_step, program_tile, softmax_grad_block
+from ..common.kernels import LOG2E, dot, finalize, online_softmax_step, program_tile, softmax_grad_block
 from ..common.runtime import kernel_options, on_tensor_device, require_contiguous
 from . import mask as step_mask
 from .mask import StepMask
@@ -39,13 +39,16 @@ MASK_LAYOUT: tl.constexpr = tl.constexpr(step_mask.MASK_LAYOUT)
 @triton.jit
 def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYOUT_COLS, layout_block,
                      MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] ln(weight) of each (query, key) pair, -inf where it does not count.
-    PAT_OFF and LAYOUT point at the head's offsets and block table."""
-    ok = q_ok[:, None] & k_ok[None, :]
+    """ln(weight) of each (query, key) pair, -inf where it does not count, for query and key
+    positions (and in-range flags) given as a column and a row: qpos [BLOCK_M, 1], kpos
+    [1, BLOCK_N] give [BLOCK_M, BLOCK_N]; qpos [1, BLOCK_N], kpos [BLOCK_M, 1] the transpose
+    (the dK/dV kernel's keys x queries). PAT_OFF and LAYOUT point at the head's offsets and
+    block table."""
+    ok = q_ok & k_ok
     if CAUSAL:
-        ok = ok & (kpos[None, :] <= qpos[:, None])
+        ok = ok & (kpos <= qpos)
     if MASK_KIND == MASK_DILATED:
-        count = tl.zeros([qpos.shape[0], kpos.shape[0]], tl.float32)
+        count = tl.zeros(ok.shape, tl.float32)
         for i in tl.static_range(NUM_PATTERNS):   # unrolled: a nested loop would stop the pipeliner
             o = tl.load(PAT_OFF + i)
             w = tl.load(PAT_W + i)
@@ -54,14 +57,14 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYO
             k_seg = kpos // w
             q_on = (o >= 0) & ((qpos - q_seg * w) % r == o)
             k_on = (o >= 0) & ((kpos - k_seg * w) % r == o)
-            hit = (q_seg[:, None] == k_seg[None, :]) & q_on[:, None] & k_on[None, :]
+            hit = (q_seg == k_seg) & q_on & k_on
             count += hit.to(tl.float32)
         ok = ok & (count > 0)
         return tl.where(ok, tl.log(tl.maximum(count, 1.0)), float("-inf"))
     if MASK_KIND == MASK_LAYOUT:
         qb = (qpos // layout_block).to(tl.int64)   # qb * row stride passes 2^31 past ~46K blocks
         kb = (kpos // layout_block).to(tl.int64)
-        active = tl.load(LAYOUT + qb[:, None] * LAYOUT_COLS + kb[None, :], mask=ok, other=0)
+        active = tl.load(LAYOUT + qb * LAYOUT_COLS + kb, mask=ok, other=0)
         ok = ok & (active != 0)
     return tl.where(ok, 0.0, float("-inf"))
 
@@ -98,9 +101,9 @@ def _ring_tile_lists_kernel(
             q_ok, qpos = _tile_positions(Q_POS, t, NQ, BLOCK_M)
         else:
             k_ok, kpos = _tile_positions(K_POS, t, NK, BLOCK_N)
-        log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF + h * NUM_PATTERNS,
-                                 LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS, layout_block, MASK_KIND,
-                                 NUM_PATTERNS, CAUSAL)                                   # [BLOCK_M, BLOCK_N]
+        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], q_ok[:, None], k_ok[None, :], PAT_W, PAT_R,
+                                 PAT_OFF + h * NUM_PATTERNS, LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS,
+                                 layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)          # [BLOCK_M, BLOCK_N]
         active = tl.max(log_w) > float("-inf")
         tl.store(INDEX + count, t, mask=active)
         count += active.to(tl.int32)
@@ -148,8 +151,9 @@ def _ring_step_fwd_kernel(
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         k_ok = cols < NK
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                 # [BLOCK_N]
-        log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYOUT_COLS, layout_block,
-                                 MASK_KIND, NUM_PATTERNS, CAUSAL)                        # [BLOCK_M, BLOCK_N]
+        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], q_ok[:, None], k_ok[None, :], PAT_W, PAT_R, PAT_OFF,
+                                 LAYOUT, LAYOUT_COLS, layout_block, MASK_KIND, NUM_PATTERNS,
+                                 CAUSAL)                                                 # [BLOCK_M, BLOCK_N]
         # K, V addressed here rather than offset before the loop: fewer registers
         cols64 = cols.to(tl.int64)
         k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
@@ -222,9 +226,9 @@ def _ring_step_bwd_dq_kernel(
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         k_ok = cols < NK
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                   # [BLOCK_N]
-        log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF + h * NUM_PATTERNS,
-                                 LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS, layout_block,
-                                 MASK_KIND, NUM_PATTERNS, CAUSAL)                          # [BLOCK_M, BLOCK_N]
+        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], q_ok[:, None], k_ok[None, :], PAT_W, PAT_R,
+                                 PAT_OFF + h * NUM_PATTERNS, LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS,
+                                 layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)            # [BLOCK_M, BLOCK_N]
         # K, V addressed here rather than offset before the loop: fewer registers
         cols64 = cols.to(tl.int64)
         k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
@@ -248,23 +252,26 @@ def _ring_step_bwd_dkdv_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
         PRECISION: tl.constexpr):
-    tile, b, kvh = program_tile(tl.cdiv(NK, BLOCK_N), HKV)
+    # BLOCK_M: the key tile this program owns, the M dimension of every dot (S^T = K Q^T,
+    # dV += P^T dO, dP^T = V dO^T, dK += dS^T Q: P^T and dS^T feed the next dot from
+    # registers); BLOCK_N: the query tiles it walks (its lists are built with these tiles).
+    tile, b, kvh = program_tile(tl.cdiv(NK, BLOCK_M), HKV)
     K += b * stride_kb + kvh * stride_kh
     V += b * stride_vb + kvh * stride_vh
     DK += b * stride_dkb + kvh * stride_dkh
     DV += b * stride_dvb + kvh * stride_dvh
 
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_ok = cols < NK
-    cols64 = cols.to(tl.int64)
+    keys = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_ok = keys < NK
+    keys64 = keys.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    tile_mask = k_ok[:, None] & d_ok[None, :]                                              # [BLOCK_N, BLOCK_D]
-    kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                       # [BLOCK_N]
-    k = tl.load(K + cols64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_N, BLOCK_D]
-    v = tl.load(V + cols64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_N, BLOCK_D]
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    tile_mask = k_ok[:, None] & d_ok[None, :]                                              # [BLOCK_M, BLOCK_D]
+    kpos = tl.load(K_POS + keys, mask=k_ok, other=0)                                       # [BLOCK_M]
+    k = tl.load(K + keys64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_M, BLOCK_D]
+    v = tl.load(V + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_M, BLOCK_D]
+    dk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
@@ -278,26 +285,33 @@ def _ring_step_bwd_dkdv_kernel(
         for j in range(0, count):   # the active query tiles only: a branch-free, pipelined loop
             t = t_next
             t_next = tl.load(index_base + j + 1, mask=j + 1 < count, other=0)
-            rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
+            rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
             q_ok = rows < NQ
-            qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)                               # [BLOCK_M]
-            log_w = _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, pat_off, layout, LAYOUT_COLS,
-                                     layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)        # [BLOCK_M, BLOCK_N]
+            qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)                               # [BLOCK_N]
+            log_w = _pair_log_weight(qpos[None, :], kpos[:, None], q_ok[None, :], k_ok[:, None], PAT_W, PAT_R,
+                                     pat_off, layout, LAYOUT_COLS, layout_block, MASK_KIND, NUM_PATTERNS,
+                                     CAUSAL)                                               # [BLOCK_M, BLOCK_N]
             rows64 = rows.to(tl.int64)
-            q_mask = q_ok[:, None] & d_ok[None, :]                                         # [BLOCK_M, BLOCK_D]
-            q = tl.load(q_base + rows64[:, None] * stride_qn + d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(do_base + rows64[:, None] * stride_don + d[None, :], mask=q_mask, other=0.0)
+            qT = tl.load(q_base + rows64[None, :] * stride_qn + d[:, None], mask=d_ok[:, None] & q_ok[None, :],
+                         other=0.0)                                                        # [BLOCK_D, BLOCK_N]
+            do = tl.load(do_base + rows64[:, None] * stride_don + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
+                         other=0.0)                                                        # [BLOCK_N, BLOCK_D]
             lse = tl.load(LSE + stats + rows, mask=q_ok, other=float("-inf"))
-            row_max = tl.where(lse == float("-inf"), float("inf"), lse)
+            row_max = tl.where(lse == float("-inf"), float("inf"), lse)   # the global lse: P = w exp(s - lse)
             delta = tl.load(DELTA + stats + rows, mask=q_ok, other=0.0)
-            p, ds = softmax_grad_block(q, k, v, do, row_max, tl.zeros([BLOCK_M], tl.float32), delta, sm_scale,
-                                       q_ok[:, None], False, DOT_FP32, PRECISION, log_w, True)
-            dv += dot(tl.trans(p.to(do.dtype)), do, DOT_FP32, PRECISION)
-            dk += dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32, PRECISION)
-    dk_ptrs = DK + cols64[:, None] * stride_dkn + d[None, :]
-    dv_ptrs = DV + cols64[:, None] * stride_dvn + d[None, :]
-    tl.store(dk_ptrs, tl.load(dk_ptrs, mask=tile_mask, other=0.0) + dk * sm_scale, mask=tile_mask)
-    tl.store(dv_ptrs, tl.load(dv_ptrs, mask=tile_mask, other=0.0) + dv, mask=tile_mask)
+            # softmax_grad_block transposed: the query statistics broadcast along columns
+            s_t = dot(k, qT, DOT_FP32, PRECISION) * sm_scale + log_w                      # [BLOCK_M, BLOCK_N]
+            p_t = tl.math.exp2((s_t - row_max[None, :]) * LOG2E)
+            dv += dot(p_t.to(do.dtype), do, DOT_FP32, PRECISION)
+            dp_t = dot(v, tl.trans(do), DOT_FP32, PRECISION)                               # [BLOCK_M, BLOCK_N]
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_FP32, PRECISION)
+    # added in place by reductions (red.add): the old values never pass through registers (a
+    # load-add-store spilled 48-84 B on sm90 at D = 128). This program alone writes these rows,
+    # so each sum is old + new, as a load and store would give, but for float32 reductions in
+    # global memory flushing subnormal results (< 1.2e-38) to zero.
+    tl.atomic_add(DK + keys64[:, None] * stride_dkn + d[None, :], dk * sm_scale, mask=tile_mask, sem="relaxed")
+    tl.atomic_add(DV + keys64[:, None] * stride_dvn + d[None, :], dv, mask=tile_mask, sem="relaxed")
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -307,10 +321,10 @@ def _strides(**tensors):
     return {f"stride_{name}{axis}": t.stride(i) for name, t in tensors.items() for i, axis in enumerate("bnh")}
 
 
-def _config(q, name, config=None):
+def _config(q, name, config=None, kernel=None):
     D = q.shape[-1]
     block_d = padded_head_dim(D)
-    cfg = config or select_config(name, q.dtype, block_d, q.shape[1], q.device)
+    cfg = config or select_config(name, q.dtype, block_d, q.shape[1], q.device, kernel=kernel)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     return block_d, cfg, dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                               DOT_FP32=dot_fp32, PRECISION=precision, num_warps=cfg.get("num_warps", 4),
@@ -384,11 +398,15 @@ def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepM
         require_contiguous("step_backward", name, t, (B, Hq, NQ))
     if NQ == 0 or NK == 0 or B == 0:
         return
+    # one config for both kernels when given (or tuned); untuned, the dK/dV kernel has its own.
+    # dQ: BLOCK_M query rows x BLOCK_N keys; dK/dV: BLOCK_M keys x BLOCK_N queries
     _, cfg, meta = _config(q, "ring_step_bwd", config)
+    _, kv_cfg, kv_meta = _config(q, "ring_step_bwd", config, kernel="ring_step_bwd_dkdv")
     common = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq),
-                  **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=scale, **meta)
-    tiles = (q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"])
+                  **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=scale)
     _ring_step_bwd_dq_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
-        **common, DQ=dq, **_strides(dq=dq), HQ=Hq, **_tile_lists(*tiles, False))
-    _ring_step_bwd_dkdv_kernel[(triton.cdiv(NK, cfg["BLOCK_N"]) * B * Hkv,)](
-        **common, DK=dk, DV=dv, **_strides(dk=dk, dv=dv), HKV=Hkv, **_tile_lists(*tiles, True))
+        **common, **meta, DQ=dq, **_strides(dq=dq), HQ=Hq,
+        **_tile_lists(q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"], False))
+    _ring_step_bwd_dkdv_kernel[(triton.cdiv(NK, kv_cfg["BLOCK_M"]) * B * Hkv,)](
+        **common, **kv_meta, DK=dk, DV=dv, **_strides(dk=dk, dv=dv), HKV=Hkv,
+        **_tile_lists(q_pos, k_pos, mask, B, Hq, kv_cfg["BLOCK_N"], kv_cfg["BLOCK_M"], True))
