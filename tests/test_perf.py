@@ -532,11 +532,16 @@ def test_plan_cli_prints_pairs_efficiency_bytes_and_bound(capsys):
     pairs = count_pairs(1, 4096, 4, False, segment_lengths=[min(w, 4096) for w in LONGNET_W],
                         dilation_rates=LONGNET_R)
     assert f"useful pairs {pairs:.4g}" in out
-    line = next(x for x in out.splitlines() if x.startswith("64-row tiles (today)"))
-    efficiency, computed, kv_gb, ms = (float(x) for x in line.split()[3:7])
-    assert 0.5 < efficiency <= 1.0 and computed >= pairs
-    assert ms > 0 and kv_gb > 0
-    assert "2 classes x 64 rows" in out and "128-row tiles" in out
+    rows = {}
+    for label in ("64-row tiles", "128-row tiles (sm90 default)"):
+        line = next(x for x in out.splitlines() if x.startswith(label + " "))
+        rows[label] = efficiency, computed, kv_gb, ms = [float(x) for x in line[len(label):].split()[:4]]
+        assert 0.5 < efficiency <= 1.0 and computed >= pairs
+        assert ms > 0 and kv_gb > 0
+    # 128-row tiles (two residue classes each) read fewer K/V bytes for more computed pairs
+    assert rows["128-row tiles (sm90 default)"][2] < rows["64-row tiles"][2]
+    assert rows["128-row tiles (sm90 default)"][1] >= rows["64-row tiles"][1]
+    assert "2 classes x 64 rows" in out
 
 
 @pytest.mark.parametrize("args, message", [

@@ -99,14 +99,13 @@ def config_label(config: dict) -> str:
 # tiles. Hopper: dQ on wgmma where a tile allows it without spills (64x32, 4 warps; at
 # D = 128, 128x32 (block-sparse) and 128x16 (ring) with 8 warps, whose query tiles lose
 # nothing to 128 rows). The dilated, block-sparse and ring step families' configs are their
-# dQ kernels'; their dK/dV kernels have their own (KERNEL_DEFAULTS). Dilated dQ on sm90 at
-# 64x64 (D = 64) and 64x32 (D = 128), 4 warps, wgmma with no spills (triton 3.9; 64x64 at
-# D = 128 spills 4 B), 64-row query tiles (128 rows cost the planner 15% more computed
-# pairs, LongNet N = 32K).
+# dQ kernels'; their dK/dV kernels have their own (KERNEL_DEFAULTS). Dilated dQ on sm90:
+# 128-row query tiles like the forward (HOPPER_FWD_DEFAULTS below), 128x64 w8 s2: wgmma, no
+# spills, 165-218 registers on triton 3.6 and 3.9.
 BWD_DEFAULTS = {
-    (True, True): {"dilated_bwd": make_config(64, 64, 4, 2), "block_sparse_bwd": make_config(64, 32, 4, 3),
+    (True, True): {"dilated_bwd": make_config(128, 64, 8, 2), "block_sparse_bwd": make_config(64, 32, 4, 3),
                    "ring_step_bwd": make_config(64, 32, 4, 3)},
-    (True, False): {"dilated_bwd": make_config(64, 32, 4, 2),
+    (True, False): {"dilated_bwd": make_config(128, 64, 8, 2),
                     "block_sparse_bwd": make_config(128, 32, 8, 3), "ring_step_bwd": make_config(128, 16, 8, 3)},
     (False, True): {"dilated_bwd": make_config(64, 32, 4, 2),
                     "block_sparse_bwd": make_config(64, 32, 4, 3), "ring_step_bwd": make_config(32, 32, 4, 3)},
@@ -191,7 +190,16 @@ KERNEL_DEFAULTS = {
 
 # Hopper forward defaults at D <= 128 that differ from 64x64, 4 warps: the ring step kernel
 # spills 124-132 B at 64x64 (and duplicates S with 8 warps); 64x32 keeps it in registers.
-HOPPER_FWD_DEFAULTS = {"ring_step_fwd": make_config(64, 32, 4, 3)}
+# The dilated forward (and dQ) on 128-row tiles, two warpgroups of 64 rows:
+# The planner then tiles the LongNet schedule with stride T = 6 instead of 12, so a tile holds
+# two residue classes (patterns whose rate divides 6 read the same dilated keys for both;
+# rates 4 and 12 mask half the rows): `perf plan` at N = 32K, H = 16, D = 128 gives K/V reads
+# from L2 of 20.2 -> 11.8 GB (causal 12.6 -> 6.7 GB) for 17% (causal 6%) more computed pairs,
+# a roofline bound of 3.67 -> 2.15 ms (causal 2.30 -> 1.22 ms) on an H100 where 64-row tiles
+# are L2-bound. 128x64 w8 s3 compiles to wgmma, 3 buffers, no spills, 126-243 registers on
+# triton 3.6 and 3.9 at D = 64/128. Unmeasured on a GPU: the GPU check's config A/B times it
+# against 64x64 w4 s3, the earlier default.
+HOPPER_FWD_DEFAULTS = {"ring_step_fwd": make_config(64, 32, 4, 3), "dilated_fwd": make_config(128, 64, 8, 3)}
 # Before Hopper at D <= 64: the ring step forward spills 24 B at 64x64 w4 with triton 3.6
 # (0 with 3.9); 64x32 w4 spills nothing on either.
 NARROW_HEAD_FWD_DEFAULTS = {"ring_step_fwd": make_config(64, 32, 4, 3)}
@@ -209,13 +217,13 @@ WIDE_HEAD_DEFAULTS = {
     "ring_step_bwd": make_config(32, 32, 8, 2),
 }
 # Hopper at D = 256: 64-row tiles with 4 warps or 128-row tiles with 8 (no duplicated S).
-# dilated_fwd 64x32 w4 s3 spills 8 B (128x32 w8 spills none but costs the planner 15%);
+# dilated_fwd 128x32 w8 s2: no spills on 3.6 and 3.9 (64x32 w4 s3: 20 B; 128x32 w8 s3: 8 B);
 # block-sparse 128-row tiles (one layout block) spill nothing; dilated dQ 128x16 w8: wgmma,
 # no spills (64x16 w4: 124 B; its dK/dV: KERNEL_DEFAULTS). The ring step forward and the
 # ring backward keep the tiles above: every wgmma tile spills 0.5-4 KB there.
 HOPPER_WIDE_HEAD_DEFAULTS = {
     **WIDE_HEAD_DEFAULTS,
-    "dilated_fwd": make_config(64, 32, 4, 3), "block_sparse_fwd": make_config(128, 32, 8, 2),
+    "dilated_fwd": make_config(128, 32, 8, 2), "block_sparse_fwd": make_config(128, 32, 8, 2),
     "block_sparse_bwd": make_config(128, 16, 8, 2), "dilated_bwd": make_config(128, 16, 8, 2),
 }
 

@@ -14,11 +14,14 @@ K/V bytes / L2 bandwidth, compulsory bytes / HBM bandwidth). Assumed figures (st
 when quoting the bound): 989 TFLOP/s dense bf16/fp16 tensor cores, 3.35 TB/s HBM3, and
 5.5 TB/s of L2 bandwidth (public microbenchmarks measure 5.5-7 TB/s; the low end is used).
 
-Tilings compared (the kernel implements the first; the others are what the model says a
-kernel change would buy):
-* "64-row tiles": BLOCK_M = 64 query rows of one residue class of one head (today);
-* "128-row tiles": the same planner at BLOCK_M = 128 (fewer K/V reads per pair, but more
-  padding of the ~171-row residue classes: lower planner efficiency);
+Tilings compared (the kernel runs the first two, by its BLOCK_M; the others are what the
+model says a kernel change would buy):
+* "64-row tiles": BLOCK_M = 64 query rows of one residue class of one head (the default
+  before Hopper, and on Hopper until this model chose the next);
+* "128-row tiles": the same planner at BLOCK_M = 128, the sm90 default: the planner then
+  takes tile stride T = lcm/2 (6 for LongNet), two residue classes per tile, so patterns
+  whose rate divides T read their keys once for 128 rows; the others mask half the rows
+  (lower planner efficiency, about half the K/V reads);
 * "2 classes x 64 rows": a CTA of 128 rows holding two residue classes c and c + T/2 of the
   same head; for a pattern whose rate divides T/2 both classes read the same dilated keys,
   so those K/V tiles are loaded once for 128 rows. The K/V saving per pattern is weighted by
@@ -114,8 +117,8 @@ def plan_costs(n=32768, heads=16, kv_heads=None, head_dim=128, batch=1, segment_
     compulsory = batch * n * (2 * heads + 2 * kv_heads) * head_dim * element_bytes
     row_bytes = 2 * head_dim * element_bytes            # one K row and one V row
     out = []
-    today = " (today)" if (block_m, block_n) == (64, 64) else ""
-    for label, bm in ((f"{block_m}-row tiles{today}", block_m), (f"{2 * block_m}-row tiles", 2 * block_m)):
+    default = " (sm90 default)" if block_m == 64 else ""   # configs: the dilated forward's 128-row tiles
+    for label, bm in ((f"{block_m}-row tiles", block_m), (f"{2 * block_m}-row tiles{default}", 2 * block_m)):
         comp = computed_pairs(n, patterns, table, causal, bm, block_n) * batch
         out.append(PlanCost(label, bm, useful, comp, comp / bm * row_bytes, compulsory, dense, head_dim))
     base = out[0]
@@ -135,12 +138,12 @@ def format_report(costs, gpu=H100, title="") -> str:
                  f"ideal {c0.dense_pairs / c0.useful_pairs:.2f}x fewer FLOPs)")
     lines.append(f"HBM floor: Q, K, V, O once = {c0.compulsory_bytes / 1e9:.3f} GB; 'K/V GB (L2)': the K and V rows "
                  f"the tiles read (each (tile, pattern) reads its keys once, from L2 after the first reader)")
-    head = (f"{'tiling':24} {'efficiency':>10} {'computed pairs':>15} {'K/V GB (L2)':>12} {'bound ms':>9} "
+    head = (f"{'tiling':28} {'efficiency':>10} {'computed pairs':>15} {'K/V GB (L2)':>12} {'bound ms':>9} "
             f"{'limiter':>14} {'useful TF/s':>12} {'x dense':>8}")
     lines += [head, "-" * len(head)]
     for c in costs:
         b = c.bound(gpu)
-        lines.append(f"{c.tiling:24} {c.efficiency:>10.3f} {c.computed_pairs:>15.4g} {c.kv_bytes / 1e9:>12.2f} "
+        lines.append(f"{c.tiling:28} {c.efficiency:>10.3f} {c.computed_pairs:>15.4g} {c.kv_bytes / 1e9:>12.2f} "
                      f"{b['ms']:>9.3f} {b['limiter']:>14} {b['useful_tflops']:>12.0f} {b['x_dense']:>7.2f}x")
     return "\n".join(lines)
 
