@@ -558,7 +558,7 @@ def test_plan_cli_rejects_bad_arguments(args, message, capsys):
 
 
 def test_a_tuned_family_entry_leaves_kernels_with_their_own_default(monkeypatch):
-    """perf tune times a family's first kernel; the dilated dK/dV and decode kernels keep their
+    """perf tune times a family's first kernel; the dK/dV and decode kernels keep their
     KERNEL_DEFAULTS entry (a spill-free tile of their own) whatever the family's tuned entry."""
     fake = Arch("sm90", (9, 0), 227 * 1024, 132, "fake H100")
     tuned = configs.make_config(32, 32, 4, 1)
@@ -566,7 +566,8 @@ def test_a_tuned_family_entry_leaves_kernels_with_their_own_default(monkeypatch)
     monkeypatch.setattr(configs, "tuned_entry", lambda *args: (dict(tuned), "sm90.json"))
     cuda = torch.device("cuda")
     assert configs.select_config("dilated_bwd", torch.bfloat16, 128, 32768, cuda) == tuned
-    for family, kernel in (("dilated_bwd", "dilated_bwd_dkdv"), ("dilated_fwd", "dilated_decode"),
+    for family, kernel in (("dilated_bwd", "dilated_bwd_dkdv"), ("block_sparse_bwd", "block_sparse_bwd_dkdv"),
+                           ("ring_step_bwd", "ring_step_bwd_dkdv"), ("dilated_fwd", "dilated_decode"),
                            ("block_sparse_fwd", "block_sparse_decode")):
         own = configs.default_config(family, 128, fake, torch.bfloat16, kernel)
         assert own != tuned
