@@ -45,7 +45,6 @@ LIST_KERNELS = ("block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkd
 # spilling; never add one without a reason in the configs.
 SPILLS_TRITON_36 = {
     ("sm90", "ring_step_bwd_dq", "256"),       # 32x32 w8: 16 B (3.6 gives it 128 registers)
-    ("sm80", "dilated_bwd_dkdv", "64"),        # 64x16 w4, causal: 4 B
     ("sm80", "ring_step_fwd", "256"),
     # the ring step's tile-list pre-pass (the dilated mask of a whole tile, once per step) with
     # 8 warps or 32-row tiles (8-12 B)

@@ -131,7 +131,8 @@ BWD_DEFAULTS = {
 #   registers, no spills; every 4-warp wgmma tile spills (64x16: 52 B, 64x32: 28 B,
 #   64x64: 380 B) and 8 warps on 64 keys compute S^T twice;
 # * sm90 D = 256: every wgmma tile spills 4-5 KB: 32x32 w8 on mma.sync (no spills);
-# * sm80 D = 64: 64x16 w4 (64x32 w4 spills 8-32 B); D = 128: 64x64 w8 with one stage (two
+# * sm80 D = 64: 32x32 w4, 158-166 registers (64x16 w4 spills 4 B causal on triton 3.6,
+#   64x32 w4 8-32 B); D = 128: 64x64 w8 with one stage (two
 #   spill 24 B; 32x32 w4 s2 keeps its cp.async but has a quarter of the tile).
 # The block-sparse dK/dV kernel likewise: BLOCK_M keys (the M dimension), BLOCK_N the query
 # sub-tiles of its list walk (both divide the layout block size), in pipelined loops (3
@@ -172,7 +173,7 @@ KERNEL_DEFAULTS = {
     "dilated_bwd_dkdv": {
         (True, 64): make_config(64, 32, 4, 2), (True, 128): make_config(128, 32, 8, 2),
         (True, 256): make_config(32, 32, 8, 2),
-        (False, 64): make_config(64, 16, 4, 2), (False, 128): make_config(64, 64, 8, 1),
+        (False, 64): make_config(32, 32, 4, 2), (False, 128): make_config(64, 64, 8, 1),
     },
     "block_sparse_bwd_dkdv": {
         (True, 64): make_config(128, 64, 8, 3), (True, 128): make_config(128, 32, 8, 3),
