@@ -93,10 +93,9 @@ def config_label(config: dict) -> str:
 
 # Untuned backward defaults: (Hopper?, padded head dim <= 64?) -> family -> config. Chosen
 # from an ahead-of-time compile of every kernel for sm90 and sm80 (ptxas -v, bf16, triton
-# 3.6, no GPU needed; perf/aot/*-triton36.csv): the largest tile with which both the dQ and
-# the dK/dV kernel (they share one config) keep everything in registers, or else the one that
-# spills least. dK/dV holds k, v, dk and dv in registers, so it is what forces the smaller
-# tiles. Hopper: dQ on wgmma where a tile allows it without spills (64x32, 4 warps; at
+# 3.6 and 3.9, no GPU needed; perf/aot/*-triton36.csv): the largest tile that keeps the dQ
+# kernel in registers (first chosen when the dK/dV kernels shared it; each now has its own in
+# KERNEL_DEFAULTS: it holds k, v, dk and dv in registers and needs other tiles). Hopper: dQ on wgmma where a tile allows it without spills (64x32, 4 warps; at
 # D = 128, 128x32 (block-sparse) and 128x16 (ring) with 8 warps, whose query tiles lose
 # nothing to 128 rows). The dilated, block-sparse and ring step families' configs are their
 # dQ kernels'; their dK/dV kernels have their own (KERNEL_DEFAULTS). Dilated dQ on sm90:
