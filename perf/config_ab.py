@@ -4,14 +4,15 @@ the forward (and, separately, of the backward: the dQ and dK/dV kernels share on
 is compiled, checked against the library's default config on the same inputs, and timed
 with the others in interleaved rounds, so each ratio to the default is a paired one.
 
-Defaults of the candidate lists: the forward's sm90 default (64x64, 4 warps, 3 stages), the
-earlier 8-warp default that computes S twice on Hopper (64x64, 8 warps, 3 stages), a 2-stage
-variant and 128-row tiles (the planner then takes tile stride 6: two residue classes per
-tile, 41% fewer K/V bytes from L2 by `perf plan`, 17% more computed pairs); the backward's
-dQ tiles 64x32 / 64x64 with 4 warps and 128x32 with 8 (its dK/dV kernel keeps its own
-default). Each family's default is also timed with every other value of its kernel variant
-switches (configs.VARIANT_SWITCHES: the dilated FLAT_LOOP), and the block-sparse forward at
-the same length (BigBird layout, block 128) with its TMA switch, where the GPU has TMA.
+Defaults of the candidate lists: the forward's sm90 default (128x64, 8 warps, 3 stages: 128-row
+tiles, where the planner takes tile stride 6, two residue classes per tile, 41% fewer K/V
+bytes from L2 than 64-row tiles by `perf plan`, 17% more computed pairs) against 64-row tiles
+(64x64 with 4 warps, the earlier default; with 8 warps, which computes S twice on Hopper; 2
+stages); the backward's dQ default (128x64 w8 s2) against 64-row dQ tiles (64x64 and 64x32
+with 4 warps, the earlier ones) and 32x32 (its dK/dV kernel keeps its own default). Each
+family's default is also timed with every other value of its kernel variant switches
+(configs.VARIANT_SWITCHES: the dilated FLAT_LOOP), and the block-sparse forward at the same
+length (BigBird layout, block 128) with its TMA switch, where the GPU has TMA.
 Rows (results.COLUMNS) to --out as each (causal, pass) finishes:
 op "config_ab:<family>", metric ms and ratio_vs_default (default ms / candidate ms, paired
 rounds: > 1 means faster than the default), the config in `config`.
