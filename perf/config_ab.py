@@ -9,7 +9,9 @@ tiles, where the planner takes tile stride 6, two residue classes per tile, 41% 
 bytes from L2 than 64-row tiles by `perf plan`, 17% more computed pairs) against 64-row tiles
 (64x64 with 4 warps, the earlier default; with 8 warps, which computes S twice on Hopper; 2
 stages); the backward's dQ default (128x64 w8 s2) against 64-row dQ tiles (64x64 and 64x32
-with 4 warps, the earlier ones) and 32x32 (its dK/dV kernel keeps its own default). Each
+with 4 warps, the earlier ones) and 32x32. A backward candidate runs the dK/dV kernel with
+its tiles too, while the default row runs it with its own default (KERNEL_DEFAULTS): read
+the dQ share from the breakdown stage. Each
 family's default is also timed with every other value of its kernel variant switches
 (configs.VARIANT_SWITCHES: the dilated FLAT_LOOP), and the block-sparse forward at the same
 length (BigBird layout, block 128) with its TMA switch, where the GPU has TMA.
