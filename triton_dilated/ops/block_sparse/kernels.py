@@ -32,8 +32,8 @@ import triton.language as tl
 
 from ...configs import VARIANT_SWITCHES, select_config, switch_value
 from ..common.hardware import padded_head_dim
-from ..common.kernels import (LOG2E, bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
-                              program_tile, softmax_grad_block)
+from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
+                              program_tile, softmax_grad_block, transposed_grad_step)
 from ..common.lse import softmax_delta
 from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
 
@@ -226,13 +226,7 @@ def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, sta
     s_t = dot(k, qT, DOT_FP32, PRECISION) * sm_scale                                     # [BLOCK_M, BLOCK_N]
     if CAUSAL_MASK:
         s_t = tl.where(keys[:, None] <= qrows[None, :], s_t, float("-inf"))
-    # P^T from the saved (max, log2 denominator) of each query (load_row_stats)
-    p_t = tl.math.exp2((s_t - row_max[None, :]) * LOG2E - row_log2l[None, :])
-    dv += dot(p_t.to(do.dtype), do, DOT_FP32, PRECISION)
-    dp_t = dot(v, tl.trans(do), DOT_FP32, PRECISION)                                     # [BLOCK_M, BLOCK_N]
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_FP32, PRECISION)
-    return dk, dv
+    return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_FP32, PRECISION)
 
 
 @triton.jit

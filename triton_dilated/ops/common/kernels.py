@@ -193,3 +193,22 @@ def softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
     dp = dot(do, tl.trans(v), DOT_FP32, PRECISION)
     ds = p * (dp - delta[:, None])
     return p, ds
+
+
+@triton.jit
+def transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_FP32: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    """softmax_grad_block seen from a key tile, added to its (dk, dv) [BLOCK_M, BLOCK_D]: the
+    key tile is the M dimension of every dot (S^T = K Q^T, dV += P^T dO, dP^T = V dO^T,
+    dK += dS^T Q), so P^T and dS^T feed the next dots from registers and the query
+    statistics broadcast along columns. s_t [BLOCK_M, BLOCK_N]: the scaled scores K Q^T with
+    -inf where a pair does not count (the caller's mask); qT [BLOCK_D, BLOCK_N], do
+    [BLOCK_N, BLOCK_D], v [BLOCK_M, BLOCK_D]. dK comes without the score scale (applied once
+    by the caller)."""
+    # P^T from the saved (max, log2 denominator) of each query (load_row_stats)
+    p_t = tl.math.exp2((s_t - row_max[None, :]) * LOG2E - row_log2l[None, :])
+    dv += dot(p_t.to(do.dtype), do, DOT_FP32, PRECISION)
+    dp_t = dot(v, tl.trans(do), DOT_FP32, PRECISION)                                  # [BLOCK_M, BLOCK_N]
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_FP32, PRECISION)
+    return dk, dv
