@@ -526,3 +526,33 @@ def test_decode_problem_for_the_perf_sweep(num_queries):
     prob = DilatedDecodeProblem(1, 8192, 16, 8, torch.float32, "cpu", num_queries=num_queries)
     assert prob.patterns == longnet_patterns(8192)
     assert prob.keys_read < 16 * num_queries * 8192 // 2
+
+
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+@pytest.mark.parametrize("layout", ["sliced", "expanded"])
+def test_decode_strided_cache_seqlens(variant, layout):
+    """Issue 19 item 1: an int32 cache_seqlens that is not contiguous (a slice with step 2, a
+    stride-0 expand) gives the result of the same lengths made contiguous. The Triton decode
+    kernel read LENS + b as if contiguous: a wrong output, or a segfault with a large
+    neighbouring value."""
+    q = seeded((2, 1, 2, 8), torch.float32, 1, DEVICE)
+    k, v = (seeded((2, 64, 2, 8), torch.float32, s, DEVICE) for s in (2, 3))
+    if layout == "sliced":   # values [40, 64]; the skipped values would be read past the end
+        lens = torch.tensor([40, 7, 64, 100_000_000], dtype=torch.int32, device=DEVICE)[::2]
+    else:
+        lens = torch.tensor([40], dtype=torch.int32, device=DEVICE).expand(2)
+    assert not lens.is_contiguous()
+    for backend in BACKENDS:
+        with paths(variant) as seen:
+            if variant == "dilated":
+                run = lambda c: dilated_attention(q, k, v, [16, 32], [1, 2], causal=True, backend=backend,  # noqa
+                                                  cache_seqlens=c, return_lse=True)
+            else:
+                lay = layouts.local(64, 16, 1, causal=True)
+                run = lambda c: block_sparse_attention(q, k, v, lay, causal=True, backend=backend,  # noqa
+                                                       cache_seqlens=c, return_lse=True)
+            got = run(lens)
+        assert ("triton" if backend == "triton" else "portable") in seen, seen
+        want = run(lens.contiguous())
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)

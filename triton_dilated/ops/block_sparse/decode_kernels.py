@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from ...configs import select_config
-from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, merge_splits, num_splits,
-                                     store_result)
+from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, kernel_lengths, merge_splits,
+                                     num_splits, store_result)
 from ..common.hardware import padded_head_dim
 from ..common.runtime import on_tensor_device
 
@@ -69,6 +69,7 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, spli
     longest = index.shape[-1] * bs
     splits = splits or num_splits(q.device, B * Nq * Hq, longest)
     out, lse, acc, part_m, part_l = decode_buffers(q, splits)
+    lengths = kernel_lengths(lengths, q.device)
     _block_sparse_decode_kernel[(B * Nq * Hq * splits,)](
         q, k, v, out, lse, acc, part_m, part_l, lengths, counts, index,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

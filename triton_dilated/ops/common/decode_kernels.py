@@ -29,6 +29,13 @@ MIN_KEYS_PER_SPLIT = 64
 MERGE_CHUNK: tl.constexpr = tl.constexpr(16)   # splits the merge kernel reads per step
 
 
+def kernel_lengths(lengths, device) -> torch.Tensor:
+    """The per-row lengths as the decode kernels read them: int32 (B,), contiguous, on `device`.
+    The kernels load LENS + b, so a strided or expanded tensor (cache_seqlens[::2], a
+    stride-0 expand) would read the wrong rows, or past the tensor."""
+    return lengths.to(device=device, dtype=torch.int32).contiguous()
+
+
 @triton.jit
 def decode_program(Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                    NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from ...configs import select_config
-from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, merge_splits, num_splits,
-                                     store_result)
+from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, kernel_lengths, merge_splits,
+                                     num_splits, store_result)
 from ..common.hardware import padded_head_dim
 from ..common.runtime import on_tensor_device
 
@@ -111,6 +111,7 @@ def dilated_decode_forward(q, k, v, patterns, table, lengths, *, causal, scale, 
     splits = splits or num_splits(q.device, B * Nq * Hq, longest)
     out, lse, acc, part_m, part_l = decode_buffers(q, splits)
     pat_w, pat_r, pat_off = _pattern_tables(patterns, table, q.device)
+    lengths = kernel_lengths(lengths, q.device)
     _dilated_decode_kernel[(B * Nq * Hq * splits,)](
         q, k, v, out, lse, acc, part_m, part_l, lengths, pat_w, pat_r, pat_off,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
