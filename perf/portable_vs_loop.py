@@ -3,6 +3,11 @@ on the same work (mode="head_groups"), as a paired ratio: both run in every roun
 shuffled order, so machine drift and position effects cancel (timing.interleaved, as the
 sweep times every case). Medians over the rounds; ± the interquartile range of the ratios.
 
+"checks" times, in the same rounds, what the portable forward spends on the NaN rule of
+DESIGN §6 beyond the loop's work: the finiteness pass over k and the verification of the
+results (a pass over an output-sized tensor, an upper bound: the jobs' results together
+are at most that), as a share of the portable call.
+
     python perf/portable_vs_loop.py --seqlens 2048 4096 --rounds 30
 """
 from __future__ import annotations
@@ -14,6 +19,7 @@ import statistics
 import torch
 
 from triton_dilated import dilated_attention
+from triton_dilated.ops.common.lse import all_finite
 from triton_dilated.perf.baselines import head_group_loop
 from triton_dilated.perf.timing import Timing, attention_call, attention_inputs, interleaved, paired_ratio
 
@@ -39,12 +45,16 @@ def main():
                                    dtype=torch.float32)
         for mode in ("fwd", "fwd_bwd"):
             inputs, _ = attention_inputs(shape, mode)
-            times = interleaved({name: attention_call(fn, inputs, mode) for name, fn in providers.items()}, "cpu",
-                                rounds)
+            calls = {name: attention_call(fn, inputs, mode) for name, fn in providers.items()}
+            k, out = inputs[1].detach(), torch.randn_like(inputs[0].detach())
+            calls["checks"] = lambda: all_finite(k) and all_finite(out)
+            times = interleaved(calls, "cpu", rounds)
             med = {name: statistics.median(t) for name, t in times.items()}
             ratio, spread = paired_ratio(times["portable"], times["loop"])
+            share, _ = paired_ratio(times["checks"], times["portable"])
             print(f"N={n:6d} {mode:8s} portable {med['portable']:8.1f} ms   loop {med['loop']:8.1f} ms   "
-                  f"portable/loop {ratio:.3f} (±{spread:.1f}%)")
+                  f"portable/loop {ratio:.3f} (±{spread:.1f}%)   checks {med['checks']:.2f} ms = "
+                  f"{100 * share:.1f}% of portable")
 
 
 if __name__ == "__main__":

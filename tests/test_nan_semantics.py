@@ -126,6 +126,29 @@ def test_dilated_oracle(causal, which, value):
     _dilated_case("naive", causal, which, value)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", ["torch", "triton", "naive"])
+def test_dilated_infinite_key_scoring_minus_inf(backend, causal):
+    """An infinite key whose score is -inf for every row that reads it (each such query is
+    negative where the key is infinite) drops out of a plain softmax with a finite result;
+    the rule still makes those rows NaN. (The portable path checks k before its fused calls
+    for this reason: their results alone cannot show it.)"""
+    c = DIL
+    pos, head = 21, 1
+    q, k, v = _inputs(c["B"], c["N"], c["Hq"], c["Hkv"], c["D"], "k", pos, head, INF)
+    q[..., 3] = -q[..., 3].abs() - 0.1           # every score with the infinite key is -inf
+    pairs = dilated_multiplicity(c["N"], c["ws"], c["rs"], c["Hq"], causal=causal) > 0
+    rows = _reads(pairs, "k", pos, head, c["Hq"] // c["Hkv"])
+    assert rows.any() and not rows.all()
+
+    def run(k_):
+        if backend == "naive":
+            out, lse = dilated_attention_naive(q.double(), k_.double(), v.double(), c["ws"], c["rs"], causal=causal)
+            return out.float(), lse.float()
+        return dilated_attention(q, k_, v, c["ws"], c["rs"], causal=causal, return_lse=True, backend=backend)
+    _check(f"dilated {backend} causal={causal} k=inf scoring -inf", *run(k), rows, *run(torch.nan_to_num(k, posinf=0.5)))
+
+
 # float32 inputs take the exact softmax form, 16-bit ones the FMA form (ops/common/kernels.py):
 # every case in float32, the ones each form treats apart (infinite key, value) in bfloat16
 CASES = ([(w, x, torch.float32) for w, x in (("q", NAN), ("k", NAN), ("q", INF), ("k", INF), ("k", -INF),

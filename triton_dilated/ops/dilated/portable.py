@@ -14,6 +14,10 @@ plain slicing: autograd's own backward of a slice (and of a write into a slice) 
 full-size zero tensor per view, so every pattern would cost three full-size fills and
 sums per input. Here each input gets one gradient buffer that every view adds into
 (fwd+bwd ~15% faster on CPU than the slicing loop of the dilated-attention-pytorch family).
+
+The NaN rule (DESIGN §6) costs one pass over k and one over the results, not an isfinite
+scan of every input (see dilated_attention_torch); the score bound of the fused kernel's
+backward is computed only when a gradient is needed (ops.common.lse).
 """
 from __future__ import annotations
 
@@ -172,6 +176,7 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
     # Without mixing, every head writes its one pattern into one shared output; with
     # mixing, each pattern gets its own float32 (out, lse), merged at the end.
     jobs: list[tuple[int, _Rows, _Rows]] = []
+    unwritten: list[_Rows] = []   # without mixing: the rows of the shared output no job writes
     for i, (w, r) in enumerate(patterns):
         by_offset: dict[int, list[int]] = {}
         for h, row in enumerate(table):
@@ -181,20 +186,56 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
             kv_heads = _head_index([h // group for h in heads])
             for spec in _row_specs(N, w, r, o, _head_index(heads)):
                 jobs.append((i if merge else 0, spec, spec._replace(heads=kv_heads)))
+            if not merge:   # these heads' rows at the pattern's other residues
+                unwritten += [spec for other in range(r) if other != o
+                              for spec in _row_specs(N, w, r, other, _head_index(heads))]
     q_parts, k_parts, v_parts = (_gather(x, tuple(j[n] for j in jobs)) for x, n in ((q, 1), (k, 2), (v, 2)))
     n_bufs = len(patterns) if merge else 1
-    out_bufs = [q.new_zeros((B, N, Hq, D), dtype=acc_dtype if merge else q.dtype) for _ in range(n_bufs)]
+    if merge:   # a pattern's rows a head does not use must hold (0, -inf) for the merge
+        out_bufs = [q.new_zeros((B, N, Hq, D), dtype=acc_dtype) for _ in range(n_bufs)]
+    elif all(max(row) >= 0 for row in table):   # zeros only where no job writes
+        out_bufs = [q.new_empty((B, N, Hq, D))]
+        for spec in unwritten:
+            spec.put(out_bufs[0], torch.zeros((), dtype=q.dtype, device=q.device))
+    else:       # a head without a pattern: all zeros
+        out_bufs = [q.new_zeros((B, N, Hq, D))]
     lse_bufs = [q.new_full((B, N, Hq, 1), float("-inf"), dtype=acc_dtype) for _ in range(n_bufs if want_lse else 0)]
-    finite = all_finite(q, k, v)   # else each job applies the NaN rule (ops.common.lse)
-    results = [_attend(qs, ks, vs, causal, scale, want_lse, compute_dtype, finite)
-               for qs, ks, vs in zip(q_parts, k_parts, v_parts)]
-    outs, lses = [], []
-    for b in range(n_bufs):
-        mine = [n for n, job in enumerate(jobs) if job[0] == b]
-        specs = tuple(jobs[n][1] for n in mine)
-        outs.append(_scatter(out_bufs[b], specs, [results[n][0] for n in mine]))
-        if want_lse:
-            lses.append(_scatter(lse_bufs[b], specs, [results[n][1] for n in mine]).squeeze(-1))
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+
+    def run(verify: bool):
+        """(outs, lses) of all jobs; None when verify finds that q or v was not finite.
+        verify=False: each job applies the NaN rule itself (ops.common.lse)."""
+        results = []
+        for n, (b, spec, _) in enumerate(jobs):
+            out_part, lse_part = _attend(q_parts[n], k_parts[n], v_parts[n], causal, scale, want_lse or verify,
+                                         compute_dtype, finite=verify)
+            if verify and not (bool(torch.isfinite(lse_part).all()) and all_finite(out_part)):
+                return None
+            if grad:
+                results.append((out_part, lse_part))
+            else:   # into its buffer at once: one job's result alive at a time (its pages reused)
+                spec.put(out_bufs[b], out_part.to(out_bufs[b].dtype))
+                if want_lse:
+                    spec.put(lse_bufs[b], lse_part)
+        if not grad:
+            return out_bufs, [x.squeeze(-1) for x in lse_bufs]
+        outs, lses = [], []
+        for b in range(n_bufs):
+            mine = [n for n, job in enumerate(jobs) if job[0] == b]
+            specs = tuple(jobs[n][1] for n in mine)
+            outs.append(_scatter(out_bufs[b], specs, [results[n][0] for n in mine]))
+            if want_lse:
+                lses.append(_scatter(lse_bufs[b], specs, [results[n][1] for n in mine]).squeeze(-1))
+        return outs, lses
+
+    # NaN rule (DESIGN §6) without a pass over every input. With k finite, the jobs run on the
+    # fused kernel unchecked and verify their results: every row of a job has a key (causal
+    # keeps the diagonal), so a non-finite q row makes all its scores non-finite and its lse
+    # NaN or -inf; a non-finite v row read with any weight (0 * Inf is NaN) makes the output
+    # non-finite. k is checked first: an Inf key can score -inf and drop out with a finite
+    # result. A failed check (or a non-finite k) runs the exact rule, job by job.
+    done = run(verify=True) if all_finite(k) else None
+    outs, lses = done if done is not None else run(verify=False)
     if merge:
         out, lse = merge_partials(outs, lses)
     else:
