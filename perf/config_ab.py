@@ -30,7 +30,7 @@ import statistics
 import torch
 
 from triton_dilated.configs import config_label, make_config, select_config, switch_alternatives
-from triton_dilated.ops.common.hardware import padded_head_dim
+from triton_dilated.ops.common.hardware import device_arch, padded_head_dim
 from triton_dilated.ops.block_sparse.spec import BlockSparseProblem
 from triton_dilated.ops.dilated.spec import DilatedProblem
 from triton_dilated.perf.cli import CAUSAL, shape_parser
@@ -62,10 +62,10 @@ def ab_rows(prob, family, configs, timing, device, base, fields) -> list:
     run = (lambda cfg: prob.backward(cfg)) if family.endswith("_bwd") else (lambda cfg: prob.forward(cfg))
     default = select_config(family, prob.q.dtype, padded_head_dim(prob.q.shape[-1]), prob.q.shape[1],
                             prob.q.device)
-    capability = torch.cuda.get_device_capability(prob.q.device) if prob.q.is_cuda else (0, 0)
+    arch = device_arch(prob.q.device) if prob.q.is_cuda else None
     ref = run(None)
     calls, notes = {"default": lambda: run(None)}, {}
-    for cfg in list(configs) + switch_alternatives(family, default, capability):
+    for cfg in list(configs) + switch_alternatives(family, default, arch):
         name = label(cfg)
         if cfg == default:
             continue   # timed as "default"

@@ -17,13 +17,15 @@ from triton_dilated import BlockLayout, block_sparse_attention_naive, layouts
 from triton_dilated.configs import INTERPRETER_CONFIG
 from triton_dilated.ops.block_sparse import kernels
 from triton_dilated.ops.block_sparse.naive import element_mask
+from triton_dilated.ops.common.hardware import device_arch, fake_arch
 from triton_dilated.ops.common.lse import lse_from_stats
 
 
 def _tma_expected(device) -> bool:
-    """Whether the launcher can take the TMA path here: off-GPU (the interpreter) or sm90+."""
+    """Whether the launcher can take the TMA path here: off-GPU (the interpreter) or an arch
+    with TMA."""
     dev = torch.device(device)
-    return dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (9, 0)
+    return dev.type != "cuda" or device_arch(dev).tma
 
 
 @pytest.fixture
@@ -156,11 +158,13 @@ def _fake_cuda_tensor(t):
                                  data_ptr=lambda: 0, stride=t.stride)
 
 
-@pytest.mark.parametrize("capability,usable", [((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)])
-def test_tma_only_on_sm90_and_later(monkeypatch, capability, usable):
-    """TMA is Hopper's (sm90 on): before it the launcher uses the pointer path."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.version, "hip", None)
+@pytest.mark.parametrize("arch,usable", [("sm80", False), ("sm89", False), ("sm90", True), ("sm100", True),
+                                         ("sm120", True), ("gfx942", False), ("gfx950", False)])
+def test_tma_only_where_the_arch_has_it(monkeypatch, arch, usable):
+    """TMA where the architecture table says the arch has it (Hopper on, consumer Blackwell
+    too); elsewhere, AMD included (PyTorch on ROCm reports an MI300X as capability (9, 4)),
+    the launcher uses the pointer path."""
+    monkeypatch.setattr(kernels, "device_arch", lambda device: fake_arch(arch))
     t = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
     assert kernels.tma_usable(_fake_cuda_tensor(t), 64, 64) is usable
 

@@ -36,10 +36,15 @@ def make_config(block_m: int, block_n: int, warps: int, stages: int, **switches)
 @dataclass(frozen=True)
 class Switch:
     """A kernel variant a config can select: an extra constexpr key beside CONFIG_FIELDS.
-    values[0] is used where a config does not name the switch; archs before min_capability
-    do not have the variant (their launchers use values[0])."""
+    values[0] is used where a config does not name the switch; `requires` names the Arch
+    fact the variant needs ("tma"): archs without it do not have the variant (their
+    launchers use values[0])."""
     values: tuple
-    min_capability: tuple = (0, 0)
+    requires: str | None = None
+
+    def available(self, arch: Arch | None) -> bool:
+        """Whether `arch` (None: the interpreter) has this variant."""
+        return self.requires is None or (arch is not None and bool(getattr(arch, self.requires)))
 
 
 # Variants the compiled code cannot choose between (`perf aot` shows both spill-free and on
@@ -48,12 +53,12 @@ class Switch:
 # check's config A/B (perf/config_ab.py) times them against the default.
 # * FLAT_LOOP (dilated forward and dQ): 1 walks the key blocks of all the tile's patterns in
 #   two flat loops (unmasked, then masked); 0 runs one pair of loops per pattern.
-# * TMA (block-sparse forward, sm90 on): 1 loads the K/V blocks through tensor descriptors
-#   (cp.async.bulk.tensor); 0 with pointer loads (cp.async).
+# * TMA (block-sparse forward, archs with TMA: sm90, sm100, sm120): 1 loads the K/V blocks
+#   through tensor descriptors (cp.async.bulk.tensor); 0 with pointer loads (cp.async).
 VARIANT_SWITCHES = {
     "dilated_fwd": {"FLAT_LOOP": Switch((1, 0))},
     "dilated_bwd": {"FLAT_LOOP": Switch((1, 0))},
-    "block_sparse_fwd": {"TMA": Switch((0, 1), (9, 0))},
+    "block_sparse_fwd": {"TMA": Switch((0, 1), requires="tma")},
 }
 
 
@@ -66,13 +71,12 @@ def switch_value(family: str, config: dict, name: str) -> int:
     return value
 
 
-def switch_alternatives(family: str, config: dict, capability: tuple) -> list:
+def switch_alternatives(family: str, config: dict, arch: Arch | None) -> list:
     """`config` with one switch of the family set to each of its other values, for the
-    switches an arch of this compute capability has ((0, 0): the interpreter, which has
-    those without a minimum)."""
+    switches `arch` has (None or the interpreter: those that need no hardware fact)."""
     out = []
     for name, switch in VARIANT_SWITCHES.get(family, {}).items():
-        if capability < switch.min_capability:
+        if not switch.available(arch):
             continue
         current = switch_value(family, config, name)
         out += [{**config, name: v} for v in switch.values if v != current]
@@ -85,9 +89,11 @@ def config_label(config: dict) -> str:
     return f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}{extra}"
 
 
-# Hopper (sm90; the same tables serve later archs, unchecked) with 16-bit inputs: warpgroup
-# MMAs (wgmma) give each warpgroup of 4 warps 64 rows, so the defaults keep BLOCK_M >= 16 x
-# num_warps. With 8 warps on a 64-row tile Triton lays the MMA over both warpgroups with
+# "Hopper" below means an arch with warpgroup MMAs (hardware.WARPGROUP_MMA: sm90's wgmma, and
+# sm100's tcgen05, which takes the same tables unchecked); every other arch (mma.sync up to
+# consumer Blackwell sm120, AMD's MFMA) takes the per-warp tiles chosen on sm80. With 16-bit
+# inputs, warpgroup MMAs (wgmma) give each warpgroup of 4 warps 64 rows, so the defaults keep
+# BLOCK_M >= 16 x num_warps. With 8 warps on a 64-row tile Triton lays the MMA over both warpgroups with
 # warpsPerCTA = [8, 1] and each computes the whole S: a third of the tensor-core work and
 # half the softmax done twice (`perf aot`: column mma_replicated; perf/aot/sm90-*.csv).
 
@@ -248,7 +254,7 @@ def config_fits(family: str, config: dict, head_dim_padded: int, arch: Arch, dty
     """Whether the shared-memory estimate of `config` fits one block of `arch`. Before
     Ampere (no async copies) Triton lays operands out differently: the ahead-of-time compile
     for sm75/sm70 needs up to about twice the estimate."""
-    factor = 2 if (7, 0) <= arch.capability < (8, 0) else 1
+    factor = 2 if arch.vendor == "nvidia" and not arch.async_copy else 1
     element_size = torch.tensor([], dtype=dtype).element_size()
     limit = arch.shared_memory or 48 * 1024
     return factor * shared_memory_estimate(family, config, head_dim_padded, element_size) <= limit
@@ -263,7 +269,9 @@ def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.d
     it has an entry. Then fewer stages, then smaller tiles, until the shared-memory estimate
     fits the arch."""
     big_smem = arch.shared_memory >= 160 * 1024
-    hopper = arch.capability >= (9, 0)
+    # the 128-row, 8-warp tiles are made for warpgroup MMAs (wgmma, tcgen05); every other
+    # family (mma.sync up to consumer Blackwell, AMD's MFMA) takes the per-warp tiles
+    hopper = arch.warpgroup_mma
     backward = is_backward(family)
     band = 64 if head_dim_padded <= 64 else 128 if head_dim_padded <= 128 else 256
     own = KERNEL_DEFAULTS.get(kernel, {}).get((hopper, band))
@@ -360,6 +368,6 @@ def kernels_fit(families, head_dim: int, dtype: torch.dtype, device: torch.devic
         return True
     padded = padded_head_dim(head_dim)
     arch = device_arch(device)
-    if dtype == torch.float32 and arch.capability < (8, 0):
+    if dtype == torch.float32 and not arch.tf32:
         return False
     return all(config_fits(f, select_config(f, dtype, padded, 1024, device), padded, arch, dtype) for f in families)

@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from ..ops import SPECS, kernel_specs
-from ..ops.common.hardware import padded_head_dim
+from ..ops.common.hardware import ARCH_TABLE, padded_head_dim
 
 KERNELS = kernel_specs()   # name -> KernelSpec, from the variants' spec.py
 # Experimental variants of a kernel, compiled only when named (--kernels): AOT name -> (the
@@ -45,7 +45,8 @@ VARIANTS = {"block_sparse_fwd_tma": ("block_sparse_fwd", {"TMA": 1})}
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
           "spill_stores", "spill_loads", "shared_bytes", "wgmma", "mma_sync", "cp_async", "cp_async_bulk",
           "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "compile_s", "error"]
-_SMEM = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}   # opt-in bytes per block
+# opt-in shared memory bytes per block, from the architecture table
+_SMEM = {int(name[2:]): facts.shared_memory for name, facts in ARCH_TABLE.items() if name.startswith("sm")}
 
 
 def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict):
@@ -180,11 +181,11 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
     import torch
 
     from ..configs import default_config
-    from ..ops.common.hardware import Arch
+    from ..ops.common.hardware import fake_arch
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     work = []
     for arch in archs:
-        fake = Arch(f"sm{arch}", (arch // 10, arch % 10), _SMEM.get(arch, 99 * 1024), 1, f"sm{arch} (ahead of time)")
+        fake = fake_arch(f"sm{arch}")   # the architecture table's facts: the config rules key on them
         for name in kernels or KERNELS:
             family = KERNELS[VARIANTS.get(name, (name,))[0]].family
             for dtype in dtypes:

@@ -207,7 +207,7 @@ def run_tune(out_dir=None, kernels=KERNELS, dtypes=None, head_dims=None, seqlens
                 try_config(cfg)
             if results:   # the kernel variants (configs.VARIANT_SWITCHES), timed on the best tile
                 best_tile = min(results, key=lambda t: t[0])[1]
-                alternatives = switch_alternatives(kernel, best_tile, arch.capability)
+                alternatives = switch_alternatives(kernel, best_tile, arch)
                 for cfg in alternatives:
                     try_config(cfg)
                 cands = cands + alternatives

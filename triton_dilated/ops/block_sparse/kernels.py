@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ...configs import VARIANT_SWITCHES, select_config, switch_value
-from ..common.hardware import padded_head_dim
+from ..common.hardware import device_arch, padded_head_dim
 from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
                               program_tile, softmax_grad_block, transposed_grad_step)
 from ..common.lse import softmax_delta
@@ -337,13 +337,14 @@ def _query_lists(layout, causal):
 
 def tma_usable(t, block_n: int, block_d: int) -> bool:
     """Whether K or V (B, N, H, D) can be read through a TMA descriptor with (block_n,
-    block_d) boxes: on sm90 or later (TMA is Hopper's), or off-GPU (the interpreter); a
+    block_d) boxes: on an arch with TMA (hardware.ARCH_TABLE: sm90, sm100, sm120; never AMD),
+    or off-GPU (the interpreter); a
     16-byte aligned base, unit stride on the head dim, and every other stride a positive
     multiple of 16 bytes (a row of an odd head dim, a broadcast (expanded) head or a
     misaligned slice do not qualify); boxes of at most 256 rows and columns. The launcher
     falls back to pointer loads (TMA = 0) otherwise."""
-    first = VARIANT_SWITCHES["block_sparse_fwd"]["TMA"].min_capability
-    if t.device.type == "cuda" and (torch.version.hip or torch.cuda.get_device_capability(t.device) < first):
+    tma = VARIANT_SWITCHES["block_sparse_fwd"]["TMA"]
+    if t.device.type == "cuda" and not tma.available(device_arch(t.device)):
         return False
     size = t.element_size()
     return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and max(block_n, block_d) <= 256

@@ -1,0 +1,109 @@
+"""The architecture table (issue 20 item 1): every arch's facts in one place, config rules and
+switches keyed on them, ROCm devices recognised as AMD. Faked devices: the logic, not a launch."""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from triton_dilated import configs
+from triton_dilated.ops.common import hardware
+from triton_dilated.ops.common.hardware import ARCH_TABLE, Arch, arch_facts, fake_arch
+
+FAMILIES = ("dilated_fwd", "dilated_bwd", "block_sparse_fwd", "block_sparse_bwd", "ring_step_fwd", "ring_step_bwd")
+KERNELS = (None, "dilated_bwd_dkdv", "block_sparse_bwd_dkdv", "ring_step_bwd_dkdv", "dilated_decode",
+           "block_sparse_decode")
+
+
+def test_table_facts():
+    for name, facts in ARCH_TABLE.items():
+        assert facts.vendor == ("amd" if name.startswith("gfx") else "nvidia"), name
+        assert facts.mma in ("mma.sync", "wgmma", "tcgen05", "mfma"), name
+        assert facts.warp_size == (64 if facts.vendor == "amd" else 32), name
+        assert 48 * 1024 <= facts.shared_memory <= 228 * 1024, name
+    assert [n for n, f in ARCH_TABLE.items() if f.mma in hardware.WARPGROUP_MMA] == ["sm90", "sm100"]
+    assert [n for n, f in ARCH_TABLE.items() if f.tma] == ["sm90", "sm100", "sm120"]
+
+
+@pytest.mark.parametrize("name, like", [("sm87", "sm86"), ("sm103", "sm100"), ("sm121", "sm120"), ("sm72", "sm70"),
+                                        ("gfx90a", "gfx942")])
+def test_unknown_minor_versions_take_their_family(name, like):
+    assert arch_facts(name) == ARCH_TABLE[like]
+
+
+def test_unknown_arch_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"unknown GPU architecture 'sm12': known are sm70, .*gfx950"):
+        fake_arch("sm12")
+
+
+def _fake_device(monkeypatch, hip, **props):
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(multi_processor_count=304, name="fake", **props))
+    hardware.get_arch.cache_clear()
+
+
+@pytest.fixture
+def clear_arch_cache():
+    yield
+    hardware.get_arch.cache_clear()
+
+
+def test_rocm_device_is_amd_not_hopper(monkeypatch, clear_arch_cache):
+    """PyTorch on ROCm reports an MI300X as capability (9, 4): the arch comes from its
+    gcnArchName, so it never takes the Hopper tiles or the TMA switch."""
+    _fake_device(monkeypatch, "6.4", major=9, minor=4, gcnArchName="gfx942:sramecc+:xnack-",
+                 shared_memory_per_block_optin=64 * 1024)
+    arch = hardware.get_arch(0)
+    assert (arch.name, arch.vendor, arch.mma, arch.warp_size, arch.tma) == ("gfx942", "amd", "mfma", 64, False)
+    assert not arch.warpgroup_mma
+    assert not configs.VARIANT_SWITCHES["block_sparse_fwd"]["TMA"].available(arch)
+    assert configs.switch_alternatives("block_sparse_fwd", configs.make_config(64, 64, 4, 2), arch) == []
+
+
+def test_cuda_device_names(monkeypatch, clear_arch_cache):
+    _fake_device(monkeypatch, None, major=12, minor=0, shared_memory_per_block_optin=99 * 1024)
+    arch = hardware.get_arch(0)
+    assert (arch.name, arch.mma, arch.tma, arch.warpgroup_mma) == ("sm120", "mma.sync", True, False)
+
+
+@pytest.mark.parametrize("name", list(ARCH_TABLE))
+def test_default_configs_follow_the_facts(name):
+    """The tile rule an arch gets is its MMA family's: warpgroup tiles (128 rows, 8 warps on
+    64 rows each) only with warpgroup MMAs (sm90, sm100), the per-warp tiles chosen on sm80
+    everywhere else (sm120 and AMD included, whatever their capability), each shrunk to the
+    arch's shared memory. Every 16-bit default fits it (the smallest tile where none does)."""
+    arch = fake_arch(name)
+    family_rule = ARCH_TABLE["sm90" if arch.mma in hardware.WARPGROUP_MMA else "sm80"]
+    like = Arch("rule", arch.capability, arch.shared_memory, 1, "reference",
+                dataclasses.replace(family_rule, vendor=arch.vendor, async_copy=arch.async_copy,
+                                    shared_memory=arch.shared_memory))
+    for family in FAMILIES:
+        for kernel in KERNELS:
+            for dtype in (torch.bfloat16, torch.float16):
+                for d in (64, 128, 256):
+                    cfg = configs.default_config(family, d, arch, dtype, kernel)
+                    assert cfg == configs.default_config(family, d, like, dtype, kernel), (name, family, kernel, d)
+                    assert configs.config_fits(family, cfg, d, arch, dtype) or cfg == configs.make_config(16, 16, 4, 1), \
+                        (name, family, kernel, d, cfg)
+                    if not arch.warpgroup_mma:
+                        assert not (cfg["BLOCK_M"] >= 128 and family.endswith("_fwd") and kernel is None), (name, cfg)
+
+
+def test_float32_kernels_need_tf32(monkeypatch):
+    """kernels_fit: float32 goes to the Triton kernels only on archs with TF32 tensor cores
+    (not Volta/Turing; not AMD until its float32 dots are compiled and checked)."""
+    dev = torch.device("cuda", 0)
+    for name, facts in ARCH_TABLE.items():
+        monkeypatch.setattr(configs, "device_arch", lambda device, n=name: fake_arch(n))
+        monkeypatch.setattr(configs, "load_arch_table", lambda n: {})
+        assert configs.kernels_fit(("dilated_fwd",), 64, torch.float32, dev) == facts.tf32, name
+
+
+def test_arch_constructor_keeps_its_old_form():
+    arch = Arch("sm90", (9, 0), 227 * 1024, 132, "fake")
+    assert arch.facts == ARCH_TABLE["sm90"] and arch.warpgroup_mma and arch.tma
+    assert Arch("cpu-interpreter", (0, 0), 0, 2, "cpu").mma == "interpreter"
