@@ -282,7 +282,7 @@ def test_ptx_counts_checked_example():
         "%4 = tt.expand_dims %m : tensor<64x1xf32, #mma>",
     ])
     got = ptx_counts(ptx, ttgir)
-    assert got == dict(wgmma=3, mma_sync=1, cp_async=2, cp_async_bulk=1, pipeline_depth=3, mma_replicated=1,
+    assert got == dict(wgmma=3, mma_sync=1, cp_async=2, cp_async_bulk=1, tcgen05=0, pipeline_depth=3, mma_replicated=1,
                        wgmma_shapes="m64n64k16:2 m64n128k16:1", mma_layouts="v3[4,1]n128 v3[8,1]n32")
     four_warps = ttgir.replace("warpsPerCTA = [8, 1], instrShape = [16, 32", "warpsPerCTA = [4, 1], instrShape = [16, 64")
     assert ptx_counts(ptx, four_warps)["mma_replicated"] == 0
@@ -295,3 +295,48 @@ def test_aot_configs_option_names_what_it_expects(monkeypatch, capsys):
     assert main(["aot", "--configs", "64,64,4"]) == 2
     assert "--configs takes BLOCK_M,BLOCK_N,num_warps,num_stages (four integers, e.g. 64,64,4,3); got 64,64,4" \
         in capsys.readouterr().err
+
+
+def test_aot_arch_option_knows_the_architecture_table(capsys):
+    """--arch takes compute capabilities (90, sm90) and AMD names (gfx942); an arch the table
+    does not know is one clear usage error naming the known ones (was: an LLVM error per
+    compile and a BrokenProcessPool traceback for --arch 12)."""
+    from triton_dilated.perf.__main__ import _aot_arch, main
+    assert (_aot_arch("90"), _aot_arch("sm120"), _aot_arch("gfx942"), _aot_arch("87")) == (90, 120, "gfx942", 87)
+    with pytest.raises(SystemExit) as exc:
+        main(["aot", "--arch", "12"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown GPU architecture 'sm12': known are sm70, sm75, sm80, sm86, sm89, sm90, sm100, sm120, gfx942, gfx950" \
+        in err and err.count("\n") < 10
+
+
+@pytest.fixture(scope="module")
+def aot_other_archs(tmp_path_factory):
+    """A representative AOT set beyond sm90/sm80 (issue 20): forward, dQ and dK/dV of each
+    variant at D = 128, causal, for consumer Blackwell (sm120, mma.sync, 99 KiB), datacenter
+    Blackwell (sm100, tcgen05) and MI300 (gfx942, MFMA through Triton's AMD backend)."""
+    out = tmp_path_factory.mktemp("aot-archs") / "aot.csv"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    kernels = ["dilated_fwd", "dilated_bwd_dq", "block_sparse_fwd", "ring_step_fwd"]
+    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", "120", "100", "gfx942",
+                           "--head-dims", "128", "--causal", "yes", "--kernels", *kernels, "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as f:
+        return list(csv.DictReader(f))
+
+
+@needs_ptxas
+def test_other_archs_compile_on_their_own_instructions(aot_other_archs):
+    rows = {r["arch"]: [] for r in aot_other_archs}
+    for r in aot_other_archs:
+        assert not r["error"], r
+        rows[r["arch"]].append(r)
+    assert set(rows) == {"sm120", "sm100", "gfx942"}
+    for r in rows["sm120"]:   # no warpgroup MMA on consumer Blackwell: the per-warp tiles, in registers
+        assert int(r["mma_sync"]) > 0 and int(r["wgmma"]) == 0 and int(r["spill_stores"]) == 0, r
+        assert int(r["shared_bytes"]) <= 99 * 1024, r
+    assert any(int(r["tcgen05"]) > 0 for r in rows["sm100"]), rows["sm100"]
+    for r in rows["gfx942"]:  # MFMA, within MI300's 64 KiB of LDS
+        assert int(r["mfma"]) > 0 and int(r["shared_bytes"]) <= 64 * 1024, r

@@ -75,7 +75,8 @@ def test_default_configs_follow_the_facts(name):
     """The tile rule an arch gets is its MMA family's: warpgroup tiles (128 rows, 8 warps on
     64 rows each) only with warpgroup MMAs (sm90, sm100), the per-warp tiles chosen on sm80
     everywhere else (sm120 and AMD included, whatever their capability), each shrunk to the
-    arch's shared memory. Every 16-bit default fits it (the smallest tile where none does)."""
+    arch's shared memory; on the 99 KiB mma.sync archs, MID_SMEM_DEFAULTS where the sm80
+    tile spills there. Every 16-bit default fits it (the smallest tile where none does)."""
     arch = fake_arch(name)
     family_rule = ARCH_TABLE["sm90" if arch.mma in hardware.WARPGROUP_MMA else "sm80"]
     like = Arch("rule", arch.capability, arch.shared_memory, 1, "reference",
@@ -86,7 +87,12 @@ def test_default_configs_follow_the_facts(name):
             for dtype in (torch.bfloat16, torch.float16):
                 for d in (64, 128, 256):
                     cfg = configs.default_config(family, d, arch, dtype, kernel)
-                    assert cfg == configs.default_config(family, d, like, dtype, kernel), (name, family, kernel, d)
+                    band = 64 if d <= 64 else 128 if d <= 128 else 256
+                    own = kernel if kernel in configs.KERNEL_DEFAULTS else family
+                    if name in ("sm86", "sm89", "sm120") and (own, band) in configs.MID_SMEM_DEFAULTS:
+                        assert cfg == configs.MID_SMEM_DEFAULTS[(own, band)], (name, family, kernel, d)
+                    else:
+                        assert cfg == configs.default_config(family, d, like, dtype, kernel), (name, family, kernel, d)
                     assert configs.config_fits(family, cfg, d, arch, dtype) or cfg == configs.make_config(16, 16, 4, 1), \
                         (name, family, kernel, d, cfg)
                     if not arch.warpgroup_mma:

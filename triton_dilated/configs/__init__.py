@@ -233,6 +233,25 @@ HOPPER_WIDE_HEAD_DEFAULTS = {
     "block_sparse_bwd": make_config(128, 16, 8, 2), "dilated_bwd": make_config(128, 16, 8, 2),
 }
 
+# Per-warp MMA archs with cp.async and at most 99 KiB of shared memory per block (sm86, sm89,
+# sm120: hardware.ARCH_TABLE) where the tile chosen on sm80 spills: the spill-free candidate on
+# all three (`perf aot --configs`, bf16, triton 3.9, causal and not;
+# perf/aot/sm120-sm89-sm86-d64-candidates-bf16-triton39.csv), keyed by (kernel or family, band):
+# * dilated dK/dV, D = 64: 32x32 w4 s2 spills 8 B without causal; 64x32 w4 s2: 235-252
+#   registers, no spills (two keys tiles' worth of work per program, one buffer);
+# * block-sparse dQ (the family's config), D = 64: 64x32 w4 s3 spills 8-12 B; 64x16 w4 s3
+#   (128-155 registers, 2 buffers) keeps the 64-row query tile;
+# * ring step dQ, D = 64: 32x32 w4 s3 spills 8 B on sm86/sm89; 64x32 w4 s3: 168-188 registers.
+MID_SMEM_DEFAULTS = {
+    ("dilated_bwd_dkdv", 64): make_config(64, 32, 4, 2),
+    ("block_sparse_bwd", 64): make_config(64, 16, 4, 3),
+    ("ring_step_bwd", 64): make_config(64, 32, 4, 3),
+}
+
+
+def _mid_smem(arch: Arch) -> bool:
+    return not arch.warpgroup_mma and arch.async_copy and arch.shared_memory < 160 * 1024
+
 
 def is_backward(family: str) -> bool:
     return family.endswith("_bwd")
@@ -266,8 +285,9 @@ def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.d
     64x64 tiles, 4 warps (Hopper: HOPPER_FWD_DEFAULTS, else 4 warps up to D=64 and 8 up to
     D=128: no spills on sm80); backward kernels: BWD_DEFAULTS; D > 128: (HOPPER_)
     WIDE_HEAD_DEFAULTS; float32: small tiles; `kernel` (its AOT name): KERNEL_DEFAULTS where
-    it has an entry. Then fewer stages, then smaller tiles, until the shared-memory estimate
-    fits the arch."""
+    it has an entry; on sm86/sm89/sm120, MID_SMEM_DEFAULTS first. Then fewer stages, then
+    smaller tiles, until the shared-memory estimate fits the arch. "Hopper" tiles: archs with
+    warpgroup MMAs (Arch.warpgroup_mma), whatever their compute capability."""
     big_smem = arch.shared_memory >= 160 * 1024
     # the 128-row, 8-warp tiles are made for warpgroup MMAs (wgmma, tcgen05); every other
     # family (mma.sync up to consumer Blackwell, AMD's MFMA) takes the per-warp tiles
@@ -275,7 +295,10 @@ def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.d
     backward = is_backward(family)
     band = 64 if head_dim_padded <= 64 else 128 if head_dim_padded <= 128 else 256
     own = KERNEL_DEFAULTS.get(kernel, {}).get((hopper, band))
-    if own is not None and dtype != torch.float32:
+    mid = _mid_smem(arch) and MID_SMEM_DEFAULTS.get((kernel, band) if kernel in KERNEL_DEFAULTS else (family, band))
+    if mid and dtype != torch.float32:
+        cfg = dict(mid)
+    elif own is not None and dtype != torch.float32:
         cfg = dict(own)
     elif dtype == torch.float32:
         # three tf32 products per dot need about twice the registers and shared memory: every

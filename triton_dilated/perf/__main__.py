@@ -30,6 +30,7 @@ import argparse
 import os
 import sys
 
+from ..ops.common.hardware import ARCH_TABLE, arch_facts
 from .cli import CAUSAL, DTYPES, add_causal
 
 COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot", "plan", "decode")
@@ -111,9 +112,10 @@ def _parser():
     p = command("table", "print the summary table of result CSVs")
     p.add_argument("csv", nargs="+", help="result CSVs (sweep, ring, tune or layouts rows)")
 
-    p = command("aot", "compile every kernel ahead of time for NVIDIA archs (no GPU needed)")
-    p.add_argument("--arch", type=int, nargs="+", default=[90, 80], metavar="CC",
-                   help="compute capabilities (default: 90 80)")
+    p = command("aot", "compile every kernel ahead of time for NVIDIA and AMD archs (no GPU needed)")
+    p.add_argument("--arch", type=_aot_arch, nargs="+", default=[90, 80], metavar="ARCH",
+                   help="NVIDIA compute capabilities (90, or sm90) or AMD architectures (gfx942, gfx950); "
+                        "known: " + " ".join(n.removeprefix("sm") for n in ARCH_TABLE) + " (default: 90 80)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], metavar="D", help="default: 64 128")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["bfloat16"], help="default: bfloat16")
     p.add_argument("--kernels", nargs="+", help="kernel names as in the AOT CSV (default: all; experimental variants "
@@ -319,6 +321,18 @@ def _table(args) -> int:
                 print(f"{v:16} {r['N']:>8} {r['block_size']:>5} {r['value']:>8.3f} "
                       f"{cell.get((v, 'active_blocks'), float('nan')):>9.0f} {cell.get((v, 'index_mib'), float('nan')):>9.1f}")
     return 0
+
+
+def _aot_arch(text: str):
+    """--arch value -> an NVIDIA compute capability (int) or an AMD name (str); an arch the
+    architecture table does not know is a usage error naming the known ones."""
+    name = text.strip().lower()
+    name = name if name.startswith(("sm", "gfx")) else f"sm{name}"
+    try:
+        arch_facts(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name if name.startswith("gfx") else int(name[2:])
 
 
 def _aot(args) -> int:

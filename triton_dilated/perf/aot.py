@@ -1,4 +1,4 @@
-"""Ahead-of-time compile of every Triton kernel for an NVIDIA arch, with no GPU needed.
+"""Ahead-of-time compile of every Triton kernel for an NVIDIA or AMD arch, with no GPU needed.
 
 The CPU interpreter runs kernels as Python, so it cannot see what only the compiler
 rejects (a variable whose type differs between the branches of a runtime `if`, dot
@@ -14,6 +14,12 @@ TTGIR, what the compiler made of the loops (README, "Reading the compiled code")
   and whether one covers more than a float32 tile laid out in it (16 rows per warp along M,
   instr N columns per warp along N): then several warps compute the same elements (8 warps
   on a 64-row wgmma tile: two warpgroups compute the same S);
+* tcgen05: datacenter Blackwell's MMA instructions (sm100) in the PTX;
+* AMD (gfx942, gfx950: Triton's HIP backend, no ptxas): registers = VGPRs, spill columns =
+  4 B per VGPR spilled to scratch memory, scratch_bytes = the private segment, sgpr_spills =
+  SGPRs kept in VGPR lanes (no memory traffic), mfma = MFMA
+  instructions in the AMDGCN, occupancy = waves per SIMD as the compiler reports it,
+  shared_bytes = LDS;
 * cp_async / cp_async_bulk: asynchronous global->shared copies (cp.async, Ampere on) and
   TMA copies (cp.async.bulk, Hopper); 0 cp_async means the loads go through registers;
 * pipeline_depth: shared-memory buffers of the deepest tile the software pipeliner rotates
@@ -36,7 +42,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from ..ops import SPECS, kernel_specs
-from ..ops.common.hardware import ARCH_TABLE, padded_head_dim
+from ..ops.common.hardware import ARCH_TABLE, arch_facts, padded_head_dim
 
 KERNELS = kernel_specs()   # name -> KernelSpec, from the variants' spec.py
 # Experimental variants of a kernel, compiled only when named (--kernels): AOT name -> (the
@@ -44,12 +50,13 @@ KERNELS = kernel_specs()   # name -> KernelSpec, from the variants' spec.py
 VARIANTS = {"block_sparse_fwd_tma": ("block_sparse_fwd", {"TMA": 1})}
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
           "spill_stores", "spill_loads", "shared_bytes", "wgmma", "mma_sync", "cp_async", "cp_async_bulk",
-          "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "compile_s", "error"]
+          "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "tcgen05", "mfma", "scratch_bytes",
+          "sgpr_spills", "occupancy", "compile_s", "error"]
 # opt-in shared memory bytes per block, from the architecture table
 _SMEM = {int(name[2:]): facts.shared_memory for name, facts in ARCH_TABLE.items() if name.startswith("sm")}
 
 
-def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict):
+def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool = False):
     """(signature, constexprs, attrs) for triton.compile, read off the kernel's parameters
     and its KernelSpec (pointer element types, odd strides). Parameters named *_DESC are
     tensor descriptors of (B, H, N, D) views with [1, 1, BLOCK_N, BLOCK_D] boxes where the
@@ -57,7 +64,7 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict):
     tma = cfg.get("TMA", 0)
     constexprs = dict(HEAD_DIM=D, BLOCK_D=padded_head_dim(D), CAUSAL=causal,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=False,
-                      PRECISION="tf32x3" if dtype == "fp32" else "tf32", TMA=bool(tma))
+                      PRECISION=_precision(dtype, amd), TMA=bool(tma))
     for variant in SPECS:
         if spec in variant.kernels:
             constexprs.update(variant.aot_constexprs)
@@ -84,6 +91,12 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict):
     return sig, given, attrs
 
 
+def _precision(dtype: str, amd: bool) -> str:
+    """The kernels' PRECISION constexpr, as runtime.kernel_options picks it."""
+    from ..ops.common.runtime import dot_precision
+    return dot_precision(dtype == "fp32", "amd" if amd else "nvidia")
+
+
 _PTXAS = re.compile(r"Used (\d+) registers.*?")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 # PTX instructions (an optional predicate "@%p1 " before the opcode)
@@ -91,6 +104,12 @@ _WGMMA = re.compile(r"^\s*(?:@!?%\w+\s+)?wgmma\.mma_async\.\S*?\.(m\d+n\d+k\d+)\
 _MMA_SYNC = re.compile(r"^\s*(?:@!?%\w+\s+)?mma\.sync\.", re.M)
 _CP_ASYNC = re.compile(r"^\s*(?:@!?%\w+\s+)?cp\.async\.c[ag]\.", re.M)        # cp.async.ca / .cg: one copy
 _CP_BULK = re.compile(r"^\s*(?:@!?%\w+\s+)?cp\.async\.bulk\.", re.M)          # TMA
+_TCGEN05 = re.compile(r"^\s*(?:@!?%\w+\s+)?tcgen05\.mma\b", re.M)             # datacenter Blackwell MMAs
+# AMDGCN: MFMA instructions and the kernel metadata of the AMD backend
+_MFMA = re.compile(r"^\s*v_mfma_", re.M)
+_AMD_META = {key: re.compile(rf"\.{key}:\s+(\d+)") for key in
+             ("vgpr_count", "vgpr_spill_count", "sgpr_spill_count", "private_segment_fixed_size")}
+_AMD_OCCUPANCY = re.compile(r"; Occupancy: (\d+)")
 # TTGIR: MMA layouts, the tensors laid out in them, and the pipeliner's multi-buffered tiles
 _MMA_LAYOUT = re.compile(r"^(#\w+) = #ttg\.nvidia_mma<\{versionMajor = (\d+).*?warpsPerCTA = \[(\d+), (\d+)\]"
                          r".*?instrShape = \[(\d+), (\d+)", re.M)
@@ -114,6 +133,7 @@ def ptx_counts(ptx: str, ttgir: str = "") -> dict:
         if any(int(wm) * int(im) > m or int(wn) * int(inn) > n for m, n in tiles.get(name, ())):
             replicated = True
     return dict(wgmma=len(shapes), mma_sync=len(_MMA_SYNC.findall(ptx)), cp_async=len(_CP_ASYNC.findall(ptx)),
+                tcgen05=len(_TCGEN05.findall(ptx)),
                 cp_async_bulk=len(_CP_BULK.findall(ptx)),
                 pipeline_depth=max((int(n) for n in _BUFFERS.findall(ttgir)), default=0),
                 mma_replicated=int(replicated),
@@ -127,26 +147,58 @@ def ptx_name(row: dict, with_config: bool = False) -> str:
     return f"{row['kernel']}-{row['dtype']}-d{row['D']}-c{row['causal']}{tail}.ptx"
 
 
+def arch_label(arch) -> str:
+    """"sm90" for an NVIDIA compute capability (90), the name itself for AMD ("gfx942")."""
+    return arch if isinstance(arch, str) else f"sm{arch}"
+
+
+def _amd_row(row: dict, asm: str, arch: str) -> None:
+    """The AMD columns from the AMDGCN the HIP backend made: VGPRs as registers, spilled
+    VGPRs (to scratch memory) as spill bytes (4 B each, both columns), the scratch segment,
+    SGPRs spilled into VGPR lanes (no memory traffic), MFMA count, occupancy (waves per SIMD)
+    as the compiler reports it."""
+    meta = {key: int(m.group(1)) if (m := rx.search(asm)) else 0 for key, rx in _AMD_META.items()}
+    spilled = 4 * meta["vgpr_spill_count"]
+    occupancy = _AMD_OCCUPANCY.search(asm)
+    row.update(registers=meta["vgpr_count"], spill_stores=spilled, spill_loads=spilled,
+               scratch_bytes=meta["private_segment_fixed_size"], sgpr_spills=meta["sgpr_spill_count"],
+               mfma=len(_MFMA.findall(asm)), occupancy=int(occupancy.group(1)) if occupancy else "")
+    limit = arch_facts(arch).shared_memory
+    if row["shared_bytes"] > limit:
+        row["error"] = f"LDS {row['shared_bytes']} B over the {arch} limit {limit} B"
+
+
 def compile_one(job) -> dict:
-    """Compile one (kernel, arch, dtype, D, causal, config[, PTX path]); a CSV row."""
+    """Compile one (kernel, arch, dtype, D, causal, config[, PTX path]); a CSV row. `arch`: an
+    NVIDIA compute capability (90) or an AMD architecture name ("gfx942")."""
     name, arch, dtype, D, causal, cfg, *ptx_path = job
+    amd = isinstance(arch, str)
     row = dict.fromkeys(FIELDS, "")
-    row.update(arch=f"sm{arch}", kernel=name, dtype=dtype, D=D, causal=int(causal), **cfg)
+    row.update(arch=arch_label(arch), kernel=name, dtype=dtype, D=D, causal=int(causal), **cfg)
     start = time.time()
     try:
         import triton
         from triton.backends.compiler import GPUTarget
-        from triton.backends.nvidia.compiler import get_ptxas
         base, extra = VARIANTS.get(name, (name, {}))
         spec, cfg = KERNELS[base], {**cfg, **extra}
         fn = spec.load()
         if not hasattr(fn, "params"):
             raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): unset it to compile them")
-        sig, constexprs, attrs = _signature(spec, fn, dtype, D, causal, cfg)
+        sig, constexprs, attrs = _signature(spec, fn, dtype, D, causal, cfg, amd)
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+        target = GPUTarget("hip", arch, 64) if amd else GPUTarget("cuda", arch, 32)
+        compiled = triton.compile(src, target=target,
                                   options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         row["shared_bytes"] = compiled.metadata.shared
+        if amd:
+            row.update(ptx_counts("", compiled.asm.get("ttgir", "")))
+            _amd_row(row, compiled.asm["amdgcn"], arch)
+            if ptx_path and ptx_path[0]:
+                with open(ptx_path[0][:-len(".ptx")] + ".amdgcn", "w") as f:
+                    f.write(compiled.asm["amdgcn"])
+            row["compile_s"] = round(time.time() - start, 1)
+            return row
+        from triton.backends.nvidia.compiler import get_ptxas
         row.update(ptx_counts(compiled.asm["ptx"], compiled.asm.get("ttgir", "")))
         if ptx_path and ptx_path[0]:
             with open(ptx_path[0], "w") as f:
@@ -173,6 +225,19 @@ def compile_one(job) -> dict:
     return row
 
 
+def _summary(row: dict) -> str:
+    """One compile, for the progress log: registers, spills, shared memory, the MMA family's
+    instruction count, pipelining."""
+    text = (f"{row['registers']} registers, spills {row['spill_stores']}/{row['spill_loads']} B, "
+            f"shared {row['shared_bytes']} B, ")
+    if row["arch"].startswith("gfx"):
+        return text + (f"mfma {row['mfma']}, scratch {row['scratch_bytes']} B, SGPRs in VGPR lanes "
+                       f"{row['sgpr_spills']}, occupancy {row['occupancy']}")
+    return text + (f"wgmma {row['wgmma']}{' (replicated tiles)' if row['mma_replicated'] else ''}, "
+                   + (f"tcgen05 {row['tcgen05']}, " if row["tcgen05"] else "")
+                   + f"mma.sync {row['mma_sync']}, cp.async {row['cp_async']}, pipeline depth {row['pipeline_depth']}")
+
+
 def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False, True), kernels=None,
             configs=None, out=None, jobs=2, log=print, ptx_dir=None) -> list[dict]:
     """Compile every kernel for each arch/dtype/head dim/causal with the default config of
@@ -185,7 +250,7 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     work = []
     for arch in archs:
-        fake = fake_arch(f"sm{arch}")   # the architecture table's facts: the config rules key on them
+        fake = fake_arch(arch_label(arch))   # the architecture table's facts: the config rules key on them
         for name in kernels or KERNELS:
             family = KERNELS[VARIANTS.get(name, (name,))[0]].family
             for dtype in dtypes:
@@ -195,7 +260,7 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
                     work += [(name, arch, dtype, D, c, dict(cfg)) for c in causal for cfg in cfgs]
     if ptx_dir:
         for i, (name, arch, dtype, D, c, cfg) in enumerate(work):
-            folder = os.path.join(ptx_dir, f"sm{arch}")
+            folder = os.path.join(ptx_dir, arch_label(arch))
             os.makedirs(folder, exist_ok=True)
             row = dict(kernel=name, dtype=dtype, D=D, causal=int(c), **cfg)
             work[i] = (name, arch, dtype, D, c, cfg, os.path.join(folder, ptx_name(row, bool(configs and len(configs) > 1))))
@@ -203,11 +268,7 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
     with ProcessPoolExecutor(max(1, jobs)) as pool:
         for i, row in enumerate(pool.map(compile_one, work), 1):
             rows.append(row)
-            what = row["error"] or (f"{row['registers']} registers, spills {row['spill_stores']}/"
-                                    f"{row['spill_loads']} B, shared {row['shared_bytes']} B, "
-                                    f"wgmma {row['wgmma']}{' (replicated tiles)' if row['mma_replicated'] else ''}, "
-                                    f"mma.sync {row['mma_sync']}, cp.async {row['cp_async']}, "
-                                    f"pipeline depth {row['pipeline_depth']}")
+            what = row["error"] or _summary(row)
             log(f"[{i}/{len(work)}] {row['arch']} {row['kernel']} {row['dtype']} D={row['D']} causal={row['causal']} "
                 f"{row['BLOCK_M']}x{row['BLOCK_N']} w{row['num_warps']} s{row['num_stages']}: {what}")
     if out:

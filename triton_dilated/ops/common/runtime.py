@@ -108,11 +108,24 @@ def on_tensor_device(launcher):
     return wrapper
 
 
+def dot_precision(float32: bool, vendor: str = "nvidia") -> str:
+    """The kernels' tl.dot input_precision. float32 inputs use "tf32x3" (three tf32 products:
+    float32-level accuracy on tensor cores; "ieee" would mean plain FMA loops and compiles of
+    minutes). 16-bit inputs ignore it on NVIDIA ("tf32", as compiled so far); Triton's AMD
+    backend accepts only "ieee", "bf16x3" and "bf16x6" (the dispatcher keeps float32 off AMD:
+    hardware.ARCH_TABLE tf32)."""
+    if vendor == "amd":
+        return "ieee"
+    return "tf32x3" if float32 else "tf32"
+
+
 def kernel_options(dtype, device):
     """(DOT_FP32, PRECISION) for the kernels: under the interpreter multiply in float32 (its
-    bf16 tl.dot is wrong). float32 inputs use "tf32x3" (three tf32 products: float32-level
-    accuracy on tensor cores); "ieee" would mean plain FMA loops and compiles of minutes."""
-    return device.type != "cuda", ("tf32x3" if dtype == torch.float32 else "tf32")
+    bf16 tl.dot is wrong); PRECISION: dot_precision for the device's vendor."""
+    if device.type != "cuda":
+        return True, dot_precision(dtype == torch.float32)
+    from .hardware import device_arch
+    return False, dot_precision(dtype == torch.float32, device_arch(device).vendor)
 
 
 def last_dim_contiguous(x):
