@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from .runtime import empty_result
+
 
 def run_with_query_offset(call, q, k, v, lengths=None):
     """call(q_full, k_rows, v_rows, rows, length) -> (out, lse) of a full-sequence call on the
@@ -33,6 +35,8 @@ def run_with_query_offset(call, q, k, v, lengths=None):
     lse (B, Hq, Nq)) for the last Nq positions of each row."""
     B, Nq = q.shape[:2]
     Nk = k.shape[1]
+    if B == 0:   # no row to run: empty out and lse, still connected to q, k, v for backward
+        return empty_result(q, k, v, return_lse=True)
     lengths = tuple(lengths) if lengths is not None else (Nk,) * B
     groups: dict[int, list[int]] = {}
     for b, n in enumerate(lengths):
