@@ -108,3 +108,26 @@ def spawn_world(target, world, args_of, join_s, missing_ok=False):
             if p.is_alive():
                 p.kill()
     return results
+
+
+def empty_batch_worker(rank, world, init_file, queue, interpret):
+    """ring_attention on B = 0 shards (dense, dilated, block-sparse; p2p and all-gather) with
+    the step kernel (interpret "1") or the portable step ("0"): the shapes of out, lse and
+    the gradients, or the traceback."""
+    try:
+        os.environ["TRITON_INTERPRET"] = interpret
+        from triton_dilated import layouts, ring_attention
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        shapes = []
+        for kw in (dict(), dict(comm="allgather"), dict(segment_lengths=[8, 32], dilation_rates=[1, 2]),
+                   dict(layout=layouts.local(16 * world, 16, 1, causal=True))):
+            q, k, v = (torch.zeros(0, 16, 2, 8, requires_grad=True) for _ in range(3))
+            out, lse = ring_attention(q, k, v, causal=True, return_lse=True, **kw)
+            grads = torch.autograd.grad((out.sum() + lse.sum()), (q, k, v), allow_unused=True)
+            shapes.append((tuple(out.shape), tuple(lse.shape), [None if g is None else tuple(g.shape) for g in grads]))
+        queue.put((rank, "ok", shapes))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        queue.put((rank, "error", traceback.format_exc()))

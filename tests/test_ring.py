@@ -196,3 +196,18 @@ def test_step_kernel_alone_against_oracle(kind, causal):
 def test_step_backward_with_key_and_query_tiles_that_differ(kind, tiles):
     config = {"BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "num_warps": 4, "num_stages": 1}
     check_step_kernel_against_oracle(kind, True, config, shards=(slice(32, 72), slice(0, 32)))
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"], ids=["portable-step", "step-kernel"])
+def test_ring_empty_batch(interpret):
+    """Issue 19 item 4: B = 0 on every rank gave ZeroDivisionError in the portable step's
+    query blocks. Empty out (B, N_local, H, D), lse (B, H, N_local) and gradients, with both
+    step backends, dense, dilated and block-sparse, p2p and all-gather."""
+    from ring_worker import empty_batch_worker
+    results = spawn_world(empty_batch_worker, 2, lambda queue: (queue, interpret), 300)
+    assert sorted(results) == [0, 1]
+    for rank, (status, shapes) in results.items():
+        assert status == "ok", shapes
+        for out, lse, grads in shapes:
+            assert out == (0, 16, 2, 8) and lse == (0, 2, 16)
+            assert all(g is None or g == (0, 16, 2, 8) for g in grads), grads

@@ -22,7 +22,7 @@ import torch
 from ..block_sparse.layout import BlockLayout, valid_slots
 from ..common.first_order import first_order_backward
 from ..common.lse import merge_partials, softmax_delta
-from ..common.runtime import last_dim_contiguous, resolve_backend
+from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
 from ..common.validation import check_choice, check_flags, check_qkv, check_scale
 from ..dilated.interface import dilated_attention_table
 from ..dilated.patterns import check_patterns, fit_patterns, head_offsets
@@ -165,6 +165,8 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     except (TypeError, ValueError) as exc:
         error = exc
     ring.agree(signature, error, device=q.device if isinstance(q, torch.Tensor) else None)
+    if q.shape[0] == 0 or q.shape[1] == 0:   # every rank agreed on these shapes: nothing to send
+        return empty_result(q, k, v, return_lse)
 
     use_triton = resolve_backend("auto", q.device) == "triton"
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))

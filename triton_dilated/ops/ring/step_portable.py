@@ -21,7 +21,7 @@ def query_blocks(q, n_keys, block_bytes=None):
     """Slices of query rows, each with a float32 (B, Hq, rows, n_keys) score block of about
     block_bytes (at least MIN_ROWS rows)."""
     B, NQ, Hq, _ = q.shape
-    per_row = 4 * B * Hq * max(1, n_keys)
+    per_row = 4 * max(1, B * Hq * n_keys)   # an empty batch still gets one block
     rows = max(MIN_ROWS, (SCORE_BLOCK_BYTES if block_bytes is None else block_bytes) // per_row)
     return [slice(s, min(NQ, s + rows)) for s in range(0, NQ, rows)]
 
