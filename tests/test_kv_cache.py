@@ -203,6 +203,43 @@ def test_chunked_prefill_with_gradients():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("n", [3, 20])
+def test_chunked_prefill_with_frozen_keys_and_values(backend, n):
+    """Issue 19 item 2: only q requires grad (frozen k/v projections, e.g. LoRA on q). The
+    cache wrote the next chunk in place into rows an earlier chunk's graph had saved
+    ("modified by an inplace operation" at backward); now attend() hands a graph fresh rows.
+    Output and dQ equal the full call's; the rows an earlier chunk got stay unchanged."""
+    ws, rs = [64, 128], [1, 2]
+    q = seeded((1, 4 * n, 2, 8), torch.float32, 1, DEVICE).requires_grad_(True)
+    k, v = (seeded((1, 4 * n, 2, 8), torch.float32, s, DEVICE) for s in (2, 3))
+    cache = DilatedKVCache(ws, rs)
+    out = torch.cat([cache.attend(q[:, s:s + n], k[:, s:s + n], v[:, s:s + n], backend=backend)
+                     for s in range(0, 4 * n, n)], dim=1)
+    ref = dilated_attention(q, k, v, ws, rs, causal=True, backend=backend)
+    g = seeded(out.shape, torch.float32, 9, DEVICE)
+    (dq,), (ref_dq,) = torch.autograd.grad((out * g).sum(), (q,)), torch.autograd.grad((ref * g).sum(), (q,))
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dq, ref_dq, atol=1e-6, rtol=1e-5)
+
+
+def test_update_in_place_only_without_a_graph():
+    """update() writes in place under no_grad (decoding: no copy per step) and hands fresh
+    rows while autograd records (a graph may save them)."""
+    x = torch.zeros(1, 1, 1, 2)
+
+    def fourth_row_shares_storage(grad_for_the_last: bool) -> bool:
+        cache = DilatedKVCache([8], [1])
+        with torch.no_grad():
+            rows = [cache.update(x + t, x + t)[0] for t in range(3)]   # capacity 1, 2, 4: a 4th row fits
+        with torch.set_grad_enabled(grad_for_the_last):
+            last, _ = cache.update(x + 3, x + 3)
+        assert last[0, :, 0, 0].tolist() == [0, 1, 2, 3] and rows[2][0, :, 0, 0].tolist() == [0, 1, 2]
+        return last.untyped_storage().data_ptr() == rows[2].untyped_storage().data_ptr()
+
+    assert fourth_row_shares_storage(False) and not fourth_row_shares_storage(True)
+
+
 @torch.no_grad()
 def test_crop_reorder_reset():
     ws = [4, 8]
@@ -266,3 +303,32 @@ def test_decode_sweep_rows_and_table(tmp_path):
     assert "skipped" in decode.decode_table(rows)
     assert main(["decode", "--contexts", "32", "--heads", "2", "--head-dim", "8", "--memory-contexts",
                  "--budget", "0", "--out", str(tmp_path / "cli.csv")]) == 0
+
+
+def test_cache_edges_refused_or_stated():
+    """Issue 19 item 7: float64 rows are refused at update (attend would refuse them later);
+    a huge layer index keeps one layer, not 300,001; near-coprime segment lengths warn that
+    the cache then bounds nothing."""
+    cache = DilatedKVCache([8, 16], [1, 2])
+    with pytest.raises(TypeError, match="float16, bfloat16, float32.*got torch.float64"):
+        cache.update(torch.zeros(1, 1, 1, 2, dtype=torch.float64), torch.zeros(1, 1, 1, 2, dtype=torch.float64))
+    cache = DilatedKVCache([8, 16], [1, 2])
+    cache.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), layer_idx=300_000)
+    assert len(cache.layers) == 1 and cache.rows(300_000) == 1 and cache.rows(5) == 0
+    with pytest.warns(UserWarning, match=r"not nested .* up to 4,192,257 rows"):
+        DilatedKVCache([2047, 2048], [1, 2])
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DilatedKVCache([2048, 4096], [1, 2])      # nested: no warning
+
+
+def test_inplace_edit_after_forward_is_a_clear_error():
+    """Issue 19 item 7: an input edited in place after the forward failed at backward with
+    PyTorch's "Output 0 of ReshapeAlias is a view ..."; now the message says what happened."""
+    x = seeded((1, 64, 2, 8), torch.float32, 1).requires_grad_(True)
+    q, k, v = x * 1, x * 2, x * 3
+    out = dilated_attention(q, k, v, [16, 32], [1, 2], causal=True, backend="torch")
+    k.mul_(2)
+    with pytest.raises(RuntimeError, match="q, k or v was modified in place after the forward"):
+        out.sum().backward()

@@ -76,6 +76,21 @@ def _mark_nan(out, lse, mark):
     return out, (None if lse is None else lse.masked_fill(mark, float("nan")))
 
 
+def saved_inputs(ctx):
+    """ctx.saved_tensors, with a clear message where an input was modified in place after the
+    forward: the portable paths attend over views of q, k, v (no copies), and PyTorch reports
+    an edited base of such a view as "Output 0 of ReshapeAlias is a view and its base ... has
+    been modified inplace", which names none of the user's tensors."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as exc:
+        if "modified inplace" not in str(exc) and "modified by an inplace operation" not in str(exc):
+            raise
+        raise RuntimeError("attention backward (portable backend): q, k or v was modified in place after the forward "
+                           "(e.g. k.mul_(2)), and the backward needs the values the forward read; modify a clone "
+                           "instead, or call the attention after the edit") from exc
+
+
 # ----------------------------------------------------------------------------- explicit softmax
 
 def masked_attention_with_lse(q, k, v, mask, scale: float):
@@ -157,7 +172,7 @@ class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        q, k, v, keep, out, row_max, row_sum = ctx.saved_tensors
+        q, k, v, keep, out, row_max, row_sum = saved_inputs(ctx)
         acc = out.dtype
         n, L, _ = q.shape
         dout = torch.zeros_like(out) if dout is None else dout.to(acc)
@@ -211,7 +226,7 @@ class _CpuFlashWithLse(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, bias = ctx.saved_tensors
+        q, k, v, out, lse, bias = saved_inputs(ctx)
         bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         kw = dict(attn_mask=bias, scale=ctx.scale)
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()

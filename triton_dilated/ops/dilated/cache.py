@@ -15,7 +15,9 @@ attention over the whole cache. The cache keeps the rows from
 on, p being the next position to be written. For schedules whose segment lengths each divide
 the next (LongNet's powers of two) earliest(p) is the longest segment's start, a multiple of
 L = max(w): a decode step sees at most max(w) rows per layer (the longest segment), however
-long the generation. Other schedules keep fewer than max(w) + lcm(w) - min(w) rows.
+long the generation. Other schedules keep fewer than max(w) + lcm(w) - min(w) rows, which for
+near-coprime lengths ([2047, 2048]: lcm 4,192,256) is every row of any realistic context: the
+cache then bounds nothing, and DilatedKVCache warns when it is built.
 
 What is not dropped: rows of residues no head reads. In longnet mode with Hq >= max(r) (the
 paper's setting, e.g. H = 16 and r <= 12) every residue of every pattern is read by some
@@ -31,7 +33,7 @@ import warnings
 
 import torch
 
-from ..common.validation import check_int
+from ..common.validation import SUPPORTED_DTYPES, check_int
 from .interface import dilated_attention
 from .patterns import check_patterns
 
@@ -56,9 +58,12 @@ class KeptRows:
     """One layer's kept key and value rows, in buffers (B, capacity, H, D): row i holds
     position start + i, rows [0, length) are valid.
 
-    append() writes in place when the buffer has room and no gradient is being recorded; the
-    rows it returns are views that later appends never overwrite (a trim or a growth moves the
-    kept rows to a new buffer). With autograd recording it concatenates instead."""
+    append() writes in place when the buffer has room and no autograd graph can hold the rows
+    it returned before; the rows it returns are views that later appends never overwrite (a
+    trim or a growth moves the kept rows to a new buffer). With `snapshot` (a caller whose
+    attention records a graph, e.g. only q requires grad: the graph saves the rows) or new
+    rows that require grad it concatenates instead, so rows an earlier graph saved are never
+    written again."""
 
     def __init__(self, segment_lengths):
         self.segment_lengths = tuple(int(w) for w in segment_lengths)
@@ -85,6 +90,9 @@ class KeptRows:
                                  f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if k.shape != v.shape:
             raise ValueError(f"key and value rows must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.dtype not in SUPPORTED_DTYPES or v.dtype != k.dtype:   # what the attention will take
+            raise TypeError(f"key and value rows must share one of the dtypes float16, bfloat16, float32 (what "
+                            f"dilated_attention takes), got {k.dtype} and {v.dtype}")
         if self.k is not None:
             want = (self.k.shape[0], self.k.shape[2], self.k.shape[3])
             got = (k.shape[0], k.shape[2], k.shape[3])
@@ -104,19 +112,19 @@ class KeptRows:
         v[:, :count] = self.v[:, first:first + count]
         self.k, self.v, self.length = k, v, count
 
-    def append(self, k, v):
+    def append(self, k, v, snapshot: bool = False):
         """Write the new rows (B, n, H, D); return the rows the new queries can read: every
         kept row and the new ones, (B, length, H, D) each. Then drop the rows no later query
-        reads."""
+        reads. snapshot: the caller's graph will save the rows returned (see the class)."""
         self._check(k, v)
         n = k.shape[1]
         if self.k is None:
             self.k, self.v = self._alloc(k, 0), self._alloc(v, 0)
         need = self.length + n
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.k.requires_grad):
+        if snapshot or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.k.requires_grad)):
             self.k = torch.cat([self.k[:, :self.length], k], dim=1)
             self.v = torch.cat([self.v[:, :self.length], v], dim=1)
-        else:
+        elif n:
             if need > self.k.shape[1]:
                 capacity = max(need, min(2 * self.k.shape[1], self.bound))
                 self._move_to_new_buffers(0, self.length, capacity)
@@ -185,38 +193,49 @@ class DilatedKVCache:
         self.segment_lengths = [w for w, _ in self.patterns]
         self.dilation_rates = [r for _, r in self.patterns]
         self.mode, self.offsets = mode, offsets
-        self.layers: list[KeptRows] = []
+        self.layers: dict[int, KeptRows] = {}   # by layer index: only the layers written (any indices)
+        bound = decode_rows_bound(self.segment_lengths)
+        if bound > 2 * max(self.segment_lengths):
+            warnings.warn(f"DilatedKVCache: segment lengths {self.segment_lengths} are not nested (each dividing the "
+                          f"next), so rows can only be dropped in steps of their lcm: a layer may keep up to "
+                          f"{bound:,} rows (max(w) + lcm(w) - min(w)) instead of max(w) = {max(self.segment_lengths):,}."
+                          f" Nested lengths (e.g. powers of two) keep the cache at max(w).", UserWarning, stacklevel=2)
 
     def _layer(self, layer_idx) -> KeptRows:
         layer_idx = check_int("layer_idx", layer_idx, 0)
-        while len(self.layers) <= layer_idx:
-            self.layers.append(KeptRows(self.segment_lengths))
+        if layer_idx not in self.layers:
+            self.layers[layer_idx] = KeptRows(self.segment_lengths)
         return self.layers[layer_idx]
 
     def update(self, k, v, layer_idx: int = 0):
         """Append the new rows k, v (B, n, Hkv, D) of layer `layer_idx`; return (k_rows, v_rows),
-        (B, m, Hkv, D): the rows the new tokens' queries read, the new ones last."""
-        return self._layer(layer_idx).append(k, v)
+        (B, m, Hkv, D): the rows the new tokens' queries read, the new ones last. With
+        autograd recording (outside torch.no_grad / inference_mode) the rows are a fresh copy
+        each call, since a later graph may save them (a query that requires grad); under
+        no_grad the rows are written in place."""
+        return self._layer(layer_idx).append(k, v, snapshot=torch.is_grad_enabled())
 
     def attend(self, q, k, v, layer_idx: int = 0, *, causal=True, scale=None, backend="auto"):
         """update(k, v, layer_idx), then dilated attention of q (B, Nq, Hq, D), the queries of
-        the last Nq positions, over the rows returned."""
-        k_rows, v_rows = self.update(k, v, layer_idx)
+        the last Nq positions, over the rows returned (written in place unless the attention
+        records a graph, e.g. when only q requires grad)."""
+        graph = torch.is_grad_enabled() and isinstance(q, torch.Tensor) and q.requires_grad
+        k_rows, v_rows = self._layer(layer_idx).append(k, v, snapshot=graph)
         with quiet_heads_warning(q.shape[2], k_rows.shape[1]):
             return dilated_attention(q, k_rows, v_rows, self.segment_lengths, self.dilation_rates, causal=causal,
                                      scale=scale, mode=self.mode, offsets=self.offsets, backend=backend)
 
     def seq_length(self, layer_idx: int = 0) -> int:
         """Tokens written to layer `layer_idx` (the position of the next one)."""
-        return self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
+        return self.layers[layer_idx].seen if layer_idx in self.layers else 0
 
     def start(self, layer_idx: int = 0) -> int:
         """Position of the first row layer `layer_idx` still holds."""
-        return self.layers[layer_idx].start if layer_idx < len(self.layers) else 0
+        return self.layers[layer_idx].start if layer_idx in self.layers else 0
 
     def rows(self, layer_idx: int = 0) -> int:
         """Rows layer `layer_idx` holds."""
-        return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0
+        return self.layers[layer_idx].length if layer_idx in self.layers else 0
 
     @property
     def max_decode_rows(self) -> int:
@@ -226,10 +245,10 @@ class DilatedKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of key and value buffers held, all layers."""
-        return sum(layer.nbytes for layer in self.layers)
+        return sum(layer.nbytes for layer in self.layers.values())
 
     def reset(self):
-        for layer in self.layers:
+        for layer in self.layers.values():
             layer.reset()
 
     def __repr__(self):
