@@ -332,3 +332,17 @@ def test_inplace_edit_after_forward_is_a_clear_error():
     k.mul_(2)
     with pytest.raises(RuntimeError, match="q, k or v was modified in place after the forward"):
         out.sum().backward()
+
+
+def test_attend_refuses_the_heads_first_layout():
+    """Issue 24 item 5: q (1, 16, 1, 64) in transformers' (B, H, n, D) layout was read as 16
+    tokens of one head. attend() needs q and the new rows to hold the same tokens, and later
+    rows must match the cached heads; both errors name the layout."""
+    q = torch.zeros(1, 16, 1, 64)          # 16 query heads, one token: heads first
+    k = v = torch.zeros(1, 4, 1, 64)       # 4 key/value heads (GQA)
+    with pytest.raises(ValueError, match=r"same new tokens.*\(B, H, n, D\) layout\? pass q.transpose\(1, 2\)"):
+        DilatedKVCache([64], [1]).attend(q, k, v)
+    cache = DilatedKVCache([64], [1])
+    cache.attend(torch.zeros(1, 5, 4, 64), torch.zeros(1, 5, 4, 64), torch.zeros(1, 5, 4, 64))   # a prefill, right
+    with pytest.raises(ValueError, match=r"\(B, H, n, D\) read heads as tokens"):
+        cache.attend(torch.zeros(1, 4, 1, 64), torch.zeros(1, 4, 1, 64), torch.zeros(1, 4, 1, 64))  # heads first

@@ -98,7 +98,8 @@ class KeptRows:
             got = (k.shape[0], k.shape[2], k.shape[3])
             if got != want or k.dtype != self.k.dtype or k.device != self.k.device:
                 raise ValueError(f"new rows must match the cached ones: (B, H, D) = {want}, {self.k.dtype} on "
-                                 f"{self.k.device}; got {got}, {k.dtype} on {k.device}")
+                                 f"{self.k.device}; got {got}, {k.dtype} on {k.device} (the layout is (B, n, H, D); "
+                                 f"rows in transformers' (B, H, n, D) read heads as tokens: pass k.transpose(1, 2))")
 
     def _alloc(self, like, capacity):
         B, _, H, D = like.shape
@@ -219,6 +220,11 @@ class DilatedKVCache:
         """update(k, v, layer_idx), then dilated attention of q (B, Nq, Hq, D), the queries of
         the last Nq positions, over the rows returned (written in place unless the attention
         records a graph, e.g. when only q requires grad)."""
+        if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4 \
+                and q.shape[1] != k.shape[1]:
+            raise ValueError(f"q and the new key/value rows must hold the same new tokens: q (B, n, Hq, D), k and v "
+                             f"(B, n, Hkv, D) with one n; got q {tuple(q.shape)}, k {tuple(k.shape)}. In "
+                             f"transformers' (B, H, n, D) layout? pass q.transpose(1, 2) and likewise k, v")
         graph = torch.is_grad_enabled() and isinstance(q, torch.Tensor) and q.requires_grad
         k_rows, v_rows = self._layer(layer_idx).append(k, v, snapshot=graph)
         with quiet_heads_warning(q.shape[2], k_rows.shape[1]):
