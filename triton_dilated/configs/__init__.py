@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 
 import torch
 
-from ..ops.common.hardware import Arch, device_arch, padded_head_dim
+from ..ops.common.hardware import Arch, device_arch, fake_arch, padded_head_dim
 
 # Exactly one configuration under TRITON_INTERPRET=1: small tiles keep the interpreter
 # (~10 ms per program x key-block step) fast enough for tests.
@@ -340,14 +341,118 @@ def config_key(dtype: torch.dtype, head_dim_padded: int, seqlen: int) -> str:
     return f"{str(dtype).removeprefix('torch.')}/d{head_dim_padded}/n{seq_bucket(seqlen)}"
 
 
+# What a tuned entry may hold (checked once per file, when it is loaded): tiles of 16-256
+# (tl.dot's minimum; `perf tune` proposes at most 128), warps and stages Triton accepts.
+TILE_RANGE = (16, 256)
+WARPS = (1, 2, 4, 8, 16)
+STAGES = range(1, 9)
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _known_families() -> set:
+    from ..ops import SPECS     # imported late: the variants' kernels import this module
+    return {family for spec in SPECS for family in spec.families}
+
+
+def entry_problems(family: str, key: str, config, arch_name: str) -> list[str]:
+    """Why a tuned entry (kernels[family][key] = config) cannot be used, as messages ([] when
+    it can): an unknown family or malformed key "<dtype>/d<D>/n<bucket>", a config that is not
+    a dict of ints with exactly CONFIG_FIELDS and the family's switches, tiles that are not
+    powers of two in TILE_RANGE, warps or stages Triton would refuse, a switch value the
+    family does not have, or (for a known arch) a shared-memory estimate over the arch's."""
+    if family not in _known_families():
+        return [f"unknown kernel family {family!r} (known: {', '.join(sorted(_known_families()))})"]
+    parts = key.split("/") if isinstance(key, str) else []
+    ok_key = (len(parts) == 3 and parts[0] in _DTYPES and parts[1][:1] == "d" and parts[1][1:].isdigit()
+              and parts[2][:1] == "n" and parts[2][1:].isdigit())
+    if not ok_key:
+        return [f"key {key!r} is not \"<dtype>/d<head dim>/n<bucket>\" (e.g. \"bfloat16/d128/n8192\")"]
+    if not isinstance(config, dict):
+        return [f"must be an object of {', '.join(CONFIG_FIELDS)}, got {type(config).__name__}"]
+    switches = VARIANT_SWITCHES.get(family, {})
+    problems = [f"unknown key {name!r}" for name in config if name not in CONFIG_FIELDS and name not in switches]
+    problems += [f"missing {name}" for name in CONFIG_FIELDS if name not in config]
+    for name, value in config.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{name} must be an int, got {value!r}")
+    if problems:
+        return problems
+    lo, hi = TILE_RANGE
+    for name in ("BLOCK_M", "BLOCK_N"):
+        v = config[name]
+        if not (lo <= v <= hi and v & (v - 1) == 0):
+            problems.append(f"{name} must be a power of two in [{lo}, {hi}], got {v}")
+    if config["num_warps"] not in WARPS:
+        problems.append(f"num_warps must be one of {list(WARPS)}, got {config['num_warps']}")
+    if config["num_stages"] not in STAGES:
+        problems.append(f"num_stages must be in [{STAGES.start}, {STAGES.stop - 1}], got {config['num_stages']}")
+    for name, switch in switches.items():
+        if name in config and config[name] not in switch.values:
+            problems.append(f"{name} must be one of {list(switch.values)}, got {config[name]}")
+    if problems:
+        return problems
+    try:
+        arch = fake_arch(arch_name)
+    except ValueError:
+        return []   # an arch the table does not know: no limit to check against
+    head_dim, dtype = int(parts[1][1:]), _DTYPES[parts[0]]
+    if not config_fits(family, config, head_dim, arch, dtype):
+        problems.append(f"needs more shared memory than {arch_name}'s {arch.shared_memory // 1024} KiB per block "
+                        f"(estimate)")
+    return problems
+
+
+def validate_table(table, source: str, arch_name: str) -> dict:
+    """The usable part of a parsed tuned table: entries with problems are dropped, all of them
+    reported in one warning naming `source`, each entry's key and reason. Dropping, not
+    raising: tuned entries only make kernels faster (the defaults are always correct and
+    checked by `perf aot`), so a damaged file must neither stop the kernels nor run a config
+    that gives garbage (BLOCK_M = 0 ran and returned NaN) or sends `auto` to the portable path
+    (4096-wide tiles); the warning says what to fix. `perf tune` writes files that pass."""
+    problems = []
+    if not isinstance(table, dict) or not isinstance(table.get("kernels", {}), dict):
+        problems.append(f"must be an object with a \"kernels\" object, got {type(table).__name__}"
+                        + (f" with \"kernels\" a {type(table.get('kernels')).__name__}" if isinstance(table, dict)
+                           else ""))
+        table = {}
+    kept = {}
+    for family, entries in table.get("kernels", {}).items():
+        if not isinstance(entries, dict):
+            problems.append(f"kernels[{family!r}] must be an object of entries, got {type(entries).__name__}")
+            continue
+        for key, config in entries.items():
+            bad = entry_problems(family, key, config, arch_name)
+            if bad:
+                problems.append(f"kernels[{family!r}][{key!r}]: " + "; ".join(bad))
+            else:
+                kept.setdefault(family, {})[key] = config
+    if problems:
+        warnings.warn(f"tuned configs {source}: ignoring {len(problems)} unusable part(s) (the default configs serve "
+                      f"them): " + " | ".join(problems), UserWarning, stacklevel=3)
+    return {**table, "kernels": kept}
+
+
+def tuned_table_path(arch_name: str):
+    """The package's configs/<arch>.json (a Traversable; it may not exist)."""
+    return resources.files("triton_dilated.configs").joinpath(f"{arch_name}.json")
+
+
 @functools.lru_cache(maxsize=None)
 def load_arch_table(arch_name: str) -> dict:
-    """The parsed configs/<arch>.json ({} when there is none)."""
+    """The parsed and validated configs/<arch>.json ({} when there is none; validate_table
+    drops, with one warning naming the file, what cannot be used)."""
+    path = tuned_table_path(arch_name)
     try:
-        text = resources.files("triton_dilated.configs").joinpath(f"{arch_name}.json").read_text()
+        text = path.read_text()
     except (FileNotFoundError, ModuleNotFoundError):
         return {}
-    return json.loads(text)
+    try:
+        table = json.loads(text)
+    except json.JSONDecodeError as exc:
+        warnings.warn(f"tuned configs {path}: not valid JSON ({exc}); ignoring the file (the default configs serve "
+                      f"every kernel). `python -m triton_dilated.perf tune` rewrites it.", UserWarning, stacklevel=2)
+        return {}
+    return validate_table(table, str(path), arch_name)
 
 
 def tuned_entry(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen: int, arch_name: str):

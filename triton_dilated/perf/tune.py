@@ -25,12 +25,13 @@ import datetime
 import json
 import os
 import time
+import warnings
 from importlib import resources
 
 import torch
 
 from ..configs import (CONFIG_FIELDS, INTERPRETER_CONFIG, config_fits, config_key, default_config,
-                       switch_alternatives)
+                       switch_alternatives, validate_table)
 from ..configs import make_config as _cfg
 from ..ops import SPECS
 from ..ops.common.hardware import get_arch, padded_head_dim
@@ -89,15 +90,24 @@ def _agrees(ref, got) -> bool:
 
 # ----------------------------------------------------------------------------- JSON
 
+
 def load_table(arch_name: str, out_dir: str | None) -> dict:
-    """The current table for this arch: out_dir/<arch>.json if present, else the package's."""
-    if out_dir and os.path.exists(os.path.join(out_dir, f"{arch_name}.json")):
-        with open(os.path.join(out_dir, f"{arch_name}.json")) as f:
-            return json.load(f)
+    """The current table for this arch: out_dir/<arch>.json if present, else the package's;
+    what cannot be used (unparseable, or entries validate_table drops, with one warning
+    naming the file) is left out, so the tune run rewrites it."""
+    path = os.path.join(out_dir, f"{arch_name}.json") if out_dir else None
+    if not (path and os.path.exists(path)):
+        path = resources.files("triton_dilated.configs").joinpath(f"{arch_name}.json")
     try:
-        return json.loads(resources.files("triton_dilated.configs").joinpath(f"{arch_name}.json").read_text())
+        text = path.read_text() if hasattr(path, "read_text") else open(path).read()
     except (FileNotFoundError, ModuleNotFoundError):
         return {}
+    try:
+        table = json.loads(text)
+    except json.JSONDecodeError as exc:
+        warnings.warn(f"tuned configs {path}: not valid JSON ({exc}); starting a new table", UserWarning, stacklevel=2)
+        return {}
+    return validate_table(table, str(path), arch_name)
 
 
 def config_path(arch_name: str, out_dir: str | None) -> str:
@@ -108,11 +118,15 @@ def config_path(arch_name: str, out_dir: str | None) -> str:
 
 def _write_json(table: dict, path: str):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    tmp = path + ".tmp"   # written whole, then renamed over the table: a reader never sees half a file
+    try:
+        with open(tmp, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 table_key = config_key   # the key of an entry in configs/<arch>.json
