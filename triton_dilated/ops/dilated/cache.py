@@ -58,12 +58,15 @@ class KeptRows:
     """One layer's kept key and value rows, in buffers (B, capacity, H, D): row i holds
     position start + i, rows [0, length) are valid.
 
-    append() writes in place when the buffer has room and no autograd graph can hold the rows
-    it returned before; the rows it returns are views that later appends never overwrite (a
-    trim or a growth moves the kept rows to a new buffer). With `snapshot` (a caller whose
-    attention records a graph, e.g. only q requires grad: the graph saves the rows) or new
-    rows that require grad it concatenates instead, so rows an earlier graph saved are never
-    written again."""
+    append() writes in place when the buffer has room; the rows it returns are views that later
+    appends never overwrite (an append writes only past the rows returned so far; a trim or a
+    growth moves the kept rows to a new buffer). The writes go through `buffer.data`, which
+    does not share the version counter of the views handed out: a graph that saved such a view
+    (an attention over the rows whose q requires grad, e.g. chunked prefill with frozen k/v
+    projections) would otherwise fail at backward with "modified by an inplace operation",
+    although none of the values it saved changed. When the new rows themselves require grad
+    (and autograd records), append() concatenates instead, so that the rows carry the graph
+    back to k and v."""
 
     def __init__(self, segment_lengths):
         self.segment_lengths = tuple(int(w) for w in segment_lengths)
@@ -113,24 +116,27 @@ class KeptRows:
         v[:, :count] = self.v[:, first:first + count]
         self.k, self.v, self.length = k, v, count
 
-    def append(self, k, v, snapshot: bool = False):
+    def append(self, k, v):
         """Write the new rows (B, n, H, D); return the rows the new queries can read: every
         kept row and the new ones, (B, length, H, D) each. Then drop the rows no later query
-        reads. snapshot: the caller's graph will save the rows returned (see the class)."""
+        reads."""
         self._check(k, v)
         n = k.shape[1]
         if self.k is None:
             self.k, self.v = self._alloc(k, 0), self._alloc(v, 0)
         need = self.length + n
-        if snapshot or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.k.requires_grad)):
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.k.requires_grad):
             self.k = torch.cat([self.k[:, :self.length], k], dim=1)
             self.v = torch.cat([self.v[:, :self.length], v], dim=1)
         elif n:
-            if need > self.k.shape[1]:
-                capacity = max(need, min(2 * self.k.shape[1], self.bound))
-                self._move_to_new_buffers(0, self.length, capacity)
-            self.k[:, self.length:need] = k
-            self.v[:, self.length:need] = v
+            capacity = self.k.shape[1]
+            # buffers written under torch.inference_mode are read-only outside it: move them once
+            if need > capacity or (self.k.is_inference() and not torch.is_inference_mode_enabled()):
+                self._move_to_new_buffers(0, self.length, max(need, min(2 * capacity, self.bound), capacity))
+            # past every row handed out so far: invisible to the version checks of graphs that
+            # saved those rows (see the class docstring), and no copy of the kept rows
+            self.k.data[:, self.length:need] = k
+            self.v.data[:, self.length:need] = v
         self.length = need
         k_rows, v_rows = self.k[:, :need], self.v[:, :need]
         self._trim()
@@ -210,23 +216,21 @@ class DilatedKVCache:
 
     def update(self, k, v, layer_idx: int = 0):
         """Append the new rows k, v (B, n, Hkv, D) of layer `layer_idx`; return (k_rows, v_rows),
-        (B, m, Hkv, D): the rows the new tokens' queries read, the new ones last. With
-        autograd recording (outside torch.no_grad / inference_mode) the rows are a fresh copy
-        each call, since a later graph may save them (a query that requires grad); under
-        no_grad the rows are written in place."""
-        return self._layer(layer_idx).append(k, v, snapshot=torch.is_grad_enabled())
+        (B, m, Hkv, D): the rows the new tokens' queries read, the new ones last. Written in
+        place (no copy of the kept rows per step), also while autograd records: a graph that
+        saved rows returned earlier still backpropagates (KeptRows). New rows that require grad
+        are concatenated instead, so that gradients reach them."""
+        return self._layer(layer_idx).append(k, v)
 
     def attend(self, q, k, v, layer_idx: int = 0, *, causal=True, scale=None, backend="auto"):
         """update(k, v, layer_idx), then dilated attention of q (B, Nq, Hq, D), the queries of
-        the last Nq positions, over the rows returned (written in place unless the attention
-        records a graph, e.g. when only q requires grad)."""
+        the last Nq positions, over the rows returned."""
         if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4 \
                 and q.shape[1] != k.shape[1]:
             raise ValueError(f"q and the new key/value rows must hold the same new tokens: q (B, n, Hq, D), k and v "
                              f"(B, n, Hkv, D) with one n; got q {tuple(q.shape)}, k {tuple(k.shape)}. In "
                              f"transformers' (B, H, n, D) layout? pass q.transpose(1, 2) and likewise k, v")
-        graph = torch.is_grad_enabled() and isinstance(q, torch.Tensor) and q.requires_grad
-        k_rows, v_rows = self._layer(layer_idx).append(k, v, snapshot=graph)
+        k_rows, v_rows = self.update(k, v, layer_idx)
         with quiet_heads_warning(q.shape[2], k_rows.shape[1]):
             return dilated_attention(q, k_rows, v_rows, self.segment_lengths, self.dilation_rates, causal=causal,
                                      scale=scale, mode=self.mode, offsets=self.offsets, backend=backend)
