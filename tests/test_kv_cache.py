@@ -379,3 +379,30 @@ def test_attend_refuses_the_heads_first_layout():
     cache.attend(torch.zeros(1, 5, 4, 64), torch.zeros(1, 5, 4, 64), torch.zeros(1, 5, 4, 64))   # a prefill, right
     with pytest.raises(ValueError, match=r"\(B, H, n, D\) read heads as tokens"):
         cache.attend(torch.zeros(1, 4, 1, 64), torch.zeros(1, 4, 1, 64), torch.zeros(1, 4, 1, 64))  # heads first
+
+
+def test_heads_first_layout_with_equal_head_counts():
+    """Issue 24 item 5 with Hq == Hkv (no GQA): q and k (1, 16, 1, 64) in transformers' layout
+    have equal token counts, and a decode from one token keeps the cached head count (1), so
+    neither shape check sees it. A one-head q of several tokens warns; num_heads/num_kv_heads
+    make it an error in every case, name the layout, and silence the warning for one-head models."""
+    import warnings
+    x = torch.zeros(1, 16, 1, 64)
+    with pytest.warns(UserWarning, match=r"read as 16 tokens of one head.*\(B, H, n, D\) layout"):
+        DilatedKVCache([64], [1]).attend(x, x, x)
+    with pytest.raises(ValueError, match=r"Hq = num_heads = 16, got q \(1, 16, 1, 64\).*q.transpose\(1, 2\)"):
+        DilatedKVCache([64], [1], num_heads=16).attend(x, x, x)
+    with pytest.raises(ValueError, match=r"Hq = num_heads = 16, got q \(1, 16, 8, 64\)"):   # equal chunks of 8
+        DilatedKVCache([64], [1], num_heads=16).attend(torch.zeros(1, 16, 8, 64), *[torch.zeros(1, 16, 8, 64)] * 2)
+    with pytest.raises(ValueError, match=r"Hkv = num_kv_heads = 4, got k \(1, 4, 1, 64\).*k.transpose\(1, 2\)"):
+        DilatedKVCache([64], [1], num_kv_heads=4).update(torch.zeros(1, 4, 1, 64), torch.zeros(1, 4, 1, 64))
+    with pytest.raises(ValueError, match="num_heads must be a multiple of num_kv_heads"):
+        DilatedKVCache([64], [1], num_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match="num_heads"):
+        DilatedKVCache([64], [1], num_heads=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache = DilatedKVCache([8, 16], [1, 2], num_heads=1, num_kv_heads=1)      # a real one-head model
+        out = cache.attend(*(seeded((1, 5, 1, 4), torch.float32, s) for s in (1, 2, 3)), backend="torch")
+        assert out.shape == (1, 5, 1, 4)
+        DilatedKVCache([64], [1]).attend(*[torch.zeros(1, 5, 4, 8)] * 3, backend="torch")   # (B, n, H, D): quiet

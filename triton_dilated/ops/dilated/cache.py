@@ -193,9 +193,24 @@ class DilatedKVCache:
     `dilated_attention(q, k_rows, v_rows, ...)` with the same patterns. The rows returned are
     views, valid after later updates too. For transformers models use
     `triton_dilated.integrations.transformers.DilatedCache` (a transformers `Cache`).
+
+    num_heads, num_kv_heads (optional): the query and key/value head counts. Given, every call
+    checks them, which is what tells tensors in transformers' (B, H, n, D) layout from the
+    library's (B, n, H, D) in every case. Without them the cache catches that layout where the
+    shapes show it: q and k with different token counts (GQA, MQA), new rows whose head count
+    differs from the cached rows' (a prefill, then a decode step), and a one-head q of several
+    tokens, the shape of a heads-first decode step (q (1, 16, 1, 64)), which warns (pass
+    num_heads=1 for a real one-head model). Equal chunks in heads-first layout with Hq == Hkv
+    are indistinguishable from a valid call until the token count changes.
     """
 
-    def __init__(self, segment_lengths, dilation_rates, *, mode="longnet", offsets="modulo"):
+    def __init__(self, segment_lengths, dilation_rates, *, mode="longnet", offsets="modulo", num_heads=None,
+                 num_kv_heads=None):
+        self.num_heads = None if num_heads is None else check_int("num_heads", num_heads, 1)
+        self.num_kv_heads = None if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads, 1)
+        if self.num_heads is not None and self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads must be a multiple of num_kv_heads (GQA), got {self.num_heads} and "
+                             f"{self.num_kv_heads}")
         self.patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
         self.segment_lengths = [w for w, _ in self.patterns]
         self.dilation_rates = [r for _, r in self.patterns]
@@ -220,6 +235,11 @@ class DilatedKVCache:
         place (no copy of the kept rows per step), also while autograd records: a graph that
         saved rows returned earlier still backpropagates (KeptRows). New rows that require grad
         are concatenated instead, so that gradients reach them."""
+        if self.num_kv_heads is not None and isinstance(k, torch.Tensor) and k.dim() == 4 \
+                and k.shape[2] != self.num_kv_heads:
+            raise ValueError(f"k and v must be (B, n, Hkv, D) with Hkv = num_kv_heads = {self.num_kv_heads}, got k "
+                             f"{tuple(k.shape)}. In transformers' (B, H, n, D) layout? pass k.transpose(1, 2), "
+                             f"likewise v")
         return self._layer(layer_idx).append(k, v)
 
     def attend(self, q, k, v, layer_idx: int = 0, *, causal=True, scale=None, backend="auto"):
@@ -230,7 +250,17 @@ class DilatedKVCache:
             raise ValueError(f"q and the new key/value rows must hold the same new tokens: q (B, n, Hq, D), k and v "
                              f"(B, n, Hkv, D) with one n; got q {tuple(q.shape)}, k {tuple(k.shape)}. In "
                              f"transformers' (B, H, n, D) layout? pass q.transpose(1, 2) and likewise k, v")
-        k_rows, v_rows = self.update(k, v, layer_idx)
+        if self.num_heads is not None and isinstance(q, torch.Tensor) and q.dim() == 4 \
+                and q.shape[2] != self.num_heads:
+            raise ValueError(f"q must be (B, n, Hq, D) with Hq = num_heads = {self.num_heads}, got q {tuple(q.shape)}. "
+                             f"In transformers' (B, H, n, D) layout? pass q.transpose(1, 2) and likewise k, v")
+        k_rows, v_rows = self.update(k, v, layer_idx)     # its errors first: they say more than the warning
+        if self.num_heads is None and q.shape[2] == 1 and q.shape[1] > 1:
+            warnings.warn(f"DilatedKVCache.attend: q {tuple(q.shape)} is read as {q.shape[1]} tokens of one head "
+                          f"(layout (B, n, H, D)). In transformers' (B, H, n, D) layout, a decode step of "
+                          f"{q.shape[1]} heads? pass q.transpose(1, 2) and likewise k, v. A one-head model: pass "
+                          f"num_heads=1 to DilatedKVCache, which checks the heads and silences this.",
+                          UserWarning, stacklevel=2)
         with quiet_heads_warning(q.shape[2], k_rows.shape[1]):
             return dilated_attention(q, k_rows, v_rows, self.segment_lengths, self.dilation_rates, causal=causal,
                                      scale=scale, mode=self.mode, offsets=self.offsets, backend=backend)
