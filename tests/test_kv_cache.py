@@ -406,3 +406,21 @@ def test_heads_first_layout_with_equal_head_counts():
         out = cache.attend(*(seeded((1, 5, 1, 4), torch.float32, s) for s in (1, 2, 3)), backend="torch")
         assert out.shape == (1, 5, 1, 4)
         DilatedKVCache([64], [1]).attend(*[torch.zeros(1, 5, 4, 8)] * 3, backend="torch")   # (B, n, H, D): quiet
+
+
+def test_refused_attend_leaves_the_cache_unchanged():
+    """attend() validates q, the flags, the scale and the backend before it writes the new rows:
+    a call dilated_attention refuses (here a float64 q, 3 query heads over 2 key/value heads, a
+    bad backend) raises the same error and writes nothing, so a corrected retry appends once."""
+    cache = DilatedKVCache([8, 16], [1, 2])
+    k = v = torch.zeros(1, 3, 2, 4)
+    cache.attend(torch.zeros(1, 3, 2, 4), k, v, backend="torch")
+    for q, kw, err in ((torch.zeros(1, 3, 2, 4, dtype=torch.float64), {}, TypeError),
+                       (torch.zeros(1, 3, 3, 4), {}, ValueError),
+                       (torch.zeros(1, 3, 2, 4), dict(backend="cuda"), ValueError),
+                       (torch.zeros(1, 3, 2, 4), dict(causal=1), TypeError)):
+        with pytest.raises(err):
+            cache.attend(q, k, v, **kw)
+        assert cache.seq_length() == cache.rows() == 3
+    cache.attend(torch.zeros(1, 3, 2, 4), k, v, backend="torch")
+    assert cache.seq_length() == 6

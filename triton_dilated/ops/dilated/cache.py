@@ -33,7 +33,8 @@ import warnings
 
 import torch
 
-from ..common.validation import SUPPORTED_DTYPES, check_int
+from ..common.runtime import resolve_backend
+from ..common.validation import SUPPORTED_DTYPES, check_flags, check_int, check_qkv, check_scale
 from .interface import dilated_attention
 from .patterns import check_patterns
 
@@ -254,6 +255,12 @@ class DilatedKVCache:
                 and q.shape[2] != self.num_heads:
             raise ValueError(f"q must be (B, n, Hq, D) with Hq = num_heads = {self.num_heads}, got q {tuple(q.shape)}. "
                              f"In transformers' (B, H, n, D) layout? pass q.transpose(1, 2) and likewise k, v")
+        # everything dilated_attention would refuse, before the rows are written: a failed call
+        # leaves the cache as it was (a retry must not append the tokens twice)
+        check_qkv(q, k, v)
+        check_flags(causal=causal)
+        check_scale(scale, q.shape[-1])
+        resolve_backend(backend, q.device)
         k_rows, v_rows = self.update(k, v, layer_idx)     # its errors first: they say more than the warning
         if self.num_heads is None and q.shape[2] == 1 and q.shape[1] > 1:
             warnings.warn(f"DilatedKVCache.attend: q {tuple(q.shape)} is read as {q.shape[1]} tokens of one head "
