@@ -223,21 +223,54 @@ def test_chunked_prefill_with_frozen_keys_and_values(backend, n):
     torch.testing.assert_close(dq, ref_dq, atol=1e-6, rtol=1e-5)
 
 
-def test_update_in_place_only_without_a_graph():
-    """update() writes in place under no_grad (decoding: no copy per step) and hands fresh
-    rows while autograd records (a graph may save them)."""
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad-enabled"])
+def test_update_in_place_also_while_autograd_records(grad):
+    """Issue 19 item 2: appends write in place whether or not autograd records (decoding outside
+    torch.no_grad copies no kept row per step), and a graph that saved rows handed out earlier
+    (a query that requires grad against frozen k, v) still backpropagates to the values it saw."""
     x = torch.zeros(1, 1, 1, 2)
+    cache = DilatedKVCache([8], [1])
+    q = seeded((1, 1, 1, 2), torch.float32, 1).requires_grad_(True)
+    with torch.set_grad_enabled(grad):
+        rows = [cache.update(x + t, x + t)[0] for t in range(3)]          # capacity 1, 2, 4: a 4th row fits
+        saved = (q * rows[2]).sum()                                        # a graph saves the 3-row view
+        last, _ = cache.update(x + 3, x + 3)
+    assert last[0, :, 0, 0].tolist() == [0, 1, 2, 3] and rows[2][0, :, 0, 0].tolist() == [0, 1, 2]
+    assert last.untyped_storage().data_ptr() == rows[2].untyped_storage().data_ptr()    # no copy
+    if grad:
+        (dq,) = torch.autograd.grad(saved, q)
+        assert dq[0, 0, 0].tolist() == [3.0, 3.0]                          # 0 + 1 + 2: the rows it saw
 
-    def fourth_row_shares_storage(grad_for_the_last: bool) -> bool:
-        cache = DilatedKVCache([8], [1])
-        with torch.no_grad():
-            rows = [cache.update(x + t, x + t)[0] for t in range(3)]   # capacity 1, 2, 4: a 4th row fits
-        with torch.set_grad_enabled(grad_for_the_last):
-            last, _ = cache.update(x + 3, x + 3)
-        assert last[0, :, 0, 0].tolist() == [0, 1, 2, 3] and rows[2][0, :, 0, 0].tolist() == [0, 1, 2]
-        return last.untyped_storage().data_ptr() == rows[2].untyped_storage().data_ptr()
 
-    assert fourth_row_shares_storage(False) and not fourth_row_shares_storage(True)
+def test_update_after_inference_mode():
+    """Rows written under torch.inference_mode are inference tensors, read-only outside it: the
+    next append outside moves them once instead of failing ("Inplace update to inference tensor")."""
+    cache = DilatedKVCache([8, 16], [1, 2])
+    with torch.inference_mode():
+        cache.update(torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4))      # a prefill,
+        cache.update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))      # a step: capacity 6 > 4 rows
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            k_rows, _ = cache.update(torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4))
+        assert not k_rows.is_inference() and k_rows[0, :, 0, 0].tolist() == [0] * 4 + [1] * (1 + grad)
+
+
+def test_chunked_prefill_with_trainable_keys_and_values_triton():
+    """k and v requiring grad through the cache on the Triton path (the portable path:
+    test_chunked_prefill_with_gradients): the chunks concatenate, gradients reach k and v."""
+    ws, rs = [64, 128], [1, 2]
+    q, k, v = (seeded((1, 40, h, 8), torch.float32, s, DEVICE).requires_grad_(True)
+               for s, h in ((1, 2), (2, 1), (3, 1)))
+    cache = DilatedKVCache(ws, rs)
+    out = torch.cat([cache.attend(q[:, s:s + 20], k[:, s:s + 20], v[:, s:s + 20], backend="triton")
+                     for s in (0, 20)], dim=1)
+    ref = dilated_attention(q, k, v, ws, rs, causal=True, backend="triton")
+    g = seeded(out.shape, torch.float32, 9, DEVICE)
+    grads = torch.autograd.grad((out * g).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 @torch.no_grad()
@@ -346,3 +379,48 @@ def test_attend_refuses_the_heads_first_layout():
     cache.attend(torch.zeros(1, 5, 4, 64), torch.zeros(1, 5, 4, 64), torch.zeros(1, 5, 4, 64))   # a prefill, right
     with pytest.raises(ValueError, match=r"\(B, H, n, D\) read heads as tokens"):
         cache.attend(torch.zeros(1, 4, 1, 64), torch.zeros(1, 4, 1, 64), torch.zeros(1, 4, 1, 64))  # heads first
+
+
+def test_heads_first_layout_with_equal_head_counts():
+    """Issue 24 item 5 with Hq == Hkv (no GQA): q and k (1, 16, 1, 64) in transformers' layout
+    have equal token counts, and a decode from one token keeps the cached head count (1), so
+    neither shape check sees it. A one-head q of several tokens warns; num_heads/num_kv_heads
+    make it an error in every case, name the layout, and silence the warning for one-head models."""
+    import warnings
+    x = torch.zeros(1, 16, 1, 64)
+    with pytest.warns(UserWarning, match=r"read as 16 tokens of one head.*\(B, H, n, D\) layout"):
+        DilatedKVCache([64], [1]).attend(x, x, x)
+    with pytest.raises(ValueError, match=r"Hq = num_heads = 16, got q \(1, 16, 1, 64\).*q.transpose\(1, 2\)"):
+        DilatedKVCache([64], [1], num_heads=16).attend(x, x, x)
+    with pytest.raises(ValueError, match=r"Hq = num_heads = 16, got q \(1, 16, 8, 64\)"):   # equal chunks of 8
+        DilatedKVCache([64], [1], num_heads=16).attend(torch.zeros(1, 16, 8, 64), *[torch.zeros(1, 16, 8, 64)] * 2)
+    with pytest.raises(ValueError, match=r"Hkv = num_kv_heads = 4, got k \(1, 4, 1, 64\).*k.transpose\(1, 2\)"):
+        DilatedKVCache([64], [1], num_kv_heads=4).update(torch.zeros(1, 4, 1, 64), torch.zeros(1, 4, 1, 64))
+    with pytest.raises(ValueError, match="num_heads must be a multiple of num_kv_heads"):
+        DilatedKVCache([64], [1], num_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match="num_heads"):
+        DilatedKVCache([64], [1], num_heads=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache = DilatedKVCache([8, 16], [1, 2], num_heads=1, num_kv_heads=1)      # a real one-head model
+        out = cache.attend(*(seeded((1, 5, 1, 4), torch.float32, s) for s in (1, 2, 3)), backend="torch")
+        assert out.shape == (1, 5, 1, 4)
+        DilatedKVCache([64], [1]).attend(*[torch.zeros(1, 5, 4, 8)] * 3, backend="torch")   # (B, n, H, D): quiet
+
+
+def test_refused_attend_leaves_the_cache_unchanged():
+    """attend() validates q, the flags, the scale and the backend before it writes the new rows:
+    a call dilated_attention refuses (here a float64 q, 3 query heads over 2 key/value heads, a
+    bad backend) raises the same error and writes nothing, so a corrected retry appends once."""
+    cache = DilatedKVCache([8, 16], [1, 2])
+    k = v = torch.zeros(1, 3, 2, 4)
+    cache.attend(torch.zeros(1, 3, 2, 4), k, v, backend="torch")
+    for q, kw, err in ((torch.zeros(1, 3, 2, 4, dtype=torch.float64), {}, TypeError),
+                       (torch.zeros(1, 3, 3, 4), {}, ValueError),
+                       (torch.zeros(1, 3, 2, 4), dict(backend="cuda"), ValueError),
+                       (torch.zeros(1, 3, 2, 4), dict(causal=1), TypeError)):
+        with pytest.raises(err):
+            cache.attend(q, k, v, **kw)
+        assert cache.seq_length() == cache.rows() == 3
+    cache.attend(torch.zeros(1, 3, 2, 4), k, v, backend="torch")
+    assert cache.seq_length() == 6

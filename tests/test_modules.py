@@ -309,6 +309,10 @@ def test_block_sparse_module_builders():
         q = seeded((1, n, 2, 8), torch.float32, n)
         assert torch.equal(m(q, q, q), block_sparse_attention(q, q, q, layouts.local(n, 16, 1), backend="torch"))
     assert calls == [32, 48]                          # cached per sequence length
+    k = seeded((1, 48, 2, 8), torch.float32, 1)
+    q = k[:, -5:]                                     # q shorter than k (DESIGN §5b): the layout is k's
+    assert torch.equal(m(q, k, k), block_sparse_attention(q, k, k, layouts.local(48, 16, 1), backend="torch"))
+    assert calls == [32, 48]
 
     seen = []
 

@@ -366,7 +366,8 @@ class BlockSparseAttention(nn.Module):
         layout: a fixed `BlockLayout` (held as non-persistent buffers, so `.to(device)`
             moves it; it is configuration, not state: state_dict stays empty), or a
             builder callable returning a BlockLayout:
-              * builder_input="seq_len" (default): called as `layout(seq_len)`, once per
+              * builder_input="seq_len" (default): called as `layout(seq_len)` with the
+                length of key (q may be shorter: the last positions), once per
                 sequence length (the `cache_size` most recently used layouts are kept, per
                 (seq_len, device)), e.g.
                 `functools.partial(layouts.local, block_size=64, window=2)` or
@@ -420,12 +421,13 @@ class BlockSparseAttention(nn.Module):
             with torch.no_grad():
                 layout = self.builder(q.detach(), k.detach())
         else:
-            key = (q.shape[1], q.device)
+            # the layout covers the whole sequence, k's length: q may be shorter (DESIGN §5b)
+            key = (k.shape[1], q.device)
             layout = self._cache.get(key)
             if layout is not None:
                 self._cache.move_to_end(key)
                 return layout
-            layout = self.builder(q.shape[1])
+            layout = self.builder(k.shape[1])
         if not isinstance(layout, BlockLayout):
             raise TypeError(f"the layout builder must return a BlockLayout, got {type(layout).__name__}")
         if layout.kv_indices.device != q.device:

@@ -320,9 +320,7 @@ class DilatedCacheLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_positions(_position_ids(kwargs), key_states.shape[-2])
-        # recording autograd (training through the cache): fresh rows, a graph may save them
-        k, v = self.rows.append(key_states.transpose(1, 2), value_states.transpose(1, 2),
-                                snapshot=torch.is_grad_enabled())
+        k, v = self.rows.append(key_states.transpose(1, 2), value_states.transpose(1, 2))
         self._sync()
         return k.transpose(1, 2), v.transpose(1, 2)
 

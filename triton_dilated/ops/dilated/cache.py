@@ -33,7 +33,8 @@ import warnings
 
 import torch
 
-from ..common.validation import SUPPORTED_DTYPES, check_int
+from ..common.runtime import resolve_backend
+from ..common.validation import SUPPORTED_DTYPES, check_flags, check_int, check_qkv, check_scale
 from .interface import dilated_attention
 from .patterns import check_patterns
 
@@ -58,12 +59,15 @@ class KeptRows:
     """One layer's kept key and value rows, in buffers (B, capacity, H, D): row i holds
     position start + i, rows [0, length) are valid.
 
-    append() writes in place when the buffer has room and no autograd graph can hold the rows
-    it returned before; the rows it returns are views that later appends never overwrite (a
-    trim or a growth moves the kept rows to a new buffer). With `snapshot` (a caller whose
-    attention records a graph, e.g. only q requires grad: the graph saves the rows) or new
-    rows that require grad it concatenates instead, so rows an earlier graph saved are never
-    written again."""
+    append() writes in place when the buffer has room; the rows it returns are views that later
+    appends never overwrite (an append writes only past the rows returned so far; a trim or a
+    growth moves the kept rows to a new buffer). The writes go through `buffer.data`, which
+    does not share the version counter of the views handed out: a graph that saved such a view
+    (an attention over the rows whose q requires grad, e.g. chunked prefill with frozen k/v
+    projections) would otherwise fail at backward with "modified by an inplace operation",
+    although none of the values it saved changed. When the new rows themselves require grad
+    (and autograd records), append() concatenates instead, so that the rows carry the graph
+    back to k and v."""
 
     def __init__(self, segment_lengths):
         self.segment_lengths = tuple(int(w) for w in segment_lengths)
@@ -113,24 +117,27 @@ class KeptRows:
         v[:, :count] = self.v[:, first:first + count]
         self.k, self.v, self.length = k, v, count
 
-    def append(self, k, v, snapshot: bool = False):
+    def append(self, k, v):
         """Write the new rows (B, n, H, D); return the rows the new queries can read: every
         kept row and the new ones, (B, length, H, D) each. Then drop the rows no later query
-        reads. snapshot: the caller's graph will save the rows returned (see the class)."""
+        reads."""
         self._check(k, v)
         n = k.shape[1]
         if self.k is None:
             self.k, self.v = self._alloc(k, 0), self._alloc(v, 0)
         need = self.length + n
-        if snapshot or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.k.requires_grad)):
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.k.requires_grad):
             self.k = torch.cat([self.k[:, :self.length], k], dim=1)
             self.v = torch.cat([self.v[:, :self.length], v], dim=1)
         elif n:
-            if need > self.k.shape[1]:
-                capacity = max(need, min(2 * self.k.shape[1], self.bound))
-                self._move_to_new_buffers(0, self.length, capacity)
-            self.k[:, self.length:need] = k
-            self.v[:, self.length:need] = v
+            capacity = self.k.shape[1]
+            # buffers written under torch.inference_mode are read-only outside it: move them once
+            if need > capacity or (self.k.is_inference() and not torch.is_inference_mode_enabled()):
+                self._move_to_new_buffers(0, self.length, max(need, min(2 * capacity, self.bound), capacity))
+            # past every row handed out so far: invisible to the version checks of graphs that
+            # saved those rows (see the class docstring), and no copy of the kept rows
+            self.k.data[:, self.length:need] = k
+            self.v.data[:, self.length:need] = v
         self.length = need
         k_rows, v_rows = self.k[:, :need], self.v[:, :need]
         self._trim()
@@ -187,9 +194,24 @@ class DilatedKVCache:
     `dilated_attention(q, k_rows, v_rows, ...)` with the same patterns. The rows returned are
     views, valid after later updates too. For transformers models use
     `triton_dilated.integrations.transformers.DilatedCache` (a transformers `Cache`).
+
+    num_heads, num_kv_heads (optional): the query and key/value head counts. Given, every call
+    checks them, which is what tells tensors in transformers' (B, H, n, D) layout from the
+    library's (B, n, H, D) in every case. Without them the cache catches that layout where the
+    shapes show it: q and k with different token counts (GQA, MQA), new rows whose head count
+    differs from the cached rows' (a prefill, then a decode step), and a one-head q of several
+    tokens, the shape of a heads-first decode step (q (1, 16, 1, 64)), which warns (pass
+    num_heads=1 for a real one-head model). Equal chunks in heads-first layout with Hq == Hkv
+    are indistinguishable from a valid call until the token count changes.
     """
 
-    def __init__(self, segment_lengths, dilation_rates, *, mode="longnet", offsets="modulo"):
+    def __init__(self, segment_lengths, dilation_rates, *, mode="longnet", offsets="modulo", num_heads=None,
+                 num_kv_heads=None):
+        self.num_heads = None if num_heads is None else check_int("num_heads", num_heads, 1)
+        self.num_kv_heads = None if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads, 1)
+        if self.num_heads is not None and self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads must be a multiple of num_kv_heads (GQA), got {self.num_heads} and "
+                             f"{self.num_kv_heads}")
         self.patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
         self.segment_lengths = [w for w, _ in self.patterns]
         self.dilation_rates = [r for _, r in self.patterns]
@@ -210,23 +232,42 @@ class DilatedKVCache:
 
     def update(self, k, v, layer_idx: int = 0):
         """Append the new rows k, v (B, n, Hkv, D) of layer `layer_idx`; return (k_rows, v_rows),
-        (B, m, Hkv, D): the rows the new tokens' queries read, the new ones last. With
-        autograd recording (outside torch.no_grad / inference_mode) the rows are a fresh copy
-        each call, since a later graph may save them (a query that requires grad); under
-        no_grad the rows are written in place."""
-        return self._layer(layer_idx).append(k, v, snapshot=torch.is_grad_enabled())
+        (B, m, Hkv, D): the rows the new tokens' queries read, the new ones last. Written in
+        place (no copy of the kept rows per step), also while autograd records: a graph that
+        saved rows returned earlier still backpropagates (KeptRows). New rows that require grad
+        are concatenated instead, so that gradients reach them."""
+        if self.num_kv_heads is not None and isinstance(k, torch.Tensor) and k.dim() == 4 \
+                and k.shape[2] != self.num_kv_heads:
+            raise ValueError(f"k and v must be (B, n, Hkv, D) with Hkv = num_kv_heads = {self.num_kv_heads}, got k "
+                             f"{tuple(k.shape)}. In transformers' (B, H, n, D) layout? pass k.transpose(1, 2), "
+                             f"likewise v")
+        return self._layer(layer_idx).append(k, v)
 
     def attend(self, q, k, v, layer_idx: int = 0, *, causal=True, scale=None, backend="auto"):
         """update(k, v, layer_idx), then dilated attention of q (B, Nq, Hq, D), the queries of
-        the last Nq positions, over the rows returned (written in place unless the attention
-        records a graph, e.g. when only q requires grad)."""
+        the last Nq positions, over the rows returned."""
         if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4 \
                 and q.shape[1] != k.shape[1]:
             raise ValueError(f"q and the new key/value rows must hold the same new tokens: q (B, n, Hq, D), k and v "
                              f"(B, n, Hkv, D) with one n; got q {tuple(q.shape)}, k {tuple(k.shape)}. In "
                              f"transformers' (B, H, n, D) layout? pass q.transpose(1, 2) and likewise k, v")
-        graph = torch.is_grad_enabled() and isinstance(q, torch.Tensor) and q.requires_grad
-        k_rows, v_rows = self._layer(layer_idx).append(k, v, snapshot=graph)
+        if self.num_heads is not None and isinstance(q, torch.Tensor) and q.dim() == 4 \
+                and q.shape[2] != self.num_heads:
+            raise ValueError(f"q must be (B, n, Hq, D) with Hq = num_heads = {self.num_heads}, got q {tuple(q.shape)}. "
+                             f"In transformers' (B, H, n, D) layout? pass q.transpose(1, 2) and likewise k, v")
+        # everything dilated_attention would refuse, before the rows are written: a failed call
+        # leaves the cache as it was (a retry must not append the tokens twice)
+        check_qkv(q, k, v)
+        check_flags(causal=causal)
+        check_scale(scale, q.shape[-1])
+        resolve_backend(backend, q.device)
+        k_rows, v_rows = self.update(k, v, layer_idx)     # its errors first: they say more than the warning
+        if self.num_heads is None and q.shape[2] == 1 and q.shape[1] > 1:
+            warnings.warn(f"DilatedKVCache.attend: q {tuple(q.shape)} is read as {q.shape[1]} tokens of one head "
+                          f"(layout (B, n, H, D)). In transformers' (B, H, n, D) layout, a decode step of "
+                          f"{q.shape[1]} heads? pass q.transpose(1, 2) and likewise k, v. A one-head model: pass "
+                          f"num_heads=1 to DilatedKVCache, which checks the heads and silences this.",
+                          UserWarning, stacklevel=2)
         with quiet_heads_warning(q.shape[2], k_rows.shape[1]):
             return dilated_attention(q, k_rows, v_rows, self.segment_lengths, self.dilation_rates, causal=causal,
                                      scale=scale, mode=self.mode, offsets=self.offsets, backend=backend)
