@@ -39,6 +39,10 @@ from .interface import dilated_attention
 from .patterns import check_patterns
 
 
+# DilatedKVCache warns when its row bound exceeds this many times the longest segment.
+LOOSE_BOUND_FACTOR = 4
+
+
 def window_start(position: int, segment_lengths) -> int:
     """The first row a query at `position` or later can read, rounded down to a multiple of
     lcm(segment_lengths) (so that dropping the rows before it changes no segment or residue)."""
@@ -218,7 +222,7 @@ class DilatedKVCache:
         self.mode, self.offsets = mode, offsets
         self.layers: dict[int, KeptRows] = {}   # by layer index: only the layers written (any indices)
         bound = decode_rows_bound(self.segment_lengths)
-        if bound > 2 * max(self.segment_lengths):
+        if bound > LOOSE_BOUND_FACTOR * max(self.segment_lengths):   # small non-nested schedules ([6, 4]: 14 rows) stay quiet
             warnings.warn(f"DilatedKVCache: segment lengths {self.segment_lengths} are not nested (each dividing the "
                           f"next), so rows can only be dropped in steps of their lcm: a layer may keep up to "
                           f"{bound:,} rows (max(w) + lcm(w) - min(w)) instead of max(w) = {max(self.segment_lengths):,}."
