@@ -295,3 +295,11 @@ def test_aot_configs_option_names_what_it_expects(monkeypatch, capsys):
     assert main(["aot", "--configs", "64,64,4"]) == 2
     assert "--configs takes BLOCK_M,BLOCK_N,num_warps,num_stages (four integers, e.g. 64,64,4,3); got 64,64,4" \
         in capsys.readouterr().err
+
+
+@needs_ptxas
+def test_fp_fusion_default_is_said_at_most_once(aot):
+    """Triton 3.9 warns in every compile process while TRITON_DEFAULT_FP_FUSION is unset (twice
+    per run with 2 jobs); the run says it once, with the setting the compiles used."""
+    _, _, proc = aot
+    assert (proc.stdout + proc.stderr).count("TRITON_DEFAULT_FP_FUSION is unset") <= 1

@@ -33,7 +33,9 @@ import re
 import subprocess
 import tempfile
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from ..ops import SPECS, kernel_specs
 from ..ops.common.hardware import padded_head_dim
@@ -46,6 +48,33 @@ FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_w
           "spill_stores", "spill_loads", "shared_bytes", "wgmma", "mma_sync", "cp_async", "cp_async_bulk",
           "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "compile_s", "error"]
 _SMEM = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}   # opt-in bytes per block
+# the archs `--arch` takes: those whose limits (_SMEM) and default configs this library knows
+ARCHS = {70: "Volta", 75: "Turing", 80: "Ampere A100", 86: "Ampere GA10x", 89: "Ada", 90: "Hopper"}
+assert set(ARCHS) == set(_SMEM)
+# Triton 3.9 warns once per process when TRITON_DEFAULT_FP_FUSION is unset (its default changes in 3.10): each
+# compile worker would print it; run_aot says it once instead
+_FP_FUSION_WARNING = r"TRITON_DEFAULT_FP_FUSION is unset"
+
+
+class AotCrash(RuntimeError):
+    """A compile process died (LLVM aborts the process on some errors) instead of reporting an error."""
+
+
+def fp_fusion_note() -> str:
+    """One line on the FP-fusion setting the compiles use where Triton warns that its default
+    changes (Triton 3.9 with TRITON_DEFAULT_FP_FUSION unset), else ""."""
+    if os.environ.get("TRITON_DEFAULT_FP_FUSION") is not None:
+        return ""
+    try:
+        import triton
+        knobs = triton.knobs.language
+        if not hasattr(knobs, "default_fp_fusion") or knobs.force_disable_fp_fusion:
+            return ""
+        on = bool(knobs.default_fp_fusion)
+    except Exception:   # an older or newer triton without these knobs: nothing to say
+        return ""
+    return (f"note: TRITON_DEFAULT_FP_FUSION is unset: compiling with FP fusion {'enabled' if on else 'disabled'}, "
+            f"triton {triton.__version__}'s default (Triton 3.10 changes it); set it to 1 or 0 to choose")
 
 
 def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict):
@@ -132,6 +161,7 @@ def compile_one(job) -> dict:
     row = dict.fromkeys(FIELDS, "")
     row.update(arch=f"sm{arch}", kernel=name, dtype=dtype, D=D, causal=int(causal), **cfg)
     start = time.time()
+    warnings.filterwarnings("ignore", message=_FP_FUSION_WARNING)   # run_aot says it once
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -199,8 +229,20 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
             row = dict(kernel=name, dtype=dtype, D=D, causal=int(c), **cfg)
             work[i] = (name, arch, dtype, D, c, cfg, os.path.join(folder, ptx_name(row, bool(configs and len(configs) > 1))))
     rows = []
+    note = fp_fusion_note()
+    if note:
+        log(note)
     with ProcessPoolExecutor(max(1, jobs)) as pool:
-        for i, row in enumerate(pool.map(compile_one, work), 1):
+        results = pool.map(compile_one, work)
+        for i in range(1, len(work) + 1):
+            try:
+                row = next(results)
+            except BrokenProcessPool:
+                name, arch, dtype, D, c, cfg, *_ = work[i - 1]
+                raise AotCrash(f"a compile process crashed (the compiler aborted it, printing any error above) at "
+                               f"or after [{i}/{len(work)}] sm{arch} {name} {dtype} D={D} causal={int(c)}; "
+                               f"{len(rows)} compiles finished (rerun with --jobs 1 --kernels {name} to isolate "
+                               f"it)") from None
             rows.append(row)
             what = row["error"] or (f"{row['registers']} registers, spills {row['spill_stores']}/"
                                     f"{row['spill_loads']} B, shared {row['shared_bytes']} B, "
