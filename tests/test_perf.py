@@ -618,7 +618,7 @@ def test_busy_rows_end_with_one_line_saying_what_to_do(capsys, monkeypatch, tmp_
     assert results.busy_hint(quiet) == ""
     hint = results.busy_hint(busy, threads=2)
     assert hint.startswith("busy: 1 of 1 cases") and "0.99 cores" in hint and "OMP_NUM_THREADS=1" in hint
-    assert "\n" not in hint and "2 torch threads" in hint
+    assert "\n" not in hint and "2 torch threads" in hint and "OMP_WAIT_POLICY=PASSIVE" in hint
     monkeypatch.setattr(bench, "run_sweep", lambda *a, **k: busy)
     assert main(["--tiny", "--budget", "0", "--no-plot", "--out", str(tmp_path / "s.csv")]) == 0
     printed = capsys.readouterr().out.splitlines()

@@ -317,11 +317,16 @@ def busy_hint(rows, threads: int | None = None) -> str:
         return ""
     load = [_float(r.get("other_cores")) for r in rows]
     load = max((x for x in load if not math.isnan(x)), default=float("nan"))
-    ran = f"; this run: {threads} torch threads on {os.cpu_count()} cores" if threads else ""
+    ran = ""
+    if threads:
+        omp = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+               if os.environ.get(k)]
+        ran = f" (this run: {threads} torch threads on {os.cpu_count()} cores{', ' if omp else ''}{', '.join(omp)})"
     return (f"{FLAG_BUSY}: {len(busy)} of {len(cases)} cases were timed while other processes took CPU"
             + ("" if math.isnan(load) else f" (up to {load:.2f} cores)")
             + ": those numbers measure the contention (often several times slower), not the code. Rerun on a quiet "
-            f"machine, or with fewer threads than idle cores, e.g. OMP_NUM_THREADS=1 ./dev perf{ran}.")
+            "machine; on a shared one, let idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE, which ./dev perf "
+            f"sets unless you chose) or use fewer threads than idle cores (OMP_NUM_THREADS=1){ran}.")
 
 
 def vs_label(main: str) -> str:
