@@ -92,7 +92,7 @@ def test_first_run_announces_each_step_and_installs_the_cpu_torch(tmp_path):
     res = dev("true")
     assert res.returncode == 0, res.stderr
     assert _dev_lines(res.stderr) == [
-        f"dev: first run: setting up {dev.venv} (about a minute and 2.2 GB of disk)",
+        f"dev: first run: setting up {dev.venv} (about a minute and a half and 2.4 GB of disk)",
         "dev: creating the virtual environment",
         "dev: upgrading pip",
         "dev: installing torch 2.13.0+cpu, the CPU build (no NVIDIA GPU found)",

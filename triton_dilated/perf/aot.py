@@ -6,7 +6,7 @@ shapes, shared memory) or what ptxas reports (registers, spills). This compiles 
 kernel with the config the library would pick on that arch (configs.default_config, or
 --configs), runs Triton's own ptxas with -v, and writes one CSV row per compile:
 registers, spill stores/loads, shared memory, or the error; and, read off the PTX and the
-TTGIR, what the compiler made of the loops (README, "Reading the compiled code"):
+TTGIR, what the compiler made of the loops (docs/internals.md, "Reading the compiled code"):
 
 * wgmma / mma_sync: tensor-core instructions in the PTX (static count per thread), and the
   wgmma shapes with their counts (m64n64k16:16 ...);
