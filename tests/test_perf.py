@@ -626,9 +626,18 @@ def test_busy_rows_end_with_one_line_saying_what_to_do(capsys, monkeypatch, tmp_
 
 
 def test_aot_rejects_an_unknown_arch_in_one_line(capsys):
+    from triton_dilated.perf.aot import ARCHS
+    arch_help = next(a.help for a in _aot_parser()._actions if "--arch" in a.option_strings)
+    assert f"of {' '.join(map(str, ARCHS))} (default" in arch_help      # the help lists what is accepted
     assert main(["aot", "--arch", "12"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "got 12" in err and "90 (Hopper)" in err and "80 (Ampere A100)" in err
+
+
+def _aot_parser():
+    import argparse
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["aot"]
 
 
 def _crash(job):
