@@ -18,7 +18,7 @@ against a full cache's, and how many generated tokens continue the pattern.
 
 The cache keeps at most the longest segment (256 rows) per layer, so its memory stays flat
 while a full cache grows with the context. Every decode step (one query) takes the decode
-path, which reads only the keys the query uses (at most 256 per layer here), so the
+path, which reads only the keys the query uses (at most sum(w / r) = 128 per head here), so the
 attention costs the same per token with either cache; what grows with a full cache is the
 cache itself: transformers' DynamicCache appends by concatenation, copying every cached row
 at every step. That shows at long contexts only. Measured on a 2-core x86_64 CPU shared with
