@@ -2,9 +2,14 @@
 the single-device result on every rank.
 
   # GPUs (NCCL), one process per GPU:
-  torchrun --nproc_per_node=8 examples/ring_demo.py --seq-len 65536
+  ./dev torchrun --nproc_per_node=8 examples/ring_demo.py --seq-len 65536
   # CPU-only machine (gloo; the portable step, or the Triton interpreter with TRITON_INTERPRET=1):
-  torchrun --nproc_per_node=4 examples/ring_demo.py --seq-len 4096 --heads 4 --head-dim 32
+  ./dev torchrun --nproc_per_node=4 examples/ring_demo.py --seq-len 4096 --heads 4
+
+(the README's commands; `./dev torchrun` is torchrun in the project's environment, plain
+`torchrun` in your own). Each rank prints its forward+backward time and the largest
+difference from the single-device result, dense causal and dilated causal (segments
+1024, 4096, 16384 clipped to the sequence, rates 1, 2, 4).
 """
 from __future__ import annotations
 
@@ -20,11 +25,12 @@ from triton_dilated import dilated_attention, ring_attention, shard
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq-len", type=int, default=8192)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--balance", default="zigzag", choices=["contiguous", "zigzag"])
-    ap.add_argument("--comm", default="p2p", choices=["p2p", "allgather"])
+    ap.add_argument("--seq-len", type=int, default=8192, help="global sequence length (default: %(default)s)")
+    ap.add_argument("--heads", type=int, default=8, help="heads (default: %(default)s)")
+    ap.add_argument("--head-dim", type=int, default=64, help="default: %(default)s")
+    ap.add_argument("--balance", default="zigzag", choices=["contiguous", "zigzag"],
+                    help="how the sequence is split over ranks (default: %(default)s)")
+    ap.add_argument("--comm", default="p2p", choices=["p2p", "allgather"], help="default: %(default)s")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()

@@ -340,3 +340,11 @@ def test_other_archs_compile_on_their_own_instructions(aot_other_archs):
     assert any(int(r["tcgen05"]) > 0 for r in rows["sm100"]), rows["sm100"]
     for r in rows["gfx942"]:  # MFMA, within MI300's 64 KiB of LDS
         assert int(r["mfma"]) > 0 and int(r["shared_bytes"]) <= 64 * 1024, r
+
+
+@needs_ptxas
+def test_fp_fusion_default_is_said_at_most_once(aot):
+    """Triton 3.9 warns in every compile process while TRITON_DEFAULT_FP_FUSION is unset (twice
+    per run with 2 jobs); the run says it once, with the setting the compiles used."""
+    _, _, proc = aot
+    assert (proc.stdout + proc.stderr).count("TRITON_DEFAULT_FP_FUSION is unset") <= 1

@@ -3,15 +3,19 @@ against a transcription of that library's forward (tests/dilated_attention_pytor
 float64 oracle; the same transcription in float32 is the same-dtype reference of the tolerance
 rule), forward and backward, after load_state_dict(strict=True) of its weights; the shapes
 compat mode refuses; that library's argument names (softmax_scale, attention_dropout,
-is_causal)."""
+is_causal, op); the warning when its checkpoint is loaded without compat."""
 from __future__ import annotations
+
+import io
+import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import dilated_attention_pytorch_reference as dap
 from reference import FLOOR, assert_rule, seeded
-from triton_dilated.modules import DilatedAttention, MultiheadDilatedAttention
+from triton_dilated.modules import DAP_CHECKPOINT_WARNING, DilatedAttention, MultiheadDilatedAttention
 
 COMPAT = "dilated-attention-pytorch"
 
@@ -171,3 +175,64 @@ def test_softmax_scale_attention_dropout_is_causal_names():
         m(q, k, v, causal=True, is_causal=True)
     with pytest.raises(TypeError, match="is_causal must be a bool"):
         m(q, k, v, is_causal=1)
+
+
+def test_op_is_accepted_and_ignored():
+    """That library's `op` (an xformers kernel choice) in its position or by name: the same
+    module; a non-None op says it is ignored."""
+    q, k, v = (seeded((1, 24, 2, 8), torch.float32, s) for s in range(3))
+    ref = DilatedAttention([8, 24], [1, 2], backend="torch")
+    assert torch.equal(DilatedAttention([8, 24], [1, 2], None, 0.0, None, backend="torch")(q, k, v), ref(q, k, v))
+    with pytest.warns(UserWarning, match="op='flash' .* is ignored"):
+        m = DilatedAttention([8, 24], [1, 2], op="flash", backend="torch")
+    assert torch.equal(m(q, k, v), ref(q, k, v))
+    MultiheadDilatedAttention(32, 4, [1, 2], [8, 16], 0.0, True, True, 1e-5, 1.0, None, None, None)
+    with pytest.warns(UserWarning, match="is ignored"):
+        MultiheadDilatedAttention(32, 4, [1, 2], [8, 16], op=object())
+
+
+# ----------------------------------------------------------------------------- loading its checkpoints
+
+def _saved(module):
+    """module.state_dict() as torch.save / torch.load hand it back (with its metadata)."""
+    buf = io.BytesIO()
+    torch.save(module.state_dict(), buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+@pytest.fixture
+def warn_again(monkeypatch):
+    """The checkpoint warning is once per process: re-armed for each test."""
+    import triton_dilated.modules as modules
+    monkeypatch.setattr(modules, "_DAP_CHECKPOINT_WARNED", False)
+
+
+@pytest.mark.parametrize("mode", [None, "head_groups"])
+def test_loading_that_librarys_checkpoint_without_compat_warns_once(mode, warn_again):
+    """Its state dict loads with strict=True into a module without compat (the keys match) and
+    the outputs change by O(1): loud, once, naming compat; nested models too."""
+    E, H, rates, lengths = 32, 4, [1, 2], [8, 16]
+    theirs = dap.MultiheadDilatedAttention(E, H, rates, lengths)
+    _randomise(theirs, 0)
+    ours = nn.Sequential(MultiheadDilatedAttention(E, H, rates, lengths, mode=mode, backend="torch"),
+                         MultiheadDilatedAttention(E, H, rates, lengths, mode=mode, backend="torch"))
+    with pytest.warns(UserWarning, match=f"{DAP_CHECKPOINT_WARNING}.*compat='dilated-attention-pytorch'") as rec:
+        ours.load_state_dict(_saved(nn.Sequential(theirs, dap.MultiheadDilatedAttention(E, H, rates, lengths))),
+                             strict=True)
+    assert len([w for w in rec if DAP_CHECKPOINT_WARNING in str(w.message)]) == 1
+    x = seeded((1, 16, E), torch.float32, 1)
+    assert (ours[0](x, x, x)[0] - theirs(x, x, x)[0]).abs().max() > 0.1      # what the warning is about
+
+
+def test_no_checkpoint_warning_with_compat_or_for_its_own_checkpoints(warn_again):
+    E, H, rates, lengths = 32, 4, [1, 2], [8, 16]
+    theirs = dap.MultiheadDilatedAttention(E, H, rates, lengths)
+    ours = MultiheadDilatedAttention(E, H, rates, lengths, backend="torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MultiheadDilatedAttention(E, H, rates, lengths, compat=COMPAT).load_state_dict(_saved(theirs), strict=True)
+        MultiheadDilatedAttention(E, H, rates, lengths).load_state_dict(_saved(ours), strict=True)
+        MultiheadDilatedAttention(E, H, rates, lengths).load_state_dict(ours.state_dict(), strict=True)
+        # without metadata (a plain dict) the origin is unknown: no warning
+        MultiheadDilatedAttention(E, H, rates, lengths).load_state_dict(dict(_saved(theirs)), strict=True)

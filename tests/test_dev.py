@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ck
 
 STUB_PYTHON = """#!/usr/bin/env bash
 echo "python $*" >> "$FAKE_LOG"
+[ -n "${FAKE_LOG_OMP:-}" ] && echo "OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-} OMP_NUM_THREADS=${OMP_NUM_THREADS:-}" >> "$FAKE_LOG"
 case "$*" in
   "-c import torch") [ -n "${FAKE_HAS_TORCH:-}" ]; exit $? ;;
   "-m pytest"*) exit "${FAKE_PYTEST_RC:-0}" ;;
@@ -91,7 +92,7 @@ def test_first_run_announces_each_step_and_installs_the_cpu_torch(tmp_path):
     res = dev("true")
     assert res.returncode == 0, res.stderr
     assert _dev_lines(res.stderr) == [
-        f"dev: first run: setting up {dev.venv} (about a minute and 2.2 GB of disk)",
+        f"dev: first run: setting up {dev.venv} (about a minute and a half and 2.4 GB of disk)",
         "dev: creating the virtual environment",
         "dev: upgrading pip",
         "dev: installing torch 2.13.0+cpu, the CPU build (no NVIDIA GPU found)",
@@ -155,6 +156,28 @@ def test_other_commands_run_inside_the_environment(tmp_path):
     # the README's ring commands: torchrun is the venv's (installed with torch)
     assert dev("torchrun", "--nproc_per_node=4", "examples/ring_demo.py").returncode == 0
     assert dev.calls() == ["torchrun --nproc_per_node=4 examples/ring_demo.py"]
+
+
+NO_OMP = dict(OMP_NUM_THREADS="", OMP_WAIT_POLICY="", GOMP_SPINCOUNT="", FAKE_LOG_OMP="1")
+
+
+def test_perf_makes_idle_openmp_threads_wait_passively_unless_the_user_chose(tmp_path):
+    """Spinning idle threads made CPU benchmarks 10x slower on a shared machine: ./dev perf sets
+    OMP_WAIT_POLICY=PASSIVE (and says so) unless the user set the threads or the wait policy."""
+    dev = FakeDev(tmp_path)
+    assert dev("true").returncode == 0
+    res = dev("perf", "--quick", **NO_OMP)
+    assert res.returncode == 0, res.stderr
+    assert dev.calls() == ["python -m triton_dilated.perf --quick", "OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS="]
+    assert any(line.startswith("dev: OMP_WAIT_POLICY=PASSIVE for the benchmark") for line in _dev_lines(res.stderr))
+    for mine in (dict(OMP_NUM_THREADS="1"), dict(OMP_WAIT_POLICY="ACTIVE"), dict(GOMP_SPINCOUNT="1000")):
+        res = dev("perf", **{**NO_OMP, **mine})
+        assert res.returncode == 0, res.stderr
+        assert dev.calls()[1] == (f"OMP_WAIT_POLICY={mine.get('OMP_WAIT_POLICY', '')} "
+                                  f"OMP_NUM_THREADS={mine.get('OMP_NUM_THREADS', '')}")
+        assert not any("OMP_WAIT_POLICY=PASSIVE" in line for line in _dev_lines(res.stderr))
+    dev("test", **NO_OMP)
+    assert dev.calls()[1] == "OMP_WAIT_POLICY= OMP_NUM_THREADS="      # only the benchmarks
 
 
 def test_notebooks_installs_jupyterlab_once_then_opens_the_notebooks(tmp_path):

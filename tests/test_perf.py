@@ -460,7 +460,7 @@ def test_table_and_plot_reject_missing_and_foreign_csvs(tmp_path, capsys):
             assert says in err and "Traceback" not in err, (cmd, err)
     layouts_csv = ROOT / "perf" / "results" / "cpu-layouts.csv"     # a result CSV without plots
     assert main(["plot", str(layouts_csv), "--out-dir", str(tmp_path)]) == 1
-    assert "no sweep or ring rows to plot" in capsys.readouterr().err
+    assert "no sweep, ring or decode rows to plot" in capsys.readouterr().err
     assert main(["table", str(layouts_csv)]) == 0
     assert "layout builder" in capsys.readouterr().out
 
@@ -583,3 +583,95 @@ def test_decode_sweep_labels_the_longnet_schedule():
     rows = perf_decode.run_decode([64], providers=["sdpa_dense"], heads=2, head_dim=8, ws=[16], rs=[1],
                                   device="cpu", memory_contexts=[], quiet=True, timing=one)
     assert {r["variant"] for r in rows} == {"custom"}
+
+
+# ----------------------------------------------------------------------------- CLI rough edges (issue 24)
+
+def test_sweep_names_an_unknown_provider_and_lists_the_known_ones(tmp_path, capsys):
+    out = tmp_path / "s.csv"
+    assert main(["--tiny", "--providers", "foo", "sdpa_dense", "--budget", "0", "--no-plot", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown provider 'foo'" in err and "triton, portable, head_group_loop, flex, sdpa_dense" in err
+    assert not out.exists()
+
+
+def test_sweep_says_why_a_named_provider_has_no_rows(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "main_provider", lambda device: "portable")     # a CPU without the interpreter
+    out = tmp_path / "s.csv"
+    assert main(["--tiny", "--providers", "triton", "--budget", "0", "--no-plot", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no rows for 'triton'" in err and "CUDA GPU" in err and "nothing to time" in err
+    # one of two named providers missing: it says why, and times the other
+    assert main(["--tiny", "--ops", "dilated", "--providers", "flex", "sdpa_dense", "--budget", "0", "--no-plot",
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "no rows for 'flex'" in err and "block-sparse op only" in err
+    assert {r["provider"] for r in _read(out)[1]} == {"sdpa_dense"}
+
+
+def test_busy_rows_end_with_one_line_saying_what_to_do(capsys, monkeypatch, tmp_path):
+    case = bench.tiny_sweep("cpu", 64)[0]
+    base = dict(matmul_peak_tflops=0.1, machine="test", device="cpu")
+    quiet = bench.group_rows(case, _measured([10.0] * 5, [30.0] * 5, [20.0] * 5, [60.0] * 5), {"portable"}, 0.1, base)
+    busy = bench.group_rows(case, _measured([10.0] * 5, [30.0] * 5, [20.0] * 5, [60.0] * 5, other_cores=0.99),
+                            {"portable"}, 0.1, base)
+    assert results.busy_hint(quiet) == ""
+    hint = results.busy_hint(busy, threads=2)
+    assert hint.startswith("busy: 1 of 1 cases") and "0.99 cores" in hint and "OMP_NUM_THREADS=1" in hint
+    assert "\n" not in hint and "2 torch threads" in hint and "OMP_WAIT_POLICY=PASSIVE" in hint
+    monkeypatch.setattr(bench, "run_sweep", lambda *a, **k: busy)
+    assert main(["--tiny", "--budget", "0", "--no-plot", "--out", str(tmp_path / "s.csv")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [line for line in printed if "OMP_NUM_THREADS=1" in line] == [printed[-1]]
+
+
+def test_aot_rejects_an_unknown_arch_in_one_line(capsys):
+    """The help lists the architecture table's archs; an unknown one is one usage line naming them."""
+    from triton_dilated.ops.common.hardware import ARCH_TABLE
+    arch_help = next(a.help for a in _aot_parser()._actions if "--arch" in a.option_strings)
+    assert "known: " + " ".join(n.removeprefix("sm") for n in ARCH_TABLE) in arch_help
+    with pytest.raises(SystemExit) as exc:
+        main(["aot", "--arch", "12"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown GPU architecture 'sm12'" in err and "sm90" in err and "gfx942" in err
+    assert sum("unknown GPU architecture" in line for line in err.splitlines()) == 1
+
+
+def _aot_parser():
+    import argparse
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["aot"]
+
+
+def _crash(job):
+    os._exit(3)     # what an LLVM abort does to a compile worker
+
+
+def test_aot_says_which_compile_crashed_its_process(monkeypatch):
+    from triton_dilated.perf import aot
+    monkeypatch.setattr(aot, "compile_one", _crash)
+    with pytest.raises(aot.AotCrash, match=r"a compile process crashed .* sm80 dilated_fwd"):
+        aot.run_aot(archs=[80], head_dims=[64], causal=[True], kernels=["dilated_fwd"], jobs=1, log=lambda *a: None)
+
+
+def test_table_and_plot_read_the_decode_csv(tmp_path, capsys):
+    decode_csv = ROOT / "perf" / "results" / "decode-cpu.csv"
+    assert main(["table", str(decode_csv)]) == 0
+    out = capsys.readouterr().out
+    assert "time per decode step" in out and "KV cache per layer" in out and "131072" in out
+    assert main(["plot", str(decode_csv), "--out-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "decode-cpu-decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_arguments_leaves_the_committed_results_alone(tmp_path, monkeypatch, capsys):
+    """No arguments: the committed CSVs are plotted into perf/out/ under the working directory,
+    not over the committed PNGs next to them."""
+    committed = ROOT / "perf" / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in committed.iterdir()}
+    monkeypatch.chdir(tmp_path)
+    assert main(["plot"]) == 0
+    written = [line.removeprefix("wrote ") for line in capsys.readouterr().out.splitlines()]
+    assert written and all(pathlib.Path(p).resolve().parent == tmp_path / "perf" / "out" for p in written)
+    assert "ring-cpu-ring.png" in {pathlib.Path(p).name for p in written}
+    assert {p.name: p.stat().st_mtime_ns for p in committed.iterdir()} == before

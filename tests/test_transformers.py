@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import pathlib
 import subprocess
 import sys
@@ -221,6 +222,26 @@ def test_clear_errors():
         model(ids)
     with pytest.raises(ValueError, match="exactly one"):
         td_hf.DilatedCache()
+
+
+def test_importing_the_integration_registers_it():
+    """A forgotten td_hf.register() does not matter once the module is imported (a fresh
+    process: transformers' registry without our names)."""
+    code = ("import torch\n"
+            "from transformers import AutoModelForCausalLM, LlamaConfig\n"
+            "import triton_dilated.integrations.transformers\n"
+            "cfg = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, "
+            "num_attention_heads=2, max_position_embeddings=64)\n"
+            "cfg.dilated_attention = {'segment_lengths': [64], 'dilation_rates': [1]}\n"
+            "for impl in ('triton_dilated', 'triton_block_sparse'):\n"
+            "    cfg.block_sparse_attention = {'builder': 'local', 'block_size': 16}\n"
+            "    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl)\n"
+            "    print(impl, tuple(model(torch.ones(1, 8, dtype=torch.long)).logits.shape))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE.parent)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:2] == ["triton_dilated (1, 8, 16)", "triton_block_sparse (1, 8, 16)"]
 
 
 def test_only_the_integration_imports_transformers():

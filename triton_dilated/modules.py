@@ -28,7 +28,10 @@ its code) and what does not:
   `load_state_dict(strict=True)`, for the shapes it runs: num_heads a multiple of the
   number of patterns and N a multiple of every segment length. Where that library cannot
   run (N % w != 0, w > N), compat mode extends it: head groups with a short last segment,
-  then the same two divisions.
+  then the same two divisions. Loading that library's checkpoint into a
+  `MultiheadDilatedAttention` built without compat warns (once per process), since strict
+  loading succeeds and only the outputs change; its `op` argument (an xformers kernel
+  choice) is accepted and ignored.
 * `mode="longnet"` (the default) is the paper's attention instead: every head uses every
   pattern, mixed by their softmax denominators (no sums over the sequence, causal
   attention stays causal).
@@ -50,6 +53,8 @@ from __future__ import annotations
 import collections
 import math
 import numbers
+import sys
+import warnings
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -107,6 +112,54 @@ def _check_compat(compat, mode, scale):
     return compat, "head_groups"
 
 
+def _ignore_op(op, where):
+    """dilated-attention-pytorch's `op` (an xformers AttentionOp: which xformers kernel computes
+    the same attention) is accepted for a drop-in import switch and ignored: the kernels here
+    are picked by `backend`. A non-None op says so once."""
+    if op is not None:
+        warnings.warn(f"{where}: op={op!r} (dilated-attention-pytorch's choice of xformers kernel) is ignored: "
+                      f"triton_dilated runs its own kernels (backend='auto', 'triton' or 'torch'); the attention "
+                      f"computed does not depend on it", UserWarning, stacklevel=3)
+
+
+# A state dict saved by dilated-attention-pytorch's MultiheadDilatedAttention has exactly this
+# module's keys (strict loading succeeds), so loading it without compat silently changes the
+# outputs (by O(1): its normalisation differs). Its module has no `dropout` submodule, ours
+# always has one: nn.Module's state-dict metadata (a "version" entry per submodule, kept by
+# torch.save) tells them apart. A state dict without metadata (rebuilt as a plain dict,
+# safetensors) cannot be told apart and loads silently.
+_DAP_CHECKPOINT_WARNED = False
+DAP_CHECKPOINT_WARNING = "this state dict was saved by dilated-attention-pytorch's MultiheadDilatedAttention"
+
+
+def _note_checkpoint_metadata(module, state_dict, prefix, local_metadata, *args):
+    """load_state_dict pre-hook (the module and its `dropout`): whether the state dict's metadata
+    has an entry for this submodule."""
+    module.__dict__["_td_checkpoint_entry"] = "version" in local_metadata
+
+
+def _warn_on_foreign_checkpoint(module, incompatible_keys):
+    """load_state_dict post-hook of MultiheadDilatedAttention: warn (once per process) when a
+    checkpoint of dilated-attention-pytorch's module (metadata, but none for `dropout`) was
+    loaded without compat."""
+    global _DAP_CHECKPOINT_WARNED
+    own = module.__dict__.pop("_td_checkpoint_entry", False)
+    dropout = module.dropout.__dict__.pop("_td_checkpoint_entry", False)
+    if not own or dropout or module.attention.compat is not None or _DAP_CHECKPOINT_WARNED:
+        return
+    _DAP_CHECKPOINT_WARNED = True
+    # point at the user's load_state_dict call, above torch's recursive loader
+    level, frame = 1, sys._getframe(0)
+    while frame is not None and frame.f_code.co_filename in (__file__, nn.Module.load_state_dict.__code__.co_filename):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(f"MultiheadDilatedAttention.load_state_dict: {DAP_CHECKPOINT_WARNING} (a module with these keys "
+                  f"and no `dropout` submodule), but this module was built without compat: it computes "
+                  f"mode={module.attention.mode!r} attention, whose outputs differ from that library's by O(1). "
+                  f"Build it with compat={COMPAT_DAP!r} to get that library's outputs (README: Migrating from "
+                  f"dilated-attention-pytorch); if the change is deliberate (fine-tuning into LongNet attention), "
+                  f"ignore this warning. Warned once per process.", UserWarning, stacklevel=level)
+
+
 def _check_compat_heads(num_heads, num_patterns, compat):
     if num_heads % num_patterns:
         raise ValueError(f"compat={compat!r} needs num_heads ({num_heads}) to be a multiple of the number of "
@@ -130,10 +183,15 @@ class DilatedAttention(nn.Module):
         mode: "longnet" (default) or "head_groups"; offsets: "modulo" or "blocked".
         scale: score scale, default 1/sqrt(D).
         backend: "auto", "triton" or "torch".
+        op: dilated-attention-pytorch's choice of xformers kernel, accepted (so that switching
+            the import keeps working) and ignored with a warning unless None: the kernels
+            here are chosen by `backend`, and the attention does not depend on it.
         compat: None, or "dilated-attention-pytorch": that library's outputs (head groups,
             each group's output divided by its sum over the sequence, the total by the
             number of groups; see the module docstring). Implies mode="head_groups" and
-            needs Hq a multiple of the number of patterns; no lse.
+            needs Hq a multiple of the number of patterns; no lse. Without it the outputs
+            are not that library's (this module has no weights, so nothing warns at load
+            time: pass it when switching the import).
 
     forward(query, key, value, causal=None, return_lse=False, *, is_causal=None): query
     (B, N, Hq, D), key/value (B, N, Hkv, D) with Hq % Hkv == 0; returns out like query, or
@@ -142,10 +200,11 @@ class DilatedAttention(nn.Module):
     """
 
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
-                 softmax_scale: Optional[float] = None, attention_dropout: float = 0.0, *, causal: bool = False,
-                 mode: Optional[str] = None, offsets: str = "modulo", scale: Optional[float] = None,
-                 backend: str = "auto", compat: Optional[str] = None):
+                 softmax_scale: Optional[float] = None, attention_dropout: float = 0.0, op=None, *,
+                 causal: bool = False, mode: Optional[str] = None, offsets: str = "modulo",
+                 scale: Optional[float] = None, backend: str = "auto", compat: Optional[str] = None):
         super().__init__()
+        _ignore_op(op, "DilatedAttention")
         if softmax_scale is not None and scale is not None:
             raise ValueError(f"give scale or softmax_scale (the same argument), not both: got scale={scale}, "
                              f"softmax_scale={softmax_scale}")
@@ -224,11 +283,16 @@ class MultiheadDilatedAttention(nn.Module):
         num_kv_heads: key/value heads (GQA/MQA); k_proj, v_proj map to
             num_kv_heads * head_dim. Default num_heads.
         mode, offsets, scale, backend: as for `dilated_attention` (mode default "longnet").
+        op: dilated-attention-pytorch's choice of xformers kernel: accepted and ignored (see
+            `DilatedAttention`).
         compat: None, or "dilated-attention-pytorch": that library's outputs (see
             `DilatedAttention` and the module docstring), so that its checkpoints load
             with `load_state_dict(strict=True)` and give its outputs and gradients. Implies
             mode="head_groups"; needs num_heads a multiple of len(dilation_rates), scale
-            None and no group.
+            None and no group. Loading a state dict saved by that library's module into one
+            built without compat warns (once per process): the keys match, the outputs do
+            not. (Only a state dict with torch's metadata, as torch.save keeps it, shows
+            where it came from.)
         group: a torch.distributed process group (e.g. torch.distributed.group.WORLD) for
             sequence parallelism: each rank passes its shard (B, N_local, E) of the
             sequence (see `triton_dilated.shard`) and gets its shard of the output, through
@@ -243,11 +307,12 @@ class MultiheadDilatedAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, dilation_rates: Sequence[int], segment_lengths: Sequence[int],
                  dropout: float = 0.0, bias: bool = True, layer_norm: bool = True, layer_norm_eps: float = 1e-5,
                  gamma_init: float = 1.0, device: Optional[Union[torch.device, str]] = None,
-                 dtype: Optional[torch.dtype] = None, *, num_kv_heads: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None, op=None, *, num_kv_heads: Optional[int] = None,
                  mode: Optional[str] = None, offsets: str = "modulo", scale: Optional[float] = None,
                  backend: str = "auto", group=None, comm: str = "p2p", balance: str = "contiguous",
                  compat: Optional[str] = None):
         super().__init__()
+        _ignore_op(op, "MultiheadDilatedAttention")
         embed_dim = check_int("embed_dim", embed_dim, 1)
         num_heads = check_int("num_heads", num_heads, 1)
         num_kv_heads = num_heads if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads, 1)
@@ -302,6 +367,10 @@ class MultiheadDilatedAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self._reset_parameters()
+        # loading dilated-attention-pytorch's checkpoint without compat warns (see _warn_on_foreign_checkpoint)
+        self._register_load_state_dict_pre_hook(_note_checkpoint_metadata, with_module=True)
+        self.dropout._register_load_state_dict_pre_hook(_note_checkpoint_metadata, with_module=True)
+        self.register_load_state_dict_post_hook(_warn_on_foreign_checkpoint)
 
     def _reset_parameters(self):
         # MAGNETO (arXiv 2210.06423, Fig. 2): gain gamma_init on v_proj and out_proj.

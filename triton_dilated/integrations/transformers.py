@@ -9,7 +9,9 @@ attention as transformers attention functions, and a bounded cache for generatio
 
 `register()` adds "triton_dilated" and "triton_block_sparse" to transformers'
 `AttentionInterface` (and a padding-mask function of the same names to its
-`AttentionMaskInterface`). The patterns come from the model config:
+`AttentionMaskInterface`); importing this module calls it, so a forgotten `register()` cannot
+break `from_config` (transformers' own error, "attn_implementation=... is not supported",
+means this module was not imported). The patterns come from the model config:
 
     config.dilated_attention = {"segment_lengths": [...], "dilation_rates": [...],
                                 "mode": "longnet", "offsets": "modulo"}      # mode, offsets optional
@@ -19,7 +21,11 @@ the second naming a `triton_dilated.layouts` builder (local, dilated, global_tok
 bigbird, hierarchical, causal) and its keyword arguments; the layout is built once for
 `max_seq_len` (default config.max_position_embeddings) and its leading blocks serve every
 shorter sequence, so training, prefill and each decode step see the same blocks. Either dict
-may also hold "backend" ("auto", "triton", "torch").
+may also hold "backend" ("auto", "triton", "torch"). A model without the dict fails at its
+first forward with a message naming it (transformers gives an attention function no hook at
+`from_config`). One pattern covering every sequence, {"segment_lengths":
+[max_position_embeddings], "dilation_rates": [1]}, is causal dense attention (sdpa's logits);
+several patterns mix their attention by design (LongNet).
 
 Supported: causal self-attention of decoder-only LMs (`module.is_causal`), training (forward
 and backward), prefill, `generate()` with transformers' DynamicCache or with `DilatedCache`,
@@ -59,7 +65,7 @@ _UNSUPPORTED = {"sliding_window": "sliding-window attention", "softcap": "logit 
 
 def register() -> None:
     """Register "triton_dilated" and "triton_block_sparse" with transformers (attention
-    functions and their padding-mask functions). Idempotent."""
+    functions and their padding-mask functions). Idempotent; importing this module calls it."""
     AttentionInterface.register(DILATED, dilated_attention_forward)
     AttentionInterface.register(BLOCK_SPARSE, block_sparse_attention_forward)
     AttentionMaskInterface.register(DILATED, dilated_attention_mask)
@@ -401,3 +407,8 @@ class DilatedCache(Cache):
     @property
     def nbytes(self) -> int:
         return sum(layer.rows.nbytes for layer in self.layers)
+
+
+# Registered on import: the module exists to provide these names, and a user who imported it but
+# forgot register() would otherwise get transformers' generic "not supported" error.
+register()

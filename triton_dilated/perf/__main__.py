@@ -105,12 +105,14 @@ def _parser():
     p.add_argument("--seqlen", type=int, default=1 << 20, metavar="N", help="sequence length (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=128, help="block size (default: %(default)s)")
 
-    p = command("plot", "PNG plots from result CSVs")
-    p.add_argument("csv", nargs="*", help="result CSVs (default: perf/results/*.csv)")
-    p.add_argument("--out-dir", help="where to write the PNGs (default: next to each CSV)")
+    p = command("plot", "PNG plots from result CSVs (sweep, ring and decode rows)")
+    p.add_argument("csv", nargs="*", help="result CSVs (default: the committed perf/results/*.csv)")
+    p.add_argument("--out-dir", default="perf/out",
+                   help="where to write the PNGs, X-<kind>.png for X.csv (default: %(default)s, like every output "
+                        "of this CLI; the committed figures are redrawn with --out-dir perf/results)")
 
     p = command("table", "print the summary table of result CSVs")
-    p.add_argument("csv", nargs="+", help="result CSVs (sweep, ring, tune or layouts rows)")
+    p.add_argument("csv", nargs="+", help="result CSVs (sweep, ring, decode, tune or layouts rows)")
 
     p = command("aot", "compile every kernel ahead of time for NVIDIA and AMD archs (no GPU needed)")
     p.add_argument("--arch", type=_aot_arch, nargs="+", default=[90, 80], metavar="ARCH",
@@ -178,9 +180,14 @@ def main(argv=None) -> int:
 def _sweep(args) -> int:
     import torch
 
-    from .bench import default_sweep, run_sweep, tiny_sweep
-    from .results import print_table
+    from .bench import PROVIDERS, default_sweep, missing_providers, run_sweep, tiny_sweep
+    from .results import busy_hint, print_table
     from .timing import Timing
+    unknown = [p for p in args.providers or () if p not in PROVIDERS]
+    if unknown:
+        print(f"sweep: unknown provider{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}; "
+              f"the providers are {', '.join(PROVIDERS)}", file=sys.stderr)
+        return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
         cases = [c for c in tiny_sweep(device, (args.seqlens or [128])[0]) if c.op in args.ops]
@@ -189,6 +196,13 @@ def _sweep(args) -> int:
     if not cases:
         print("nothing to run")
         return 1
+    if args.providers:
+        missing = missing_providers(cases, args.providers, flex=args.flex)
+        for name, why in missing.items():
+            print(f"sweep: no rows for {name!r}: {why}", file=sys.stderr)
+        if len(missing) == len(set(args.providers)):
+            print("sweep: none of the named providers can run here: nothing to time", file=sys.stderr)
+            return 2
     timing = Timing.for_device(device, args.budget)
     rows = run_sweep(cases, out=args.out, timing=timing, flex=args.flex, only=args.providers)
     print_table(rows)
@@ -202,6 +216,9 @@ def _sweep(args) -> int:
                 print(f"wrote {p}")
         except Exception as exc:  # plotting is a convenience: never fail the sweep for it
             print(f"plots skipped ({type(exc).__name__}: {exc})")
+    hint = busy_hint(rows, threads=torch.get_num_threads())
+    if hint:    # last, where it is read
+        print(hint)
     return 0 if rows else 1
 
 
@@ -272,7 +289,7 @@ def _plot(args) -> int:
             failed += 1
             continue
         if not new and args.csv:
-            print(f"plot: {path}: no sweep or ring rows to plot (layouts and tune CSVs have no plots)",
+            print(f"plot: {path}: no sweep, ring or decode rows to plot (layouts and tune CSVs have no plots)",
                   file=sys.stderr)
         for p in new:
             print(f"wrote {p}")
@@ -281,6 +298,8 @@ def _plot(args) -> int:
 
 
 def _table(args) -> int:
+    from .decode import OP as DECODE_OP
+    from .decode import decode_table
     from .results import BENCH_OPS, ResultsFileError, read_csv, summary_table
     from .ring import ring_table
     try:
@@ -292,9 +311,10 @@ def _table(args) -> int:
     bench = [r for r in rows if r["op"] in BENCH_OPS]
     tune = [r for r in rows if str(r["op"]).startswith("tune:")]
     layouts = [r for r in rows if r["op"] == "layout_build"]
-    if not (ring or bench or tune or layouts):
+    decode = [r for r in rows if r["op"] == DECODE_OP]
+    if not (ring or bench or tune or layouts or decode):
         ops = sorted({str(r["op"]) for r in rows})
-        print(f"table: {', '.join(map(str, args.csv))}: no sweep, ring, tune or layout rows"
+        print(f"table: {', '.join(map(str, args.csv))}: no sweep, ring, decode, tune or layout rows"
               + (f" (ops: {', '.join(ops[:6])})" if ops else " (no rows)"), file=sys.stderr)
         return 1
     machines = sorted({r["machine"] for r in rows if r.get("machine")})
@@ -303,6 +323,8 @@ def _table(args) -> int:
         print(summary_table(bench))
     if ring:
         print(ring_table(ring))
+    if decode:
+        print(decode_table(decode))
     if tune:
         best = {}
         for r in tune:
@@ -336,10 +358,10 @@ def _aot_arch(text: str):
 
 
 def _aot(args) -> int:
+    from .aot import KERNELS, VARIANTS, AotCrash, run_aot
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("aot: TRITON_INTERPRET=1 replaces the compiled kernels by the interpreter: unset it", file=sys.stderr)
         return 2
-    from .aot import KERNELS, VARIANTS, run_aot
     unknown = set(args.kernels or ()) - set(KERNELS) - set(VARIANTS)
     if unknown:
         print(f"aot: unknown kernels {sorted(unknown)}; known: {', '.join([*KERNELS, *VARIANTS])}", file=sys.stderr)
@@ -355,8 +377,13 @@ def _aot(args) -> int:
             return 2
     causal = CAUSAL[args.causal]
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}    # the AOT CSV's spelling
-    rows = run_aot(archs=args.arch, head_dims=args.head_dims, dtypes=[short[d] for d in args.dtypes], causal=causal,
-                   kernels=args.kernels, configs=configs, out=args.out, jobs=args.jobs, ptx_dir=args.ptx_dir)
+    try:
+        rows = run_aot(archs=args.arch, head_dims=args.head_dims, dtypes=[short[d] for d in args.dtypes],
+                       causal=causal, kernels=args.kernels, configs=configs, out=args.out, jobs=args.jobs,
+                       ptx_dir=args.ptx_dir)
+    except AotCrash as exc:
+        print(f"aot: {exc}", file=sys.stderr)
+        return 1
     failed = [r for r in rows if r["error"]]
     spilled = [r for r in rows if not r["error"] and r["spill_stores"]]
     replicated = [r for r in rows if not r["error"] and r["mma_replicated"]]

@@ -6,7 +6,7 @@ shapes, shared memory) or what ptxas reports (registers, spills). This compiles 
 kernel with the config the library would pick on that arch (configs.default_config, or
 --configs), runs Triton's own ptxas with -v, and writes one CSV row per compile:
 registers, spill stores/loads, shared memory, or the error; and, read off the PTX and the
-TTGIR, what the compiler made of the loops (README, "Reading the compiled code"):
+TTGIR, what the compiler made of the loops (docs/internals.md, "Reading the compiled code"):
 
 * wgmma / mma_sync: tensor-core instructions in the PTX (static count per thread), and the
   wgmma shapes with their counts (m64n64k16:16 ...);
@@ -39,7 +39,9 @@ import re
 import subprocess
 import tempfile
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from ..ops import SPECS, kernel_specs
 from ..ops.common.hardware import ARCH_TABLE, arch_facts, padded_head_dim
@@ -54,6 +56,30 @@ FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_w
           "sgpr_spills", "occupancy", "compile_s", "error"]
 # opt-in shared memory bytes per block, from the architecture table
 _SMEM = {int(name[2:]): facts.shared_memory for name, facts in ARCH_TABLE.items() if name.startswith("sm")}
+# Triton 3.9 warns once per process when TRITON_DEFAULT_FP_FUSION is unset (its default changes in 3.10): each
+# compile worker would print it; run_aot says it once instead
+_FP_FUSION_WARNING = r"TRITON_DEFAULT_FP_FUSION is unset"
+
+
+class AotCrash(RuntimeError):
+    """A compile process died (LLVM aborts the process on some errors) instead of reporting an error."""
+
+
+def fp_fusion_note() -> str:
+    """One line on the FP-fusion setting the compiles use where Triton warns that its default
+    changes (Triton 3.9 with TRITON_DEFAULT_FP_FUSION unset), else ""."""
+    if os.environ.get("TRITON_DEFAULT_FP_FUSION") is not None:
+        return ""
+    try:
+        import triton
+        knobs = triton.knobs.language
+        if not hasattr(knobs, "default_fp_fusion") or knobs.force_disable_fp_fusion:
+            return ""
+        on = bool(knobs.default_fp_fusion)
+    except Exception:   # an older or newer triton without these knobs: nothing to say
+        return ""
+    return (f"note: TRITON_DEFAULT_FP_FUSION is unset: compiling with FP fusion {'enabled' if on else 'disabled'}, "
+            f"triton {triton.__version__}'s default (Triton 3.10 changes it); set it to 1 or 0 to choose")
 
 
 def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool = False):
@@ -176,6 +202,7 @@ def compile_one(job) -> dict:
     row = dict.fromkeys(FIELDS, "")
     row.update(arch=arch_label(arch), kernel=name, dtype=dtype, D=D, causal=int(causal), **cfg)
     start = time.time()
+    warnings.filterwarnings("ignore", message=_FP_FUSION_WARNING)   # run_aot says it once
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -265,8 +292,20 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
             row = dict(kernel=name, dtype=dtype, D=D, causal=int(c), **cfg)
             work[i] = (name, arch, dtype, D, c, cfg, os.path.join(folder, ptx_name(row, bool(configs and len(configs) > 1))))
     rows = []
+    note = fp_fusion_note()
+    if note:
+        log(note)
     with ProcessPoolExecutor(max(1, jobs)) as pool:
-        for i, row in enumerate(pool.map(compile_one, work), 1):
+        results = pool.map(compile_one, work)
+        for i in range(1, len(work) + 1):
+            try:
+                row = next(results)
+            except BrokenProcessPool:
+                name, arch, dtype, D, c, cfg, *_ = work[i - 1]
+                raise AotCrash(f"a compile process crashed (the compiler aborted it, printing any error above) at "
+                               f"or after [{i}/{len(work)}] {arch_label(arch)} {name} {dtype} D={D} causal={int(c)}; "
+                               f"{len(rows)} compiles finished (rerun with --jobs 1 --kernels {name} to isolate "
+                               f"it)") from None
             rows.append(row)
             what = row["error"] or _summary(row)
             log(f"[{i}/{len(work)}] {row['arch']} {row['kernel']} {row['dtype']} D={row['D']} causal={row['causal']} "

@@ -236,6 +236,44 @@ def providers(case: Case, flex: bool | None = None, only=None):
     return provs
 
 
+PROVIDERS = ("triton", "portable", "head_group_loop", "flex", "sdpa_dense")   # every name `providers` can return
+
+
+def missing_providers(cases, named, flex: bool | None = None) -> dict:
+    """{provider: why no case of the sweep can time it} for the `named` providers (known
+    names) that `providers` returns for none of the cases: the sweep says so instead of
+    leaving them out silently."""
+    seen = set()
+    for case in cases:
+        seen |= set(providers(case, flex=flex, only=named))
+    device = cases[0].device if cases else "cpu"
+    ops = {case.op for case in cases}
+    modes = {case.variant for case in cases if case.op == "dilated"}
+    why = {}
+    for name in named:
+        if name in seen:
+            continue
+        if name == "triton":
+            why[name] = ("the Triton kernels run on a CUDA GPU (on a CPU only under Triton's interpreter, "
+                         "TRITON_INTERPRET=1, which times Python, not a kernel); here the op's rows are 'portable'"
+                         if device != "cuda" else "the Triton kernels do not run on this GPU (see backend='auto')")
+        elif name == "flex":
+            if "block_sparse" not in ops:
+                why[name] = "FlexAttention is a baseline of the block-sparse op only (--ops block_sparse)"
+            elif not flex_available():
+                why[name] = "FlexAttention is not available in this torch"
+            else:
+                why[name] = "FlexAttention runs on a CPU only with --flex (eagerly, densely)"
+        elif name == "head_group_loop":
+            why[name] = ("the head-group loop is a baseline of the dilated op only (--ops dilated)"
+                         if "dilated" not in ops else
+                         "the head-group loop computes mode=head_groups only, with H a multiple of the patterns, "
+                         f"no GQA and N a multiple of every segment length (modes here: {', '.join(sorted(modes))})")
+        else:
+            why[name] = "no case of this sweep runs it"
+    return why
+
+
 def _call_op(call, causal, backend, params, q, k, v):
     return call(q, k, v, causal=causal, backend=backend, **params)
 
@@ -434,6 +472,6 @@ def time_layout_builders(seq_len: int = 1 << 20, block_size: int = 128, reps: in
     return rows
 
 
-__all__ = ["Case", "OPS", "OP_NAMES", "default_sweep", "tiny_sweep", "run_sweep", "providers", "case_params",
+__all__ = ["Case", "OPS", "PROVIDERS", "missing_providers", "OP_NAMES", "default_sweep", "tiny_sweep", "run_sweep", "providers", "case_params",
            "case_pairs", "dense_pairs", "build_layout", "main_provider", "time_layout_builders", "summary_table",
            "print_table", "LONGNET_R", "LONGNET_W", "flex_available"]

@@ -167,9 +167,14 @@ def run_decode(contexts=None, *, heads=16, kv_heads=None, head_dim=128, dtype=No
     return rows
 
 
+def _missing(v) -> bool:
+    """A skipped timing: "" in fresh rows, NaN in rows read back from a CSV."""
+    return v is None or v == "" or (isinstance(v, float) and math.isnan(v))
+
+
 def decode_table(rows) -> str:
     """ms per token by context and provider, each provider's ratio to its first context, and
-    the cache memory rows."""
+    the cache memory rows (fresh rows, or rows read back from a CSV: `perf table`)."""
     ms = {(r["N"], r["provider"]): r["value"] for r in rows if r["metric"] == "ms"}
     ns = sorted({n for n, _ in ms})
     provs = [p for p in PROVIDERS if any(p == q for _, q in ms)]
@@ -177,12 +182,12 @@ def decode_table(rows) -> str:
     if ns:
         head = f"{'context':>9} " + " ".join(f"{p + ' ms':>18} {'x first':>7}" for p in provs)
         lines += ["time per decode step (one query), median", head]
-        first = {p: next((ms[(n, p)] for n in ns if ms.get((n, p)) not in (None, "")), None) for p in provs}
+        first = {p: next((ms[(n, p)] for n in ns if not _missing(ms.get((n, p)))), None) for p in provs}
         for n in ns:
             cells = []
             for p in provs:
-                v = ms.get((n, p), "")
-                if v == "" or v is None:
+                v = ms.get((n, p))
+                if _missing(v):
                     cells.append(f"{'skipped':>18} {'':>7}")
                 else:
                     ratio = v / first[p] if first[p] else math.nan
@@ -194,9 +199,11 @@ def decode_table(rows) -> str:
                   f"{'context':>9} {'bounded rows':>12} {'bounded MiB':>12} {'allocated':>10} {'full MiB':>10} "
                   f"{'full/bounded':>12}"]
         for n in sorted({k[0] for k in mem}):
-            b, a = mem[(n, "dilated_bounded", "cache_mib")], mem[(n, "dilated_bounded", "cache_allocated_mib")]
-            f = mem[(n, "full_cache", "cache_mib")]
-            lines.append(f"{n:>9} {b['config'].removeprefix('rows='):>12} {b['value']:>12.4g} {a['value']:>10.4g} "
+            b, a = mem.get((n, "dilated_bounded", "cache_mib")), mem.get((n, "dilated_bounded", "cache_allocated_mib"))
+            f = mem.get((n, "full_cache", "cache_mib"))
+            if b is None or a is None or f is None:
+                continue
+            lines.append(f"{n:>9} {str(b['config']).removeprefix('rows='):>12} {b['value']:>12.4g} {a['value']:>10.4g} "
                          f"{f['value']:>10.4g} {f['value'] / b['value']:>12.1f}")
     return "\n".join(lines)
 

@@ -5,7 +5,8 @@ For a sweep CSV `X.csv` it writes X-time.png (median ms vs N per provider), X-sp
 (dense SDPA time / provider time vs N: the median of per-round ratios where the CSV has
 them), X-tflops.png (effective TFLOP/s, GFLOP/s on a CPU: only the computed (query, key)
 pairs count) and X-sparsity.png (speedup over dense vs the fraction of pairs skipped); for a
-ring CSV, X-ring.png (time and per-rank memory vs world size). Every figure from a CPU run
+ring CSV, X-ring.png (time and per-rank memory vs world size); for a `perf decode` CSV,
+X-decode.png (time per decode step and cache memory per layer vs the context). Every figure from a CPU run
 says in its title that it times the portable PyTorch backend, not the Triton kernels. Log
 axes carry plain-number ticks. Figures are drawn with matplotlib's object API and the Agg
 canvas (no display needed).
@@ -252,6 +253,48 @@ def ring_figure(rows):
     return fig
 
 
+DECODE_STYLE = {
+    "dilated": dict(color="tab:blue", marker="s", label="dilated, full cache"),
+    "dilated_bounded": dict(color="tab:orange", marker="o", label="dilated, bounded cache (DilatedKVCache)"),
+    "sdpa_dense": dict(color="black", marker="x", linestyle="--", label="dense SDPA, full cache"),
+    "full_cache": dict(color="black", marker="x", linestyle="--", label="full cache"),
+}
+
+
+def decode_figure(rows):
+    """`perf decode` rows: time per decode step against the context, a line per provider, and
+    the cache's memory per layer (bounded against full) against the context."""
+    from .decode import OP
+    rows = [r for r in rows if r["op"] == OP]
+    fig, axes = _grid(2)
+    panels = ((axes[0], "ms", "median ms per decode step (log)", "Time per token (lower is better)"),
+              (axes[1], "cache_mib", "KV cache per layer, MiB (log)", "Cache memory per layer (keys + values)"))
+    for ax, metric, ylabel, title in panels:
+        xs = []
+        for prov in DECODE_STYLE:
+            pts = sorted((r["N"], r["value"]) for r in rows if r["metric"] == metric and r["provider"] == prov
+                         and not math.isnan(r["value"]))
+            if pts:
+                xs += [x for x, _ in pts]
+                ax.plot(*zip(*pts), **DECODE_STYLE[prov])
+        if not xs:
+            ax.set_visible(False)
+            continue
+        _log2_x(ax, xs)
+        ax.set_yscale("log")
+        readable_log_axis(ax.yaxis)
+        ax.set_xlabel("context N (cached tokens)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=7)
+    shapes = sorted({f"H={r['H']}, D={r['D']}" for r in rows if r["metric"] == "ms"})
+    schedules = sorted({"LongNet schedule" if r["variant"] == "longnet" else
+                        f"w={r['segment_lengths']}, r={r['dilation_rates']}" for r in rows})
+    fig.suptitle(f"Decoding, {'; '.join(schedules)} ({'; '.join(shapes)}) — {_machine(rows)}", fontsize=11)
+    return fig
+
+
 def plot_csv(csv_path, out_dir=None):
     """Write the PNGs for one CSV; returns their paths (none for a CSV without benchmark or
     ring rows: layouts, tune). Raises results.ResultsFileError for a file that is not a
@@ -269,6 +312,8 @@ def plot_csv(csv_path, out_dir=None):
 
     if any(r["op"] == "ring_attention" for r in rows):
         save(ring_figure(rows), "ring")
+    if any(r["op"] == "decode" for r in rows):
+        save(decode_figure(rows), "decode")
     bench = [r for r in rows if r["op"] in BENCH_OPS]
     if bench:
         for kind in ("time", "speedup", "tflops"):

@@ -307,6 +307,28 @@ def table_legend(main: str, unit: str, cpu: bool, rows) -> list:
     return lines
 
 
+def busy_hint(rows, threads: int | None = None) -> str:
+    """One line for a run with rows flagged FLAG_BUSY (other processes took CPU while they were
+    timed): what happened and what to do; "" when no row is flagged."""
+    key = lambda r: (r["op"], r.get("variant"), str(r.get("causal")), r.get("N"))  # noqa: E731
+    cases = {key(r) for r in rows if r.get("metric") == "ms"}
+    busy = {key(r) for r in rows if r.get("metric") == "ms" and FLAG_BUSY in _flags(r)}
+    if not busy:
+        return ""
+    load = [_float(r.get("other_cores")) for r in rows]
+    load = max((x for x in load if not math.isnan(x)), default=float("nan"))
+    ran = ""
+    if threads:
+        omp = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+               if os.environ.get(k)]
+        ran = f" (this run: {threads} torch threads on {os.cpu_count()} cores{', ' if omp else ''}{', '.join(omp)})"
+    return (f"{FLAG_BUSY}: {len(busy)} of {len(cases)} cases were timed while other processes took CPU"
+            + ("" if math.isnan(load) else f" (up to {load:.2f} cores)")
+            + ": those numbers measure the contention (often several times slower), not the code. Rerun on a quiet "
+            "machine; on a shared one, let idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE, which ./dev perf "
+            f"sets unless you chose) or use fewer threads than idle cores (OMP_NUM_THREADS=1){ran}.")
+
+
 def vs_label(main: str) -> str:
     return f"dense/{SHORT.get(main, main)}"
 
@@ -317,5 +339,5 @@ def print_table(rows):
 
 
 __all__ = ["COLUMNS", "METRICS", "PASSES", "ResultsFileError", "sig", "make_row", "git_sha", "provenance",
-           "CsvSink", "write_csv", "read_csv", "summary_table", "print_table", "pattern_label", "main_provider_of",
-           "SPREAD_LIMIT_PCT", "BUSY_LIMIT_CORES", "FLAG_SPREAD", "FLAG_BWD", "FLAG_BUSY"]
+           "CsvSink", "write_csv", "read_csv", "summary_table", "print_table", "busy_hint", "pattern_label",
+           "main_provider_of", "SPREAD_LIMIT_PCT", "BUSY_LIMIT_CORES", "FLAG_SPREAD", "FLAG_BWD", "FLAG_BUSY"]
