@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .first_order import needs_grad
 from .runtime import resolve_backend
 
 # Up to this many query rows a call takes the decode path (one token, or a speculative-decoding
@@ -23,10 +24,6 @@ GATHER_BUDGET = 1 << 25
 # gathered slot, padding included) and calls. Tests read it to check that the cost does not
 # grow with the context.
 DECODE_STATS = {"key_rows": 0, "calls": 0}
-
-
-def needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def decode_path(backend: str, q, k, v, families=()) -> str | None:

@@ -87,9 +87,14 @@ class _FirstOrderInputs(torch.autograd.Function):
         return (None, *grads)
 
 
+def needs_grad(*tensors) -> bool:
+    """Whether autograd records a computation on `tensors` (grad mode on, one requires grad)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def first_order_inputs(what: str, *xs):
     """xs, marked so that a double backward through the computation that follows raises
     NotImplementedError naming `what`."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+    if needs_grad(*xs):
         return _FirstOrderInputs.apply(what, *xs)
     return xs

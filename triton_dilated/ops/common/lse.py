@@ -16,6 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .first_order import needs_grad
+
 
 def safe_lse_weights(lses: torch.Tensor, dim: int = 0):
     """Return (weights, lse) for lses stacked on `dim`: weights sum to 1 where lse is finite,
@@ -297,9 +299,9 @@ def attention_with_lse(q, k, v, causal: bool, scale: float, keep=None, need_lse:
     need_lse); a row with no key gets 0 and -inf, a row that reads a non-finite input NaN
     and NaN. Both are differentiable (once). On CPU this is PyTorch's fused flash kernel
     (out in q's dtype; several times faster), except, when a gradient is needed, for the
-    batch slices whose scores may exceed FUSED_MAX_SCORE; without need_lse off the CPU, scaled_dot_product_attention;
-    else the chunked explicit float32 softmax. No path holds more than ~SCORE_BUDGET scores
-    at once (the caller's keep-mask aside). finite=True: the caller knows q, k, v are finite
+    batch slices whose scores may exceed FUSED_MAX_SCORE; without need_lse off the CPU,
+    scaled_dot_product_attention; else the chunked explicit float32 softmax. No path holds
+    more than ~SCORE_BUDGET scores at once (the caller's keep-mask aside). finite=True: the caller knows q, k, v are finite
     (skips the check)."""
     L, S = q.shape[-2], k.shape[-2]
     if L == 0 or S == 0 or q.shape[:-2].numel() == 0:
@@ -318,7 +320,7 @@ def _attention(q, k, v, causal, scale, keep, need_lse):
         # the score bound guards the fused *backward* only (FUSED_MAX_SCORE): its forward keeps
         # a running max, as exact as the explicit path at any score (measured to 2e4), so a
         # call no gradient flows through skips the bound's two passes over q and k
-        if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+        if not needs_grad(q, k, v):
             return _cpu_flash(q, k, v, causal, scale, keep, need_lse)
         large = _large_scores(q, k, scale)
         if not bool(large.any()):
@@ -348,7 +350,7 @@ def _cpu_flash(q, k, v, causal, scale, keep, need_lse):
 def _flash_with_lse(q, k, v, bias, causal, scale):
     """The fused CPU kernel's (out, lse): through _CpuFlashWithLse where a gradient is needed,
     else the op itself (no autograd.Function overhead: ~40 us a call, measured)."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+    if needs_grad(q, k, v):
         return _CpuFlashWithLse.apply(q, k, v, bias, causal, scale)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
                                                                      scale=scale)

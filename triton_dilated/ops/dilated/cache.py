@@ -222,7 +222,8 @@ class DilatedKVCache:
         self.mode, self.offsets = mode, offsets
         self.layers: dict[int, KeptRows] = {}   # by layer index: only the layers written (any indices)
         bound = decode_rows_bound(self.segment_lengths)
-        if bound > LOOSE_BOUND_FACTOR * max(self.segment_lengths):   # small non-nested schedules ([6, 4]: 14 rows) stay quiet
+        # small non-nested schedules ([6, 4]: 14 rows) stay quiet
+        if bound > LOOSE_BOUND_FACTOR * max(self.segment_lengths):
             warnings.warn(f"DilatedKVCache: segment lengths {self.segment_lengths} are not nested (each dividing the "
                           f"next), so rows can only be dropped in steps of their lcm: a layer may keep up to "
                           f"{bound:,} rows (max(w) + lcm(w) - min(w)) instead of max(w) = {max(self.segment_lengths):,}."

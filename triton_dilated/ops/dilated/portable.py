@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..common.first_order import first_order_inputs
+from ..common.first_order import first_order_inputs, needs_grad
 from ..common.lse import all_finite, attention_with_lse, merge_partials
 
 
@@ -189,7 +189,7 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
     n_bufs = len(patterns) if merge else 1
     out_bufs = [q.new_zeros((B, N, Hq, D), dtype=acc_dtype if merge else q.dtype) for _ in range(n_bufs)]
     lse_bufs = [q.new_full((B, N, Hq, 1), float("-inf"), dtype=acc_dtype) for _ in range(n_bufs if want_lse else 0)]
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    grad = needs_grad(q, k, v)
 
     def run(verify: bool):
         """(outs, lses) of all jobs; None when verify finds that q or v was not finite.
