@@ -21,6 +21,7 @@ backward is computed only when a gradient is needed (ops.common.lse).
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -41,41 +42,61 @@ def _head_index(heads: list[int]):
 
 class _Rows(NamedTuple):
     """The dilated rows of pattern (w, r) at offset o, for the full segments or for the
-    short last one (tail), of some heads: x (B, N, H, ...) -> (B, nseg, L, Hs, ...)."""
+    short last one (tail), of some heads, in the (batch, head, row) layout of the attention
+    calls: x (B, N, H, ...) -> (B * nseg, Hs, L, ...)."""
     w: int
     r: int
     o: int
     tail: bool
     heads: slice | torch.Tensor
 
+    def _segments(self, n: int):
+        """(first row, number of segments, rows per segment) of these rows in a length-n x."""
+        n_full = (n // self.w) * self.w
+        return (n_full, 1, n - n_full) if self.tail else (0, n_full // self.w, self.w)
+
     def rows(self, x):
-        """All heads of these rows: a view. Whole-range slices are skipped (cheaper)."""
-        n_full = (x.shape[1] // self.w) * self.w
-        if self.tail:
-            y = x[:, n_full:].unsqueeze(1)
-        else:
-            y = (x if n_full == x.shape[1] else x[:, :n_full]).unflatten(1, (n_full // self.w, self.w))
+        """All heads of these rows: (B, nseg, L, H, ...), a view. Whole-range slices are skipped."""
+        first, nseg, seg = self._segments(x.shape[1])
+        y = (x if first == 0 and nseg * seg == x.shape[1] else x[:, first:first + nseg * seg]).unflatten(1, (nseg, seg))
         return y[:, :, self.o::self.r] if self.r > 1 else y
 
+    def view(self, x):
+        """x at these rows and heads as (B, nseg, Hs, L, ...): a view, or a copy for an
+        irregular head list. A regular one is one as_strided call (the chain of slices it
+        replaces costs ~10 small tensor ops per input per job: most of the per-call overhead
+        at N = 1K). Slicing is kept where autograd records the view (double backward)."""
+        if not isinstance(self.heads, slice):
+            return self.rows(x).index_select(3, self.heads.to(x.device)).transpose(2, 3)
+        if torch.is_grad_enabled() and x.requires_grad:
+            return self.rows(x)[:, :, :, self.heads].transpose(2, 3)
+        first, nseg, seg = self._segments(x.shape[1])
+        h0, _, step = self.heads.indices(x.shape[2])
+        stride = x.stride()
+        size = (x.shape[0], nseg, len(range(*self.heads.indices(x.shape[2]))), len(range(self.o, seg, self.r)),
+                *x.shape[3:])
+        return x.as_strided(size, (stride[0], self.w * stride[1], step * stride[2], self.r * stride[1], *stride[3:]),
+                            x.storage_offset() + (first + self.o) * stride[1] + h0 * stride[2])
+
     def take(self, x):
-        """x at these rows and heads: a view, or a copy for an irregular head list."""
+        """(B * nseg, Hs, L, ...): a view where the batch and segment dims merge, else a copy."""
+        return self.view(x).flatten(0, 1)
+
+    def put(self, buf, value):
+        """buf[these rows and heads] = value ((B * nseg, Hs, L, ...), any strides)."""
+        value = value.unflatten(0, (buf.shape[0], -1))
         if isinstance(self.heads, slice):
-            return self.rows(x)[:, :, :, self.heads]
-        return self.rows(x).index_select(3, self.heads.to(x.device))
+            self.view(buf).copy_(value)
+        else:
+            self.rows(buf)[:, :, :, self.heads.to(buf.device)] = value.transpose(2, 3)
 
     def add_into(self, buf, value):
         """buf[these rows and heads] += value (repeated heads accumulate)."""
+        value = value.unflatten(0, (buf.shape[0], -1))
         if isinstance(self.heads, slice):
-            self.rows(buf)[:, :, :, self.heads].add_(value)
+            self.view(buf).add_(value)
         else:
-            self.rows(buf).index_add_(3, self.heads.to(buf.device), value)
-
-    def put(self, buf, value):
-        """buf[these rows and heads] = value."""
-        if isinstance(self.heads, slice):
-            self.rows(buf)[:, :, :, self.heads] = value
-        else:
-            self.rows(buf)[:, :, :, self.heads.to(buf.device)] = value
+            self.rows(buf).index_add_(3, self.heads.to(buf.device), value.transpose(2, 3))
 
 
 def _row_specs(N: int, w: int, r: int, o: int, heads) -> list[_Rows]:
@@ -87,6 +108,25 @@ def _row_specs(N: int, w: int, r: int, o: int, heads) -> list[_Rows]:
     if n_full < N and o < N - n_full:
         specs.append(_Rows(w, r, o, True, heads))
     return specs
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(N: int, patterns: tuple, table: tuple, group: int, merge: bool):
+    """One job per (pattern, offset, full segments | tail): (output buffer, query rows, key
+    rows). Without mixing, every head writes its one pattern into one shared output (buffer
+    0); with mixing, pattern i into buffer i. Cached: planning is Python work of the order
+    of a small attention call."""
+    jobs = []
+    for i, (w, r) in enumerate(patterns):
+        by_offset: dict[int, list[int]] = {}
+        for h, row in enumerate(table):
+            if row[i] >= 0:
+                by_offset.setdefault(row[i], []).append(h)
+        for o, heads in by_offset.items():
+            kv_heads = _head_index([h // group for h in heads])
+            for spec in _row_specs(N, w, r, o, _head_index(heads)):
+                jobs.append((i if merge else 0, spec, spec._replace(heads=kv_heads)))
+    return tuple(jobs)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -147,59 +187,40 @@ def _scatter(buf, specs, parts):
     return buf
 
 
-def _attend(qs, ks, vs, causal: bool, scale: float, need_lse: bool, compute_dtype, finite: bool):
-    """qs: (B, nseg, L, Hs, D), ks/vs: (B, nseg, L, Hs, D). Returns out (same layout) and
-    lse (B, nseg, L, Hs, 1) or None."""
-    B, nseg, L, Hs, D = qs.shape
-    to_bhld = lambda x: x.permute(0, 1, 3, 2, 4).reshape(B * nseg, Hs, L, D)  # noqa: E731
-    qb, kb, vb = (to_bhld(x).to(compute_dtype) for x in (qs, ks, vs))
-    out, lse = attention_with_lse(qb, kb, vb, causal, scale, need_lse=need_lse, finite=finite)
-    if need_lse:
-        lse = lse.reshape(B, nseg, Hs, L).transpose(2, 3).unsqueeze(-1)
-    return out.reshape(B, nseg, Hs, L, D).permute(0, 1, 3, 2, 4), lse
-
-
 def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: float,
                             need_lse: bool, compute_dtype=None):
     """Portable dilated attention on validated inputs. `patterns`: tuple of (w, r);
     `table`: per query head a tuple of offsets (-1: pattern unused). Returns (out, lse):
     out like q (contiguous), lse float32 (B, Hq, N) or None."""
     B, N, Hq, D = q.shape
-    group = Hq // k.shape[2]
     compute_dtype = compute_dtype or q.dtype
     q, k, v = first_order_inputs("dilated_attention (portable backend)", q, k, v)
     merge = max(sum(o >= 0 for o in row) for row in table) > 1  # some head mixes patterns
     want_lse = need_lse or merge
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
 
-    # One job per (pattern, offset, full segments | tail): query rows and key rows.
     # Without mixing, every head writes its one pattern into one shared output; with
     # mixing, each pattern gets its own float32 (out, lse), merged at the end.
-    jobs: list[tuple[int, _Rows, _Rows]] = []
-    for i, (w, r) in enumerate(patterns):
-        by_offset: dict[int, list[int]] = {}
-        for h, row in enumerate(table):
-            if row[i] >= 0:
-                by_offset.setdefault(row[i], []).append(h)
-        for o, heads in by_offset.items():
-            kv_heads = _head_index([h // group for h in heads])
-            for spec in _row_specs(N, w, r, o, _head_index(heads)):
-                jobs.append((i if merge else 0, spec, spec._replace(heads=kv_heads)))
+    jobs = _plan(N, tuple(patterns), tuple(table), Hq // k.shape[2], merge)
     q_parts, k_parts, v_parts = (_gather(x, tuple(j[n] for j in jobs)) for x, n in ((q, 1), (k, 2), (v, 2)))
     n_bufs = len(patterns) if merge else 1
     out_bufs = [q.new_zeros((B, N, Hq, D), dtype=acc_dtype if merge else q.dtype) for _ in range(n_bufs)]
     lse_bufs = [q.new_full((B, N, Hq, 1), float("-inf"), dtype=acc_dtype) for _ in range(n_bufs if want_lse else 0)]
     grad = needs_grad(q, k, v)
+    cast = (lambda x: x) if compute_dtype == q.dtype else (lambda x: x.to(compute_dtype))  # noqa: E731
 
     def run(verify: bool):
         """(outs, lses) of all jobs; None when verify finds that q or v was not finite.
         verify=False: each job applies the NaN rule itself (ops.common.lse)."""
         results = []
         for n, (b, spec, _) in enumerate(jobs):
-            out_part, lse_part = _attend(q_parts[n], k_parts[n], v_parts[n], causal, scale, want_lse or verify,
-                                         compute_dtype, finite=verify)
+            # (B * nseg, Hs, L, D) each; causal inside the dilated rows is causal in positions
+            out_part, lse_part = attention_with_lse(cast(q_parts[n]), cast(k_parts[n]), cast(v_parts[n]), causal,
+                                                    scale, need_lse=want_lse or verify, finite=verify)
             if verify and not all_finite(lse_part, out_part):
                 return None
+            if lse_part is not None:
+                lse_part = lse_part.unsqueeze(-1)
             if grad:
                 results.append((out_part, lse_part))
             else:   # into its buffer at once: one job's result alive at a time (its pages reused)
@@ -222,7 +243,8 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
     # keeps the diagonal), so a non-finite q row makes all its scores non-finite and its lse
     # NaN or -inf; a non-finite v row read with any weight (0 * Inf is NaN) makes the output
     # non-finite. k is checked first: an Inf key can score -inf and drop out with a finite
-    # result. A failed check (or a non-finite k) runs the exact rule, job by job.
+    # result. A failed check (or a non-finite k) runs the exact rule, job by job. The checks
+    # read each job's results where the fused kernel wrote them (contiguous, still in cache).
     done = run(verify=True) if all_finite(k) else None
     outs, lses = done if done is not None else run(verify=False)
     if merge:
