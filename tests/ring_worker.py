@@ -40,9 +40,10 @@ def loss_of(out, lse, g, gl, case):
 
 
 def run_case(case, rank, world):
-    """This rank's ring results: out, lse, dq, dk, dv of its shard (numpy, so the queue
-    carries them by value), the loss summed over ranks, the peak key/value bytes held."""
-    from triton_dilated import ring_attention, shard
+    """This rank's ring results (ulysses_attention's with case["fn"] == "ulysses"): out,
+    lse, dq, dk, dv of its shard (numpy, so the queue carries them by value), the loss
+    summed over ranks, the peak key/value bytes held."""
+    from triton_dilated import ring_attention, shard, ulysses_attention
     from triton_dilated.ops.ring import interface as ring_mod
     q, k, v, g, gl = make_inputs(case)
     bal = case.get("balance", "contiguous")
@@ -54,7 +55,11 @@ def run_case(case, rank, world):
                   offsets=case.get("offsets", "modulo"))
     elif case["kind"] == "layout":
         kw.update(layout=case_layout(case))
-    out, lse = ring_attention(ql, kl, vl, **kw)
+    if case.get("fn") == "ulysses":
+        del kw["comm"]
+        out, lse = ulysses_attention(ql, kl, vl, backend=case.get("backend", "auto"), **kw)
+    else:
+        out, lse = ring_attention(ql, kl, vl, **kw)
     gll = shard(gl.transpose(1, 2), rank, world, bal).transpose(1, 2)
     loss = loss_of(out, lse, loc(g), gll, case)
     grads = torch.autograd.grad(loss, (ql, kl, vl))
@@ -127,6 +132,34 @@ def empty_batch_worker(rank, world, init_file, queue, interpret):
             grads = torch.autograd.grad((out.sum() + lse.sum()), (q, k, v), allow_unused=True)
             shapes.append((tuple(out.shape), tuple(lse.shape), [None if g is None else tuple(g.shape) for g in grads]))
         queue.put((rank, "ok", shapes))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def ulysses_errors_worker(rank, world, init_file, queue):
+    """ulysses_attention with arguments that differ across ranks or that no world size can
+    split: the error each rank raised (type and message), in order."""
+    try:
+        from triton_dilated import ulysses_attention
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        x, kv = torch.zeros(1, 8, 4, 8), torch.zeros(1, 8, 2, 8)
+        calls = [lambda: ulysses_attention(x, kv, kv, causal=rank == 1),                     # flags differ
+                 lambda: ulysses_attention(x, kv, kv, segment_lengths=[4, 8 + 4 * rank], dilation_rates=[1, 2]),
+                 lambda: ulysses_attention(x[:, :, :3], kv[:, :, :1], kv[:, :, :1]),          # 3 heads, 2 ranks
+                 lambda: ulysses_attention(x, kv, kv, scale=float("nan") if rank == 0 else None),  # rank 0 invalid
+                 lambda: ulysses_attention(torch.zeros(1, 8, 6, 8), torch.zeros(1, 8, 3, 8),
+                                           torch.zeros(1, 8, 3, 8))]                         # kv heads vs world
+        errors = []
+        for call in calls:
+            try:
+                call()
+                errors.append(None)
+            except (ValueError, TypeError) as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        queue.put((rank, "ok", errors))
         dist.barrier()
         dist.destroy_process_group()
     except Exception:

@@ -53,11 +53,11 @@ class Transfer:
 
 
 class RingComm:
-    def __init__(self, group=None):
+    def __init__(self, group=None, who: str = "ring_attention"):
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ring_attention needs an initialised torch.distributed process group: call "
+            raise RuntimeError(f"{who} needs an initialised torch.distributed process group: call "
                                "torch.distributed.init_process_group(...) first (or pass group=)")
-        self.group = group
+        self.group, self.who = group, who
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         # batch_isend_irecv takes global ranks
@@ -102,10 +102,10 @@ class RingComm:
         if failed:
             if error is not None:
                 raise error
-            raise ValueError("ring_attention: " + "; ".join(f"rank {r} rejected its arguments ({e})" for r, e in failed)
+            raise ValueError(f"{self.who}: " + "; ".join(f"rank {r} rejected its arguments ({e})" for r, e in failed)
                              + "; every rank stops here")
         differ = [n for n in names if len({repr(v[n]) for _, v in values}) > 1]
-        raise ValueError("ring_attention: the ranks of the group disagree on " + ", ".join(differ)
+        raise ValueError(f"{self.who}: the ranks of the group disagree on " + ", ".join(differ)
                          + " (every rank must pass the same shapes, dtype, device type, flags, patterns and layout): "
                          + "; ".join(f"{n}: {_by_value(n, [v for _, v in values])}" for n in differ))
 
@@ -125,6 +125,17 @@ class RingComm:
             ops.append(dist.P2POp(dist.isend, t.contiguous(), self.next, self.group))
             ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group))
         return Transfer(received, dist.batch_isend_irecv(ops))
+
+    def all_to_all(self, x):
+        """x (world, ...): x[j] goes to rank j; returns y (world, ...) with y[i] = rank i's
+        x[this rank]. One all_to_all_single (gloo and NCCL both have it); the identity
+        for one rank."""
+        if self.world == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=self.group)
+        return out
 
     def all_gather_seq(self, x, sizes):
         """Every rank's x (dim 1 of length sizes[rank]) in rank order. Padded to the
