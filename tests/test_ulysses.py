@@ -1,9 +1,9 @@
-"""ulysses_attention (issue 22 item 2) on gloo worlds of 2-4 spawned processes: every rank's
+"""ulysses_attention (issue 22 items 2 and 3) on gloo worlds of 2-4 spawned processes: every rank's
 shard of out, lse and the gradients (through a loss on both) against the float64 oracle's
 shard of the full-sequence call, by the tolerance rule; dense, dilated (both offset rules,
 head groups), block-sparse (a per-head layout), causal and not, GQA with more and fewer
 key/value heads than ranks, contiguous and zigzag shards, the Triton kernels (interpreter)
-and the portable backend. The all-to-alls alone: a round trip, and their adjoint property."""
+and the portable backend; 2-D (Ulysses x ring) on a 2 x 2 grid. The all-to-alls alone: a round trip, and their adjoint property."""
 from __future__ import annotations
 
 import pytest
@@ -23,6 +23,8 @@ CASES = [
     dict(U, kind="dilated", Hq=12, Hkv=6, causal=True, ws=[12, 48], rs=[1, 5], backend="torch", D=4),
     dict(U, kind="layout", N=96, Hq=4, Hkv=2, causal=True, bs=16),              # bigbird, one layout per head
     dict(U, kind="layout", N=96, Hq=4, Hkv=1, causal=False, bs=16, balance="zigzag", backend="torch"),
+    dict(U, kind="layout", N=96, Hq=6, Hkv=3, causal=True, bs=16, backend="torch"),
+    dict(U, kind="dense", Hq=3, Hkv=1, causal=True, balance="zigzag"),
 ]
 
 
@@ -44,6 +46,35 @@ def world_results(request):
 def test_ulysses_matches_oracle(world_results):
     """The ring test's comparison (test_ring.test_ring_matches_oracle) on Ulysses results."""
     compare_with_oracle(world_results)
+
+
+# 2-D (USP) on a 2 x 2 grid: Ulysses groups {0, 1}, {2, 3}, rings {0, 2}, {1, 3} (the ring
+# step kernels under the interpreter); every rank's shard is shard(x, rank, 4, balance).
+G = dict(fn="usp", U=2, B=1, N=48, D=8)
+USP_CASES = [
+    dict(G, kind="dense", Hq=4, Hkv=2, causal=True, balance="zigzag"),
+    dict(G, kind="dilated", Hq=4, Hkv=1, causal=True, ws=[8, 48], rs=[1, 3], comm="allgather"),
+    dict(G, kind="dilated", Hq=4, Hkv=2, causal=False, ws=[4, 24, 48], rs=[1, 2, 4], offsets="blocked",
+         balance="zigzag"),
+    dict(G, kind="dilated", Hq=6, Hkv=2, causal=True, ws=[8, 16, 48], rs=[2, 5, 3], mode="head_groups"),
+    dict(G, kind="layout", N=96, Hq=4, Hkv=2, causal=True, bs=16, balance="zigzag"),
+]
+
+
+def test_usp_2x2_matches_oracle():
+    compare_with_oracle((4, USP_CASES, run_world(4, USP_CASES)))
+
+
+def test_usp_mismatch_on_one_rank_raises_on_every_rank():
+    """The last rank of a 2 x 2 grid differs: its Ulysses group finds it, and the rings carry
+    that verdict to the other group, so all four ranks raise (none waits in a collective)."""
+    results = spawn_world(ulysses_errors_worker, 4, lambda queue: (queue, 2), 300)
+    assert sorted(results) == [0, 1, 2, 3]
+    assert all(status == "ok" for status, _ in results.values()), results
+    errors = [results[r][1] for r in range(4)]
+    for what, e in zip(("causal", "ring (world size, comm)", "scale must be finite"), zip(*errors)):
+        assert all(x is not None and x.startswith("ValueError") and what in x for x in e), (what, e)
+    assert all(e[3] is None for e in errors)
 
 
 def test_every_case_runs_somewhere():

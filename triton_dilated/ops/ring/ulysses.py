@@ -12,6 +12,14 @@ GQA with fewer key/value heads than ranks: each key/value head is repeated P / H
 before the all-to-all (DeepSpeed ALST's rule), so rank r receives the key/value head its
 query heads read; the gradients of the copies are summed by the repeat's backward. This
 needs P % Hkv == 0 (otherwise some rank's query heads would read two key/value heads).
+
+2-D (USP, yunchang's LongContextAttention): with a `ring_group` of R ranks the local call
+is ring_attention over that group on the Ulysses group's part of the sequence. A grid of U
+x R ranks holds the sequence as one sharding over U * R: the rank at Ulysses index u and
+ring index r holds shard(x, r * U + u, U * R, balance). For zigzag that is the right
+thing twice: the U shards of a Ulysses group, joined by unshard(..., balance) after the
+all-to-all, are exactly zigzag shard r of R (chunks rU..rU+U-1 and their mirrors), which
+is what the ring's zigzag balance takes.
 """
 from __future__ import annotations
 
@@ -23,8 +31,8 @@ from ..common.runtime import empty_result
 from ..common.validation import check_choice, check_flags, check_qkv, check_scale
 from ..dilated.interface import dilated_attention
 from ..dilated.patterns import check_patterns, fit_patterns
-from .comm import RingComm
-from .interface import _layout_fingerprint
+from .comm import COMMS, RingComm
+from .interface import _layout_fingerprint, ring_attention
 from .shard import BALANCES, shard, shard_positions, unshard
 
 
@@ -67,7 +75,7 @@ class _HeadsToSeq(torch.autograd.Function):
 
 SIGNATURE = ("q shape (B, N_local, Hq, D)", "k/v shape (B, N_local, Hkv, D)", "dtype", "device type", "causal",
              "scale", "balance", "segment_lengths/dilation_rates", "mode/offsets", "layout", "backend",
-             "backward (grad mode, inputs requiring grad)")
+             "backward (grad mode, inputs requiring grad)", "ring (world size, comm)")
 
 
 def check_ulysses_heads(num_heads: int, num_kv_heads: int, world: int) -> int:
@@ -89,7 +97,7 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, world: int) -> int:
 
 def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=None, layout=None, causal=False,
                       scale=None, mode="longnet", offsets="modulo", balance="contiguous", return_lse=False,
-                      backend="auto"):
+                      backend="auto", ring_group=None, comm="p2p"):
     """Attention over a sequence sharded across the ranks of `group`, by heads (Ulysses).
 
     q, k, v: this rank's sequence shard (B, N_local, H, D), as `shard(x, rank, world,
@@ -100,17 +108,25 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
     sequence. backend: of the local call, as in dilated_attention. Returns this rank's
     shard of the full-sequence result (and its lse, float32 (B, Hq, N_local)).
 
+    2-D sequence parallel (USP): with ring_group (R ranks; `group` then has U), the
+    Ulysses group's heads go around a ring (ring_attention with `comm`; its step kernels,
+    not `backend`). The rank at Ulysses index u, ring index r holds shard(x, r * U + u,
+    U * R, balance); balance="zigzag" balances the ring's causal work.
+
     Memory per rank: the whole sequence of Hq / P heads (the same O(N H / P) as the
     shards). Every rank must pass the same shapes, dtype, flags, scale, patterns and layout:
     one small all-gather checks it first, and where ranks differ (or one rank's arguments
     are invalid) every rank raises the same ValueError.
     """
-    comm = RingComm(group, who="ulysses_attention")
+    ucomm = RingComm(group, who="ulysses_attention")
+    rcomm = RingComm(ring_group, who="ulysses_attention (ring group)") if ring_group is not None else None
+    ring_world = rcomm.world if rcomm is not None else 1
     signature, error = dict.fromkeys(SIGNATURE), None
     try:
         check_qkv(q, k, v)
         check_choice("balance", balance, BALANCES)
         check_choice("backend", backend, ("auto", "triton", "torch"))
+        check_choice("comm", comm, COMMS)
         check_flags(causal=causal, return_lse=return_lse)
         dilated = segment_lengths is not None or dilation_rates is not None
         if dilated and layout is not None:
@@ -119,9 +135,9 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
             raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
         B, NQ, Hq, D = q.shape
         scale = check_scale(scale, D)
-        n_total = NQ * comm.world
-        shard_positions(n_total, 0, comm.world, balance)          # checks N is divisible for the balance
-        repeat = check_ulysses_heads(Hq, k.shape[2], comm.world)
+        n_total = NQ * ucomm.world * ring_world
+        shard_positions(n_total, 0, ucomm.world * ring_world, balance)   # checks N is divisible for the balance
+        repeat = check_ulysses_heads(Hq, k.shape[2], ucomm.world)
         patterns = fit_patterns(check_patterns(segment_lengths, dilation_rates, mode, offsets), n_total, Hq) \
             if dilated else None
         if layout is not None:
@@ -131,19 +147,32 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
             tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, causal, scale,
             balance, patterns, (mode, offsets) if dilated else None,
             None if layout is None else _layout_fingerprint(layout), backend,
-            torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))))
+            torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
+            (ring_world, comm) if rcomm is not None else None)))
     except (TypeError, ValueError) as exc:
         error = exc
-    comm.agree(signature, error, device=q.device if isinstance(q, torch.Tensor) else None)
+    device = q.device if isinstance(q, torch.Tensor) else None
+    verdict = ucomm.disagreement(signature, error, device)
+    if rcomm is not None:   # every Ulysses group's verdict reaches every rank of the grid through the rings
+        told = None if verdict is None else f"{type(verdict).__name__}: {verdict}"
+        across = rcomm.disagreement({"the Ulysses group's check": told, **signature}, None, device)
+        verdict = across if across is not None else verdict
+    if verdict is not None:
+        raise verdict
     if q.shape[0] == 0 or q.shape[1] == 0:   # every rank agreed on these shapes: nothing to send
         return empty_result(q, k, v, return_lse)
 
     if repeat > 1:
         k, v = (x.repeat_interleave(repeat, dim=2) for x in (k, v))
-    qh, kh, vh = (_SeqToHeads.apply(x, comm, balance) for x in (q, k, v))
-    heads = Hq // comm.world
-    first = comm.rank * heads
-    if dilated:
+    qh, kh, vh = (_SeqToHeads.apply(x, ucomm, balance) for x in (q, k, v))
+    heads = Hq // ucomm.world
+    first = ucomm.rank * heads
+    if rcomm is not None:
+        res = ring_attention(qh, kh, vh, group=ring_group, segment_lengths=segment_lengths,
+                             dilation_rates=dilation_rates, layout=layout, causal=causal, scale=scale, mode=mode,
+                             offsets=offsets, comm=comm, balance=balance, return_lse=return_lse, head_offset=first,
+                             total_heads=Hq)
+    elif dilated:
         res = dilated_attention(qh, kh, vh, [w for w, _ in patterns], [r for _, r in patterns], causal=causal,
                                 scale=scale, mode=mode, offsets=offsets, return_lse=return_lse, backend=backend,
                                 head_offset=first, total_heads=Hq)
@@ -154,7 +183,7 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
         res = dilated_attention(qh, kh, vh, [n_total], [1], causal=causal, scale=scale, return_lse=return_lse,
                                 backend=backend)
     out, lse = res if return_lse else (res, None)
-    out = _HeadsToSeq.apply(out, comm, balance)
+    out = _HeadsToSeq.apply(out, ucomm, balance)
     if not return_lse:
         return out
-    return out, _HeadsToSeq.apply(lse.transpose(1, 2), comm, balance).transpose(1, 2).contiguous()
+    return out, _HeadsToSeq.apply(lse.transpose(1, 2), ucomm, balance).transpose(1, 2).contiguous()
