@@ -89,13 +89,16 @@ def test_portable_slices_equal_the_full_call(mode, offsets, causal, data):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_decode_and_custom_op_take_the_slice(backend):
-    """The decode path (one query row) and the custom op honour the slice too."""
+    """The decode path (one query row), the query-offset path (chunked prefill: 17 rows, past
+    the decode path's 16) and the custom op honour the slice too."""
     ws, rs, H = [4, 16], [2, 4], 4
-    q, k, v = (seeded((1, 16, h, 8), torch.float32, s, DEVICE) for s, h in ((0, H), (1, 2), (2, 2)))
+    q, k, v = (seeded((1, 24, h, 8), torch.float32, s, DEVICE) for s, h in ((0, H), (1, 2), (2, 2)))
     kw = dict(causal=True, backend=backend)
-    full = dilated_attention(q[:, -1:], k, v, ws, rs, **kw)
-    part = dilated_attention(q[:, -1:, 2:], k[:, :, 1:], v[:, :, 1:], ws, rs, head_offset=2, total_heads=H, **kw)
-    assert max_err(part, full[:, :, 2:]) <= 1e-6
+    for rows in (1, 17):
+        full = dilated_attention(q[:, -rows:], k, v, ws, rs, **kw)
+        part = dilated_attention(q[:, -rows:, 2:], k[:, :, 1:], v[:, :, 1:], ws, rs, head_offset=2, total_heads=H,
+                                 **kw)
+        assert max_err(part, full[:, :, 2:]) <= 1e-6, rows
     full = dilated_attention(q, k, v, ws, rs, **kw)
     part = dilated_attention_op(q[:, :, 2:], k[:, :, 1:], v[:, :, 1:], ws, rs, head_offset=2, total_heads=H, **kw)
     assert max_err(part, full[:, :, 2:]) <= 1e-6
