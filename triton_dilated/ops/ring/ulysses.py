@@ -173,9 +173,9 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
                              offsets=offsets, comm=comm, balance=balance, return_lse=return_lse, head_offset=first,
                              total_heads=Hq)
     elif dilated:
-        res = dilated_attention(qh, kh, vh, [w for w, _ in patterns], [r for _, r in patterns], causal=causal,
-                                scale=scale, mode=mode, offsets=offsets, return_lse=return_lse, backend=backend,
-                                head_offset=first, total_heads=Hq)
+        res = dilated_attention(qh, kh, vh, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
+                                offsets=offsets, return_lse=return_lse, backend=backend, head_offset=first,
+                                total_heads=Hq)
     elif layout is not None:
         res = block_sparse_attention(qh, kh, vh, layout.heads(first, first + heads), causal=causal, scale=scale,
                                      return_lse=return_lse, backend=backend)
