@@ -1,9 +1,11 @@
-"""ulysses_attention (issue 22 items 2 and 3) on gloo worlds of 2-4 spawned processes: every rank's
-shard of out, lse and the gradients (through a loss on both) against the float64 oracle's
-shard of the full-sequence call, by the tolerance rule; dense, dilated (both offset rules,
-head groups), block-sparse (a per-head layout), causal and not, GQA with more and fewer
-key/value heads than ranks, contiguous and zigzag shards, the Triton kernels (interpreter)
-and the portable backend; 2-D (Ulysses x ring) on a 2 x 2 grid. The all-to-alls alone: a round trip, and their adjoint property."""
+"""ulysses_attention (issue 22 items 2 and 3) on gloo worlds of 1-4 spawned processes: every
+rank's shard of out, lse and the gradients (through a loss on both) against the float64
+oracle's shard of the full-sequence call, by the tolerance rule; dense, dilated (both offset
+rules, head groups), block-sparse (a per-head layout), causal and not, GQA with more and
+fewer key/value heads than ranks, contiguous and zigzag shards, the Triton kernels
+(interpreter) and the portable backend; 2-D (Ulysses x ring) on a 2 x 2 grid. The
+all-to-alls alone: a round trip, and their adjoint property. Arguments that differ across
+ranks: every rank raises."""
 from __future__ import annotations
 
 import pytest
