@@ -64,7 +64,18 @@ USP_CASES = [
 
 
 def test_usp_2x2_matches_oracle():
-    compare_with_oracle((4, USP_CASES, run_world(4, USP_CASES)))
+    """Against the oracle; and per-rank memory of the ring dimension stays O(N/P): with
+    comm="p2p" a rank holds at most 3 key/value shards of the ring (own, in use, in flight)
+    of its Ulysses group's heads (N / R rows of max(Hkv, U) / U heads)."""
+    results = run_world(4, USP_CASES)
+    compare_with_oracle((4, USP_CASES, results))
+    U, R = 2, 2
+    for i, case in enumerate(USP_CASES):
+        if case.get("comm", "p2p") != "p2p":
+            continue
+        shard_bytes = 2 * case["B"] * (case["N"] // R) * (max(case["Hkv"], U) // U) * case["D"] * 4
+        held = [payload[i]["max_kv_bytes_held"] for _, payload in results.values()]
+        assert all(0 < h <= 3 * shard_bytes for h in held), (case, held, shard_bytes)
 
 
 def test_usp_mismatch_on_one_rank_raises_on_every_rank():
