@@ -53,6 +53,24 @@ def test_opcheck_dilated_fwd_head_groups_gqa(device):
                                             "torch"))
 
 
+def test_opcheck_dilated_head_slice(device):
+    """The head slice (head_offset, total_heads) travels through both ops and their
+    autograd registration: the op's result and gradients equal the slice of the full op."""
+    q, k, v = qkv(device, N=33, Hq=4, Hkv=2, D=8)
+    args = ([8, 33], [2, 3], True, 0.3, "longnet", "blocked", True, "torch")
+    torch.library.opcheck(dilated_interface._dilated_fwd, (q[:, :, 2:], k[:, :, 1:], v[:, :, 1:], *args, 2, 4))
+    full = dilated_interface._dilated_fwd(q, k, v, *args)
+    part = dilated_interface._dilated_fwd(q[:, :, 2:], k[:, :, 1:], v[:, :, 1:], *args, 2, 4)
+    assert torch.allclose(part[0], full[0][:, :, 2:], atol=1e-6) and torch.allclose(part[1], full[1][:, 2:], atol=1e-6)
+    leaves = [x.detach()[:, :, s].clone().requires_grad_() for x, s in ((q, slice(2, 4)), (k, slice(1, 2)),
+                                                                       (v, slice(1, 2)))]
+    g_part = torch.autograd.grad(dilated_interface._dilated_fwd(*leaves, *args, 2, 4)[0].sum(), leaves)
+    full_leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    g_full = torch.autograd.grad(dilated_interface._dilated_fwd(*full_leaves, *args)[0][:, :, 2:].sum(), full_leaves)
+    for a, b in zip(g_part, (g_full[0][:, :, 2:], g_full[1][:, :, 1:], g_full[2][:, :, 1:])):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_opcheck_dilated_bwd(device, path):
     q, k, v = qkv(device, N=32, grad=False)

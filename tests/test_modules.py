@@ -169,6 +169,7 @@ def test_mhda_dropout_on_out_proj_input():
     (dict(backend="xla"), ValueError, "backend"),
     (dict(comm="nccl"), ValueError, "comm"),
     (dict(balance="striped"), ValueError, "balance"),
+    (dict(sequence_parallel="tensor"), ValueError, "sequence_parallel"),
     (dict(group=object(), backend="torch"), ValueError, "group"),
 ])
 def test_mhda_validation(kwargs, error, match):
@@ -197,13 +198,13 @@ def test_mhda_group_without_ring_attention(monkeypatch):
         m(x, x, x)
 
 
-def _sequence_parallel_worker(rank, world, init_file, queue):
+def _sequence_parallel_worker(rank, world, init_file, queue, scheme):
     try:
         from triton_dilated import shard
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         torch.manual_seed(0)
-        m = mhda(num_kv_heads=2, group=dist.group.WORLD, backend="auto")
+        m = mhda(num_kv_heads=2, group=dist.group.WORLD, backend="auto", sequence_parallel=scheme)
         x = seeded((1, 32, 32), torch.float32, 1)
         g = seeded((1, 32, 32), torch.float32, 2)
         xl = shard(x, rank, world).clone().requires_grad_()
@@ -220,14 +221,16 @@ def _sequence_parallel_worker(rank, world, init_file, queue):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def test_mhda_sequence_parallel_matches_single_device():
+@pytest.mark.parametrize("scheme", ["ring", "ulysses"])
+def test_mhda_sequence_parallel_matches_single_device(scheme):
     """group=: two gloo ranks, each with half the sequence, give the single-device result
-    (outputs, input gradients, all-reduced parameter gradients)."""
+    (outputs, input gradients, all-reduced parameter gradients), through the ring or Ulysses."""
     world = 2
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "rendezvous")
-    procs = [ctx.Process(target=_sequence_parallel_worker, args=(r, world, init_file, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_sequence_parallel_worker, args=(r, world, init_file, queue, scheme))
+             for r in range(world)]
     # the children run the portable ring (the ring kernels under the interpreter are
     # tested in test_ring.py; this test is about the module's plumbing)
     saved = os.environ.get("TRITON_INTERPRET")

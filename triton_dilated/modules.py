@@ -65,7 +65,7 @@ from .ops.common.runtime import BACKENDS
 from .ops.common.validation import check_bool, check_choice, check_int, check_scale
 from .ops.dilated import dilated_attention, dilated_attention_op
 from .ops.dilated.patterns import check_patterns
-from .ops.ring import ring_attention
+from .ops.ring import ring_attention, ulysses_attention
 from .ops.ring.comm import COMMS
 from .ops.ring.shard import BALANCES
 
@@ -298,6 +298,9 @@ class MultiheadDilatedAttention(nn.Module):
             sequence (see `triton_dilated.shard`) and gets its shard of the output, through
             `triton_dilated.ring_attention` with `comm` and `balance` (eager only: the
             ring is not traced by torch.compile). Default None: one device.
+        sequence_parallel: with a group, "ring" (ring_attention, default) or "ulysses"
+            (ulysses_attention: heads over the ranks by all-to-all; num_heads a multiple
+            of the world size).
 
     forward(query, key, value, is_causal=False) on (B, N, embed_dim) tensors (self-
     attention layout: key and value have the length of query) returns (out, None), out
@@ -310,7 +313,7 @@ class MultiheadDilatedAttention(nn.Module):
                  dtype: Optional[torch.dtype] = None, op=None, *, num_kv_heads: Optional[int] = None,
                  mode: Optional[str] = None, offsets: str = "modulo", scale: Optional[float] = None,
                  backend: str = "auto", group=None, comm: str = "p2p", balance: str = "contiguous",
-                 compat: Optional[str] = None):
+                 compat: Optional[str] = None, sequence_parallel: str = "ring"):
         super().__init__()
         _ignore_op(op, "MultiheadDilatedAttention")
         embed_dim = check_int("embed_dim", embed_dim, 1)
@@ -344,6 +347,7 @@ class MultiheadDilatedAttention(nn.Module):
         gamma_init = _check_real("gamma_init", gamma_init)
         check_choice("comm", comm, COMMS)
         check_choice("balance", balance, BALANCES)
+        check_choice("sequence_parallel", sequence_parallel, ("ring", "ulysses"))
         if group is not None:
             if not torch.distributed.is_available():
                 raise ValueError("group (sequence parallelism) needs torch.distributed, which this torch build lacks")
@@ -354,7 +358,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = embed_dim, num_heads, num_kv_heads, head_dim
         self.layer_norm = layer_norm
         self.gamma_init = gamma_init
-        self.group, self.comm, self.balance = group, comm, balance
+        self.group, self.comm, self.balance, self.sequence_parallel = group, comm, balance, sequence_parallel
         factory = dict(device=device, dtype=dtype)
         kv_dim = num_kv_heads * head_dim
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
@@ -411,12 +415,17 @@ class MultiheadDilatedAttention(nn.Module):
 
     def _ring(self, q, k, v, is_causal):
         att = self.attention
+        if self.sequence_parallel == "ulysses":
+            return ulysses_attention(q, k, v, group=self.group, segment_lengths=att.segment_lengths,
+                                     dilation_rates=att.dilation_rates, causal=is_causal, scale=att.scale,
+                                     mode=att.mode, offsets=att.offsets, balance=self.balance)
         return ring_attention(q, k, v, group=self.group, segment_lengths=att.segment_lengths,
                               dilation_rates=att.dilation_rates, causal=is_causal, scale=att.scale, mode=att.mode,
                               offsets=att.offsets, comm=self.comm, balance=self.balance)
 
     def extra_repr(self) -> str:
-        extra = f", group={self.group!r}, comm={self.comm!r}, balance={self.balance!r}" if self.group is not None else ""
+        extra = f", group={self.group!r}, comm={self.comm!r}, balance={self.balance!r}, " \
+            f"sequence_parallel={self.sequence_parallel!r}" if self.group is not None else ""
         if self.attention.compat is not None:
             extra += f", compat={self.attention.compat!r}"
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
