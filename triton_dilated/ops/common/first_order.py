@@ -98,3 +98,14 @@ def first_order_inputs(what: str, *xs):
     if needs_grad(*xs):
         return _FirstOrderInputs.apply(what, *xs)
     return xs
+
+
+def joined_to(result, *inputs):
+    """result, joined with a zero gradient to the autograd graph of the inputs that require
+    one. A computation that read none of them (no query row has a key: an empty block
+    layout, a head slice whose offsets miss a short sequence) would otherwise return a
+    tensor that backward() refuses, where the Triton path returns zero gradients."""
+    anchors = [x for x in inputs if x.requires_grad]
+    if result.requires_grad or not anchors or not torch.is_grad_enabled():
+        return result
+    return result + sum(x.reshape(-1)[:0].sum() for x in anchors)   # + 0 (an empty sum), keeps result's dtype

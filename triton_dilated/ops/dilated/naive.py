@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.first_order import joined_to
 from ..common.lse import masked_attention_with_lse, merge_partials
 from ..common.validation import check_qkv, check_scale
 from .patterns import check_head_slice, check_patterns, head_offsets, head_table
@@ -54,7 +55,8 @@ def dilated_attention_naive(q, k, v, segment_lengths, dilation_rates, *, causal=
         out_h, lse_h = merge_partials(parts_out, parts_lse) if len(parts_out) > 1 else (parts_out[0], parts_lse[0])
         head_outs.append(out_h.double())
         head_lses.append(lse_h.double())
-    return torch.stack(head_outs, dim=2), torch.stack(head_lses, dim=1)
+    # joined: heads that read no key (a head slice past a short N) still take (zero) gradients
+    return joined_to(torch.stack(head_outs, dim=2), q, k, v), joined_to(torch.stack(head_lses, dim=1), q, k, v)
 
 
 def pattern_multiplicity(q_pos, k_pos, patterns, table, *, causal=False) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..common.first_order import first_order_inputs, needs_grad
+from ..common.first_order import first_order_inputs, joined_to, needs_grad
 from ..common.lse import all_finite, attention_with_lse, merge_partials
 
 
@@ -251,5 +251,5 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
         out, lse = merge_partials(outs, lses)
     else:
         out, lse = outs[0], (lses[0] if want_lse else None)
-    out = out.to(q.dtype)
-    return out, (lse.permute(0, 2, 1).contiguous() if need_lse else None)
+    out = joined_to(out.to(q.dtype), q, k, v)   # no job at all (a head slice past a short N): zero gradients
+    return out, (joined_to(lse.permute(0, 2, 1).contiguous(), q, k, v) if need_lse else None)
