@@ -46,6 +46,22 @@ def query_positions(lengths, num_queries: int, device) -> torch.Tensor:
         torch.arange(num_queries, device=device)
 
 
+def gather_rows(x, b, n, h):
+    """x[b, n, h] for x (B, N, H, D) and broadcastable long indices: (*index shape, D).
+    Without autograd, one index_select over the rows of x's storage (an overlapping
+    (span, D) view whose row i starts at element i) reads the same rows 2-3x faster on a CPU
+    than advanced indexing with three index tensors; with autograd, plain indexing (the
+    view's backward would be storage-sized). No host sync either way."""
+    if needs_grad(x) or x.stride(-1) != 1 or x.numel() == 0:
+        return x[b, n, h]
+    sb, sn, sh = x.stride()[:3]
+    B, N, H, D = x.shape
+    span = (B - 1) * sb + (N - 1) * sn + (H - 1) * sh + 1
+    rows = x.as_strided((span, D), (1, 1), x.storage_offset())
+    flat = b * sb + n * sn + h * sh
+    return rows.index_select(0, flat.reshape(-1)).view(*flat.shape, D)
+
+
 def nonfinite_to_nan(scores):
     """Scores with every non-finite value made NaN: a key or query holding Inf can score
     -inf, which would read as "no key" instead of spreading NaN (DESIGN §6)."""
@@ -103,8 +119,8 @@ def attend_key_lists(q, k, v, key_pos, key_ok, scale: float):
     outs, lses = [], []
     for s in range(0, rows, chunk):
         e = min(rows, s + chunk)
-        kg = k[b_idx[s:e], pos[s:e], h_idx[s:e]].to(acc)                          # (R, K, D)
-        vg = v[b_idx[s:e], pos[s:e], h_idx[s:e]].to(acc)
+        kg = gather_rows(k, b_idx[s:e], pos[s:e], h_idx[s:e]).to(acc)                 # (R, K, D)
+        vg = gather_rows(v, b_idx[s:e], pos[s:e], h_idx[s:e]).to(acc)
         scores = nonfinite_to_nan(torch.bmm(kg, qf[s:e].to(acc).unsqueeze(-1)).squeeze(-1) * scale)   # (R, K)
         weights, lse = softmax_lse(scores.masked_fill(~ok[s:e], float("-inf")))
         out = torch.bmm(weights.unsqueeze(1), vg).squeeze(1)
