@@ -28,8 +28,11 @@ first forward with a message naming it (transformers gives an attention function
 several patterns mix their attention by design (LongNet).
 
 Supported: causal self-attention of decoder-only LMs (`module.is_causal`), training (forward
-and backward), prefill, `generate()` with transformers' DynamicCache or with `DilatedCache`,
-GQA/MQA. Left padding (batched `generate`) works with full caches: each row is attended as
+and backward), prefill, `generate()` with transformers' DynamicCache, with `DilatedCache` or
+with a static cache (whose decode steps run the `*_with_kvcache` entry points with the
+cache's length as a device tensor: a compiled forward traces once), GQA/MQA. The attention
+functions read nothing on the host per layer; the mask functions read the padding mask once
+per forward. Left padding (batched `generate`) works with full caches: each row is attended as
 its own sequence from its first real token, so its result equals the unpadded one; with
 `DilatedCache` it is refused (the cache drops rows at positions counted from the batch's
 start, which are not segment boundaries of a padded row). Refused with a clear error:
