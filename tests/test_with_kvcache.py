@@ -202,10 +202,11 @@ def no_host_sync():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
-def test_no_host_sync_between_the_call_and_the_kernel(backend, variant):
-    """A decode step with an append runs under the guard and equals the unguarded call; the
-    training front door, which checks cache_seqlens on the host, trips the same guard (so
-    the guard would catch a sync added to the inference path)."""
+@pytest.mark.parametrize("paged", [False, True])
+def test_no_host_sync_between_the_call_and_the_kernel(backend, variant, paged):
+    """A decode step with an append (contiguous or paged cache) runs under the guard and equals
+    the unguarded call; the training front door, which checks cache_seqlens on the host,
+    trips the same guard (so the guard would catch a sync added to the inference path)."""
     B, Nk, Hq, Hkv, D = 2, 48, 4, 2, 8
     lens = torch.tensor([20, 33], dtype=torch.int32, device=DEVICE)
     lay = _layout(Nk, heads=Hq)
@@ -213,14 +214,19 @@ def test_no_host_sync_between_the_call_and_the_kernel(backend, variant):
     q = seeded((B, 2, Hq, D), torch.float32, 1, DEVICE)
     k_new, v_new = (seeded((B, 2, Hkv, D), torch.float32, s, DEVICE) for s in (2, 3))
     kc, vc = (seeded((B, Nk, Hkv, D), torch.float32, s, DEVICE) for s in (4, 5))
+    table = None
+    if paged:
+        kc, vc, table = _paged(kc, vc, 16)
     kc2, vc2 = kc.clone(), vc.clone()
     # warm-up: first calls build cached device tables (head sets, pattern tables) from host lists
-    fn(q, kc2.clone(), vc2.clone(), k_new, v_new, cache_seqlens=lens, backend=backend)
+    fn(q, kc2.clone(), vc2.clone(), k_new, v_new, cache_seqlens=lens, block_table=table, backend=backend)
     with no_host_sync():
-        out = fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, backend=backend, return_lse=True)
-    want = fn(q, kc2, vc2, k_new, v_new, cache_seqlens=lens, backend=backend, return_lse=True)
+        out = fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, block_table=table, backend=backend, return_lse=True)
+    want = fn(q, kc2, vc2, k_new, v_new, cache_seqlens=lens, block_table=table, backend=backend, return_lse=True)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
-    torch.testing.assert_close((kc, vc), (kc2, vc2), rtol=0, atol=0)
+    torch.testing.assert_close((kc, vc), (kc2, vc2), rtol=0, atol=0, equal_nan=True)
+    if paged:
+        return
     with pytest.raises(HostSync), no_host_sync():   # the guard fires on a host read
         if variant == "dilated":
             dilated_attention(q, kc, vc, WS, RS, causal=True, backend=backend, cache_seqlens=lens + 2)
@@ -234,18 +240,21 @@ def test_no_host_sync_between_the_call_and_the_kernel(backend, variant):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
-def test_compiled_decode_step_serves_every_length_without_recompiling(backend, variant):
+@pytest.mark.parametrize("paged", [False, True])
+def test_compiled_decode_step_serves_every_length_without_recompiling(backend, variant, paged):
     """torch.compile(fullgraph=True) of a decode step with an append (aot_eager: the real
     functionalised graph, the ops' fake kernels), three cache_seqlens tensors: one frame
-    compiled, outputs and caches equal to eager, and the training front door traces too."""
+    compiled, outputs and caches equal to eager and the oracle; contiguous and paged caches
+    (pages of 16); and the training front door traces too."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     B, Nk, Hq, Hkv, D = 2, 48, 4, 2, 8
     lay = _layout(Nk, heads=Hq)
     fn = _dilated if variant == "dilated" else _block_sparse(lay)
 
-    def step(q, kc, vc, k, v, lens):
-        return fn(q, kc, vc, k, v, cache_seqlens=lens, causal=True, return_lse=True, backend=backend)
+    def step(q, kc, vc, k, v, lens, table):
+        return fn(q, kc, vc, k, v, cache_seqlens=lens, block_table=table, causal=True, return_lse=True,
+                  backend=backend)
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
@@ -255,14 +264,21 @@ def test_compiled_decode_step_serves_every_length_without_recompiling(backend, v
     for i, before in enumerate(([5, 30], [17, 9], [46, 0])):
         lens = torch.tensor(before, dtype=torch.int32, device=DEVICE)
         kc, vc = (seeded((B, Nk, Hkv, D), torch.float32, s + i, DEVICE) for s in (4, 5))
+        table = None
+        if paged:
+            kc, vc, table = _paged(kc, vc, 16, seed=i)
         kc2, vc2 = kc.clone(), vc.clone()
-        got = compiled(q, kc, vc, k_new, v_new, lens)
-        want = step(q, kc2, vc2, k_new, v_new, lens)
+        got = compiled(q, kc, vc, k_new, v_new, lens, table)
+        want = step(q, kc2, vc2, k_new, v_new, lens, table)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close((kc, vc), (kc2, vc2), rtol=0, atol=0)
+        torch.testing.assert_close((kc, vc), (kc2, vc2), rtol=0, atol=0, equal_nan=True)
+        if paged:
+            kc, vc = _unpage(kc, table), _unpage(vc, table)
         oracle = _dilated_oracle(True) if variant == "dilated" else _block_sparse_oracle(lay, True)
         check_forward(*got, q, kc, vc, [n + 1 for n in before], oracle)
     assert counter.frame_count == 1, f"{counter.frame_count} compiles for 3 cache_seqlens values"
+    if paged:
+        return
 
     def front_door(q, kc, vc, lens):   # cache_seqlens counting the queries (DESIGN §5b)
         if variant == "dilated":
@@ -283,11 +299,63 @@ def test_opcheck_decode_ops(device):
     q = seeded((2, 2, 4, 8), torch.float32, 1, device)
     kc, vc = (seeded((2, 40, 2, 8), torch.float32, s, device) for s in (2, 3))
     lens = torch.tensor([40, 23], dtype=torch.int32, device=device)
-    torch.library.opcheck(dl_inference._dilated_decode, (q, kc, vc, lens, WS, RS, True, 0.3, "longnet", "modulo",
-                                                         "torch"))
+    pool_k, pool_v, table = _paged(kc, vc, 8)
     lay = layouts.local(40, 16, 1, causal=True).to(device)
-    torch.library.opcheck(bs_inference._block_sparse_decode, (q, kc, vc, lens, lay.kv_num_blocks, lay.kv_indices,
-                                                              16, True, 0.3, "torch"))
+    for caches in ((kc, vc, None), (pool_k, pool_v, table)):
+        torch.library.opcheck(dl_inference._dilated_decode, (q, *caches[:2], lens, caches[2], WS, RS, True, 0.3,
+                                                             "longnet", "modulo", "torch"))
+        torch.library.opcheck(bs_inference._block_sparse_decode, (q, *caches[:2], lens, caches[2], lay.kv_num_blocks,
+                                                                  lay.kv_indices, 16, True, 0.3, "torch"))
+
+
+# ----------------------------------------------------------------------------- paged cache
+
+def _paged(k_cache, v_cache, page_size, spare=3, seed=0):
+    """The same rows as page pools (num_pages, page_size, Hkv, D), pages in a shuffled order
+    with `spare` NaN pages no row uses, and the block table int32 (B, capacity / page_size)."""
+    B, N, Hkv, D = k_cache.shape
+    per_row = -(-N // page_size)
+    order = torch.randperm(B * per_row + spare, generator=torch.Generator().manual_seed(seed))
+    table = order[:B * per_row].view(B, per_row).to(torch.int32).to(k_cache.device)
+    pools = []
+    for x in (k_cache, v_cache):
+        pool = torch.full((B * per_row + spare, page_size, Hkv, D), float("nan"), dtype=x.dtype, device=x.device)
+        padded = torch.cat([x, x.new_zeros(B, per_row * page_size - N, Hkv, D)], dim=1)
+        pool[table.long().flatten()] = padded.reshape(B * per_row, page_size, Hkv, D)
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+def _unpage(pool, table):
+    """(B, capacity, Hkv, D): the rows of each batch row read back through the block table."""
+    return pool[table.long()].flatten(1, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+def test_paged_cache_equals_the_contiguous_cache_bit_for_bit(backend, variant):
+    """A paged cache (pages of 16, shuffled, spare NaN pages) with two new rows appended:
+    out and lse equal the contiguous cache's bit for bit, the pool holds the appended rows,
+    and the result meets the float64 oracle."""
+    B, Nk, Hq, Hkv, D, Nq = 2, 64, 4, 2, 8, 2
+    before = [37, 21]
+    kc, vc = _cache(B, Nk, Hkv, D, before, seed=30)
+    kc, vc = kc.contiguous(), vc.contiguous()
+    pool_k, pool_v, table = _paged(kc, vc, 16)
+    q = seeded((B, Nq, Hq, D), torch.float32, 3, DEVICE)
+    k_new, v_new = (seeded((B, 2, Hkv, D), torch.float32, s, DEVICE) for s in (4, 5))
+    lens = torch.tensor(before, dtype=torch.int32, device=DEVICE)
+    lay = _layout(Nk, heads=Hq)
+    fn = _dilated if variant == "dilated" else _block_sparse(lay)
+    want = fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, return_lse=True, backend=backend)
+    got = fn(q, pool_k, pool_v, k_new, v_new, cache_seqlens=lens, block_table=table, return_lse=True,
+             backend=backend, validate=True)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), (g - w).abs().max()
+    torch.testing.assert_close((_unpage(pool_k, table), _unpage(pool_v, table)), (kc, vc), rtol=0, atol=0,
+                               equal_nan=True)
+    oracle = _dilated_oracle(True) if variant == "dilated" else _block_sparse_oracle(lay, True)
+    check_forward(*got, q, kc, vc, [n + 2 for n in before], oracle)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -309,8 +377,13 @@ def test_argument_errors():
         dilated_attention_with_kvcache(q, kc, vc, kc[:, :1, :1], vc[:, :1, :1], cache_seqlens=lens, **kw)
     with pytest.raises(ValueError, match="1 to 16 query rows"):
         dilated_attention_with_kvcache(kc.repeat(1, 1, 2, 1)[:, :17], kc, vc, cache_seqlens=lens, **kw)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=lens[:, None], **kw)
+    with pytest.raises(TypeError, match="block_table must be an int32 tensor"):
+        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=lens[:, None].long(), **kw)
+    with pytest.raises(ValueError, match=r"block_table must have shape \(B, max_pages\) = \(2, max_pages >= 1\)"):
+        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=lens[:1, None], **kw)
+    table = torch.tensor([[0, 1], [1, 5]], dtype=torch.int32, device=DEVICE)   # pool of 2 pages of 32: capacity 64
+    with pytest.raises(ValueError, match=r"block_table\[1\] holds page 5, outside the pool's \[0, 2\)"):
+        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens + 30, block_table=table, validate=True, **kw)
     with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 32: with 1 new rows the row holds 33"):
         dilated_attention_with_kvcache(q, kc, vc, kc[:, :1], vc[:, :1], cache_seqlens=lens + 23, validate=True, **kw)
     with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 0.*\[Nq, Nk\] = \[1, 32\]"):

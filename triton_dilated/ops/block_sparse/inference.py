@@ -7,13 +7,13 @@ cache_seqlens=)`) run. No host sync from the call to the kernel launch on either
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..common.first_order import needs_grad
-from ..common.kvcache import append_rows, check_kvcache_args, check_kvcache_values
+from ..common.kvcache import append_rows, cache_view, capacity, check_kvcache_args, check_kvcache_values
 from ..common.op_support import check_path, lazy_module, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
 from ..common.validation import check_flags, check_qkv, check_scale
@@ -25,13 +25,15 @@ _decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports trito
 DECODE_FAMILIES = ("block_sparse_fwd",)
 
 
-def decode_layout(q, k, v, layout, lengths, *, causal, scale, path):
+def decode_layout(q, k, v, layout, lengths, *, causal, scale, path, block_table=None):
     """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
-    q's device) valid rows of k, v, the layout (on q's device) covering k's length."""
+    q's device) valid rows of k, v (page pools with block_table), the layout (on q's device)
+    covering the cache's capacity."""
     if path == "torch":
-        return block_sparse_decode(q, k, v, layout, lengths, causal=causal, scale=scale)
+        return block_sparse_decode(q, k, v, layout, lengths, causal=causal, scale=scale, block_table=block_table)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-    return _decode_kernels().block_sparse_decode_forward(q, k, v, layout, lengths, causal=causal, scale=scale)
+    return _decode_kernels().block_sparse_decode_forward(q, k, v, layout, lengths, causal=causal, scale=scale,
+                                                         block_table=block_table)
 
 
 def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, layout,
@@ -42,7 +44,8 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     Args:
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate: as
             `dilated_attention_with_kvcache` (q of 1 to 16 rows, the last positions of
-            each row's L_b = cache_seqlens[b] + Nnew valid rows; k, v appended in place).
+            each row's L_b = cache_seqlens[b] + Nnew valid rows; k, v appended in place;
+            block_table: a paged cache).
         layout: a BlockLayout covering the cache's capacity Nk (ceil(Nk / block_size)
             blocks per side) at absolute positions, laid out for (B|1, Hq|1); keep it on
             q's device (a copy per call otherwise). Each query reads the active blocks of
@@ -55,13 +58,14 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     outside the compiled region).
     """
     check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate)
-    check_qkv(q, k_cache, v_cache, allow_shorter_q=True)
+    check_qkv(q, cache_view(k_cache, block_table, q.shape[0]), cache_view(v_cache, block_table, q.shape[0]),
+              allow_shorter_q=True)
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     check_flags(causal=causal, return_lse=return_lse)
     scale = check_scale(scale, q.shape[-1])
     B, Nq, Hq, D = q.shape
-    layout.check_seq_len(k_cache.shape[1])
+    layout.check_seq_len(capacity(k_cache, block_table))
     layout.check_heads(B, Hq)
     compiling = torch.compiler.is_compiling()
     path = resolve_path(backend, str(q.device)) if compiling else \
@@ -70,17 +74,19 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
         raise ValueError("block_sparse_attention_with_kvcache: the Triton decode kernel has no backward; call it "
                          "under torch.no_grad() (inference), or use block_sparse_attention for gradients")
     if validate:
-        check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], Nq, k_cache.shape[1])
-    lengths = append_rows(k_cache, v_cache, k, v, cache_seqlens)
+        check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], Nq, capacity(k_cache, block_table),
+                             block_table, k_cache.shape[0])
+    lengths = append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table)
     if B == 0:
         return empty_result(q, k_cache, v_cache, return_lse)
     if layout.kv_indices.device != q.device:
         layout = layout.to(q.device)
     if compiling:
-        out, lse = _block_sparse_decode(q, k_cache, v_cache, lengths, layout.kv_num_blocks, layout.kv_indices,
-                                        layout.block_size, causal, scale, path)
+        out, lse = _block_sparse_decode(q, k_cache, v_cache, lengths, block_table, layout.kv_num_blocks,
+                                        layout.kv_indices, layout.block_size, causal, scale, path)
     else:
-        out, lse = decode_layout(q, k_cache, v_cache, layout, lengths, causal=causal, scale=scale, path=path)
+        out, lse = decode_layout(q, k_cache, v_cache, layout, lengths, causal=causal, scale=scale, path=path,
+                                 block_table=block_table)
     return (out, lse) if return_lse else out
 
 
@@ -94,16 +100,16 @@ class _RowLists:
 
 
 @torch.library.custom_op("triton_dilated::block_sparse_decode", mutates_args=())
-def _block_sparse_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_num_blocks: Tensor,
-                         kv_indices: Tensor, block_size: int, causal: bool, scale: float,
+def _block_sparse_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
+                         kv_num_blocks: Tensor, kv_indices: Tensor, block_size: int, causal: bool, scale: float,
                          path: str) -> Tuple[Tensor, Tensor]:
     """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq)."""
     check_path(path)
     return decode_layout(q, k_cache, v_cache, _RowLists(kv_num_blocks, kv_indices, block_size), lengths,
-                         causal=causal, scale=scale, path=path)
+                         causal=causal, scale=scale, path=path, block_table=block_table)
 
 
 @_block_sparse_decode.register_fake
-def _(q, k_cache, v_cache, lengths, kv_num_blocks, kv_indices, block_size, causal, scale, path):
+def _(q, k_cache, v_cache, lengths, block_table, kv_num_blocks, kv_indices, block_size, causal, scale, path):
     B, Nq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)

@@ -62,6 +62,17 @@ def gather_rows(x, b, n, h):
     return rows.index_select(0, flat.reshape(-1)).view(*flat.shape, D)
 
 
+def cache_rows(x, b, n, h, block_table=None):
+    """Rows of a KV cache as gather_rows reads them: x[b, n, h] for a contiguous cache x
+    (B, N, H, D); for a paged cache x (num_pages, page_size, H, D) with block_table int32
+    (B, max_pages), position n of row b lives in page block_table[b, n // page_size], row
+    n % page_size."""
+    if block_table is None:
+        return gather_rows(x, b, n, h)
+    page_size = x.shape[1]
+    return gather_rows(x, block_table[b, n // page_size].long(), n % page_size, h)
+
+
 def nonfinite_to_nan(scores):
     """Scores with every non-finite value made NaN: a key or query holding Inf can score
     -inf, which would read as "no key" instead of spreading NaN (DESIGN §6)."""
@@ -91,11 +102,12 @@ def softmax_lse(scores):
     return e / z_safe, lse.squeeze(-1)
 
 
-def attend_key_lists(q, k, v, key_pos, key_ok, scale: float):
+def attend_key_lists(q, k, v, key_pos, key_ok, scale: float, block_table=None):
     """Attention of each query row over its own list of keys.
 
     q: (B, Nq, Hq, D); k, v: (B, Nk, Hkv, D) (any strides); key_pos: long (B, Nq, Hq, K), the
-    key positions each (query, head) reads, with key_ok (same shape) False on padding slots.
+    key positions each (query, head) reads, with key_ok (same shape) False on padding slots;
+    with block_table, k and v are page pools (cache_rows).
     GQA: query head h reads key/value head h // (Hq // Hkv). Scores, softmax and sums in
     float32. Returns out (B, Nq, Hq, D) like q and lse float32 (B, Hq, Nq); a query with no
     key gets 0 and -inf. Differentiable (a key listed twice gets both gradients)."""
@@ -119,8 +131,8 @@ def attend_key_lists(q, k, v, key_pos, key_ok, scale: float):
     outs, lses = [], []
     for s in range(0, rows, chunk):
         e = min(rows, s + chunk)
-        kg = gather_rows(k, b_idx[s:e], pos[s:e], h_idx[s:e]).to(acc)                 # (R, K, D)
-        vg = gather_rows(v, b_idx[s:e], pos[s:e], h_idx[s:e]).to(acc)
+        kg = cache_rows(k, b_idx[s:e], pos[s:e], h_idx[s:e], block_table).to(acc)     # (R, K, D)
+        vg = cache_rows(v, b_idx[s:e], pos[s:e], h_idx[s:e], block_table).to(acc)
         scores = nonfinite_to_nan(torch.bmm(kg, qf[s:e].to(acc).unsqueeze(-1)).squeeze(-1) * scale)   # (R, K)
         weights, lse = softmax_lse(scores.masked_fill(~ok[s:e], float("-inf")))
         out = torch.bmm(weights.unsqueeze(1), vg).squeeze(1)

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from ..common.decode import (DECODE_STATS, gather_rows, mark_nonfinite, nonfinite_to_nan, query_positions,
+from ..common.decode import (DECODE_STATS, cache_rows, mark_nonfinite, nonfinite_to_nan, query_positions,
                              softmax_lse)
 
 
@@ -75,7 +75,7 @@ def head_sets(patterns, table, device):
     return tuple(sets)
 
 
-def attend_patterns(q, k, v, patterns, table, pos, lengths, causal: bool, scale: float):
+def attend_patterns(q, k, v, patterns, table, pos, lengths, causal: bool, scale: float, block_table=None):
     """Each (query, head) over the multiset union of its patterns' runs, with no host sync and
     shapes that depend only on the input shapes (so a CUDA graph or torch.compile can take it).
 
@@ -87,10 +87,11 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, causal: bool, scale:
     head is inactive or a slot is padding), one softmax runs over it, and the weights are
     gathered back to the slots to sum the values. Padding slots point at the query's own
     position, which every active head reads anyway (causal or not), so a NaN stored there
-    spreads only where the definition spreads it. Returns (out like q, lse float32 (B, Hq,
-    Nq)); a query with no key gets 0 and -inf; differentiable."""
+    spreads only where the definition spreads it. With block_table, k and v are page pools
+    (common.decode.cache_rows). Returns (out like q, lse float32 (B, Hq, Nq)); a query with no
+    key gets 0 and -inf; differentiable."""
     B, Nq, Hq, D = q.shape
-    Nk = k.shape[1]
+    Nk = k.shape[1] * (1 if block_table is None else block_table.shape[1])   # the cache's capacity
     group = Hq // k.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
     device = q.device
@@ -113,8 +114,8 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, causal: bool, scale:
         kvh = heads.clamp(max=Hq - 1) // group
         M = heads.shape[-1]
         DECODE_STATS["key_rows"] += B * Nq * M * T
-        kg = gather_rows(k, b_idx, kpos[:, :, None, :], kvh[..., None]).to(acc)   # (B, Nq, M, T, D)
-        vg = gather_rows(v, b_idx, kpos[:, :, None, :], kvh[..., None]).to(acc)
+        kg = cache_rows(k, b_idx, kpos[:, :, None, :], kvh[..., None], block_table).to(acc)   # (B, Nq, M, T, D)
+        vg = cache_rows(v, b_idx, kpos[:, :, None, :], kvh[..., None], block_table).to(acc)
         qg = q_ext.gather(2, heads[..., None].expand(B, Nq, M, D))        # (B, Nq, M, D)
         s_ = nonfinite_to_nan(torch.matmul(kg, qg[..., None]).squeeze(-1) * scale)
         s_ = s_.masked_fill(~ok[:, :, None, :], float("-inf"))
@@ -172,16 +173,18 @@ def attend_runs(q, k, v, patterns, table, pos, lengths, causal: bool, scale: flo
     return out.reshape(B, Nq, Hq, D).to(q.dtype), lse.reshape(B, Nq, Hq).permute(0, 2, 1).float().contiguous()
 
 
-def dilated_decode(q, k, v, patterns, table, lengths, *, causal: bool, scale: float, host_loop: bool = False):
+def dilated_decode(q, k, v, patterns, table, lengths, *, causal: bool, scale: float, host_loop: bool = False,
+                   block_table=None):
     """Dilated attention of q (B, Nq, Hq, D), the last Nq positions of each row's lengths[b]
     (an integer tensor (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D).
     `patterns`: (w, r) pairs; `table`: per query head a tuple of offsets (-1: pattern unused).
     Returns (out like q, lse float32 (B, Hq, Nq)), differentiable. host_loop: read the runs
     in place as strided views (attend_runs: CPU tensors, no gradient; it reads the lengths
-    on the host), else gather them with no host sync (attend_patterns)."""
+    on the host), else gather them with no host sync (attend_patterns; block_table: k and v
+    are page pools)."""
     lengths = lengths.to(device=q.device, dtype=torch.long)
     pos = query_positions(lengths, q.shape[1], q.device)
     if host_loop:
         DECODE_STATS["calls"] += 1
         return attend_runs(q, k, v, patterns, table, pos, lengths, causal, scale)
-    return attend_patterns(q, k, v, patterns, table, pos, lengths, causal, scale)
+    return attend_patterns(q, k, v, patterns, table, pos, lengths, causal, scale, block_table)

@@ -10,13 +10,13 @@ value checks run only with validate=True (ops/common/kvcache.py).
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..common.first_order import needs_grad
-from ..common.kvcache import append_rows, check_kvcache_args, check_kvcache_values
+from ..common.kvcache import append_rows, cache_view, capacity, check_kvcache_args, check_kvcache_values
 from ..common.op_support import check_path, lazy_module, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
 from ..common.validation import check_flags, check_qkv, check_scale
@@ -39,14 +39,17 @@ def check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, of
     return patterns, check_scale(scale, q.shape[-1])
 
 
-def decode_table(q, k, v, patterns, table, lengths, *, causal, scale, path, host_loop=False):
+def decode_table(q, k, v, patterns, table, lengths, *, causal, scale, path, host_loop=False, block_table=None):
     """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
-    q's device) valid rows of k, v: the Triton decode kernel or the portable decode
-    (host_loop: its strided-view CPU variant, which reads the lengths on the host)."""
+    q's device) valid rows of k, v (page pools with block_table): the Triton decode kernel or
+    the portable decode (host_loop: its strided-view CPU variant, which reads the lengths on
+    the host; contiguous caches only)."""
     if path == "torch":
-        return dilated_decode(q, k, v, patterns, table, lengths, causal=causal, scale=scale, host_loop=host_loop)
+        return dilated_decode(q, k, v, patterns, table, lengths, causal=causal, scale=scale, host_loop=host_loop,
+                              block_table=block_table)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-    return _decode_kernels().dilated_decode_forward(q, k, v, patterns, table, lengths, causal=causal, scale=scale)
+    return _decode_kernels().dilated_decode_forward(q, k, v, patterns, table, lengths, causal=causal, scale=scale,
+                                                    block_table=block_table)
 
 
 def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
@@ -66,7 +69,11 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
         cache_seqlens: int32 tensor (B,) on q's device: valid rows of each cache row before
             the call (FlashAttention's convention: the new rows not counted); the attention
             covers L_b = cache_seqlens[b] + Nnew rows. Not modified.
-        block_table: reserved for a paged cache (not supported yet: NotImplementedError).
+        block_table: None, or int32 (B, max_pages) on q's device for a paged cache: then
+            k_cache, v_cache are page pools (num_pages, page_size, Hkv, D) shared by the
+            rows, and position n of row b lives at row n % page_size of page
+            block_table[b, n // page_size]; the capacity is max_pages * page_size. The
+            result equals that of the same rows in a contiguous cache bit for bit.
         segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse, backend:
             as dilated_attention (causal defaults to True here).
         validate: check that every L_b lies in [Nq, Nk] (reads the lengths on the host: a
@@ -83,8 +90,10 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     of cache_seqlens.
     """
     check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate)
-    patterns, scale = check_args(q, k_cache, v_cache, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-                                 return_lse, allow_shorter_q=True)
+    B = q.shape[0]
+    patterns, scale = check_args(q, cache_view(k_cache, block_table, B), cache_view(v_cache, block_table, B),
+                                 segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
+                                 allow_shorter_q=True)
     B, Nq, Hq, D = q.shape
     compiling = torch.compiler.is_compiling()
     path = resolve_path(backend, str(q.device)) if compiling else \
@@ -93,16 +102,17 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
         raise ValueError("dilated_attention_with_kvcache: the Triton decode kernel has no backward; call it under "
                          "torch.no_grad() (inference), or use dilated_attention for gradients")
     if validate:
-        check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], Nq, k_cache.shape[1])
-    lengths = append_rows(k_cache, v_cache, k, v, cache_seqlens)
+        check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], Nq, capacity(k_cache, block_table),
+                             block_table, k_cache.shape[0])
+    lengths = append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table)
     if B == 0:
         return empty_result(q, k_cache, v_cache, return_lse)
     if compiling:
-        out, lse = _dilated_decode(q, k_cache, v_cache, lengths, [w for w, _ in patterns], [r for _, r in patterns],
-                                   causal, scale, mode, offsets, path)
+        out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
+                                   [r for _, r in patterns], causal, scale, mode, offsets, path)
     else:
         out, lse = decode_table(q, k_cache, v_cache, patterns, head_offsets(Hq, patterns, mode, offsets), lengths,
-                                causal=causal, scale=scale, path=path)
+                                causal=causal, scale=scale, path=path, block_table=block_table)
     return (out, lse) if return_lse else out
 
 
@@ -112,17 +122,18 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
 # op, as plain index_put_ that torch.compile functionalises). No autograd formula: inference.
 
 @torch.library.custom_op("triton_dilated::dilated_decode", mutates_args=())
-def _dilated_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, segment_lengths: List[int],
-                    dilation_rates: List[int], causal: bool, scale: float, mode: str, offsets: str,
-                    path: str) -> Tuple[Tensor, Tensor]:
+def _dilated_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
+                    segment_lengths: List[int], dilation_rates: List[int], causal: bool, scale: float, mode: str,
+                    offsets: str, path: str) -> Tuple[Tensor, Tensor]:
     """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq)."""
     check_path(path)
     patterns = tuple(zip((int(w) for w in segment_lengths), (int(r) for r in dilation_rates)))
     table = head_offsets(q.shape[2], patterns, mode, offsets)
-    return decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path)
+    return decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
+                        block_table=block_table)
 
 
 @_dilated_decode.register_fake
-def _(q, k_cache, v_cache, lengths, segment_lengths, dilation_rates, causal, scale, mode, offsets, path):
+def _(q, k_cache, v_cache, lengths, block_table, segment_lengths, dilation_rates, causal, scale, mode, offsets, path):
     B, Nq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)
