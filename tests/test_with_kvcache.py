@@ -396,3 +396,42 @@ def test_argument_errors():
         block_sparse_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, layout=layouts.local(64, 16, 1))
     with pytest.raises(ValueError, match="no backward"):
         dilated_attention_with_kvcache(q.requires_grad_(), kc, vc, cache_seqlens=lens, backend="triton", **kw)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (TRITON_DILATED_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_step_captures_in_a_cuda_graph(variant, paged):
+    """A decode step with an append (Triton path) captured once in a CUDA graph, replayed for
+    three cache_seqlens values written into the captured tensor: out and the cache equal the
+    eager call each time (a host sync in the step would fail the capture)."""
+    B, Nk, Hq, Hkv, D = 2, 256, 4, 2, 64
+    lay = _layout(Nk, heads=Hq)
+    fn = _dilated if variant == "dilated" else _block_sparse(lay)
+    q = seeded((B, 1, Hq, D), torch.float16, 1, DEVICE)
+    k_new, v_new = (seeded((B, 1, Hkv, D), torch.float16, s, DEVICE) for s in (2, 3))
+    kc, vc = (seeded((B, Nk, Hkv, D), torch.float16, s, DEVICE) for s in (4, 5))
+    table = None
+    if paged:
+        kc, vc, table = _paged(kc, vc, 16)
+    lens = torch.tensor([10, 20], dtype=torch.int32, device=DEVICE)
+
+    def step():
+        return fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, block_table=table, backend="triton", return_lse=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):   # warm-up: compiles the kernels, builds the cached tables
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for before in ([5, 200], [131, 17], [254, 0]):
+        lens.copy_(torch.tensor(before, dtype=torch.int32))
+        kc_eager, vc_eager = kc.clone(), vc.clone()
+        graph.replay()
+        want = fn(q, kc_eager, vc_eager, k_new, v_new, cache_seqlens=lens, block_table=table, backend="triton",
+                  return_lse=True)
+        torch.testing.assert_close(captured, want, rtol=0, atol=0)
+        torch.testing.assert_close((kc, vc), (kc_eager, vc_eager), rtol=0, atol=0, equal_nan=True)
