@@ -235,6 +235,27 @@ def test_block_sparse_forward_tma_variant_on_sm90(tmp_path):
     assert not bad, "\n".join(bad)
 
 
+@needs_ptxas
+def test_paged_decode_variants_compile_without_spills(tmp_path):
+    """The decode kernels on a paged cache (PAGE_SIZE = 16: each key's page read from the
+    block table) compile for sm90 and sm80 at their launchers' default tiles, D = 128,
+    without a register spill (an unaligned page stride had made every load scalar: 255
+    registers and spills)."""
+    out = tmp_path / "paged.csv"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", "90", "80", "--head-dims",
+                           "128", "--causal", "yes", "--kernels", "dilated_decode_paged", "block_sparse_decode_paged",
+                           "--jobs", "1", "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4
+    bad = [f"{r['arch']} {r['kernel']} {r['BLOCK_N']} w{r['num_warps']}: {r['registers']} registers, spills "
+           f"{r['spill_stores']} B {r['error']}" for r in rows
+           if r["error"] or r["spill_stores"] != "0" or r["BLOCK_M"] != "16"]
+    assert not bad, "\n".join(bad)
+
+
 def test_sm90_16bit_defaults_never_put_8_warps_on_64_rows():
     """The config rule itself (no compile): on sm90 every 16-bit default with 8 warps has
     128-row tiles, and every forward default at D <= 128 has BLOCK_M >= 16 x num_warps."""

@@ -15,10 +15,10 @@ from hypothesis import given, settings, strategies as st
 
 from triton_dilated import (BlockLayout, block_sparse_attention, block_sparse_attention_naive, dilated_attention,
                             dilated_attention_naive, layouts)
-from triton_dilated.ops.block_sparse import decode as bs_decode, interface as bs_interface
+from triton_dilated.ops.block_sparse import decode as bs_decode, inference as bs_inference, interface as bs_interface
 from triton_dilated.ops.block_sparse.decode import block_key_lists
 from triton_dilated.ops.common import decode as common_decode
-from triton_dilated.ops.dilated import decode as dl_decode, interface as dl_interface
+from triton_dilated.ops.dilated import decode as dl_decode, inference as dl_inference, interface as dl_interface
 from triton_dilated.ops.dilated.decode import dilated_key_lists
 from triton_dilated.ops.dilated.naive import pattern_multiplicity
 from triton_dilated.ops.dilated.patterns import fit_patterns, head_offsets
@@ -49,26 +49,30 @@ def _spy(module, name, seen):
 @contextlib.contextmanager
 def paths(variant, splits=None):
     """Records the paths a call of `variant` ("dilated" or "block_sparse") takes: "general"
-    (query_offset), "portable" (decode.py) and in it "runs" (strided views, dilated without
-    gradients) or "gather" (gathered key lists), or "triton" (the decode kernel). `splits`
+    (query_offset), "portable" (decode.py) and in it "runs" (strided views: dilated, CPU, no
+    gradient, through the host-synchronising front door), "patterns" (dilated, gathered per
+    pattern) or "gather" (block-sparse key lists), or "triton" (the decode kernel). `splits`
     forces the Triton decode kernel's number of splits."""
     interface = dl_interface if variant == "dilated" else bs_interface
+    inference = dl_inference if variant == "dilated" else bs_inference
     portable = "dilated_decode" if variant == "dilated" else "block_sparse_decode"
     seen = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(_spy(interface, "run_with_query_offset", seen))
-        stack.enter_context(_spy(interface, portable, seen))
-        stack.enter_context(_spy(dl_decode if variant == "dilated" else bs_decode, "attend_key_lists", seen))
+        stack.enter_context(_spy(inference, portable, seen))
         if variant == "dilated":
             stack.enter_context(_spy(dl_decode, "attend_runs", seen))
+            stack.enter_context(_spy(dl_decode, "attend_patterns", seen))
+        else:
+            stack.enter_context(_spy(bs_decode, "attend_key_lists", seen))
         if DEVICE == "cuda" or _interpreted():
-            kernels = interface._decode_kernels()
+            kernels = inference._decode_kernels()
             stack.enter_context(_spy(kernels, f"{portable}_forward", seen))
             if splits is not None:
                 stack.enter_context(_patch(kernels, "num_splits", lambda *a: splits))
         yield seen
     names = {"run_with_query_offset": "general", portable: "portable", f"{portable}_forward": "triton",
-             "attend_key_lists": "gather", "attend_runs": "runs"}
+             "attend_key_lists": "gather", "attend_runs": "runs", "attend_patterns": "patterns"}
     seen[:] = [names[n] for n in seen]
 
 
@@ -89,7 +93,9 @@ def _interpreted():
 
 def expected_paths(backend, variant="dilated", grad=False):
     if backend == "torch":
-        return ["portable", "runs" if variant == "dilated" and not grad else "gather"]
+        if variant == "dilated":
+            return ["portable", "patterns" if grad or DEVICE != "cpu" else "runs"]
+        return ["portable", "gather"]
     return ["general"] if grad else ["triton"]
 
 
@@ -381,7 +387,9 @@ def test_block_sparse_decode_cost_does_not_grow_with_the_context():
             block_sparse_attention(q, k, v, lay, causal=True, backend="torch")
         assert seen == ["portable", "gather"]
         rows[n] = common_decode.DECODE_STATS["key_rows"] - before
-    assert rows[1024] == rows[65536] <= 2 * 3 * 64
+    # slots: the layout's index-list width (5 blocks: a window of 2 on either side), a shape
+    # (no host sync for the widest active row), of which the last row uses 3
+    assert rows[1024] == rows[65536] <= 2 * 5 * 64
     pos = torch.tensor([[65536 - 1]])
     key_pos, key_ok = block_key_lists(pos, pos[:, 0] + 1, lay, 2, True)
     assert sorted(key_pos[0, 0, 0][key_ok[0, 0, 0]].tolist()) == list(range(65536 - 3 * 64, 65536))

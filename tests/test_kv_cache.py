@@ -317,7 +317,7 @@ def test_decode_sweep_rows_and_table(tmp_path):
                              out=str(out), memory_contexts=[40, 64, 1000], memory_dtype=torch.float32, device="cpu",
                              quiet=True)
     written = results.read_csv([str(out)])
-    assert len(written) == len(rows) == 2 * 3 + 3 * 3
+    assert len(written) == len(rows) == 2 * len(decode.PROVIDERS) + 3 * 3   # ms per context and provider; memory
     ms = {(r["N"], r["provider"]): r["value"] for r in written if r["metric"] == "ms"}
     assert set(ms) == {(n, p) for n in (64, 128) for p in decode.PROVIDERS} and all(v > 0 for v in ms.values())
     mem = {(r["N"], r["provider"], r["metric"]): r for r in written if r["metric"].startswith("cache_")}

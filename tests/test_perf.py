@@ -585,6 +585,19 @@ def test_decode_sweep_labels_the_longnet_schedule():
     assert {r["variant"] for r in rows} == {"custom"}
 
 
+def test_decode_sweep_times_the_inference_entry_point_and_prints_host_rows():
+    """The dilated_kvcache provider (dilated_attention_with_kvcache) runs in the sweep; host_ms
+    rows (written on a GPU) get their own table."""
+    from triton_dilated.perf import decode as perf_decode
+    one = timing.Timing(warmup=0, budget_s=0.0, min_reps=1, max_reps=1)
+    rows = perf_decode.run_decode([64], providers=["dilated", "dilated_kvcache"], heads=2, head_dim=8, ws=[16, 32],
+                                  rs=[1, 2], device="cpu", memory_contexts=[], quiet=True, timing=one)
+    assert {r["provider"] for r in rows if r["metric"] == "ms" and r["value"] != ""} == {"dilated", "dilated_kvcache"}
+    host = [dict(r, metric="host_ms", value=0.05) for r in rows]
+    table = perf_decode.decode_table(rows + host)
+    assert "host time per call" in table and "dilated_kvcache host" in table
+
+
 # ----------------------------------------------------------------------------- CLI rough edges (issue 24)
 
 def test_sweep_names_an_unknown_provider_and_lists_the_known_ones(tmp_path, capsys):

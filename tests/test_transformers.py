@@ -258,3 +258,61 @@ def test_only_the_integration_imports_transformers():
             "print('transformers' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.stdout.strip() == "False", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("impl", ["triton_dilated", "triton_block_sparse"])
+def test_static_cache_compiled_generate_equals_eager(impl):
+    """Issue 21 item 5: generate(cache_implementation="static") with the forward compiled
+    fullgraph (aot_eager; generate compiles on a GPU by itself, here it is told to) gives the
+    tokens and logits of eager generation with the static cache and with DynamicCache; one
+    graph serves every decode step (no recompile, no graph break)."""
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    attn = ({"dilated_attention": {"segment_lengths": [4, 8, 16], "dilation_rates": [1, 2, 4], "backend": "torch"}}
+            if impl == "triton_dilated" else
+            {"block_sparse_attention": {"builder": "local", "block_size": 16, "window": 1, "backend": "torch"}})
+    model = _model(impl, **attn)
+    ids = _ids((2, 6))
+    ref = _generate_logits(model, ids, 20)
+    _same_generation(_generate_logits(model, ids, 20, cache_implementation="static", disable_compile=True), ref)
+    config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    config._compile_all_devices = True          # generate compiles on accelerators only unless told
+    torch._dynamo.reset()
+    counters.clear()
+    _same_generation(_generate_logits(model, ids, 20, cache_implementation="static", compile_config=config), ref)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (dict(counters["stats"]),
+                                                                                   dict(counters["graph_break"]))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_functions_make_no_host_sync_per_layer(backend):
+    """The attention functions' decode step reads nothing on the host: with a static cache's
+    lengths (what the mask function gives a static cache, both backends), and for a padded
+    batch whose mask the mask function tagged with its padding groups (the Triton path; on a
+    CPU the portable front door reads the lengths of CPU tensors for its strided-view loop)."""
+    from test_with_kvcache import no_host_sync
+
+    model = _model("triton_dilated", dilated_attention={"segment_lengths": [4, 8], "dilation_rates": [1, 2],
+                                                       "backend": backend})
+    module = model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    k, v = (torch.randn(2, 2, 12, 16, generator=gen) for _ in range(2))
+    lengths = td_hf.dilated_attention_mask(2, q_length=1, kv_length=12, q_offset=torch.tensor(8))
+    assert lengths.tolist() == [9, 9]
+    want, _ = td_hf.dilated_attention_forward(module, q, k[:, :, :9], v[:, :, :9], None)
+    with torch.no_grad(), no_host_sync():
+        got, _ = td_hf.dilated_attention_forward(module, q, k, v, lengths)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    tagged = td_hf.dilated_attention_mask(2, q_length=1, kv_length=12, attention_mask=mask.bool())
+    assert tagged.td_padding is not None
+    want, _ = td_hf.dilated_attention_forward(module, q, k, v, mask.bool())      # untagged: computed per call
+    if backend == "triton":
+        with torch.no_grad(), no_host_sync():
+            got, _ = td_hf.dilated_attention_forward(module, q, k, v, tagged)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="static cache"):
+        td_hf.dilated_attention_mask(2, q_length=1, kv_length=12, q_offset=torch.tensor(8), attention_mask=mask.bool())

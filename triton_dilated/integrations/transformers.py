@@ -28,8 +28,11 @@ first forward with a message naming it (transformers gives an attention function
 several patterns mix their attention by design (LongNet).
 
 Supported: causal self-attention of decoder-only LMs (`module.is_causal`), training (forward
-and backward), prefill, `generate()` with transformers' DynamicCache or with `DilatedCache`,
-GQA/MQA. Left padding (batched `generate`) works with full caches: each row is attended as
+and backward), prefill, `generate()` with transformers' DynamicCache, with `DilatedCache` or
+with a static cache (whose decode steps run the `*_with_kvcache` entry points with the
+cache's length as a device tensor: a compiled forward traces once), GQA/MQA. The attention
+functions read nothing on the host per layer; the mask functions read the padding mask once
+per forward. Left padding (batched `generate`) works with full caches: each row is attended as
 its own sequence from its first real token, so its result equals the unpadded one; with
 `DilatedCache` it is refused (the cache drops rows at positions counted from the batch's
 start, which are not segment boundaries of a padded row). Refused with a clear error:
@@ -39,6 +42,7 @@ padding. `output_attentions` gives None for the weights.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -49,8 +53,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
 from .. import layouts
-from ..ops.block_sparse import block_sparse_attention
-from ..ops.dilated import dilated_attention
+from ..ops.block_sparse import block_sparse_attention, block_sparse_attention_with_kvcache
+from ..ops.common.decode import DECODE_MAX_QUERIES
+from ..ops.common.first_order import needs_grad
+from ..ops.dilated import dilated_attention, dilated_attention_with_kvcache
 from ..ops.dilated.cache import KeptRows, quiet_heads_warning
 from ..ops.dilated.patterns import check_patterns
 
@@ -162,19 +168,50 @@ def _check_call(impl, module, attention_mask, dropout, is_causal, kwargs):
     for key, what in _UNSUPPORTED.items():
         if kwargs.get(key) is not None:
             raise ValueError(f"{impl} does not support {what} (the model passed {key})")
-    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+    if attention_mask is None:
+        return
+    lengths = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1 and \
+        attention_mask.dtype == torch.int32       # a static cache's valid rows (_padding_mask)
+    if not isinstance(attention_mask, torch.Tensor) or (attention_mask.dim() != 2 and not lengths):
         shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
         raise ValueError(f"{impl} takes a 2-d padding mask (B, kv_len) or None, got {shape}: custom 4-d masks "
                          f"are not supported")
 
 
 def _run(impl, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs):
-    """transformers' (B, H, N, D) tensors -> call(q, k, v) on (B, N, H, D) views -> (B, Nq, H, D)."""
+    """transformers' (B, H, N, D) tensors -> call(q, k, v, lengths) on (B, N, H, D) views ->
+    (B, Nq, H, D). The mask is what the mask functions below returned: None, an int32 (B,)
+    of valid rows (a static cache) or a 2-d padding mask (tagged with its padding groups)."""
     _check_call(impl, module, attention_mask, dropout, is_causal, kwargs)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     if attention_mask is None:
-        return call(q, k, v)
+        return call(q, k, v, None)
+    if attention_mask.dim() == 1:
+        return call(q, k, v, attention_mask)
     return _left_padded(impl, call, q, k, v, attention_mask)
+
+
+def _padding_groups(impl, mask):
+    """(pads, groups, inverse) of a 2-d left-padding mask (B, kv_len): per row the padding
+    length; {pad: (rows, index tensor)}; the permutation back to batch order (None for one
+    group). Reads the mask on the host: the mask functions call it once per forward (and tag
+    the mask with the result), so that the attention function of each layer does not."""
+    mask = mask.to(dtype=torch.bool)
+    B, Nk = mask.shape
+    pads = (~mask).sum(dim=1)
+    if not torch.equal(mask, torch.arange(Nk, device=mask.device)[None, :] >= pads[:, None]):
+        raise ValueError(f"{impl} supports left padding only (each row of attention_mask: zeros, then ones); "
+                         f"pad on the left (tokenizer.padding_side = 'left')")
+    groups: dict[int, list[int]] = {}
+    for b, pad in enumerate(pads.tolist()):
+        groups.setdefault(pad, []).append(b)
+    index = {pad: (rows, torch.tensor(rows, device=mask.device)) for pad, rows in groups.items()}
+    order = [b for rows in groups.values() for b in rows]
+    inverse = None
+    if len(groups) > 1:
+        inverse = torch.empty(B, dtype=torch.long, device=mask.device)
+        inverse[torch.tensor(order, device=mask.device)] = torch.arange(B, device=mask.device)
+    return index, inverse
 
 
 def _left_padded(impl, call, q, k, v, mask):
@@ -184,31 +221,26 @@ def _left_padded(impl, call, q, k, v, mask):
     Nk = k.shape[1]
     if tuple(mask.shape) != (B, Nk):
         raise ValueError(f"{impl}: the padding mask has shape {tuple(mask.shape)}, the keys (B, kv_len) = ({B}, {Nk})")
-    mask = mask.to(device=k.device, dtype=torch.bool)
-    pads = (~mask).sum(dim=1)
-    if not torch.equal(mask, torch.arange(Nk, device=k.device)[None, :] >= pads[:, None]):
-        raise ValueError(f"{impl} supports left padding only (each row of attention_mask: zeros, then ones); "
-                         f"pad on the left (tokenizer.padding_side = 'left')")
-    groups: dict[int, list[int]] = {}
-    for b, pad in enumerate(pads.tolist()):
-        groups.setdefault(pad, []).append(b)
+    groups, inverse = getattr(mask, "td_padding", None) or _padding_groups(impl, mask.to(k.device))
     if list(groups) == [0]:
-        return call(q, k, v)
-    parts, order = [], []
-    for pad, rows in groups.items():
-        index = torch.tensor(rows, device=q.device)
+        return call(q, k, v, None)
+    parts = []
+    for pad, (rows, index) in groups.items():
         nq = min(Nq, Nk - pad)
         zeros = q.new_zeros((len(rows), Nq - nq, H, D))
         if nq > 0:
             out = call(q.index_select(0, index)[:, Nq - nq:], k.index_select(0, index)[:, pad:],
-                       v.index_select(0, index)[:, pad:])
+                       v.index_select(0, index)[:, pad:], None)
             parts.append(torch.cat([zeros, out], dim=1) if nq < Nq else out)
         else:
             parts.append(zeros)
-        order += rows
-    inverse = torch.empty(B, dtype=torch.long, device=q.device)
-    inverse[torch.tensor(order, device=q.device)] = torch.arange(B, device=q.device)
-    return torch.cat(parts).index_select(0, inverse)
+    return torch.cat(parts).index_select(0, inverse) if inverse is not None else parts[0]
+
+
+def _decoding(q, k, v, lengths):
+    """Whether a call is a decode step for the inference entry points: a static cache's
+    lengths, up to 16 query rows, no gradient."""
+    return lengths is not None and q.shape[1] <= DECODE_MAX_QUERIES and not needs_grad(q, k, v)
 
 
 def dilated_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -216,54 +248,92 @@ def dilated_attention_forward(module, query, key, value, attention_mask, dropout
     """transformers attention function "triton_dilated": query (B, H, Nq, D), key/value
     (B, Hkv, Nk, D), the queries the last Nq positions; returns ((B, Nq, H, D), None)."""
     spec = dilated_spec(_config_of(module))
+    pattern = dict(segment_lengths=spec["segment_lengths"], dilation_rates=spec["dilation_rates"], causal=True,
+                   scale=scaling, mode=spec["mode"], offsets=spec["offsets"], backend=spec["backend"])
 
-    def call(q, k, v):
-        with quiet_heads_warning(q.shape[2], k.shape[1]):
-            return dilated_attention(q, k, v, spec["segment_lengths"], spec["dilation_rates"], causal=True,
-                                     scale=scaling, mode=spec["mode"], offsets=spec["offsets"],
-                                     backend=spec["backend"])
+    def call(q, k, v, lengths):
+        if _decoding(q, k, v, lengths):   # a static cache's decode step: no host sync
+            return dilated_attention_with_kvcache(q, k, v, cache_seqlens=lengths, **pattern)
+        quiet = quiet_heads_warning(q.shape[2], k.shape[1]) if q.shape[2] > k.shape[1] else contextlib.nullcontext()
+        with quiet:
+            return dilated_attention(q, k, v, cache_seqlens=lengths, **pattern)
 
     return _run(DILATED, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
+
+
+def _module_layout(module, seq_len: int, device):
+    """(layout for seq_len keys on device, backend) of the module's config. Eager calls build it
+    (the config's JSON, the builder) and keep it on the module; traced calls (torch.compile:
+    neither JSON nor the builders trace) read it from there, so an eager forward of the same
+    cache length (generate's prefill) must come first."""
+    key = (seq_len, str(device))
+    kept = module.__dict__.setdefault("_td_block_sparse_layouts", {}) if not torch.compiler.is_compiling() else \
+        module.__dict__.get("_td_block_sparse_layouts", {})
+    if torch.compiler.is_compiling():
+        if key not in kept:
+            raise ValueError(f"{BLOCK_SPARSE} under torch.compile: no layout for {seq_len} keys was built yet; run one "
+                             f"eager forward with this cache length first (generate's prefill does)")
+        return kept[key]
+    spec_json, max_len, backend = block_sparse_spec(_config_of(module))
+    kept[key] = (_layout(spec_json, max_len, seq_len, key[1]), backend)
+    return kept[key]
 
 
 def block_sparse_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                    is_causal=None, **kwargs):
     """transformers attention function "triton_block_sparse" (shapes as dilated_attention_forward)."""
-    spec_json, max_len, backend = block_sparse_spec(_config_of(module))
-
-    def call(q, k, v):
-        lay = _layout(spec_json, max_len, k.shape[1], str(k.device))
-        return block_sparse_attention(q, k, v, lay, causal=True, scale=scaling, backend=backend)
+    def call(q, k, v, lengths):
+        lay, backend = _module_layout(module, k.shape[1], k.device)
+        if _decoding(q, k, v, lengths):   # a static cache's decode step: no host sync
+            return block_sparse_attention_with_kvcache(q, k, v, cache_seqlens=lengths, layout=lay, causal=True,
+                                                       scale=scaling, backend=backend)
+        return block_sparse_attention(q, k, v, lay, causal=True, scale=scaling, backend=backend,
+                                      cache_seqlens=lengths)
 
     return _run(BLOCK_SPARSE, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
 
 
 # ----------------------------------------------------------------------------- mask functions
 
-def _padding_mask(impl, kv_length, kv_offset, mask_function, attention_mask):
-    """What the attention functions take: None (no padding) or the 2-d boolean padding mask
-    of the key rows the attention sees (like flash-attention's mask function)."""
+def _padding_mask(impl, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, device):
+    """What the attention functions take: None (no padding, a cache of exactly the rows seen),
+    an int32 (B,) tensor of valid rows (a static cache, whose keys are its whole capacity:
+    transformers passes its length as a device tensor q_offset), or the 2-d boolean padding
+    mask of the key rows the attention sees, tagged with its padding groups (like
+    flash-attention's mask function). Called once per forward, outside the layers: the one
+    host read it may make (is the batch padded?) is not repeated per layer, and none is made
+    for a static cache without an attention mask."""
     if mask_function is not causal_mask_function:
         name = getattr(mask_function, "__name__", type(mask_function).__name__)
         raise ValueError(f"{impl} applies the causal mask and left padding only; the model asked for the mask "
                          f"function {name} (packed sequences, sliding windows or another overlay)")
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 2:
-        return attention_mask
-    if bool(attention_mask.all()):
-        return None
-    if kv_offset > 0:
-        raise ValueError(f"{impl}: a padded batch (attention_mask with zeros) with a cache that dropped its first "
-                         f"{kv_offset} rows (DilatedCache): it drops rows at positions counted from the batch start, "
-                         f"which are not segment boundaries of a padded row. Use DynamicCache or unpadded batches")
-    return attention_mask[:, -kv_length:]
+    if attention_mask is not None and attention_mask.dim() != 2:
+        return attention_mask          # our own output fed back (generate builds the mask first) or 4-d: refused later
+    static = isinstance(q_offset, torch.Tensor)
+    if attention_mask is not None and not bool(attention_mask.all()):
+        if static:
+            raise ValueError(f"{impl}: a padded batch (attention_mask with zeros) with a static cache is not "
+                             f"supported; use DynamicCache for padded batches")
+        if kv_offset > 0:
+            raise ValueError(f"{impl}: a padded batch (attention_mask with zeros) with a cache that dropped its first "
+                             f"{kv_offset} rows (DilatedCache): it drops rows at positions counted from the batch "
+                             f"start, which are not segment boundaries of a padded row. Use DynamicCache or unpadded "
+                             f"batches")
+        mask = attention_mask[:, -kv_length:]
+        mask.td_padding = _padding_groups(impl, mask)
+        return mask
+    if static:
+        return (q_offset.to(torch.int32) + q_length).reshape(1).expand(batch_size).clone()
+    if q_offset + q_length - kv_offset < kv_length:   # a static cache before its first write: q_offset is 0
+        return torch.full((batch_size,), q_offset + q_length, dtype=torch.int32, device=device)
+    return None
 
 
 def dilated_attention_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
                            mask_function=causal_mask_function, attention_mask=None, **kwargs):
     """AttentionMaskInterface entry of "triton_dilated"."""
-    return _padding_mask(DILATED, kv_length, kv_offset, mask_function, attention_mask)
+    return _padding_mask(DILATED, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                         kwargs.get("device"))
 
 
 def block_sparse_attention_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
@@ -274,7 +344,8 @@ def block_sparse_attention_mask(batch_size, q_length=None, kv_length=None, q_off
         raise ValueError(f"{BLOCK_SPARSE} needs the whole sequence in the cache (block layouts use absolute "
                          f"positions), got a cache that dropped its first {kv_offset} rows (DilatedCache or a "
                          f"sliding-window cache); use DynamicCache")
-    return _padding_mask(BLOCK_SPARSE, kv_length, kv_offset, mask_function, attention_mask)
+    return _padding_mask(BLOCK_SPARSE, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                         attention_mask, kwargs.get("device"))
 
 
 # ----------------------------------------------------------------------------- the bounded cache

@@ -155,8 +155,8 @@ def _parser():
                    help="cached tokens per step (default: GPU 4096 .. 1048576, CPU 4096 .. 131072, powers of two)")
     p.add_argument("--memory-contexts", type=int, nargs="*", metavar="N",
                    help="contexts of the cache-memory rows (default: the timed ones and 1048576; none: no rows)")
-    p.add_argument("--providers", nargs="+", choices=("dilated", "dilated_bounded", "sdpa_dense"),
-                   help="default: all three")
+    p.add_argument("--providers", nargs="+", choices=("dilated", "dilated_kvcache", "dilated_bounded", "sdpa_dense"),
+                   help="default: all four")
     p.add_argument("--heads", type=int, default=16, help="query heads (default: %(default)s)")
     p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
     p.add_argument("--head-dim", type=int, default=128, help="default: %(default)s")

@@ -49,7 +49,11 @@ from ..ops.common.hardware import ARCH_TABLE, arch_facts, padded_head_dim
 KERNELS = kernel_specs()   # name -> KernelSpec, from the variants' spec.py
 # Experimental variants of a kernel, compiled only when named (--kernels): AOT name -> (the
 # kernel, the config keys the variant sets). TMA = 1: K and V through tensor descriptors.
-VARIANTS = {"block_sparse_fwd_tma": ("block_sparse_fwd", {"TMA": 1})}
+# experimental or optional variants, compiled only when named: (kernel, config entries); PAGE_SIZE
+# is the decode kernels' paged-cache constexpr (0, the contiguous cache, by default)
+VARIANTS = {"block_sparse_fwd_tma": ("block_sparse_fwd", {"TMA": 1}),
+            "dilated_decode_paged": ("dilated_decode", {"PAGE_SIZE": 16}),
+            "block_sparse_decode_paged": ("block_sparse_decode", {"PAGE_SIZE": 16})}
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
           "spill_stores", "spill_loads", "shared_bytes", "wgmma", "mma_sync", "cp_async", "cp_async_bulk",
           "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "tcgen05", "mfma", "scratch_bytes",
@@ -94,6 +98,8 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
     for variant in SPECS:
         if spec in variant.kernels:
             constexprs.update(variant.aot_constexprs)
+    if "PAGE_SIZE" in cfg:
+        constexprs["PAGE_SIZE"] = cfg["PAGE_SIZE"]
     sig, given, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         a = p.name
@@ -282,8 +288,10 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
             family = KERNELS[VARIANTS.get(name, (name,))[0]].family
             for dtype in dtypes:
                 for D in head_dims:
-                    cfgs = configs or [default_config(family, padded_head_dim(D), fake,
-                                                      torch_dtype[dtype], kernel=name)]
+                    # a paged decode variant runs its kernel's launcher defaults
+                    paged = "PAGE_SIZE" in VARIANTS.get(name, ("", {}))[1]
+                    cfgs = configs or [default_config(family, padded_head_dim(D), fake, torch_dtype[dtype],
+                                                      kernel=VARIANTS[name][0] if paged else name)]
                     work += [(name, arch, dtype, D, c, dict(cfg)) for c in causal for cfg in cfgs]
     if ptx_dir:
         for i, (name, arch, dtype, D, c, cfg) in enumerate(work):

@@ -5,6 +5,8 @@ memory of the bounded cache (DilatedKVCache) against the full cache.
 Providers, all on one cache per context (transformers' layout (B, Hkv, N, D)):
   dilated          dilated_attention(q, k, v) over the full cache (the public API: whatever
                    decode path it has; a DynamicCache decode step)
+  dilated_kvcache  dilated_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=) over the
+                   same cache: the inference entry point, no host sync
   dilated_bounded  the same over the rows a DilatedKVCache keeps at this context
   sdpa_dense       scaled_dot_product_attention over the full cache (one query: no mask)
 
@@ -21,13 +23,14 @@ import time
 
 import torch
 
-from ..ops.dilated import dilated_attention
+from ..ops.dilated import dilated_attention, dilated_attention_with_kvcache
 from ..ops.dilated.cache import DilatedKVCache, quiet_heads_warning
 from .results import CsvSink, make_row, provenance, sig
 from .timing import OtherLoad, Timing, interleaved, spread_pct
 
 LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12])
-PROVIDERS = ("dilated", "dilated_bounded", "sdpa_dense")
+PROVIDERS = ("dilated", "dilated_kvcache", "dilated_bounded", "sdpa_dense")
+HOST_CALLS = 20   # calls queued back to back for the host time (metric host_ms, GPU only)
 OP = "decode"
 
 
@@ -57,7 +60,28 @@ def _calls(q, k_full, v_full, bounded_rows, ws, rs, heads, kv_heads):
         with torch.no_grad():
             torch.nn.functional.scaled_dot_product_attention(q_sdpa, k_full, v_full, **gqa)
 
-    return {"dilated": dilated(kq, vq), "dilated_bounded": dilated(*bounded_rows), "sdpa_dense": sdpa}
+    lens = torch.full((q.shape[0],), kq.shape[1], dtype=torch.int32, device=q.device)
+
+    def kvcache():
+        with torch.no_grad():
+            dilated_attention_with_kvcache(q, kq, vq, cache_seqlens=lens, segment_lengths=ws, dilation_rates=rs)
+
+    return {"dilated": dilated(kq, vq), "dilated_kvcache": kvcache, "dilated_bounded": dilated(*bounded_rows),
+            "sdpa_dense": sdpa}
+
+
+def host_ms(call, device) -> float:
+    """Host time per call (Python and launches), GPU: HOST_CALLS calls queued back to back
+    after a synchronize, timed until the last returns (the queue absorbs the kernels), then
+    drained. A call that synchronises (reads a device value on the host) shows here as its
+    kernel time."""
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(HOST_CALLS):
+        call()
+    host = (time.perf_counter() - t0) / HOST_CALLS
+    torch.cuda.synchronize(device)
+    return host * 1e3
 
 
 def _bounded_rows(k_full, v_full, ws, rs):
@@ -149,8 +173,13 @@ def run_decode(contexts=None, *, heads=16, kv_heads=None, head_dim=128, dtype=No
                     new.append(make_row(**common, provider=p, N=n, dtype=str(dtype).removeprefix("torch."),
                                         metric="ms", value=sig(t_sorted[len(t) // 2]), spread_pct=sig(spread_pct(t)),
                                         rounds=len(t), other_cores=sig(load.cores)))
+                if device == "cuda":   # on a CPU every call is synchronous: host time = ms
+                    for p, c in calls.items():
+                        new.append(make_row(**common, provider=p, N=n, dtype=str(dtype).removeprefix("torch."),
+                                            metric="host_ms", value=sig(host_ms(c, device)), rounds=1))
             for r in new:
-                say(f"N={n:>8} {r['provider']:16} {r['value'] if r['value'] != '' else '-':>12} ms  {r['flags']}")
+                unit = "ms" if r["metric"] == "ms" else "ms host"
+                say(f"N={n:>8} {r['provider']:16} {r['value'] if r['value'] != '' else '-':>12} {unit}  {r['flags']}")
             sink.write(new)
             rows += new
             del k_full, v_full, calls
@@ -176,6 +205,7 @@ def decode_table(rows) -> str:
     """ms per token by context and provider, each provider's ratio to its first context, and
     the cache memory rows (fresh rows, or rows read back from a CSV: `perf table`)."""
     ms = {(r["N"], r["provider"]): r["value"] for r in rows if r["metric"] == "ms"}
+    host = {(r["N"], r["provider"]): r["value"] for r in rows if r["metric"] == "host_ms"}
     ns = sorted({n for n, _ in ms})
     provs = [p for p in PROVIDERS if any(p == q for _, q in ms)]
     lines = []
@@ -193,6 +223,13 @@ def decode_table(rows) -> str:
                     ratio = v / first[p] if first[p] else math.nan
                     cells.append(f"{v:>18.4g} {ratio:>7.2f}")
             lines.append(f"{n:>9} " + " ".join(cells))
+    if host:
+        hp = [p for p in provs if any((n, p) in host for n in ns)]
+        lines += ["", f"host time per call (Python + launches, {HOST_CALLS} calls queued), ms",
+                  f"{'context':>9} " + " ".join(f"{p + ' host':>22}" for p in hp)]
+        for n in ns:
+            lines.append(f"{n:>9} " + " ".join(f"{host[(n, p)]:>22.4g}" if not _missing(host.get((n, p)))
+                                                else f"{'-':>22}" for p in hp))
     mem = {(r["N"], r["provider"], r["metric"]): r for r in rows if r["metric"].startswith("cache_")}
     if mem:
         lines += ["", "KV cache per layer (keys + values) at the decode step of token N, MiB",

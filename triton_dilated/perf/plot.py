@@ -255,6 +255,7 @@ def ring_figure(rows):
 
 DECODE_STYLE = {
     "dilated": dict(color="tab:blue", marker="s", label="dilated, full cache"),
+    "dilated_kvcache": dict(color="tab:green", marker="^", label="dilated, with_kvcache (no host sync)"),
     "dilated_bounded": dict(color="tab:orange", marker="o", label="dilated, bounded cache (DilatedKVCache)"),
     "sdpa_dense": dict(color="black", marker="x", linestyle="--", label="dense SDPA, full cache"),
     "full_cache": dict(color="black", marker="x", linestyle="--", label="full cache"),

@@ -15,7 +15,8 @@ from ..common.decode import attend_key_lists, query_positions
 
 def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
     """(key_pos, key_ok), long and bool (B, Nq, Hq, W * block_size): the keys of the active
-    blocks of each query's layout row, W = the most active blocks any of these rows has."""
+    blocks of each query's layout row, W = the width of the layout's index lists (the most
+    blocks any row has: a shape, so no host sync)."""
     device = pos.device
     B, Nq = pos.shape
     bs = layout.block_size
@@ -24,7 +25,7 @@ def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
     bi = torch.arange(B, device=device).view(B, 1, 1) % lb
     hi = torch.arange(num_heads, device=device).view(1, 1, num_heads) % lh
     counts = layout.kv_num_blocks.to(device).long()[bi, hi, rows]                 # (B, Nq, Hq)
-    width = max(1, int(counts.max()))
+    width = max(1, layout.kv_indices.shape[-1])
     blocks = layout.kv_indices.to(device).long()[bi, hi, rows][..., :width]       # (B, Nq, Hq, W)
     key_pos = (blocks[..., None] * bs + torch.arange(bs, device=device)).flatten(-2)
     slot_ok = (torch.arange(width, device=device) < counts[..., None]).repeat_interleave(bs, dim=-1)
@@ -34,11 +35,12 @@ def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
     return torch.where(key_ok, key_pos, torch.zeros((), dtype=torch.long, device=device)), key_ok
 
 
-def block_sparse_decode(q, k, v, layout, lengths, *, causal: bool, scale: float):
+def block_sparse_decode(q, k, v, layout, lengths, *, causal: bool, scale: float, block_table=None):
     """Block-sparse attention of q (B, Nq, Hq, D), the last Nq positions of each row's
-    lengths[b] valid positions, over k, v (B, Nk, Hkv, D), the layout covering Nk (absolute
-    positions). Returns (out like q, lse float32 (B, Hq, Nq)), differentiable."""
-    lengths = torch.as_tensor(lengths, dtype=torch.long, device=q.device)
+    lengths[b] (an integer tensor (B,)) valid positions, over k, v (B, Nk, Hkv, D), the layout covering Nk (absolute
+    positions; with block_table, k and v are page pools). Returns (out like q, lse float32
+    (B, Hq, Nq)), differentiable."""
+    lengths = lengths.to(device=q.device, dtype=torch.long)
     pos = query_positions(lengths, q.shape[1], q.device)
     key_pos, key_ok = block_key_lists(pos, lengths, layout, q.shape[2], causal)
-    return attend_key_lists(q, k, v, key_pos, key_ok, scale)
+    return attend_key_lists(q, k, v, key_pos, key_ok, scale, block_table)

@@ -21,17 +21,18 @@ CONFIG_FAMILY = "block_sparse_fwd"   # the family; tiles and warps: configs.KERN
 
 @triton.jit
 def _block_sparse_decode_kernel(
-        Q, K, V, O, LSE, ACC, PART_M, PART_L, LENS, KV_COUNT, KV_INDEX,
+        Q, K, V, O, LSE, ACC, PART_M, PART_L, LENS, KV_COUNT, KV_INDEX, BLOCK_TABLE,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-        stride_cb, stride_ch, stride_ib, stride_ih, stride_ir,
+        stride_cb, stride_ch, stride_ib, stride_ih, stride_ir, stride_btb, stride_kp, stride_vp,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_N: tl.constexpr):
+        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D)
 
+    bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb = 0 then)
     qblock = p // BLOCK_SIZE
     count = tl.load(KV_COUNT + b * stride_cb + h64 * stride_ch + qblock)
     index_base = KV_INDEX + b * stride_ib + h64 * stride_ih + qblock.to(tl.int64) * stride_ir
@@ -48,35 +49,43 @@ def _block_sparse_decode_kernel(
         if CAUSAL:
             end = tl.minimum(end, p + 1)
         acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0, end - start,
-                                 d_ok, sm_scale, BLOCK_N)
+                                 d_ok, sm_scale, bt, stride_kp, stride_vp, BLOCK_N, PAGE_SIZE)
     part = ((b * NUM_ROWS + row) * NUM_HEADS + h64) * NUM_SPLITS + split
     store_result(O, LSE, ACC, PART_M, PART_L, b * stride_ob + row * stride_on + h64 * stride_oh,
                  b * stride_lb + h64 * stride_lh + row, part, acc, m_i, l_i, d, d_ok, NUM_SPLITS, HEAD_DIM)
 
 
 @on_tensor_device
-def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, splits=None, config=None):
+def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, splits=None, config=None,
+                                block_table=None):
     """Block-sparse attention of q (B, Nq, Hq, D), the last Nq positions of each row's
-    lengths[b] (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D); the
-    layout (on q's device) covers Nk. Returns (out like q, lse float32 (B, Hq, Nq))."""
+    lengths[b] (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with
+    block_table (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv,
+    D); the layout (on q's device) covers the capacity. Returns (out like q, lse float32
+    (B, Hq, Nq))."""
     B, Nq, Hq, D = q.shape
     Hkv = k.shape[2]
+    paged = block_table is not None
+    cap = k.shape[1] * block_table.shape[1] if paged else k.shape[1]
     bs = layout.block_size
     block_d = padded_head_dim(D)
-    cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, k.shape[1], q.device, kernel="block_sparse_decode")
+    cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, cap, q.device, kernel="block_sparse_decode")
     counts = layout.kv_num_blocks.expand(B, Hq, layout.n_q_blocks)   # broadcast dims: zero strides
     index = layout.kv_indices.expand(B, Hq, *layout.kv_indices.shape[2:])
     longest = index.shape[-1] * bs
     splits = splits or num_splits(q.device, B * Nq * Hq, longest)
     out, lse, acc, part_m, part_l = decode_buffers(q, splits)
     lengths = kernel_lengths(lengths, q.device)
+    bt = block_table if paged else lengths       # not read when contiguous (PAGE_SIZE = 0)
     _block_sparse_decode_kernel[(B * Nq * Hq * splits,)](
-        q, k, v, out, lse, acc, part_m, part_l, lengths, counts, index,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        q, k, v, out, lse, acc, part_m, part_l, lengths, counts, index, bt,
+        q.stride(0), q.stride(1), q.stride(2), 0 if paged else k.stride(0), k.stride(1), k.stride(2),
+        0 if paged else v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         counts.stride(0), counts.stride(1), index.stride(0), index.stride(1), index.stride(2),
+        bt.stride(0), k.stride(0), v.stride(0),
         Nq, Hq, Hq // Hkv, splits, scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=bs, CAUSAL=causal, BLOCK_N=min(cfg["BLOCK_N"], bs),
+        PAGE_SIZE=k.shape[1] if paged else 0,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return merge_splits(out, lse, acc, part_m, part_l, splits, num_warps=cfg.get("num_warps", 4))

@@ -19,14 +19,14 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.decode import decode_path
-from ..common.first_order import first_order_backward
+from ..common.decode import DECODE_MAX_QUERIES, decode_path
+from ..common.first_order import first_order_backward, needs_grad
 from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.query_offset import run_with_query_offset
 from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale
-from .decode import block_sparse_decode
+from .inference import block_sparse_attention_with_kvcache, decode_layout
 from .layout import BlockLayout
 from .portable import block_sparse_attention_torch
 
@@ -34,7 +34,6 @@ CONFIG_FAMILIES = ("block_sparse_fwd", "block_sparse_bwd")
 
 
 _kernels = lazy_module(__package__ + ".kernels")                 # imports triton
-_decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
 
 
 def _check_args(q, k, v, layout, causal, scale, return_lse, *, packed=False, allow_shorter_q=False):
@@ -98,19 +97,32 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
             queries included (query i of row b at cache_seqlens[b] - Nq + i; later rows are
             ignored; the layout's first ceil(cache_seqlens[b] / block_size) blocks apply).
             Unlike flash-attn's argument of the same name it counts the new tokens too.
+            The values are checked on the host (a device sync); for a decode step with none,
+            use block_sparse_attention_with_kvcache.
 
     Returns out (B, N, Hq, D) like q (and lse). Rows with no active key: 0, lse = -inf.
     """
     scale = _check_args(q, k, v, layout, causal, scale, return_lse, packed=cu_seqlens is not None,
                         allow_shorter_q=True)
     B, N, Hq, D = q.shape
-    lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1], cu_seqlens)
-    if lengths is not None or k.shape[1] != N:
+    if cache_seqlens is not None or k.shape[1] != N:
+        if torch.compiler.is_compiling() and cu_seqlens is None and 0 < N <= DECODE_MAX_QUERIES and \
+                not needs_grad(q, k, v):
+            # traced: the inference entry point (its custom op), without the value checks below
+            # (they read the lengths on the host, which fullgraph tracing cannot)
+            lens = cache_seqlens.to(q.device) if cache_seqlens is not None else \
+                torch.full((B,), k.shape[1], dtype=torch.int32, device=q.device)
+            return block_sparse_attention_with_kvcache(q, k, v, cache_seqlens=lens, layout=layout, causal=causal,
+                                                       scale=scale, return_lse=return_lse, backend=backend)
+        lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1], cu_seqlens)   # a host read, and checked
         layout.check_seq_len(k.shape[1])
         layout.check_heads(B, Hq)
         path = decode_path(backend, q, k, v, CONFIG_FAMILIES[:1])
-        if path is not None:
-            out, lse = _decode(q, k, v, layout, lengths, cache_seqlens, causal=causal, scale=scale, path=path)
+        if path is not None:   # the decode step of block_sparse_attention_with_kvcache
+            lens = torch.full((B,), k.shape[1], dtype=torch.int32, device=q.device) if cache_seqlens is None \
+                else cache_seqlens.to(q.device)
+            lay = layout.to(q.device) if layout.kv_indices.device != q.device else layout
+            out, lse = decode_layout(q, k, v, lay, lens, causal=causal, scale=scale, path=path)
             return (out, lse) if return_lse else out
 
         def call(qq, kk, vv, rows, n):
@@ -147,20 +159,6 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
         out, lse = block_sparse_attention_torch(q, k, v, layout, causal=causal, scale=scale,
                                                 compute_dtype=portable_compute_dtype(q.dtype, q.device))
     return (out, lse) if return_lse else out
-
-
-def _decode(q, k, v, layout, lengths, cache_seqlens, *, causal, scale, path):
-    """The decode paths: (out, lse) of the last Nq positions of each row's valid length."""
-    B, Nk = q.shape[0], k.shape[1]
-    layout = layout.to(q.device) if layout.kv_indices.device != q.device else layout
-    if path == "torch":
-        return block_sparse_decode(q, k, v, layout, lengths or (Nk,) * B, causal=causal, scale=scale)
-    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-    if cache_seqlens is None:
-        lens = torch.full((B,), Nk, dtype=torch.int32, device=q.device)
-    else:
-        lens = cache_seqlens.to(device=q.device, dtype=torch.int32)
-    return _decode_kernels().block_sparse_decode_forward(q, k, v, layout, lens, causal=causal, scale=scale)
 
 
 def _packed(q, k, v, layout, cu_seqlens, **kw):

@@ -46,6 +46,33 @@ def query_positions(lengths, num_queries: int, device) -> torch.Tensor:
         torch.arange(num_queries, device=device)
 
 
+def gather_rows(x, b, n, h):
+    """x[b, n, h] for x (B, N, H, D) and broadcastable long indices: (*index shape, D).
+    Without autograd, one index_select over the rows of x's storage (an overlapping
+    (span, D) view whose row i starts at element i) reads the same rows 2-3x faster on a CPU
+    than advanced indexing with three index tensors; with autograd, plain indexing (the
+    view's backward would be storage-sized). No host sync either way."""
+    if needs_grad(x) or x.stride(-1) != 1 or x.numel() == 0:
+        return x[b, n, h]
+    sb, sn, sh = x.stride()[:3]
+    B, N, H, D = x.shape
+    span = (B - 1) * sb + (N - 1) * sn + (H - 1) * sh + 1
+    rows = x.as_strided((span, D), (1, 1), x.storage_offset())
+    flat = b * sb + n * sn + h * sh
+    return rows.index_select(0, flat.reshape(-1)).view(*flat.shape, D)
+
+
+def cache_rows(x, b, n, h, block_table=None):
+    """Rows of a KV cache as gather_rows reads them: x[b, n, h] for a contiguous cache x
+    (B, N, H, D); for a paged cache x (num_pages, page_size, H, D) with block_table int32
+    (B, max_pages), position n of row b lives in page block_table[b, n // page_size], row
+    n % page_size."""
+    if block_table is None:
+        return gather_rows(x, b, n, h)
+    page_size = x.shape[1]
+    return gather_rows(x, block_table[b, n // page_size].long(), n % page_size, h)
+
+
 def nonfinite_to_nan(scores):
     """Scores with every non-finite value made NaN: a key or query holding Inf can score
     -inf, which would read as "no key" instead of spreading NaN (DESIGN §6)."""
@@ -75,11 +102,12 @@ def softmax_lse(scores):
     return e / z_safe, lse.squeeze(-1)
 
 
-def attend_key_lists(q, k, v, key_pos, key_ok, scale: float):
+def attend_key_lists(q, k, v, key_pos, key_ok, scale: float, block_table=None):
     """Attention of each query row over its own list of keys.
 
     q: (B, Nq, Hq, D); k, v: (B, Nk, Hkv, D) (any strides); key_pos: long (B, Nq, Hq, K), the
-    key positions each (query, head) reads, with key_ok (same shape) False on padding slots.
+    key positions each (query, head) reads, with key_ok (same shape) False on padding slots;
+    with block_table, k and v are page pools (cache_rows).
     GQA: query head h reads key/value head h // (Hq // Hkv). Scores, softmax and sums in
     float32. Returns out (B, Nq, Hq, D) like q and lse float32 (B, Hq, Nq); a query with no
     key gets 0 and -inf. Differentiable (a key listed twice gets both gradients)."""
@@ -103,8 +131,8 @@ def attend_key_lists(q, k, v, key_pos, key_ok, scale: float):
     outs, lses = [], []
     for s in range(0, rows, chunk):
         e = min(rows, s + chunk)
-        kg = k[b_idx[s:e], pos[s:e], h_idx[s:e]].to(acc)                          # (R, K, D)
-        vg = v[b_idx[s:e], pos[s:e], h_idx[s:e]].to(acc)
+        kg = cache_rows(k, b_idx[s:e], pos[s:e], h_idx[s:e], block_table).to(acc)     # (R, K, D)
+        vg = cache_rows(v, b_idx[s:e], pos[s:e], h_idx[s:e], block_table).to(acc)
         scores = nonfinite_to_nan(torch.bmm(kg, qf[s:e].to(acc).unsqueeze(-1)).squeeze(-1) * scale)   # (R, K)
         weights, lse = softmax_lse(scores.masked_fill(~ok[s:e], float("-inf")))
         out = torch.bmm(weights.unsqueeze(1), vg).squeeze(1)

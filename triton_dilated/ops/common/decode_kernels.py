@@ -62,18 +62,27 @@ def decode_program(Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, st
 
 @triton.jit
 def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stride, t_lo, t_hi, d_ok, sm_scale,
-             BLOCK_N: tl.constexpr):
+             BT, stride_kp, stride_vp, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Fold the keys start + stride*t, t in [t_lo, t_hi), into the running (acc (BLOCK_D,),
     max, denominator) of one query q (BLOCK_D,), all float32. Scores are in natural units;
     exp(s - m) is computed as exp2((s - m) * log2(e)). A max of -inf (nothing seen yet) is
-    replaced by 0 before it is subtracted: no -inf - -inf."""
+    replaced by 0 before it is subtracted: no -inf - -inf. PAGE_SIZE > 0: a paged cache, key
+    position n at row n % PAGE_SIZE of page BT[n // PAGE_SIZE] (BT: the batch row's block
+    table; pages stride_kp / stride_vp apart; k_base, v_base without a batch offset)."""
     for t0 in range(t_lo, t_hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         ok = t < t_hi
         kpos = start + stride * t.to(tl.int64)   # int64: r * t may pass 2^31 on masked lanes
         tile_ok = ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + kpos[:, None] * stride_kn, mask=tile_ok, other=0.0).to(tl.float32)
-        v = tl.load(v_base + kpos[:, None] * stride_vn, mask=tile_ok, other=0.0).to(tl.float32)
+        if PAGE_SIZE > 0:
+            page = tl.load(BT + kpos // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+            k_off = page * stride_kp + (kpos % PAGE_SIZE) * stride_kn
+            v_off = page * stride_vp + (kpos % PAGE_SIZE) * stride_vn
+        else:
+            k_off = kpos * stride_kn
+            v_off = kpos * stride_vn
+        k = tl.load(k_base + k_off[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_base + v_off[:, None], mask=tile_ok, other=0.0).to(tl.float32)
         # s + s * 0 turns a score of +-Inf (an infinite key or query) into NaN, which then
         # reaches the denominator (a -inf score would read as "no key"); see store_result
         s = tl.sum(k * q[None, :], 1)

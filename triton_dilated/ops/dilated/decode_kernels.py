@@ -42,15 +42,17 @@ def _pattern_run(p, length, w, r, o, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _dilated_decode_kernel(
-        Q, K, V, O, LSE, ACC, PART_M, PART_L, LENS, PAT_W, PAT_R, PAT_OFF,
+        Q, K, V, O, LSE, ACC, PART_M, PART_L, LENS, PAT_W, PAT_R, PAT_OFF, BLOCK_TABLE,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
+        stride_btb, stride_kp, stride_vp,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_N: tl.constexpr):
+        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D)
+    bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb = 0 then)
 
     total = 0   # the length of the key list
     for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
@@ -73,16 +75,18 @@ def _dilated_decode_kernel(
         t_lo = tl.maximum(lo - first, 0)
         t_hi = tl.minimum(hi - first, count)
         acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, r, t_lo, t_hi,
-                                 d_ok, sm_scale, BLOCK_N)
+                                 d_ok, sm_scale, bt, stride_kp, stride_vp, BLOCK_N, PAGE_SIZE)
         first += count
     part = ((b * NUM_ROWS + row) * NUM_HEADS + h64) * NUM_SPLITS + split
     store_result(O, LSE, ACC, PART_M, PART_L, b * stride_ob + row * stride_on + h64 * stride_oh,
                  b * stride_lb + h64 * stride_lh + row, part, acc, m_i, l_i, d, d_ok, NUM_SPLITS, HEAD_DIM)
 
 
+@functools.lru_cache(maxsize=256)
 def longest_key_list(patterns, table, max_length: int) -> int:
     """An upper bound on any query's key list: per head, the sum of its patterns' longest runs
-    ceil(min(w, max_length) / r); the maximum over heads."""
+    ceil(min(w, max_length) / r); the maximum over heads. Cached: a third of a decode call's
+    host time at H = 16 and five patterns."""
     longest = 0
     for row in table:
         longest = max(longest, sum(-(-min(w, max_length) // r) for (w, r), o in zip(patterns, row) if o >= 0))
@@ -98,26 +102,32 @@ def _pattern_tables(patterns, table, device):
 
 @on_tensor_device
 def dilated_decode_forward(q, k, v, patterns, table, lengths, *, causal, scale, max_length=None, splits=None,
-                           config=None):
+                           config=None, block_table=None):
     """Dilated attention of q (B, Nq, Hq, D), the last Nq positions of each row's lengths[b]
-    (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D). Returns (out like
-    q, lse float32 (B, Hq, Nq)). `splits`: the number of splits per query (default:
-    common.decode_kernels.num_splits); `max_length`: max(lengths) if known (else Nk)."""
+    (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with block_table
+    (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv, D). Returns
+    (out like q, lse float32 (B, Hq, Nq)). `splits`: the number of splits per query (default:
+    common.decode_kernels.num_splits); `max_length`: max(lengths) if known (else the capacity)."""
     B, Nq, Hq, D = q.shape
     Hkv = k.shape[2]
+    paged = block_table is not None
+    cap = k.shape[1] * block_table.shape[1] if paged else k.shape[1]
     block_d = padded_head_dim(D)
-    cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, k.shape[1], q.device, kernel="dilated_decode")
-    longest = longest_key_list(patterns, table, max_length or k.shape[1])
+    cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, cap, q.device, kernel="dilated_decode")
+    longest = longest_key_list(patterns, table, max_length or cap)
     splits = splits or num_splits(q.device, B * Nq * Hq, longest)
     out, lse, acc, part_m, part_l = decode_buffers(q, splits)
     pat_w, pat_r, pat_off = _pattern_tables(patterns, table, q.device)
     lengths = kernel_lengths(lengths, q.device)
+    bt = block_table if paged else lengths       # not read when contiguous (PAGE_SIZE = 0)
     _dilated_decode_kernel[(B * Nq * Hq * splits,)](
-        q, k, v, out, lse, acc, part_m, part_l, lengths, pat_w, pat_r, pat_off,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        q, k, v, out, lse, acc, part_m, part_l, lengths, pat_w, pat_r, pat_off, bt,
+        q.stride(0), q.stride(1), q.stride(2), 0 if paged else k.stride(0), k.stride(1), k.stride(2),
+        0 if paged else v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
+        bt.stride(0), k.stride(0), v.stride(0),
         Nq, Hq, Hq // Hkv, splits, scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, BLOCK_N=cfg["BLOCK_N"],
+        PAGE_SIZE=k.shape[1] if paged else 0,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return merge_splits(out, lse, acc, part_m, part_l, splits, num_warps=cfg.get("num_warps", 4))

@@ -20,15 +20,15 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.decode import decode_path
-from ..common.first_order import first_order_backward
+from ..common.decode import DECODE_MAX_QUERIES, decode_path
+from ..common.first_order import first_order_backward, needs_grad
 from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.query_offset import run_with_query_offset
-from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale
-from .decode import dilated_decode
-from .patterns import check_head_slice, check_patterns, fit_patterns, head_table, warn_if_heads_first
+from ..common.validation import check_cache_seqlens, check_cu_seqlens
+from .inference import check_args as _check_args, decode_table, dilated_attention_with_kvcache
+from .patterns import fit_patterns, head_table
 from .plan import QueryWindow
 from .portable import dilated_attention_torch
 
@@ -36,20 +36,6 @@ CONFIG_FAMILIES = ("dilated_fwd", "dilated_bwd")
 
 
 _kernels = lazy_module(__package__ + ".kernels")                 # imports triton
-_decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
-
-
-def _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
-                allow_shorter_q=False, head_offset=0, total_heads=None):
-    """Validation shared by dilated_attention and dilated_attention_op: (patterns, scale,
-    (head_offset, total_heads))."""
-    check_qkv(q, k, v, allow_shorter_q=allow_shorter_q)
-    patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
-    check_flags(causal=causal, return_lse=return_lse)
-    heads = check_head_slice(head_offset, total_heads, q.shape[2], k.shape[2])
-    warn_if_heads_first(patterns, k.shape[1], heads[1])
-    patterns = fit_patterns(patterns, k.shape[1], heads[1])   # w >= N is one segment: clamped to N
-    return patterns, check_scale(scale, q.shape[-1]), heads
 
 
 # ----------------------------------------------------------------------------- eager autograd
@@ -115,6 +101,8 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
             row, queries included (query i of row b at position cache_seqlens[b] - Nq + i;
             rows from cache_seqlens[b] on are ignored). Unlike flash-attn's argument of the
             same name, which counts the cache *before* the new tokens, this counts them too.
+            The values are checked, which reads them on the host (a device sync); for a
+            decode step with none, use dilated_attention_with_kvcache.
         head_offset, total_heads: q's heads are the query heads [head_offset, head_offset +
             Hq) of a call with total_heads query heads (default: q's own); the per-head
             offsets and head groups follow the global index, so the result equals that head
@@ -130,12 +118,27 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
                                          total_heads=total_heads)
     B, N, Hq, D = q.shape
     table = head_table(Hq, patterns, mode, offsets, *heads)
-    lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1], cu_seqlens)
-    if lengths is not None or k.shape[1] != N:
+    if cache_seqlens is not None or k.shape[1] != N:
+        if torch.compiler.is_compiling() and cu_seqlens is None and 0 < N <= DECODE_MAX_QUERIES and \
+                not needs_grad(q, k, v):
+            # traced: the inference entry point (its custom op), without the value checks below
+            # (they read the lengths on the host, which fullgraph tracing cannot)
+            lens = cache_seqlens.to(q.device) if cache_seqlens is not None else \
+                torch.full((B,), k.shape[1], dtype=torch.int32, device=q.device)
+            return dilated_attention_with_kvcache(q, k, v, cache_seqlens=lens, segment_lengths=segment_lengths,
+                                                  dilation_rates=dilation_rates, causal=causal, scale=scale,
+                                                  mode=mode, offsets=offsets, return_lse=return_lse,
+                                                  backend=backend, head_offset=heads[0], total_heads=heads[1])
+        lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1], cu_seqlens)   # a host read, and checked
         path = decode_path(backend, q, k, v, CONFIG_FAMILIES[:1])
         if path is not None:
-            out, lse = _decode(q, k, v, patterns, table, lengths, cache_seqlens, causal=causal, scale=scale,
-                               path=path)
+            # the decode step of dilated_attention_with_kvcache; the lengths are already on the
+            # host here, so CPU tensors without gradients read the runs in place (faster)
+            lens = torch.full((B,), k.shape[1], dtype=torch.int32, device=q.device) if cache_seqlens is None \
+                else cache_seqlens.to(q.device)
+            host_loop = path == "torch" and q.device.type == "cpu" and not needs_grad(q, k, v)
+            out, lse = decode_table(q, k, v, patterns, table, lens, causal=causal, scale=scale, path=path,
+                                    host_loop=host_loop)
             return (out, lse) if return_lse else out
 
         def call(qq, kk, vv, rows, n):
@@ -178,20 +181,6 @@ def _padded_call(q, k, v, first_query_row, patterns, segment_lengths, dilation_r
     return dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
                              offsets=offsets, return_lse=True, backend=backend, head_offset=heads[0],
                              total_heads=heads[1])
-
-
-def _decode(q, k, v, patterns, table, lengths, cache_seqlens, *, causal, scale, path):
-    """The decode paths: (out, lse) of the last Nq positions of each row's valid length."""
-    B, Nk = q.shape[0], k.shape[1]
-    if path == "torch":
-        return dilated_decode(q, k, v, patterns, table, lengths or (Nk,) * B, causal=causal, scale=scale)
-    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-    if cache_seqlens is None:
-        lens = torch.full((B,), Nk, dtype=torch.int32, device=q.device)
-    else:
-        lens = cache_seqlens.to(device=q.device, dtype=torch.int32)
-    return _decode_kernels().dilated_decode_forward(q, k, v, patterns, table, lens, causal=causal, scale=scale,
-                                                    max_length=max(lengths) if lengths else Nk)
 
 
 def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse=True, backend="auto",

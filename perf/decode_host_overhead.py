@@ -1,0 +1,88 @@
+"""Host time per decode call (issue 21): the inference entry point
+`dilated_attention_with_kvcache` against the training front door `dilated_attention(...,
+cache_seqlens=)`, which checks the lengths on the host first.
+
+Two measurements, medians over interleaved rounds of `--calls` calls each:
+
+* "launch path": the Triton path with the kernel launches replaced by no-ops (the Python
+  from the public call to the launch: argument checks, tables, buffers), so that a CPU
+  measures what a GPU's host would spend before its queue gets the kernel (the launch
+  itself, ~10-30 us on a GPU, not included). Needs TRITON_INTERPRET=1 (set here) so that
+  the Triton path is chosen for CPU tensors; nothing is interpreted.
+* "portable": the whole call of the portable path at a tiny shape (B=1, one query, H=4,
+  D=16, N=256, patterns 16/32/64 x 1/2/4), where Python dominates.
+
+    python perf/decode_host_overhead.py --rounds 15 --calls 50
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from triton_dilated import dilated_attention, dilated_attention_with_kvcache  # noqa: E402
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _calls(backend, B, N, H, D, ws, rs):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, 1, H, D, generator=gen)
+    k, v = (torch.randn(B, N, H, D, generator=gen) for _ in range(2))
+    lens = torch.full((B,), N, dtype=torch.int32)
+    k_new, v_new = (torch.randn(B, 1, H, D, generator=gen) for _ in range(2))
+    kw = dict(causal=True, backend=backend)
+    return {
+        "front door (cache_seqlens=)": lambda: dilated_attention(q, k, v, ws, rs, cache_seqlens=lens, **kw),
+        "with_kvcache": lambda: dilated_attention_with_kvcache(q, k, v, cache_seqlens=lens, segment_lengths=ws,
+                                                               dilation_rates=rs, **kw),
+        "with_kvcache + append": lambda: dilated_attention_with_kvcache(q, k, v, k_new, v_new, cache_seqlens=lens - 1,
+                                                                        segment_lengths=ws, dilation_rates=rs, **kw),
+    }
+
+
+def _time(calls, rounds, n):
+    for c in calls.values():   # warm-up: cached tables, lazy imports
+        c()
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, c in calls.items():
+            t = time.perf_counter()
+            for _ in range(n):
+                c()
+            times[name].append((time.perf_counter() - t) / n * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--calls", type=int, default=50)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    from triton_dilated.ops.common import decode_kernels as common_kernels
+    from triton_dilated.ops.dilated import decode_kernels as dl_kernels
+    saved = (dl_kernels._dilated_decode_kernel, common_kernels._decode_merge_kernel)
+    dl_kernels._dilated_decode_kernel = common_kernels._decode_merge_kernel = _NoLaunch()
+    try:
+        launch = _time(_calls("triton", 1, 32768, 16, 128, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12]),
+                       args.rounds, args.calls)
+    finally:
+        dl_kernels._dilated_decode_kernel, common_kernels._decode_merge_kernel = saved
+    portable = _time(_calls("torch", 1, 256, 4, 16, [16, 32, 64], [1, 2, 4]), args.rounds, args.calls)
+    print("host time per call, us (median of rounds; 1 thread)")
+    print(f"{'entry point':30} {'launch path (Triton, no launch)':>32} {'portable, tiny shape':>22}")
+    for name in launch:
+        print(f"{name:30} {launch[name]:>32.1f} {portable[name]:>22.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,437 @@
+"""The inference entry points (issue 21 items 1-2): `dilated_attention_with_kvcache` and
+`block_sparse_attention_with_kvcache`, FlashAttention's with_kvcache shape.
+
+* against the float64 oracle (each row's prefix, the queries placed last), with and without
+  new k/v rows appended in place, ragged lengths, cache rows past each length poisoned NaN;
+* no host sync from the call to the kernel launch, on both backends: a guard that raises on
+  every way of reading a tensor's values on the host (tolist, item, bool, int, float,
+  index, numpy, torch.equal, and under a dispatch mode the aten ops behind them and the ops
+  with data-dependent output shapes), disarmed only while a Triton kernel runs; the guard
+  is shown to fire on the training front door, which reads cache_seqlens;
+* torch.compile(fullgraph=True) traces a decode step once and serves three different
+  cache_seqlens tensors without a recompile (dynamo's frame counter), equal to eager;
+* argument errors name the argument.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from triton_dilated import (block_sparse_attention, block_sparse_attention_naive, block_sparse_attention_with_kvcache,
+                            dilated_attention, dilated_attention_naive, dilated_attention_with_kvcache, layouts)
+from triton_dilated.ops.block_sparse import decode_kernels as bs_kernels, inference as bs_inference
+from triton_dilated.ops.common import decode_kernels as common_kernels
+from triton_dilated.ops.dilated import decode_kernels as dl_kernels, inference as dl_inference
+from conftest import DEVICE
+from reference import seeded
+from test_decode import check_forward
+
+BACKENDS = ["torch", "triton"]
+WS, RS = [8, 16, 48], [1, 2, 4]
+
+
+def _dilated(q, kc, vc, k=None, v=None, **kw):
+    return dilated_attention_with_kvcache(q, kc, vc, k, v, segment_lengths=WS, dilation_rates=RS, **kw)
+
+
+def _dilated_oracle(causal):
+    return lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, WS, RS, causal=causal)
+
+
+def _layout(nk, heads=1):
+    return (layouts.local(nk, 16, 1, causal=True) | layouts.random(nk, 16, num_random=1, seed=2, num_heads=heads)
+            ).to(DEVICE)
+
+
+def _block_sparse(lay):
+    return lambda q, kc, vc, k=None, v=None, **kw: block_sparse_attention_with_kvcache(q, kc, vc, k, v, layout=lay,
+                                                                                      **kw)
+
+
+def _block_sparse_oracle(lay, causal):
+    return lambda q_, k_, v_, n: block_sparse_attention_naive(q_, k_, v_, lay.prefix(-(-n // lay.block_size)),
+                                                              causal=causal)
+
+
+def _cache(B, Nk, Hkv, D, lengths, seed):
+    """k_cache, v_cache (B, Nk, Hkv, D), slices of a larger buffer (strided), NaN from each
+    row's length on (rows the call must neither read nor keep)."""
+    kc = seeded((B, Nk + 2, Hkv + 1, D), torch.float32, seed, DEVICE)
+    vc = seeded((B, Nk + 2, Hkv + 1, D), torch.float32, seed + 1, DEVICE)
+    for b, n in enumerate(lengths):
+        kc[b, n:] = float("nan")
+        vc[b, n:] = float("nan")
+    return kc[:, :Nk, 1:], vc[:, :Nk, 1:]
+
+
+# ----------------------------------------------------------------------------- against the oracle
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+@pytest.mark.parametrize("append", [0, 1, 3])
+def test_with_kvcache_matches_the_oracle(backend, variant, append):
+    """B = 2 rows at ragged lengths, GQA, Nq = 3 queries; `append` new rows written at
+    cache_seqlens first (the cache then holds them, and nothing else changed)."""
+    B, Nk, Hq, Hkv, D, Nq = 2, 64, 4, 2, 8, 3
+    before = [37, 50] if append else [41, 64]
+    after = [n + append for n in before]
+    kc, vc = _cache(B, Nk, Hkv, D, before, seed=10)
+    q = seeded((B, Nq, Hq, D), torch.float32, 3, DEVICE)
+    k_new = seeded((B, append, Hkv, D), torch.float32, 4, DEVICE) if append else None
+    v_new = seeded((B, append, Hkv, D), torch.float32, 5, DEVICE) if append else None
+    kc0, vc0 = kc.clone(), vc.clone()
+    lens = torch.tensor(before, dtype=torch.int32, device=DEVICE)
+    for causal in (True, False):
+        kc.copy_(kc0)
+        vc.copy_(vc0)
+        if variant == "dilated":
+            fn, oracle = _dilated, _dilated_oracle(causal)
+        else:
+            lay = _layout(Nk, heads=Hq)
+            fn, oracle = _block_sparse(lay), _block_sparse_oracle(lay, causal)
+        out, lse = fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, causal=causal, return_lse=True, backend=backend,
+                      validate=True)
+        assert torch.equal(lens.cpu(), torch.tensor(before, dtype=torch.int32)), "cache_seqlens is not modified"
+        for b in range(B):   # the new rows landed at cache_seqlens; nothing else changed
+            want_k, want_v = kc0[b].clone(), vc0[b].clone()
+            if append:
+                want_k[before[b]:after[b]] = k_new[b]
+                want_v[before[b]:after[b]] = v_new[b]
+            torch.testing.assert_close(kc[b], want_k, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(vc[b], want_v, rtol=0, atol=0, equal_nan=True)
+        check_forward(out, lse, q, kc, vc, after, oracle)
+        # the training front door (cache_seqlens counting the new rows) gives the same rows
+        legacy = (dilated_attention(q, kc, vc, WS, RS, causal=causal, return_lse=True, backend=backend,
+                                    cache_seqlens=lens + append) if variant == "dilated" else
+                  block_sparse_attention(q, kc, vc, lay, causal=causal, return_lse=True, backend=backend,
+                                         cache_seqlens=lens + append))
+        torch.testing.assert_close(legacy, (out, lse), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode,offsets", [("longnet", "blocked"), ("head_groups", "modulo")])
+def test_portable_patterns_path_every_head_layout(mode, offsets):
+    """The sync-free portable gather (per pattern, the heads active at the query's residue)
+    against the oracle for the other offset rules and head-group mode, 12 heads (every offset
+    of r = 6 and uneven groups), one query per row at ragged lengths, fp16."""
+    ws, rs = [6, 12, 36, 72], [1, 2, 3, 6]
+    lengths = [72, 45]
+    kc, vc = _cache(2, 72, 3, 12, lengths, seed=20)
+    kc, vc = kc.half(), vc.half()
+    q = seeded((2, 1, 12, 12), torch.float16, 7, DEVICE)
+    for causal in (True, False):
+        out, lse = dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor(lengths, dtype=torch.int32,
+                                                                                         device=DEVICE),
+                                                  segment_lengths=ws, dilation_rates=rs, causal=causal, mode=mode,
+                                                  offsets=offsets, return_lse=True, backend="torch")
+        check_forward(out, lse, q, kc, vc, lengths,
+                      lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, ws, rs, causal=causal, mode=mode,
+                                                                    offsets=offsets))
+
+
+# ----------------------------------------------------------------------------- no host sync
+
+class HostSync(RuntimeError):
+    pass
+
+
+_GUARD = {"armed": False}
+_SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "_unique",
+             "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "item")
+
+
+class _NoSyncMode(TorchDispatchMode):
+    """Raises on the aten ops that read values on the host or size an output from values."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _GUARD["armed"] and func.overloadpacket.__name__ in _SYNC_OPS:
+            raise HostSync(f"host sync: aten.{func.overloadpacket.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+def _raiser(name, original):
+    def method(self, *args, **kwargs):
+        if _GUARD["armed"]:
+            raise HostSync(f"host sync: Tensor.{name}")
+        return original(self, *args, **kwargs)
+    return method
+
+
+class _Disarmed:
+    """A Triton kernel whose launch runs with the guard off (the interpreter reads tensors
+    on the host to run the kernel; a GPU launch does not)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _GUARD["armed"] = False
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                _GUARD["armed"] = True
+        return launch
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Every host read of a tensor's values raises HostSync while armed."""
+    patches = [(torch.Tensor, name) for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__",
+                                                 "numpy")]
+    patches += [(mod, name) for mod, name in ((dl_kernels, "_dilated_decode_kernel"),
+                                              (bs_kernels, "_block_sparse_decode_kernel"),
+                                              (common_kernels, "_decode_merge_kernel"))]
+    saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
+    equal = torch.equal
+    try:
+        for obj, name, original in saved:
+            setattr(obj, name, _Disarmed(original) if obj is not torch.Tensor else _raiser(name, original))
+        torch.equal = _raiser("equal", equal)
+        with _NoSyncMode():
+            _GUARD["armed"] = True
+            yield
+    finally:
+        _GUARD["armed"] = False
+        torch.equal = equal
+        for obj, name, original in saved:
+            setattr(obj, name, original)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_no_host_sync_between_the_call_and_the_kernel(backend, variant, paged):
+    """A decode step with an append (contiguous or paged cache) runs under the guard and equals
+    the unguarded call; the training front door, which checks cache_seqlens on the host,
+    trips the same guard (so the guard would catch a sync added to the inference path)."""
+    B, Nk, Hq, Hkv, D = 2, 48, 4, 2, 8
+    lens = torch.tensor([20, 33], dtype=torch.int32, device=DEVICE)
+    lay = _layout(Nk, heads=Hq)
+    fn = _dilated if variant == "dilated" else _block_sparse(lay)
+    q = seeded((B, 2, Hq, D), torch.float32, 1, DEVICE)
+    k_new, v_new = (seeded((B, 2, Hkv, D), torch.float32, s, DEVICE) for s in (2, 3))
+    kc, vc = (seeded((B, Nk, Hkv, D), torch.float32, s, DEVICE) for s in (4, 5))
+    table = None
+    if paged:
+        kc, vc, table = _paged(kc, vc, 16)
+    kc2, vc2 = kc.clone(), vc.clone()
+    # warm-up: first calls build cached device tables (head sets, pattern tables) from host lists
+    fn(q, kc2.clone(), vc2.clone(), k_new, v_new, cache_seqlens=lens, block_table=table, backend=backend)
+    with no_host_sync():
+        out = fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, block_table=table, backend=backend, return_lse=True)
+    want = fn(q, kc2, vc2, k_new, v_new, cache_seqlens=lens, block_table=table, backend=backend, return_lse=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close((kc, vc), (kc2, vc2), rtol=0, atol=0, equal_nan=True)
+    if paged:
+        return
+    with pytest.raises(HostSync), no_host_sync():   # the guard fires on a host read
+        if variant == "dilated":
+            dilated_attention(q, kc, vc, WS, RS, causal=True, backend=backend, cache_seqlens=lens + 2)
+        else:
+            block_sparse_attention(q, kc, vc, lay, causal=True, backend=backend, cache_seqlens=lens + 2)
+    with pytest.raises(HostSync), no_host_sync():   # and so does validate=True
+        fn(q, kc, vc, cache_seqlens=lens, backend=backend, validate=True)
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_compiled_decode_step_serves_every_length_without_recompiling(backend, variant, paged):
+    """torch.compile(fullgraph=True) of a decode step with an append (aot_eager: the real
+    functionalised graph, the ops' fake kernels), three cache_seqlens tensors: one frame
+    compiled, outputs and caches equal to eager and the oracle; contiguous and paged caches
+    (pages of 16); and the training front door traces too."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    B, Nk, Hq, Hkv, D = 2, 48, 4, 2, 8
+    lay = _layout(Nk, heads=Hq)
+    fn = _dilated if variant == "dilated" else _block_sparse(lay)
+
+    def step(q, kc, vc, k, v, lens, table):
+        return fn(q, kc, vc, k, v, cache_seqlens=lens, block_table=table, causal=True, return_lse=True,
+                  backend=backend)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    q = seeded((B, 1, Hq, D), torch.float32, 1, DEVICE)
+    k_new, v_new = (seeded((B, 1, Hkv, D), torch.float32, s, DEVICE) for s in (2, 3))
+    for i, before in enumerate(([5, 30], [17, 9], [46, 0])):
+        lens = torch.tensor(before, dtype=torch.int32, device=DEVICE)
+        kc, vc = (seeded((B, Nk, Hkv, D), torch.float32, s + i, DEVICE) for s in (4, 5))
+        table = None
+        if paged:
+            kc, vc, table = _paged(kc, vc, 16, seed=i)
+        kc2, vc2 = kc.clone(), vc.clone()
+        got = compiled(q, kc, vc, k_new, v_new, lens, table)
+        want = step(q, kc2, vc2, k_new, v_new, lens, table)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close((kc, vc), (kc2, vc2), rtol=0, atol=0, equal_nan=True)
+        if paged:
+            kc, vc = _unpage(kc, table), _unpage(vc, table)
+        oracle = _dilated_oracle(True) if variant == "dilated" else _block_sparse_oracle(lay, True)
+        check_forward(*got, q, kc, vc, [n + 1 for n in before], oracle)
+    assert counter.frame_count == 1, f"{counter.frame_count} compiles for 3 cache_seqlens values"
+    if paged:
+        return
+
+    def front_door(q, kc, vc, lens):   # cache_seqlens counting the queries (DESIGN §5b)
+        if variant == "dilated":
+            return dilated_attention(q, kc, vc, WS, RS, causal=True, backend=backend, cache_seqlens=lens)
+        return block_sparse_attention(q, kc, vc, lay, causal=True, backend=backend, cache_seqlens=lens)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(front_door, backend=counter, fullgraph=True)
+    for before in ([5, 30], [17, 9]):
+        lens = torch.tensor(before, dtype=torch.int32, device=DEVICE) + 1
+        torch.testing.assert_close(compiled(q, kc, vc, lens), front_door(q, kc, vc, lens), rtol=1e-6, atol=1e-6)
+    assert counter.frame_count == 1
+
+
+def test_opcheck_decode_ops(device):
+    """torch.library.opcheck of both custom ops (fake kernels, schemas) on the portable path."""
+    q = seeded((2, 2, 4, 8), torch.float32, 1, device)
+    kc, vc = (seeded((2, 40, 2, 8), torch.float32, s, device) for s in (2, 3))
+    lens = torch.tensor([40, 23], dtype=torch.int32, device=device)
+    pool_k, pool_v, table = _paged(kc, vc, 8)
+    lay = layouts.local(40, 16, 1, causal=True).to(device)
+    for caches in ((kc, vc, None), (pool_k, pool_v, table)):
+        torch.library.opcheck(dl_inference._dilated_decode, (q, *caches[:2], lens, caches[2], WS, RS, True, 0.3,
+                                                             "longnet", "modulo", "torch"))
+        torch.library.opcheck(bs_inference._block_sparse_decode, (q, *caches[:2], lens, caches[2], lay.kv_num_blocks,
+                                                                  lay.kv_indices, 16, True, 0.3, "torch"))
+
+
+# ----------------------------------------------------------------------------- paged cache
+
+def _paged(k_cache, v_cache, page_size, spare=3, seed=0):
+    """The same rows as page pools (num_pages, page_size, Hkv, D), pages in a shuffled order
+    with `spare` NaN pages no row uses, and the block table int32 (B, capacity / page_size)."""
+    B, N, Hkv, D = k_cache.shape
+    per_row = -(-N // page_size)
+    order = torch.randperm(B * per_row + spare, generator=torch.Generator().manual_seed(seed))
+    table = order[:B * per_row].view(B, per_row).to(torch.int32).to(k_cache.device)
+    pools = []
+    for x in (k_cache, v_cache):
+        pool = torch.full((B * per_row + spare, page_size, Hkv, D), float("nan"), dtype=x.dtype, device=x.device)
+        padded = torch.cat([x, x.new_zeros(B, per_row * page_size - N, Hkv, D)], dim=1)
+        pool[table.long().flatten()] = padded.reshape(B * per_row, page_size, Hkv, D)
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+def _unpage(pool, table):
+    """(B, capacity, Hkv, D): the rows of each batch row read back through the block table."""
+    return pool[table.long()].flatten(1, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+def test_paged_cache_equals_the_contiguous_cache_bit_for_bit(backend, variant):
+    """A paged cache (pages of 16, shuffled, spare NaN pages) with two new rows appended:
+    out and lse equal the contiguous cache's bit for bit, the pool holds the appended rows,
+    and the result meets the float64 oracle."""
+    B, Nk, Hq, Hkv, D, Nq = 2, 64, 4, 2, 8, 2
+    before = [37, 21]
+    kc, vc = _cache(B, Nk, Hkv, D, before, seed=30)
+    kc, vc = kc.contiguous(), vc.contiguous()
+    pool_k, pool_v, table = _paged(kc, vc, 16)
+    q = seeded((B, Nq, Hq, D), torch.float32, 3, DEVICE)
+    k_new, v_new = (seeded((B, 2, Hkv, D), torch.float32, s, DEVICE) for s in (4, 5))
+    lens = torch.tensor(before, dtype=torch.int32, device=DEVICE)
+    lay = _layout(Nk, heads=Hq)
+    fn = _dilated if variant == "dilated" else _block_sparse(lay)
+    want = fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, return_lse=True, backend=backend)
+    got = fn(q, pool_k, pool_v, k_new, v_new, cache_seqlens=lens, block_table=table, return_lse=True,
+             backend=backend, validate=True)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), (g - w).abs().max()
+    torch.testing.assert_close((_unpage(pool_k, table), _unpage(pool_v, table)), (kc, vc), rtol=0, atol=0,
+                               equal_nan=True)
+    oracle = _dilated_oracle(True) if variant == "dilated" else _block_sparse_oracle(lay, True)
+    check_forward(*got, q, kc, vc, [n + 2 for n in before], oracle)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_argument_errors():
+    q = seeded((2, 1, 4, 8), torch.float32, 1, DEVICE)
+    kc, vc = (seeded((2, 32, 2, 8), torch.float32, s, DEVICE) for s in (2, 3))
+    lens = torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)
+    kw = dict(segment_lengths=WS, dilation_rates=RS)
+    with pytest.raises(TypeError, match="cache_seqlens must be an int32 tensor of shape"):
+        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=[3, 9], **kw)
+    with pytest.raises(TypeError, match="cache_seqlens must be an int32 .* got torch.float32"):
+        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens.float(), **kw)
+    with pytest.raises(ValueError, match=r"cache_seqlens must have shape \(B,\) = \(2,\), got \(1,\)"):
+        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens[:1], **kw)
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        dilated_attention_with_kvcache(q, kc, vc, kc[:, :1], cache_seqlens=lens, **kw)
+    with pytest.raises(ValueError, match=r"k \(new rows\) must have shape \(B, Nnew, Hkv, D\)"):
+        dilated_attention_with_kvcache(q, kc, vc, kc[:, :1, :1], vc[:, :1, :1], cache_seqlens=lens, **kw)
+    with pytest.raises(ValueError, match="1 to 16 query rows"):
+        dilated_attention_with_kvcache(kc.repeat(1, 1, 2, 1)[:, :17], kc, vc, cache_seqlens=lens, **kw)
+    with pytest.raises(TypeError, match="block_table must be an int32 tensor"):
+        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=lens[:, None].long(), **kw)
+    with pytest.raises(ValueError, match=r"block_table must have shape \(B, max_pages\) = \(2, max_pages >= 1\)"):
+        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=lens[:1, None], **kw)
+    table = torch.tensor([[0, 1], [1, 5]], dtype=torch.int32, device=DEVICE)   # pool of 2 pages of 32: capacity 64
+    with pytest.raises(ValueError, match=r"block_table\[1\] holds page 5, outside the pool's \[0, 2\)"):
+        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens + 30, block_table=table, validate=True, **kw)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 32: with 1 new rows the row holds 33"):
+        dilated_attention_with_kvcache(q, kc, vc, kc[:, :1], vc[:, :1], cache_seqlens=lens + 23, validate=True, **kw)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 0.*\[Nq, Nk\] = \[1, 32\]"):
+        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens * 0, validate=True, **kw)
+    with pytest.raises(TypeError, match="validate must be a bool"):
+        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, validate=1, **kw)
+    with pytest.raises(TypeError, match="layout must be a BlockLayout"):
+        block_sparse_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, layout=None)
+    with pytest.raises(ValueError, match="blocks"):
+        block_sparse_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, layout=layouts.local(64, 16, 1))
+    with pytest.raises(ValueError, match="no backward"):
+        dilated_attention_with_kvcache(q.requires_grad_(), kc, vc, cache_seqlens=lens, backend="triton", **kw)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (TRITON_DILATED_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_step_captures_in_a_cuda_graph(variant, paged):
+    """A decode step with an append (Triton path) captured once in a CUDA graph, replayed for
+    three cache_seqlens values written into the captured tensor: out and the cache equal the
+    eager call each time (a host sync in the step would fail the capture)."""
+    B, Nk, Hq, Hkv, D = 2, 256, 4, 2, 64
+    lay = _layout(Nk, heads=Hq)
+    fn = _dilated if variant == "dilated" else _block_sparse(lay)
+    q = seeded((B, 1, Hq, D), torch.float16, 1, DEVICE)
+    k_new, v_new = (seeded((B, 1, Hkv, D), torch.float16, s, DEVICE) for s in (2, 3))
+    kc, vc = (seeded((B, Nk, Hkv, D), torch.float16, s, DEVICE) for s in (4, 5))
+    table = None
+    if paged:
+        kc, vc, table = _paged(kc, vc, 16)
+    lens = torch.tensor([10, 20], dtype=torch.int32, device=DEVICE)
+
+    def step():
+        return fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, block_table=table, backend="triton", return_lse=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):   # warm-up: compiles the kernels, builds the cached tables
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for before in ([5, 200], [131, 17], [254, 0]):
+        lens.copy_(torch.tensor(before, dtype=torch.int32))
+        kc_eager, vc_eager = kc.clone(), vc.clone()
+        graph.replay()
+        want = fn(q, kc_eager, vc_eager, k_new, v_new, cache_seqlens=lens, block_table=table, backend="triton",
+                  return_lse=True)
+        torch.testing.assert_close(captured, want, rtol=0, atol=0)
+        torch.testing.assert_close((kc, vc), (kc_eager, vc_eager), rtol=0, atol=0, equal_nan=True)

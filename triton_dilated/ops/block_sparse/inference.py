@@ -1,0 +1,115 @@
+"""The inference entry point of block-sparse attention: `block_sparse_attention_with_kvcache`
+(FlashAttention's `flash_attn_with_kvcache` shape), its custom op
+`triton_dilated::block_sparse_decode` (what torch.compile traces) and `decode_layout`, the
+decode step both it and the training front door (`block_sparse_attention(...,
+cache_seqlens=)`) run. No host sync from the call to the kernel launch on either backend
+(see ops/dilated/inference.py; the key-list width is the layout's index-list width).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..common.first_order import needs_grad
+from ..common.kvcache import append_rows, cache_view, capacity, check_kvcache_args, check_kvcache_values
+from ..common.op_support import check_path, lazy_module, resolve_path
+from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
+from ..common.validation import check_flags, check_qkv, check_scale
+from .decode import block_sparse_decode
+from .layout import BlockLayout
+
+_decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
+
+DECODE_FAMILIES = ("block_sparse_fwd",)
+
+
+def decode_layout(q, k, v, layout, lengths, *, causal, scale, path, block_table=None):
+    """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
+    q's device) valid rows of k, v (page pools with block_table), the layout (on q's device)
+    covering the cache's capacity."""
+    if path == "torch":
+        return block_sparse_decode(q, k, v, layout, lengths, causal=causal, scale=scale, block_table=block_table)
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    return _decode_kernels().block_sparse_decode_forward(q, k, v, layout, lengths, causal=causal, scale=scale,
+                                                         block_table=block_table)
+
+
+def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, layout,
+                                        block_table=None, causal=True, scale=None, return_lse=False,
+                                        backend="auto", validate=False):
+    """Block-sparse attention of a decode step against a KV cache, with no host sync.
+
+    Args:
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate: as
+            `dilated_attention_with_kvcache` (q of 1 to 16 rows, the last positions of
+            each row's L_b = cache_seqlens[b] + Nnew valid rows; k, v appended in place;
+            block_table: a paged cache).
+        layout: a BlockLayout covering the cache's capacity Nk (ceil(Nk / block_size)
+            blocks per side) at absolute positions, laid out for (B|1, Hq|1); keep it on
+            q's device (a copy per call otherwise). Each query reads the active blocks of
+            its own layout row, cut at L_b.
+        causal (default True), scale, return_lse, backend: as block_sparse_attention.
+
+    Returns out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq); rows with
+    no active key: 0 and -inf. No gradient through the Triton path (ValueError). Under
+    torch.compile: the custom op `triton_dilated::block_sparse_decode` (build the layout
+    outside the compiled region).
+    """
+    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate)
+    check_qkv(q, cache_view(k_cache, block_table, q.shape[0]), cache_view(v_cache, block_table, q.shape[0]),
+              allow_shorter_q=True)
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    check_flags(causal=causal, return_lse=return_lse)
+    scale = check_scale(scale, q.shape[-1])
+    B, Nq, Hq, D = q.shape
+    layout.check_seq_len(capacity(k_cache, block_table))
+    layout.check_heads(B, Hq)
+    compiling = torch.compiler.is_compiling()
+    path = resolve_path(backend, str(q.device)) if compiling else \
+        resolve_backend(backend, q.device, DECODE_FAMILIES, D, q.dtype)
+    if path == "triton" and needs_grad(q, k_cache, v_cache, *(x for x in (k, v) if x is not None)):
+        raise ValueError("block_sparse_attention_with_kvcache: the Triton decode kernel has no backward; call it "
+                         "under torch.no_grad() (inference), or use block_sparse_attention for gradients")
+    if validate:
+        check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], Nq, capacity(k_cache, block_table),
+                             block_table, k_cache.shape[0])
+    lengths = append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    if B == 0:
+        return empty_result(q, k_cache, v_cache, return_lse)
+    if layout.kv_indices.device != q.device:
+        layout = layout.to(q.device)
+    if compiling:
+        out, lse = _block_sparse_decode(q, k_cache, v_cache, lengths, block_table, layout.kv_num_blocks,
+                                        layout.kv_indices, layout.block_size, causal, scale, path)
+    else:
+        out, lse = decode_layout(q, k_cache, v_cache, layout, lengths, causal=causal, scale=scale, path=path,
+                                 block_table=block_table)
+    return (out, lse) if return_lse else out
+
+
+class _RowLists:
+    """What the decode paths read of a BlockLayout (inside the custom op: the forward lists
+    only, without rebuilding the transposed ones)."""
+
+    def __init__(self, kv_num_blocks, kv_indices, block_size):
+        self.kv_num_blocks, self.kv_indices, self.block_size = kv_num_blocks, kv_indices, block_size
+        self.n_q_blocks = kv_num_blocks.shape[-1]
+
+
+@torch.library.custom_op("triton_dilated::block_sparse_decode", mutates_args=())
+def _block_sparse_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
+                         kv_num_blocks: Tensor, kv_indices: Tensor, block_size: int, causal: bool, scale: float,
+                         path: str) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq)."""
+    check_path(path)
+    return decode_layout(q, k_cache, v_cache, _RowLists(kv_num_blocks, kv_indices, block_size), lengths,
+                         causal=causal, scale=scale, path=path, block_table=block_table)
+
+
+@_block_sparse_decode.register_fake
+def _(q, k_cache, v_cache, lengths, block_table, kv_num_blocks, kv_indices, block_size, causal, scale, path):
+    B, Nq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)

@@ -1,0 +1,144 @@
+"""The inference entry point of dilated attention: `dilated_attention_with_kvcache`
+(FlashAttention's `flash_attn_with_kvcache` shape), its custom op
+`triton_dilated::dilated_decode` (what torch.compile traces) and `decode_table`, the decode
+step both it and the training front door (`dilated_attention(..., cache_seqlens=)`) run.
+
+No host sync from the call to the kernel launch, on either backend: lengths stay a device
+tensor (the Triton decode kernel loads them; the portable path gathers with them), every
+shape comes from the input shapes (the longest key list from the cache's length), and
+value checks run only with validate=True (ops/common/kvcache.py).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..common.first_order import needs_grad
+from ..common.kvcache import append_rows, cache_view, capacity, check_kvcache_args, check_kvcache_values
+from ..common.op_support import check_path, lazy_module, resolve_path
+from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
+from ..common.validation import check_flags, check_qkv, check_scale
+from .decode import dilated_decode
+from .patterns import check_head_slice, check_patterns, fit_patterns, head_table, warn_if_heads_first
+
+_decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
+
+DECODE_FAMILIES = ("dilated_fwd",)
+
+
+def check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
+               allow_shorter_q=False, head_offset=0, total_heads=None):
+    """Validation shared by every dilated front door: (patterns fitted to k's length, scale,
+    (head_offset, total_heads))."""
+    check_qkv(q, k, v, allow_shorter_q=allow_shorter_q)
+    patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
+    check_flags(causal=causal, return_lse=return_lse)
+    heads = check_head_slice(head_offset, total_heads, q.shape[2], k.shape[2])
+    warn_if_heads_first(patterns, k.shape[1], heads[1])
+    patterns = fit_patterns(patterns, k.shape[1], heads[1])   # w >= N is one segment: clamped to N
+    return patterns, check_scale(scale, q.shape[-1]), heads
+
+
+def decode_table(q, k, v, patterns, table, lengths, *, causal, scale, path, host_loop=False, block_table=None):
+    """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
+    q's device) valid rows of k, v (page pools with block_table): the Triton decode kernel or
+    the portable decode (host_loop: its strided-view CPU variant, which reads the lengths on
+    the host; contiguous caches only)."""
+    if path == "torch":
+        return dilated_decode(q, k, v, patterns, table, lengths, causal=causal, scale=scale, host_loop=host_loop,
+                              block_table=block_table)
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    return _decode_kernels().dilated_decode_forward(q, k, v, patterns, table, lengths, causal=causal, scale=scale,
+                                                    block_table=block_table)
+
+
+def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
+                                   segment_lengths, dilation_rates, causal=True, scale=None, mode="longnet",
+                                   offsets="modulo", return_lse=False, backend="auto", validate=False,
+                                   head_offset=0, total_heads=None):
+    """Dilated attention of a decode step against a KV cache, with no host sync (inference).
+
+    Args:
+        q: (B, Nq, Hq, D), 1 <= Nq <= 16 (a decode step, a speculative draft): the last Nq
+            positions of each row (query i of row b at L_b - Nq + i, L_b below).
+        k_cache, v_cache: (B, Nk, Hkv, D), Hq % Hkv == 0, q's dtype and device; Nk (the
+            cache's capacity) bounds the key lists, so a static cache costs what its
+            schedule reads, not Nk.
+        k, v: None, or new rows (B, Nnew, Hkv, D), written into k_cache, v_cache in place at
+            rows cache_seqlens[b] .. cache_seqlens[b] + Nnew - 1 before attending (as
+            flash_attn_with_kvcache).
+        cache_seqlens: int32 tensor (B,) on q's device: valid rows of each cache row before
+            the call (FlashAttention's convention: the new rows not counted); the attention
+            covers L_b = cache_seqlens[b] + Nnew rows. Not modified.
+        block_table: None, or int32 (B, max_pages) on q's device for a paged cache: then
+            k_cache, v_cache are page pools (num_pages, page_size, Hkv, D) shared by the
+            rows, and position n of row b lives at row n % page_size of page
+            block_table[b, n // page_size]; the capacity is max_pages * page_size. The
+            result equals that of the same rows in a contiguous cache bit for bit.
+        segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse, backend,
+            head_offset, total_heads: as dilated_attention (causal defaults to True here).
+        validate: check that every L_b lies in [Nq, Nk] (reads the lengths on the host: a
+            device sync; for debugging). Without it values are not checked: a length out
+            of range reads or writes outside the row (an index error or garbage).
+
+    Returns:
+        out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq). No gradient
+        through the Triton path (a ValueError when one is needed); the portable path is
+        differentiable in eager mode.
+
+    Under torch.compile it runs as the custom op `triton_dilated::dilated_decode` (either
+    backend), so `torch.compile(fullgraph=True)` traces a decode step once for every value
+    of cache_seqlens.
+    """
+    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate)
+    B = q.shape[0]
+    patterns, scale, heads = check_args(q, cache_view(k_cache, block_table, B), cache_view(v_cache, block_table, B),
+                                        segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
+                                        allow_shorter_q=True, head_offset=head_offset, total_heads=total_heads)
+    B, Nq, Hq, D = q.shape
+    compiling = torch.compiler.is_compiling()
+    path = resolve_path(backend, str(q.device)) if compiling else \
+        resolve_backend(backend, q.device, DECODE_FAMILIES, D, q.dtype)
+    if path == "triton" and needs_grad(q, k_cache, v_cache, *(x for x in (k, v) if x is not None)):
+        raise ValueError("dilated_attention_with_kvcache: the Triton decode kernel has no backward; call it under "
+                         "torch.no_grad() (inference), or use dilated_attention for gradients")
+    if validate:
+        check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], Nq, capacity(k_cache, block_table),
+                             block_table, k_cache.shape[0])
+    lengths = append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    if B == 0:
+        return empty_result(q, k_cache, v_cache, return_lse)
+    if compiling:
+        out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
+                                   [r for _, r in patterns], causal, scale, mode, offsets, *heads, path)
+    else:
+        table = head_table(Hq, patterns, mode, offsets, *heads)
+        out, lse = decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
+                                block_table=block_table)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- custom op
+# Patterns travel as two int lists plus `mode` and `offsets` (the offset table is rebuilt,
+# cached); the lengths are the rows valid after the append (the append happens outside the
+# op, as plain index_put_ that torch.compile functionalises). No autograd formula: inference.
+
+@torch.library.custom_op("triton_dilated::dilated_decode", mutates_args=())
+def _dilated_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
+                    segment_lengths: List[int], dilation_rates: List[int], causal: bool, scale: float, mode: str,
+                    offsets: str, head_offset: int, total_heads: int, path: str) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq)."""
+    check_path(path)
+    patterns = tuple(zip((int(w) for w in segment_lengths), (int(r) for r in dilation_rates)))
+    table = head_table(q.shape[2], patterns, mode, offsets, head_offset, total_heads)
+    return decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
+                        block_table=block_table)
+
+
+@_dilated_decode.register_fake
+def _(q, k_cache, v_cache, lengths, block_table, segment_lengths, dilation_rates, causal, scale, mode, offsets,
+      head_offset, total_heads, path):
+    B, Nq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)

@@ -1,0 +1,154 @@
+"""`PagedDilatedKVCache`: a page pool shared by many sequences, each holding only the pages its
+next query can read (the bounded rule of `DilatedKVCache`, cache.py), the allocator a serving
+engine would drive around `dilated_attention_with_kvcache(..., block_table=)`.
+
+Per sequence the cache keeps the rows from a base position on: the window start of its next
+query (cache.window_start) rounded down to a multiple of lcm(lcm(segment lengths), page_size),
+so that the dropped prefix is whole pages and a multiple of every segment length (positions
+relative to the base keep every segment and residue: attention over the kept rows equals
+attention over the whole sequence). Pages wholly before the base go back to the pool at the
+next step. For LongNet's schedules (each w divides the next) and a page size dividing max(w), a
+sequence decoding one token a step holds at most max(w) / page_size pages however long it
+runs (one more for steps of several tokens).
+
+Host-side bookkeeping (Python ints, the free list) happens once per step in `begin`, which
+builds the block table and the lengths on the device; the attention of each layer then runs
+with no host sync.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..common.validation import check_int
+from .cache import decode_rows_bound, window_start
+from .inference import dilated_attention_with_kvcache
+from .patterns import check_patterns
+
+
+class PagedStep:
+    """One decode step of some sequences: the block table int32 (B, pages) and the lengths
+    before the step int32 (B,) on the device, for every layer."""
+
+    def __init__(self, cache, seq_ids, num_new, block_table, cache_seqlens):
+        self.cache, self.seq_ids, self.num_new = cache, list(seq_ids), num_new
+        self.block_table, self.cache_seqlens = block_table, cache_seqlens
+        self.done = False
+
+    def attend(self, q, k_new, v_new, layer: int = 0, **kwargs):
+        """dilated_attention_with_kvcache of q (B, Nq, Hq, D) for this step's sequences, k_new,
+        v_new (B, num_new, Hkv, D) written into the pool of `layer` first."""
+        if self.done:
+            raise ValueError("this PagedStep has ended; call cache.begin for the next step")
+        c = self.cache
+        return dilated_attention_with_kvcache(q, c.k_pools[layer], c.v_pools[layer], k_new, v_new,
+                                              cache_seqlens=self.cache_seqlens, block_table=self.block_table,
+                                              segment_lengths=c.segment_lengths, dilation_rates=c.dilation_rates,
+                                              causal=True, mode=c.mode, offsets=c.offsets, **kwargs)
+
+    def end(self) -> None:
+        """The step's tokens are written (every layer): advance the sequences."""
+        if not self.done:
+            for s in self.seq_ids:
+                self.cache.seen[s] += self.num_new
+            self.done = True
+
+
+class PagedDilatedKVCache:
+    """A pool of `num_pages` pages of `page_size` rows (keys and values, per layer) shared by
+    sequences that are admitted, decoded in any interleaving and evicted.
+
+        cache = PagedDilatedKVCache([2048, 4096], [1, 2], num_pages=4096, page_size=64, num_kv_heads=8,
+                                    head_dim=128, dtype=torch.bfloat16, device="cuda", num_layers=32)
+        cache.admit("a"); cache.admit("b")
+        step = cache.begin(["a", "b"], 1)               # pages for one new token each, old pages freed
+        for layer in range(32):
+            out = step.attend(q, k_new, v_new, layer)    # q (2, 1, Hq, D), k_new/v_new (2, 1, Hkv, D)
+        step.end()
+
+    `pages_held(seq)`, `free_pages` and `rows_bound` (the most rows a sequence keeps) describe
+    the memory. A step needs pages for its new tokens: the pool running out raises.
+    """
+
+    def __init__(self, segment_lengths, dilation_rates, *, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype=torch.float32, device="cpu", num_layers: int = 1, mode: str = "longnet",
+                 offsets: str = "modulo"):
+        patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
+        self.segment_lengths = [w for w, _ in patterns]
+        self.dilation_rates = [r for _, r in patterns]
+        self.mode, self.offsets = mode, offsets
+        self.page_size = check_int("page_size", page_size, minimum=1)
+        num_pages = check_int("num_pages", num_pages, minimum=1)
+        num_layers = check_int("num_layers", num_layers, minimum=1)
+        shape = (num_pages, self.page_size, check_int("num_kv_heads", num_kv_heads, minimum=1),
+                 check_int("head_dim", head_dim, minimum=1))
+        self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.device = self.k_pools[0].device
+        # the dropped prefix: whole pages and a multiple of every segment length
+        self.step = math.lcm(math.lcm(*self.segment_lengths), self.page_size)
+        self.rows_bound = decode_rows_bound(self.segment_lengths)
+        self.free = list(range(num_pages - 1, -1, -1))   # pop() hands out low page ids first
+        self.pages: dict = {}    # sequence -> physical pages, logical page j holding rows base + j*page_size ...
+        self.base: dict = {}     # sequence -> position of its first kept row
+        self.seen: dict = {}     # sequence -> tokens written
+
+    @property
+    def free_pages(self) -> int:
+        return len(self.free)
+
+    def pages_held(self, seq) -> int:
+        return len(self.pages[seq])
+
+    def admit(self, seq) -> None:
+        """A new, empty sequence."""
+        if seq in self.pages:
+            raise ValueError(f"sequence {seq!r} is already admitted")
+        self.pages[seq], self.base[seq], self.seen[seq] = [], 0, 0
+
+    def evict(self, seq) -> None:
+        """Drop a sequence; its pages go back to the pool."""
+        self._known(seq)
+        self.free += reversed(self.pages.pop(seq))
+        del self.base[seq], self.seen[seq]
+
+    def _known(self, seq):
+        if seq not in self.pages:
+            raise ValueError(f"sequence {seq!r} is not admitted (admit it first)")
+
+    def begin(self, seq_ids, num_new: int = 1) -> PagedStep:
+        """Bookkeeping for a step that writes `num_new` tokens to each of `seq_ids` (their
+        queries: the last of them): return the pages no query of the step can read, take pages
+        for the new rows, and build the block table and lengths on the device."""
+        num_new = check_int("num_new", num_new, minimum=1)
+        seq_ids = list(seq_ids)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+        for s in seq_ids:
+            self._known(s)
+        for s in seq_ids:   # the first query of the step sits at seen[s]: nothing before its window is read
+            keep_from = window_start(self.seen[s], self.segment_lengths) // self.step * self.step
+            drop = (keep_from - self.base[s]) // self.page_size
+            if drop > 0:
+                self.free += reversed(self.pages[s][:drop])
+                del self.pages[s][:drop]
+                self.base[s] += drop * self.page_size
+        for s in seq_ids:
+            need = -(-(self.seen[s] + num_new - self.base[s]) // self.page_size) - len(self.pages[s])
+            if need > len(self.free):
+                raise ValueError(f"the page pool is exhausted: sequence {s!r} needs {need} more pages, {len(self.free)} "
+                                 f"are free (evict sequences or build the cache with more num_pages)")
+            self.pages[s] += [self.free.pop() for _ in range(need)]
+        width = max(len(self.pages[s]) for s in seq_ids)
+        table = [self.pages[s] + [self.pages[s][0]] * (width - len(self.pages[s])) for s in seq_ids]
+        block_table = torch.tensor(table, dtype=torch.int32).to(self.device)
+        lengths = torch.tensor([self.seen[s] - self.base[s] for s in seq_ids], dtype=torch.int32).to(self.device)
+        return PagedStep(self, seq_ids, num_new, block_table, lengths)
+
+    def attend(self, seq_ids, q, k_new, v_new, **kwargs):
+        """One step of a one-layer cache: begin, attend, end."""
+        step = self.begin(seq_ids, k_new.shape[1])
+        out = step.attend(q, k_new, v_new, 0, **kwargs)
+        step.end()
+        return out
