@@ -294,6 +294,27 @@ def test_compiled_decode_step_serves_every_length_without_recompiling(backend, v
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_head_slice_of_a_decode_step(backend):
+    """head_offset/total_heads (Ulysses) on the inference entry point, eager and compiled:
+    the slice's output equals that slice of the full call (the offsets follow global heads)."""
+    B, Nk, Hq, Hkv, D = 2, 48, 4, 2, 8
+    q = seeded((B, 1, Hq, D), torch.float32, 1, DEVICE)
+    kc, vc = (seeded((B, Nk, Hkv, D), torch.float32, s, DEVICE) for s in (4, 5))
+    lens = torch.tensor([30, 47], dtype=torch.int32, device=DEVICE)
+    kw = dict(cache_seqlens=lens, causal=True, backend=backend)
+    full = _dilated(q, kc, vc, **kw)
+
+    def part(q, kc, vc):
+        return _dilated(q[:, :, 2:], kc[:, :, 1:], vc[:, :, 1:], head_offset=2, total_heads=Hq, **kw)
+
+    torch._dynamo.reset()
+    for fn in (part, torch.compile(part, backend="aot_eager", fullgraph=True)):
+        torch.testing.assert_close(fn(q, kc, vc), full[:, :, 2:], rtol=1e-6, atol=1e-6)
+    alone = _dilated(q[:, :, 2:], kc[:, :, 1:], vc[:, :, 1:], **kw)   # without the slice: other offsets
+    assert not torch.allclose(alone, full[:, :, 2:], atol=1e-4)
+
+
 def test_opcheck_decode_ops(device):
     """torch.library.opcheck of both custom ops (fake kernels, schemas) on the portable path."""
     q = seeded((2, 2, 4, 8), torch.float32, 1, device)
@@ -303,7 +324,7 @@ def test_opcheck_decode_ops(device):
     lay = layouts.local(40, 16, 1, causal=True).to(device)
     for caches in ((kc, vc, None), (pool_k, pool_v, table)):
         torch.library.opcheck(dl_inference._dilated_decode, (q, *caches[:2], lens, caches[2], WS, RS, True, 0.3,
-                                                             "longnet", "modulo", "torch"))
+                                                             "longnet", "modulo", 0, 4, "torch"))
         torch.library.opcheck(bs_inference._block_sparse_decode, (q, *caches[:2], lens, caches[2], lay.kv_num_blocks,
                                                                   lay.kv_indices, 16, True, 0.3, "torch"))
 
