@@ -282,8 +282,14 @@ def test_ptx_counts_checked_example():
         "%4 = tt.expand_dims %m : tensor<64x1xf32, #mma>",
     ])
     got = ptx_counts(ptx, ttgir)
-    assert got == dict(wgmma=3, mma_sync=1, cp_async=2, cp_async_bulk=1, tcgen05=0, pipeline_depth=3, mma_replicated=1,
-                       wgmma_shapes="m64n64k16:2 m64n128k16:1", mma_layouts="v3[4,1]n128 v3[8,1]n32")
+    assert got == dict(wgmma=3, mma_sync=1, cp_async=2, cp_async_bulk=1, tcgen05=0, ws_partitions=0, setmaxnreg=0,
+                       pipeline_depth=3, mma_replicated=1, wgmma_shapes="m64n64k16:2 m64n128k16:1",
+                       mma_layouts="v3[4,1]n128 v3[8,1]n32")
+    # warp specialization: the partitions of ttg.warp_specialize, each warp group's setmaxnreg
+    ws_ttgir = "%0:3 = ttg.warp_specialize(%a, %b)\n    default {\n    partition0(%x: i32) num_warps(1) {\n" \
+               "    partition1(%x: i32) num_warps(4) {\n"
+    ws_ptx = "\tsetmaxnreg.dec.sync.aligned.u32 \t88;\n\t@%p1 setmaxnreg.inc.sync.aligned.u32 \t256;\n// setmaxnreg.dec"
+    assert (ptx_counts(ws_ptx, ws_ttgir)["ws_partitions"], ptx_counts(ws_ptx, ws_ttgir)["setmaxnreg"]) == (2, 2)
     four_warps = ttgir.replace("warpsPerCTA = [8, 1], instrShape = [16, 32", "warpsPerCTA = [4, 1], instrShape = [16, 64")
     assert ptx_counts(ptx, four_warps)["mma_replicated"] == 0
     assert ptx_counts("", "")["pipeline_depth"] == 0
