@@ -235,6 +235,27 @@ def test_block_sparse_forward_tma_variant_on_sm90(tmp_path):
     assert not bad, "\n".join(bad)
 
 
+@needs_ptxas
+def test_block_sparse_forward_warp_specialized_on_sm100(tmp_path):
+    """block_sparse_fwd_ws (WARP_SPEC = 1 on the sm100 default tiles, K/V by TMA): Triton
+    splits the full-block loop into partitions beside the default one (TTGIR
+    ttg.warp_specialize), each warp group with its register budget (setmaxnreg in the PTX),
+    on tcgen05 MMAs and TMA copies, with no register spill, at D = 64 and 128 (causal)."""
+    out = tmp_path / "ws.csv"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", "100", "--head-dims", "64",
+                           "128", "--causal", "yes", "--kernels", "block_sparse_fwd_ws", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert {r["D"] for r in rows} == {"64", "128"}
+    bad = [r for r in rows if r["error"] or not (int(r["ws_partitions"]) >= 2 and int(r["setmaxnreg"]) > 0
+                                                 and int(r["tcgen05"]) > 0 and int(r["cp_async_bulk"]) > 0
+                                                 and r["spill_stores"] == "0")]
+    assert not bad, bad
+
+
 def test_sm90_16bit_defaults_never_put_8_warps_on_64_rows():
     """The config rule itself (no compile): on sm90 every 16-bit default with 8 warps has
     128-row tiles, and every forward default at D <= 128 has BLOCK_M >= 16 x num_warps."""

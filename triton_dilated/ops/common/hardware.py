@@ -31,8 +31,8 @@ class ArchFacts:
     tf32: bool            # float32 dots on tensor cores (the kernels' float32 path needs it)
     example: str = ""     # cards of this architecture, for messages and the README
     warp_specialize: bool = False   # Triton's automatic warp specialization (tl.range(..., warp_specialize=True))
-    #                       compiles here into load/MMA/softmax partitions: sm100 with Triton 3.9 (its sm90
-    #                       pass fails on the attention loop; it partitions only tensor-descriptor loads)
+    #                       splits a loop into load/MMA/softmax partitions here: sm100 with Triton 3.9 (sm90:
+    #                       the block-sparse forward compiles unpartitioned; it partitions descriptor loads only)
 
 
 # One row per architecture the library knows; `perf aot` compiles for the NVIDIA rows and the
