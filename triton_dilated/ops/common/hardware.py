@@ -22,8 +22,9 @@ KIB = 1024
 class ArchFacts:
     """What one GPU architecture offers the kernels."""
     vendor: str           # "nvidia" or "amd"
-    mma: str              # the tensor-core instructions Triton emits for tl.dot: "mma.sync" (Volta-Ampere-Ada,
-    #                       consumer Blackwell), "wgmma" (Hopper), "tcgen05" (datacenter Blackwell), "mfma" (CDNA)
+    mma: str              # the tensor-core instructions Triton emits for tl.dot: "mma.sync" (Ampere, Ada,
+    #                       consumer Blackwell), "wgmma" (Hopper), "tcgen05" (datacenter Blackwell), "mfma" (CDNA),
+    #                       "fma": none, FMA loops (Volta, Turing: Triton 3.9 emits no mma.sync before sm80)
     shared_memory: int    # bytes per block (the opt-in maximum) or LDS bytes per workgroup
     warp_size: int        # threads per warp (NVIDIA) or wavefront (AMD CDNA)
     tma: bool             # the tensor memory accelerator (cp.async.bulk.tensor)
@@ -39,8 +40,8 @@ class ArchFacts:
 # AMD rows. Shared memory: CUDA's opt-in maximum per block (sm80: 163 KiB; sm86/89/120: 99 KiB;
 # sm90/100: 227 KiB); LDS per workgroup on CDNA (MI300: 64 KiB, MI355: 160 KiB).
 ARCH_TABLE = {
-    "sm70": ArchFacts("nvidia", "mma.sync", 96 * KIB, 32, False, False, False, "V100"),
-    "sm75": ArchFacts("nvidia", "mma.sync", 64 * KIB, 32, False, False, False, "T4, RTX 20"),
+    "sm70": ArchFacts("nvidia", "fma", 96 * KIB, 32, False, False, False, "V100"),
+    "sm75": ArchFacts("nvidia", "fma", 64 * KIB, 32, False, False, False, "T4, RTX 20"),
     "sm80": ArchFacts("nvidia", "mma.sync", 163 * KIB, 32, False, True, True, "A100, A30"),
     "sm86": ArchFacts("nvidia", "mma.sync", 99 * KIB, 32, False, True, True, "RTX 30, A10, A40"),
     "sm89": ArchFacts("nvidia", "mma.sync", 99 * KIB, 32, False, True, True, "RTX 40, L4, L40S"),
