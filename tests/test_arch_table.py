@@ -157,3 +157,31 @@ def test_rocm_device_picks_the_compiled_spill_free_config(monkeypatch, clear_arc
         assert int(r["mfma"]) > 0 or r["kernel"] in NO_DOT_KERNELS, r
         seen.add((r["kernel"], r["dtype"], r["D"], r["causal"]))
     assert seen == {(k, dt, d, c) for k in KERNELS for dt in ("bf16", "fp16") for d in ("64", "128") for c in "01"}
+
+
+FMA_DEFAULTS_CSV = "perf/aot/sm75-sm70-defaults-fp16-triton39.csv"
+# Volta/Turing backward kernels at D = 128 spill on every tile tried (FMA dots hold their
+# operands in registers; configs.FMA_DEFAULTS): the documented list, which may only shrink
+FMA_SPILLS_D128 = {"dilated_bwd_dq", "dilated_bwd_dkdv", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv",
+                   "ring_step_bwd_dq", "ring_step_bwd_dkdv"}
+
+
+@pytest.mark.parametrize("name", ["sm75", "sm70"])
+def test_volta_turing_defaults_are_the_compiled_ones(name):
+    """On sm70/sm75 Triton 3.9 compiles every dot to FMA loops (no mma.sync in the committed
+    compile): the 16-bit default of each kernel is the config compiled there, without spills
+    at D = 64 and in the forward kernels at D = 128 (the backward ones: FMA_SPILLS_D128)."""
+    import csv
+    import pathlib
+
+    from triton_dilated.perf.aot import KERNELS
+    arch = fake_arch(name)
+    with open(pathlib.Path(__file__).resolve().parents[1] / FMA_DEFAULTS_CSV) as f:
+        rows = [r for r in csv.DictReader(f) if r["arch"] == name]
+    assert {(r["kernel"], r["D"]) for r in rows} == {(k, d) for k in KERNELS for d in ("64", "128", "256")}
+    for r in rows:
+        cfg = configs.default_config(KERNELS[r["kernel"]].family, int(r["D"]), arch, torch.float16, r["kernel"])
+        assert cfg == {k: int(r[k]) for k in configs.CONFIG_FIELDS}, (r["kernel"], r["D"], cfg)
+        assert not r["error"] and r["mma_sync"] == "0" and int(r["shared_bytes"]) <= arch.shared_memory, r
+        if r["D"] == "64" or (r["D"] == "128" and r["kernel"] not in FMA_SPILLS_D128):
+            assert r["spill_stores"] == "0", (r["kernel"], r["D"], r["spill_stores"])

@@ -287,13 +287,17 @@ CDNA_DEFAULTS = {
 # and bfloat16 alike (no mma.sync: perf/aot/sm75-sm70-*.csv), whose operands and accumulators
 # sit in registers: the sm80 tiles (64x64 w4) spill 3.4 KB in the forward at D = 64. From
 # `perf aot --arch 75 70 --configs` (fp16, causal; perf/aot/sm75-sm70-candidates-fp16-triton39.csv):
-# forward and dQ 32x32 w4 at D = 64 (234-244 registers), 16x32 w4 at D = 128 (229-242; 32x32
-# spills 1.3 KB); dK/dV 16x16 w4 (dilated D = 64: 255, 0 spills; every tile tried spills at
-# D = 128, 16x16 least: 0.8-1.2 KB). One stage: there are no cp.async copies to pipeline.
-_FMA_TILES = {64: make_config(32, 32, 4, 1), 128: make_config(16, 32, 4, 1), 256: make_config(16, 16, 4, 1)}
+# forward 32x32 w4 at D = 64 (221-247 registers), 16x32 w4 at D = 128 (219-254; 32x32 spills
+# 1.3 KB); dQ 32x32 w8 at D = 64 (222-244; 32x32 w4 spills 0.4-0.9 KB), 16x32 w8 at D = 128 (the
+# least: 268-528 B; every tile tried spills); dK/dV 16x16 w4 (0 spills at D = 64; every tile
+# tried spills at D = 128, 16x16 least: 0.8-1.5 KB). One stage: no cp.async to pipeline.
+_FMA_FWD = {64: make_config(32, 32, 4, 1), 128: make_config(16, 32, 4, 1), 256: make_config(16, 16, 4, 1)}
+_FMA_DQ = {64: make_config(32, 32, 8, 1), 128: make_config(16, 32, 8, 1), 256: make_config(16, 16, 4, 1)}
 FMA_DEFAULTS = {
-    **{(family, band): cfg for family in ("dilated_fwd", "block_sparse_fwd", "ring_step_fwd", "dilated_bwd",
-                                          "block_sparse_bwd", "ring_step_bwd") for band, cfg in _FMA_TILES.items()},
+    **{(family, band): cfg for family in ("dilated_fwd", "block_sparse_fwd", "ring_step_fwd")
+       for band, cfg in _FMA_FWD.items()},
+    **{(family, band): cfg for family in ("dilated_bwd", "block_sparse_bwd", "ring_step_bwd")
+       for band, cfg in _FMA_DQ.items()},
     **{(kernel, band): make_config(16, 16, 4, 1) for kernel in ("dilated_bwd_dkdv", "block_sparse_bwd_dkdv",
                                                                 "ring_step_bwd_dkdv") for band in (64, 128, 256)},
 }
