@@ -20,11 +20,14 @@ KERNELS = (None, "dilated_bwd_dkdv", "block_sparse_bwd_dkdv", "ring_step_bwd_dkd
 def test_table_facts():
     for name, facts in ARCH_TABLE.items():
         assert facts.vendor == ("amd" if name.startswith("gfx") else "nvidia"), name
-        assert facts.mma in ("mma.sync", "wgmma", "tcgen05", "mfma"), name
+        assert facts.mma in ("mma.sync", "wgmma", "tcgen05", "mfma", "fma"), name
         assert facts.warp_size == (64 if facts.vendor == "amd" else 32), name
         assert 48 * 1024 <= facts.shared_memory <= 228 * 1024, name
     assert [n for n, f in ARCH_TABLE.items() if f.mma in hardware.WARPGROUP_MMA] == ["sm90", "sm100"]
     assert [n for n, f in ARCH_TABLE.items() if f.tma] == ["sm90", "sm100", "sm120"]
+    # Triton 3.9 compiles tl.dot to FMA loops before Ampere (perf/aot/sm75-sm70-*.csv: no mma.sync)
+    assert [n for n, f in ARCH_TABLE.items() if f.mma == "fma"] == ["sm70", "sm75"]
+    assert [n for n, f in ARCH_TABLE.items() if f.warp_specialize] == ["sm100"]
 
 
 @pytest.mark.parametrize("name, like", [("sm87", "sm86"), ("sm103", "sm100"), ("sm121", "sm120"), ("sm72", "sm70"),
@@ -76,7 +79,8 @@ def test_default_configs_follow_the_facts(name):
     64 rows each) only with warpgroup MMAs (sm90, sm100), the per-warp tiles chosen on sm80
     everywhere else (sm120 and AMD included, whatever their capability), each shrunk to the
     arch's shared memory; on the 99 KiB mma.sync archs, MID_SMEM_DEFAULTS where the sm80
-    tile spills there. Every 16-bit default fits it (the smallest tile where none does)."""
+    tile spills there, on AMD CDNA_DEFAULTS. Every 16-bit default fits it (the smallest tile
+    where none does)."""
     arch = fake_arch(name)
     family_rule = ARCH_TABLE["sm90" if arch.mma in hardware.WARPGROUP_MMA else "sm80"]
     like = Arch("rule", arch.capability, arch.shared_memory, 1, "reference",
@@ -89,8 +93,12 @@ def test_default_configs_follow_the_facts(name):
                     cfg = configs.default_config(family, d, arch, dtype, kernel)
                     band = 64 if d <= 64 else 128 if d <= 128 else 256
                     own = kernel if kernel in configs.KERNEL_DEFAULTS else family
-                    if name in ("sm86", "sm89", "sm120") and (own, band) in configs.MID_SMEM_DEFAULTS:
-                        assert cfg == configs.MID_SMEM_DEFAULTS[(own, band)], (name, family, kernel, d)
+                    table = {"sm86": configs.MID_SMEM_DEFAULTS, "sm89": configs.MID_SMEM_DEFAULTS,
+                             "sm120": configs.MID_SMEM_DEFAULTS, "gfx942": configs.CDNA_DEFAULTS,
+                             "gfx950": configs.CDNA_DEFAULTS, "sm70": configs.FMA_DEFAULTS,
+                             "sm75": configs.FMA_DEFAULTS}.get(name, {})
+                    if (own, band) in table:
+                        assert cfg == table[(own, band)], (name, family, kernel, d)
                     else:
                         assert cfg == configs.default_config(family, d, like, dtype, kernel), (name, family, kernel, d)
                     assert configs.config_fits(family, cfg, d, arch, dtype) or cfg == configs.make_config(16, 16, 4, 1), \
@@ -113,3 +121,67 @@ def test_arch_constructor_keeps_its_old_form():
     arch = Arch("sm90", (9, 0), 227 * 1024, 132, "fake")
     assert arch.facts == ARCH_TABLE["sm90"] and arch.warpgroup_mma and arch.tma
     assert Arch("cpu-interpreter", (0, 0), 0, 2, "cpu").mma == "interpreter"
+
+
+AMD_DEFAULTS_CSV = "perf/aot/gfx942-gfx950-defaults-bf16-fp16-triton39.csv"
+NO_DOT_KERNELS = ("dilated_decode", "decode_merge", "block_sparse_decode", "ring_step_lists")   # vector work, no dot
+
+
+@pytest.mark.parametrize("gcn", ["gfx942:sramecc+:xnack-", "gfx950"])
+def test_rocm_device_picks_the_compiled_spill_free_config(monkeypatch, clear_arch_cache, gcn):
+    """On a fake ROCm device (MI300X: gfx942, 64 KiB LDS; MI355X: gfx950, 160 KiB) the config
+    select_config picks for every kernel, 16-bit dtype and head dim <= 128 is the one the
+    committed AOT compile of the AMD defaults compiled (perf/aot/, `perf aot --arch gfx942
+    gfx950`), and that compile has no VGPR spill, no scratch and fits the arch's LDS."""
+    import csv
+    import pathlib
+
+    from triton_dilated.perf.aot import KERNELS
+    name = gcn.split(":")[0]
+    lds = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}[name]
+    _fake_device(monkeypatch, "6.4", major=9, minor=4 if name == "gfx942" else 5, gcnArchName=gcn,
+                 shared_memory_per_block_optin=lds)
+    monkeypatch.setattr(configs, "load_arch_table", lambda arch_name: {})   # no tuned table: the defaults
+    path = pathlib.Path(__file__).resolve().parents[1] / AMD_DEFAULTS_CSV
+    with open(path) as f:
+        rows = [r for r in csv.DictReader(f) if r["arch"] == name and int(r["D"]) <= 128]
+    seen = set()
+    for r in rows:
+        spec = KERNELS[r["kernel"]]
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[r["dtype"]]
+        cfg = configs.select_config(spec.family, dtype, int(r["D"]), 8192, torch.device("cuda", 0), kernel=r["kernel"])
+        compiled = {k: int(r[k]) for k in configs.CONFIG_FIELDS}
+        assert cfg == compiled, (r["kernel"], r["dtype"], r["D"], cfg, compiled)
+        assert not r["error"] and int(r["spill_stores"]) == 0 and int(r["scratch_bytes"]) == 0, r
+        assert int(r["shared_bytes"]) <= lds, r
+        assert int(r["mfma"]) > 0 or r["kernel"] in NO_DOT_KERNELS, r
+        seen.add((r["kernel"], r["dtype"], r["D"], r["causal"]))
+    assert seen == {(k, dt, d, c) for k in KERNELS for dt in ("bf16", "fp16") for d in ("64", "128") for c in "01"}
+
+
+FMA_DEFAULTS_CSV = "perf/aot/sm75-sm70-defaults-fp16-triton39.csv"
+# Volta/Turing backward kernels at D = 128 spill on every tile tried (FMA dots hold their
+# operands in registers; configs.FMA_DEFAULTS): the documented list, which may only shrink
+FMA_SPILLS_D128 = {"dilated_bwd_dq", "dilated_bwd_dkdv", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv",
+                   "ring_step_bwd_dq", "ring_step_bwd_dkdv"}
+
+
+@pytest.mark.parametrize("name", ["sm75", "sm70"])
+def test_volta_turing_defaults_are_the_compiled_ones(name):
+    """On sm70/sm75 Triton 3.9 compiles every dot to FMA loops (no mma.sync in the committed
+    compile): the 16-bit default of each kernel is the config compiled there, without spills
+    at D = 64 and in the forward kernels at D = 128 (the backward ones: FMA_SPILLS_D128)."""
+    import csv
+    import pathlib
+
+    from triton_dilated.perf.aot import KERNELS
+    arch = fake_arch(name)
+    with open(pathlib.Path(__file__).resolve().parents[1] / FMA_DEFAULTS_CSV) as f:
+        rows = [r for r in csv.DictReader(f) if r["arch"] == name]
+    assert {(r["kernel"], r["D"]) for r in rows} == {(k, d) for k in KERNELS for d in ("64", "128", "256")}
+    for r in rows:
+        cfg = configs.default_config(KERNELS[r["kernel"]].family, int(r["D"]), arch, torch.float16, r["kernel"])
+        assert cfg == {k: int(r[k]) for k in configs.CONFIG_FIELDS}, (r["kernel"], r["D"], cfg)
+        assert not r["error"] and r["mma_sync"] == "0" and int(r["shared_bytes"]) <= arch.shared_memory, r
+        if r["D"] == "64" or (r["D"] == "128" and r["kernel"] not in FMA_SPILLS_D128):
+            assert r["spill_stores"] == "0", (r["kernel"], r["D"], r["spill_stores"])

@@ -56,10 +56,16 @@ class Switch:
 #   two flat loops (unmasked, then masked); 0 runs one pair of loops per pattern.
 # * TMA (block-sparse forward, archs with TMA: sm90, sm100, sm120): 1 loads the K/V blocks
 #   through tensor descriptors (cp.async.bulk.tensor); 0 with pointer loads (cp.async).
+# * WARP_SPEC (block-sparse forward, archs where Triton warp-specializes: sm100): 1 marks the
+#   full-block loop tl.range(..., warp_specialize=True) and reads K/V through tensor
+#   descriptors as TMA = 1 does (Triton 3.9 puts only descriptor loads in a load partition: a
+#   loop of pointer loads, the dilated forward's strided rows, compiles unpartitioned), so the
+#   compiler splits it into TMA-load, MMA and softmax warp groups (setmaxnreg in the PTX).
 VARIANT_SWITCHES = {
     "dilated_fwd": {"FLAT_LOOP": Switch((1, 0))},
     "dilated_bwd": {"FLAT_LOOP": Switch((1, 0))},
-    "block_sparse_fwd": {"TMA": Switch((0, 1), requires="tma")},
+    "block_sparse_fwd": {"TMA": Switch((0, 1), requires="tma"),
+                         "WARP_SPEC": Switch((0, 1), requires="warp_specialize")},
 }
 
 
@@ -250,8 +256,66 @@ MID_SMEM_DEFAULTS = {
 }
 
 
+# AMD CDNA (gfx942: MI300, 64 KiB LDS; gfx950: MI355, 160 KiB), 16-bit, D <= 128, where the
+# per-warp tile chosen on sm80 spills there: a wavefront is 64 threads and a workgroup of 8
+# waves gets at most 256 VGPRs each (4 waves: 512), so these are all 4-warp tiles (`perf aot
+# --arch gfx942 gfx950 --configs`, bf16, triton 3.9, causal; perf/aot/gfx942-gfx950-candidates-
+# bf16-triton39.csv; VGPRs gfx942/gfx950, 0 spills on both unless said), keyed as MID_SMEM_DEFAULTS:
+# * forward (dilated, block-sparse, ring step), D = 128: 64x32 w4 s2, 254/228, 214/187 and
+#   260/268 VGPRs (64x64 w8 spilled 108-264 B; 64x64 w4 needs 313-374 VGPRs: occupancy 1);
+# * dilated dQ (the family's config), D = 128: 32x64 w4 s2, 365/385 (64x64 w8 spilled 0.5 KB
+#   on gfx950; 64x32 w4 spills 4 B on gfx942);
+# * ring step dQ, D = 128: 64x32 w4 s2, 406/308 (64x64 w8: 0.9 KB on gfx950);
+# * dK/dV (dilated, block-sparse, ring step), D = 128: 64 keys x 16 queries, w4 s2, 340/228,
+#   354/234 and 281/227 (64x32 w4 spills 168-348 B on gfx942; 32x32 w4 20-152 B);
+# * block-sparse and ring step dK/dV, D = 64: 64x32 w4 s2, 426/366 and 328/287 (the sm80
+#   tiles 32x64 w4 and 128x32 w8 spilled 0.2-1.9 KB).
+CDNA_DEFAULTS = {
+    ("dilated_fwd", 128): make_config(64, 32, 4, 2),
+    ("block_sparse_fwd", 128): make_config(64, 32, 4, 2),
+    ("ring_step_fwd", 128): make_config(64, 32, 4, 2),
+    ("dilated_bwd", 128): make_config(32, 64, 4, 2),
+    ("ring_step_bwd", 128): make_config(64, 32, 4, 2),
+    ("dilated_bwd_dkdv", 128): make_config(64, 16, 4, 2),
+    ("block_sparse_bwd_dkdv", 128): make_config(64, 16, 4, 2),
+    ("ring_step_bwd_dkdv", 128): make_config(64, 16, 4, 2),
+    ("block_sparse_bwd_dkdv", 64): make_config(64, 32, 4, 2),
+    ("ring_step_bwd_dkdv", 64): make_config(64, 32, 4, 2),
+}
+
+# Volta and Turing (sm70, sm75): Triton 3.9 compiles tl.dot there to FMA loops, in float16
+# and bfloat16 alike (no mma.sync: perf/aot/sm75-sm70-*.csv), whose operands and accumulators
+# sit in registers: the sm80 tiles (64x64 w4) spill 3.4 KB in the forward at D = 64. From
+# `perf aot --arch 75 70 --configs` (fp16, causal; perf/aot/sm75-sm70-candidates-fp16-triton39.csv):
+# forward 32x32 w4 at D = 64 (221-247 registers), 16x32 w4 at D = 128 (219-254; 32x32 spills
+# 1.3 KB); dQ 32x32 w8 at D = 64 (222-244; 32x32 w4 spills 0.4-0.9 KB), 16x32 w8 at D = 128 (the
+# least: 268-528 B; every tile tried spills); dK/dV 16x16 w4 (0 spills at D = 64; every tile
+# tried spills at D = 128, 16x16 least: 0.8-1.5 KB). One stage: no cp.async to pipeline.
+_FMA_FWD = {64: make_config(32, 32, 4, 1), 128: make_config(16, 32, 4, 1), 256: make_config(16, 16, 4, 1)}
+_FMA_DQ = {64: make_config(32, 32, 8, 1), 128: make_config(16, 32, 8, 1), 256: make_config(16, 16, 4, 1)}
+FMA_DEFAULTS = {
+    **{(family, band): cfg for family in ("dilated_fwd", "block_sparse_fwd", "ring_step_fwd")
+       for band, cfg in _FMA_FWD.items()},
+    **{(family, band): cfg for family in ("dilated_bwd", "block_sparse_bwd", "ring_step_bwd")
+       for band, cfg in _FMA_DQ.items()},
+    **{(kernel, band): make_config(16, 16, 4, 1) for kernel in ("dilated_bwd_dkdv", "block_sparse_bwd_dkdv",
+                                                                "ring_step_bwd_dkdv") for band in (64, 128, 256)},
+}
+
+
 def _mid_smem(arch: Arch) -> bool:
     return not arch.warpgroup_mma and arch.async_copy and arch.shared_memory < 160 * 1024
+
+
+def _arch_defaults(arch: Arch) -> dict:
+    """The per-arch table of 16-bit defaults that replace the sm80/sm90 rule's where they
+    spill: MID_SMEM_DEFAULTS (sm86, sm89, sm120), CDNA_DEFAULTS (AMD), FMA_DEFAULTS (archs where
+    Triton's dots are FMA loops: sm70, sm75), else none."""
+    if arch.vendor == "amd":
+        return CDNA_DEFAULTS
+    if arch.mma == "fma":
+        return FMA_DEFAULTS
+    return MID_SMEM_DEFAULTS if _mid_smem(arch) else {}
 
 
 def is_backward(family: str) -> bool:
@@ -286,7 +350,8 @@ def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.d
     64x64 tiles, 4 warps (Hopper: HOPPER_FWD_DEFAULTS, else 4 warps up to D=64 and 8 up to
     D=128: no spills on sm80); backward kernels: BWD_DEFAULTS; D > 128: (HOPPER_)
     WIDE_HEAD_DEFAULTS; float32: small tiles; `kernel` (its AOT name): KERNEL_DEFAULTS where
-    it has an entry; on sm86/sm89/sm120, MID_SMEM_DEFAULTS first. Then fewer stages, then
+    it has an entry; on sm86/sm89/sm120, MID_SMEM_DEFAULTS first, on AMD CDNA_DEFAULTS, on
+    sm70/sm75 FMA_DEFAULTS. Then fewer stages, then
     smaller tiles, until the shared-memory estimate fits the arch. "Hopper" tiles: archs with
     warpgroup MMAs (Arch.warpgroup_mma), whatever their compute capability."""
     big_smem = arch.shared_memory >= 160 * 1024
@@ -296,7 +361,7 @@ def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.d
     backward = is_backward(family)
     band = 64 if head_dim_padded <= 64 else 128 if head_dim_padded <= 128 else 256
     own = KERNEL_DEFAULTS.get(kernel, {}).get((hopper, band))
-    mid = _mid_smem(arch) and MID_SMEM_DEFAULTS.get((kernel, band) if kernel in KERNEL_DEFAULTS else (family, band))
+    mid = _arch_defaults(arch).get((kernel, band) if kernel in KERNEL_DEFAULTS else (family, band))
     if mid and dtype != torch.float32:
         cfg = dict(mid)
     elif own is not None and dtype != torch.float32:
