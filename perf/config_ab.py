@@ -14,7 +14,9 @@ its tiles too, while the default row runs it with its own default (KERNEL_DEFAUL
 the dQ share from the breakdown stage. Each
 family's default is also timed with every other value of its kernel variant switches
 (configs.VARIANT_SWITCHES: the dilated FLAT_LOOP), and the block-sparse forward at the same
-length (BigBird layout, block 128) with its TMA switch, where the GPU has TMA.
+length (BigBird layout, block 128) with its TMA switch, where the GPU has TMA, and its
+WARP_SPEC switch (the full-block loop warp-specialized, on TMA loads) where Triton
+warp-specializes (hardware.ARCH_TABLE: sm100).
 Rows (results.COLUMNS) to --out as each (causal, pass) finishes:
 op "config_ab:<family>", metric ms and ratio_vs_default (default ms / candidate ms, paired
 rounds: > 1 means faster than the default), the config in `config`.

@@ -21,7 +21,8 @@
 #                        fwd, dQ, dK/dV, delta, rest (perf/kernel_breakdown.py -> kernel_breakdown.csv)
 #   4. configs (90 s)    config A/B of the dilated forward and backward at the key shape,
 #                        paired against the defaults, the kernel variant switches (dilated
-#                        FLAT_LOOP, block-sparse TMA) included (perf/config_ab.py -> config_ab.csv)
+#                        FLAT_LOOP, block-sparse TMA, and WARP_SPEC on sm100) included
+#                        (perf/config_ab.py -> config_ab.csv)
 #   5. flex (75 s)       block-sparse vs FlexAttention (compiled) and dense at 16K, ~90% sparsity
 #                        (perf/block_sparse_vs_flex.py -> block_sparse_vs_flex.csv)
 #   6. ringstep (25 s)   issue 4's one-GPU ring check (perf/ring_step_vs_dense.py -> ring_step_vs_dense.txt)

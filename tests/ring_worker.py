@@ -39,10 +39,25 @@ def loss_of(out, lse, g, gl, case):
     return (out * g).sum() + (fin * gl).sum() * case.get("lse_weight", 1.0)
 
 
+_GRIDS: dict = {}
+
+
+def grid_groups(world, U, rank):
+    """This rank's (Ulysses group, ring group) in a grid of U x (world // U) ranks, Ulysses
+    groups of consecutive ranks (rank = r * U + u). Every rank creates every group, in the
+    same order, the first time a grid is asked for."""
+    if (world, U) not in _GRIDS:
+        _GRIDS[(world, U)] = ([dist.new_group(list(range(r * U, (r + 1) * U))) for r in range(world // U)],
+                              [dist.new_group(list(range(u, world, U))) for u in range(U)])
+    ulysses, rings = _GRIDS[(world, U)]
+    return ulysses[rank // U], rings[rank % U]
+
+
 def run_case(case, rank, world):
-    """This rank's ring results: out, lse, dq, dk, dv of its shard (numpy, so the queue
-    carries them by value), the loss summed over ranks, the peak key/value bytes held."""
-    from triton_dilated import ring_attention, shard
+    """This rank's ring results (ulysses_attention's with case["fn"] == "ulysses"): out,
+    lse, dq, dk, dv of its shard (numpy, so the queue carries them by value), the loss
+    summed over ranks, the peak key/value bytes held."""
+    from triton_dilated import ring_attention, shard, ulysses_attention
     from triton_dilated.ops.ring import interface as ring_mod
     q, k, v, g, gl = make_inputs(case)
     bal = case.get("balance", "contiguous")
@@ -54,7 +69,14 @@ def run_case(case, rank, world):
                   offsets=case.get("offsets", "modulo"))
     elif case["kind"] == "layout":
         kw.update(layout=case_layout(case))
-    out, lse = ring_attention(ql, kl, vl, **kw)
+    if case.get("fn") == "ulysses":
+        del kw["comm"]
+        out, lse = ulysses_attention(ql, kl, vl, backend=case.get("backend", "auto"), **kw)
+    elif case.get("fn") == "usp":   # 2-D: shard rank = r * U + u of the grid, as the groups number them
+        ulysses, ring = grid_groups(world, case["U"], rank)
+        out, lse = ulysses_attention(ql, kl, vl, group=ulysses, ring_group=ring, **kw)
+    else:
+        out, lse = ring_attention(ql, kl, vl, **kw)
     gll = shard(gl.transpose(1, 2), rank, world, bal).transpose(1, 2)
     loss = loss_of(out, lse, loc(g), gll, case)
     grads = torch.autograd.grad(loss, (ql, kl, vl))
@@ -127,6 +149,44 @@ def empty_batch_worker(rank, world, init_file, queue, interpret):
             grads = torch.autograd.grad((out.sum() + lse.sum()), (q, k, v), allow_unused=True)
             shapes.append((tuple(out.shape), tuple(lse.shape), [None if g is None else tuple(g.shape) for g in grads]))
         queue.put((rank, "ok", shapes))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def ulysses_errors_worker(rank, world, init_file, queue, U=None):
+    """ulysses_attention with arguments that differ across ranks or that no world size can
+    split: the error each rank raised (type and message), in order. With U: on a grid of
+    U x (world // U) ranks (2-D), arguments that differ on the last rank only."""
+    try:
+        from triton_dilated import ulysses_attention
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        x, kv = torch.zeros(1, 8, 4, 8), torch.zeros(1, 8, 2, 8)
+        if U is not None:
+            ulysses, ring = grid_groups(world, U, rank)
+            last = rank == world - 1
+            grid = dict(group=ulysses, ring_group=ring)
+            calls = [lambda: ulysses_attention(x, kv, kv, causal=last, **grid),
+                     lambda: ulysses_attention(x, kv, kv, comm="allgather" if last else "p2p", **grid),
+                     lambda: ulysses_attention(x, kv, kv, scale=float("nan") if last else None, **grid),
+                     lambda: ulysses_attention(x, kv, kv, **grid)]                          # all agree: runs
+        else:
+            calls = [lambda: ulysses_attention(x, kv, kv, causal=rank == 1),                 # flags differ
+                     lambda: ulysses_attention(x, kv, kv, segment_lengths=[4, 8 + 4 * rank], dilation_rates=[1, 2]),
+                     lambda: ulysses_attention(x[:, :, :3], kv[:, :, :1], kv[:, :, :1]),      # 3 heads, 2 ranks
+                     lambda: ulysses_attention(x, kv, kv, scale=float("nan") if rank == 0 else None),  # invalid
+                     lambda: ulysses_attention(torch.zeros(1, 8, 6, 8), torch.zeros(1, 8, 3, 8),
+                                               torch.zeros(1, 8, 3, 8))]                     # kv heads vs world
+        errors = []
+        for call in calls:
+            try:
+                call()
+                errors.append(None)
+            except (ValueError, TypeError) as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        queue.put((rank, "ok", errors))
         dist.barrier()
         dist.destroy_process_group()
     except Exception:

@@ -235,6 +235,27 @@ def test_block_sparse_forward_tma_variant_on_sm90(tmp_path):
     assert not bad, "\n".join(bad)
 
 
+@needs_ptxas
+def test_block_sparse_forward_warp_specialized_on_sm100(tmp_path):
+    """block_sparse_fwd_ws (WARP_SPEC = 1 on the sm100 default tiles, K/V by TMA): Triton
+    splits the full-block loop into partitions beside the default one (TTGIR
+    ttg.warp_specialize), each warp group with its register budget (setmaxnreg in the PTX),
+    on tcgen05 MMAs and TMA copies, with no register spill, at D = 64 and 128 (causal)."""
+    out = tmp_path / "ws.csv"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", "100", "--head-dims", "64",
+                           "128", "--causal", "yes", "--kernels", "block_sparse_fwd_ws", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert {r["D"] for r in rows} == {"64", "128"}
+    bad = [r for r in rows if r["error"] or not (int(r["ws_partitions"]) >= 2 and int(r["setmaxnreg"]) > 0
+                                                 and int(r["tcgen05"]) > 0 and int(r["cp_async_bulk"]) > 0
+                                                 and r["spill_stores"] == "0")]
+    assert not bad, bad
+
+
 def test_sm90_16bit_defaults_never_put_8_warps_on_64_rows():
     """The config rule itself (no compile): on sm90 every 16-bit default with 8 warps has
     128-row tiles, and every forward default at D <= 128 has BLOCK_M >= 16 x num_warps."""
@@ -282,8 +303,14 @@ def test_ptx_counts_checked_example():
         "%4 = tt.expand_dims %m : tensor<64x1xf32, #mma>",
     ])
     got = ptx_counts(ptx, ttgir)
-    assert got == dict(wgmma=3, mma_sync=1, cp_async=2, cp_async_bulk=1, tcgen05=0, pipeline_depth=3, mma_replicated=1,
-                       wgmma_shapes="m64n64k16:2 m64n128k16:1", mma_layouts="v3[4,1]n128 v3[8,1]n32")
+    assert got == dict(wgmma=3, mma_sync=1, cp_async=2, cp_async_bulk=1, tcgen05=0, ws_partitions=0, setmaxnreg=0,
+                       pipeline_depth=3, mma_replicated=1, wgmma_shapes="m64n64k16:2 m64n128k16:1",
+                       mma_layouts="v3[4,1]n128 v3[8,1]n32")
+    # warp specialization: the partitions of ttg.warp_specialize, each warp group's setmaxnreg
+    ws_ttgir = "%0:3 = ttg.warp_specialize(%a, %b)\n    default {\n    partition0(%x: i32) num_warps(1) {\n" \
+               "    partition1(%x: i32) num_warps(4) {\n"
+    ws_ptx = "\tsetmaxnreg.dec.sync.aligned.u32 \t88;\n\t@%p1 setmaxnreg.inc.sync.aligned.u32 \t256;\n// setmaxnreg.dec"
+    assert (ptx_counts(ws_ptx, ws_ttgir)["ws_partitions"], ptx_counts(ws_ptx, ws_ttgir)["setmaxnreg"]) == (2, 2)
     four_warps = ttgir.replace("warpsPerCTA = [8, 1], instrShape = [16, 32", "warpsPerCTA = [4, 1], instrShape = [16, 64")
     assert ptx_counts(ptx, four_warps)["mma_replicated"] == 0
     assert ptx_counts("", "")["pipeline_depth"] == 0

@@ -185,3 +185,56 @@ def test_bad_tma_switch_is_a_value_error(value):
     with pytest.raises(ValueError, match=r"config\['TMA'\] of block_sparse_fwd: expected one of \[0, 1\], got "
                        + repr(value).replace(".", r"\.")):
         _forward(q, k, v, layout, False, dict(INTERPRETER_CONFIG, TMA=value))
+
+
+# WARP_SPEC (issue 20 item 4): the full-block loop as tl.range(..., warp_specialize=True), on
+# the descriptor loads (Triton partitions only those). The interpreter runs it as a plain loop
+# (what the compiler makes of it is checked by `perf aot`: tests/test_aot.py).
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", CASES[:2] + CASES[3:], ids=lambda c: "N{}-bs{}-h{}x{}-d{}-{}x{}".format(*c))
+def test_warp_spec_matches_oracle_and_pointer_path(case, causal, descriptors):
+    """WARP_SPEC = 1 (with TMA = 0 in the config) reads K and V through descriptors, matches
+    the float64 oracle and gives the pointer path's bits; WARP_SPEC = 0 is the TMA = 0 path."""
+    N, bs, Hq, Hkv, D, bm, bn = case
+    nb = -(-N // bs)
+    mask = torch.rand(1, Hq, nb, nb, generator=torch.Generator().manual_seed(N + 1)) < 0.6
+    mask[..., 0] = True
+    layout = BlockLayout.from_dense(mask, bs).to(DEVICE)
+    q, k, v = _qkv(1, N, Hq, Hkv, D, torch.float16, seed=7)
+    cfg = dict(INTERPRETER_CONFIG, BLOCK_M=bm, BLOCK_N=bn)
+    counts = element_mask(layout, N, causal).double()
+
+    def warp_spec(q, k, v):
+        out, row_max, row_sum = _forward(q, k, v, layout, causal, {**cfg, "WARP_SPEC": 1})
+        return out, lse_from_stats(row_max, row_sum)
+    check_against_oracle(warp_spec, lambda q, k, v: block_sparse_attention_naive(q, k, v, layout, causal=causal),
+                         lambda q, k, v: dense_reference(q, k, v, counts), (q, k, v), grads=False, counts=counts)
+    ws_on = _forward(q, k, v, layout, causal, {**cfg, "WARP_SPEC": 1})
+    assert len(descriptors) == (2 if _tma_expected(DEVICE) else 0)
+    ws_off = _forward(q, k, v, layout, causal, {**cfg, "WARP_SPEC": 0})
+    assert len(descriptors) == (2 if _tma_expected(DEVICE) else 0)   # WARP_SPEC = 0, TMA = 0: pointer loads
+    for name, a, b in zip(("out", "row_max", "row_sum"), ws_on, ws_off):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90", "sm100", "sm120", "gfx942", "gfx950"])
+def test_warp_spec_switch_only_where_triton_partitions(arch):
+    """The switch exists on the archs whose table row says Triton warp-specializes there
+    (sm100): there the GPU check's config A/B and `perf tune` time it; elsewhere they do not
+    propose it (and the launcher ignores it)."""
+    from triton_dilated import configs
+    fake = fake_arch(arch)
+    assert configs.VARIANT_SWITCHES["block_sparse_fwd"]["WARP_SPEC"].available(fake) is (arch == "sm100")
+    default = configs.default_config("block_sparse_fwd", 128, fake, torch.bfloat16)
+    proposed = [c for c in configs.switch_alternatives("block_sparse_fwd", default, fake) if c.get("WARP_SPEC")]
+    assert proposed == ([{**default, "WARP_SPEC": 1}] if arch == "sm100" else [])
+
+
+@pytest.mark.parametrize("value", [2, "1", True, None])
+def test_bad_warp_spec_switch_is_a_value_error(value):
+    q, k, v = _qkv(1, 32, 1, 1, 16, torch.float32)
+    layout = BlockLayout.from_dense(torch.ones(1, 1, dtype=torch.bool), 32).to(DEVICE)
+    with pytest.raises(ValueError, match=r"config\['WARP_SPEC'\] of block_sparse_fwd: expected one of \[0, 1\], got "
+                       + repr(value)):
+        _forward(q, k, v, layout, False, dict(INTERPRETER_CONFIG, WARP_SPEC=value))

@@ -5,10 +5,10 @@ from . import layouts
 from .modules import BlockSparseAttention, DilatedAttention, MultiheadDilatedAttention
 from .ops.block_sparse import BlockLayout, block_sparse_attention, block_sparse_attention_naive, block_sparse_attention_op
 from .ops.dilated import DilatedKVCache, dilated_attention, dilated_attention_naive, dilated_attention_op
-from .ops.ring import ring_attention, shard, unshard
+from .ops.ring import ring_attention, shard, ulysses_attention, unshard
 
 __all__ = ["dilated_attention", "dilated_attention_naive", "block_sparse_attention", "block_sparse_attention_naive",
-           "BlockLayout", "layouts", "ring_attention", "shard", "unshard", "DilatedAttention",
+           "BlockLayout", "layouts", "ring_attention", "ulysses_attention", "shard", "unshard", "DilatedAttention",
            "MultiheadDilatedAttention", "BlockSparseAttention", "dilated_attention_op", "block_sparse_attention_op",
            "DilatedKVCache"]
 __version__ = "0.1.0"

@@ -56,10 +56,16 @@ class Switch:
 #   two flat loops (unmasked, then masked); 0 runs one pair of loops per pattern.
 # * TMA (block-sparse forward, archs with TMA: sm90, sm100, sm120): 1 loads the K/V blocks
 #   through tensor descriptors (cp.async.bulk.tensor); 0 with pointer loads (cp.async).
+# * WARP_SPEC (block-sparse forward, archs where Triton warp-specializes: sm100): 1 marks the
+#   full-block loop tl.range(..., warp_specialize=True) and reads K/V through tensor
+#   descriptors as TMA = 1 does (Triton 3.9 puts only descriptor loads in a load partition: a
+#   loop of pointer loads, the dilated forward's strided rows, compiles unpartitioned), so the
+#   compiler splits it into TMA-load, MMA and softmax warp groups (setmaxnreg in the PTX).
 VARIANT_SWITCHES = {
     "dilated_fwd": {"FLAT_LOOP": Switch((1, 0))},
     "dilated_bwd": {"FLAT_LOOP": Switch((1, 0))},
-    "block_sparse_fwd": {"TMA": Switch((0, 1), requires="tma")},
+    "block_sparse_fwd": {"TMA": Switch((0, 1), requires="tma"),
+                         "WARP_SPEC": Switch((0, 1), requires="warp_specialize")},
 }
 
 

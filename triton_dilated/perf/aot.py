@@ -15,6 +15,9 @@ TTGIR, what the compiler made of the loops (docs/internals.md, "Reading the comp
   instr N columns per warp along N): then several warps compute the same elements (8 warps
   on a 64-row wgmma tile: two warpgroups compute the same S);
 * tcgen05: datacenter Blackwell's MMA instructions (sm100) in the PTX;
+* ws_partitions, setmaxnreg: warp specialization (config WARP_SPEC = 1): the partitions
+  beside the default one in the TTGIR's ttg.warp_specialize (load, MMA, ... warp groups) and
+  the setmaxnreg instructions that give each its register budget in the PTX (0, 0: none);
 * AMD (gfx942, gfx950: Triton's HIP backend, no ptxas): registers = VGPRs, spill columns =
   4 B per VGPR spilled to scratch memory, scratch_bytes = the private segment, sgpr_spills =
   SGPRs kept in VGPR lanes (no memory traffic), mfma = MFMA
@@ -48,12 +51,14 @@ from ..ops.common.hardware import ARCH_TABLE, arch_facts, padded_head_dim
 
 KERNELS = kernel_specs()   # name -> KernelSpec, from the variants' spec.py
 # Experimental variants of a kernel, compiled only when named (--kernels): AOT name -> (the
-# kernel, the config keys the variant sets). TMA = 1: K and V through tensor descriptors.
-VARIANTS = {"block_sparse_fwd_tma": ("block_sparse_fwd", {"TMA": 1})}
+# kernel, the config keys the variant sets). TMA = 1: K and V through tensor descriptors;
+# WARP_SPEC = 1 (with TMA): the block-sparse forward's main loop warp-specialized by the compiler.
+VARIANTS = {"block_sparse_fwd_tma": ("block_sparse_fwd", {"TMA": 1}),
+            "block_sparse_fwd_ws": ("block_sparse_fwd", {"TMA": 1, "WARP_SPEC": 1})}
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
           "spill_stores", "spill_loads", "shared_bytes", "wgmma", "mma_sync", "cp_async", "cp_async_bulk",
-          "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "tcgen05", "mfma", "scratch_bytes",
-          "sgpr_spills", "occupancy", "compile_s", "error"]
+          "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "tcgen05", "ws_partitions", "setmaxnreg",
+          "mfma", "scratch_bytes", "sgpr_spills", "occupancy", "compile_s", "error"]
 # opt-in shared memory bytes per block, from the architecture table
 _SMEM = {int(name[2:]): facts.shared_memory for name, facts in ARCH_TABLE.items() if name.startswith("sm")}
 # Triton 3.9 warns once per process when TRITON_DEFAULT_FP_FUSION is unset (its default changes in 3.10): each
@@ -90,7 +95,7 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
     tma = cfg.get("TMA", 0)
     constexprs = dict(HEAD_DIM=D, BLOCK_D=padded_head_dim(D), CAUSAL=causal,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=False,
-                      PRECISION=_precision(dtype, amd), TMA=bool(tma))
+                      PRECISION=_precision(dtype, amd), TMA=bool(tma), WARP_SPEC=bool(cfg.get("WARP_SPEC", 0)))
     for variant in SPECS:
         if spec in variant.kernels:
             constexprs.update(variant.aot_constexprs)
@@ -131,6 +136,8 @@ _MMA_SYNC = re.compile(r"^\s*(?:@!?%\w+\s+)?mma\.sync\.", re.M)
 _CP_ASYNC = re.compile(r"^\s*(?:@!?%\w+\s+)?cp\.async\.c[ag]\.", re.M)        # cp.async.ca / .cg: one copy
 _CP_BULK = re.compile(r"^\s*(?:@!?%\w+\s+)?cp\.async\.bulk\.", re.M)          # TMA
 _TCGEN05 = re.compile(r"^\s*(?:@!?%\w+\s+)?tcgen05\.mma\b", re.M)             # datacenter Blackwell MMAs
+_SETMAXNREG = re.compile(r"^\s*(?:@!?%\w+\s+)?setmaxnreg\.", re.M)             # a warp group's register budget
+_WS_PARTITION = re.compile(r"^\s*partition\d+\(", re.M)                        # TTGIR: ttg.warp_specialize regions
 # AMDGCN: MFMA instructions and the kernel metadata of the AMD backend
 _MFMA = re.compile(r"^\s*v_mfma_", re.M)
 _AMD_META = {key: re.compile(rf"\.{key}:\s+(\d+)") for key in
@@ -160,6 +167,7 @@ def ptx_counts(ptx: str, ttgir: str = "") -> dict:
             replicated = True
     return dict(wgmma=len(shapes), mma_sync=len(_MMA_SYNC.findall(ptx)), cp_async=len(_CP_ASYNC.findall(ptx)),
                 tcgen05=len(_TCGEN05.findall(ptx)),
+                ws_partitions=len(_WS_PARTITION.findall(ttgir)), setmaxnreg=len(_SETMAXNREG.findall(ptx)),
                 cp_async_bulk=len(_CP_BULK.findall(ptx)),
                 pipeline_depth=max((int(n) for n in _BUFFERS.findall(ttgir)), default=0),
                 mma_replicated=int(replicated),
@@ -262,6 +270,8 @@ def _summary(row: dict) -> str:
                        f"{row['sgpr_spills']}, occupancy {row['occupancy']}")
     return text + (f"wgmma {row['wgmma']}{' (replicated tiles)' if row['mma_replicated'] else ''}, "
                    + (f"tcgen05 {row['tcgen05']}, " if row["tcgen05"] else "")
+                   + (f"warp-specialized: {row['ws_partitions']} partitions, setmaxnreg {row['setmaxnreg']}, "
+                      if row["ws_partitions"] else "")
                    + f"mma.sync {row['mma_sync']}, cp.async {row['cp_async']}, pipeline depth {row['pipeline_depth']}")
 
 

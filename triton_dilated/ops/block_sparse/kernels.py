@@ -19,7 +19,10 @@ Experimental (issue 12): a forward config with "TMA": 1 reads the K and V sub-ti
 host-side tensor descriptors (TMA copies on sm90) instead of pointer loads, with the same
 loops and the same bits; `perf tune` is to time it against "TMA": 0 (the default). Where
 TMA cannot read the inputs (before sm90, misaligned strides or base: tma_usable) the
-launcher uses the pointer loads.
+launcher uses the pointer loads. "WARP_SPEC": 1 (issue 20; archs where Triton
+warp-specializes, sm100) also marks the full-block loop tl.range(..., warp_specialize=True)
+on those descriptor loads: the compiler splits it into TMA-load, MMA and softmax warp groups
+(`perf aot --kernels block_sparse_fwd_ws`: columns ws_partitions, setmaxnreg).
 
 Work: 4*D*(active pairs) forward FLOPs; K/V bytes move once per (query tile, active
 block), Q and O once.
@@ -85,7 +88,7 @@ def _block_sparse_fwd_kernel(
         N, HQ, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-        TMA: tl.constexpr):
+        TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -112,7 +115,9 @@ def _block_sparse_fwd_kernel(
     # the full blocks (no element mask), as one flat loop of BLOCK_N sub-tiles with
     # unconditional loads: the compiler software-pipelines it
     subs = BLOCK_SIZE // BLOCK_N   # sub-tiles of a block
-    for it in range(0, n_full * subs):
+    # WARP_SPEC (with TMA): the compiler splits this loop into TMA-load, MMA and softmax
+    # partitions (warp groups with their own register budgets, setmaxnreg)
+    for it in tl.range(0, n_full * subs, warp_specialize=WARP_SPEC):
         n0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_N
         if TMA:
             k, v, mask = _tma_key_block(K_DESC, V_DESC, b, kvh, n0, BLOCK_N, rows, row_ok, CAUSAL, False, BLOCK_N,
@@ -371,8 +376,12 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
     block_d = padded_head_dim(D)
     cfg = config or select_config("block_sparse_fwd", q.dtype, block_d, N, q.device)
     bm, bn = _tiles(cfg, layout.block_size)
-    # TMA = 1 where the inputs allow it (tma_usable), else the pointer loads
-    tma = switch_value("block_sparse_fwd", cfg, "TMA") and tma_usable(k, bn, block_d) and tma_usable(v, bn, block_d)
+    # TMA = 1 where the inputs allow it (tma_usable), else the pointer loads; WARP_SPEC = 1 needs
+    # the descriptor loads (and an arch where Triton warp-specializes: elsewhere it is ignored)
+    warp_spec = switch_value("block_sparse_fwd", cfg, "WARP_SPEC") and (
+        q.device.type != "cuda" or VARIANT_SWITCHES["block_sparse_fwd"]["WARP_SPEC"].available(device_arch(q.device)))
+    tma = ((switch_value("block_sparse_fwd", cfg, "TMA") or warp_spec) and tma_usable(k, bn, block_d)
+           and tma_usable(v, bn, block_d))
     k_desc, v_desc = _kv_descriptors(k, v, bn, block_d) if tma else (None, None)
     out = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
     row_max = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
@@ -385,7 +394,8 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
         KV_END=end, KV_INDEX=index,
         **_strides(q=q, k=k, v=v), **lists, N=N, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
-        DOT_FP32=dot_fp32, PRECISION=precision, TMA=bool(tma), num_warps=cfg.get("num_warps", 4),
+        DOT_FP32=dot_fp32, PRECISION=precision, TMA=bool(tma), WARP_SPEC=bool(warp_spec and tma),
+        num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2))
     return out, row_max, row_sum
 

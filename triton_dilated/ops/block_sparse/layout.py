@@ -221,6 +221,15 @@ class BlockLayout:
             raise ValueError(f"{name} is laid out for (B, H) = ({b}, {h}), which does not broadcast to "
                              f"the call's ({batch}, {heads}); use 1 or the exact size")
 
+    def heads(self, start: int, stop: int) -> "BlockLayout":
+        """The layout of query heads [start, stop) (itself when laid out for one head row,
+        which broadcasts): what a rank holding those heads computes (Ulysses)."""
+        if self.kv_num_blocks.shape[1] == 1:
+            return self
+        pick = lambda t: t[:, start:stop].contiguous()  # noqa: E731
+        return BlockLayout.from_canonical_lists(pick(self.kv_num_blocks), pick(self.kv_indices),
+                                                pick(self.q_num_blocks), pick(self.q_indices), self.block_size)
+
     def to(self, device) -> "BlockLayout":
         out = object.__new__(BlockLayout)
         out.__dict__.update({k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})

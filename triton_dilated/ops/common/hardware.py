@@ -30,6 +30,9 @@ class ArchFacts:
     async_copy: bool      # cp.async global -> shared copies (Ampere on): Triton's software pipelining
     tf32: bool            # float32 dots on tensor cores (the kernels' float32 path needs it)
     example: str = ""     # cards of this architecture, for messages and the README
+    warp_specialize: bool = False   # Triton's automatic warp specialization (tl.range(..., warp_specialize=True))
+    #                       splits a loop into load/MMA/softmax partitions here: sm100 with Triton 3.9 (sm90:
+    #                       the block-sparse forward compiles unpartitioned; it partitions descriptor loads only)
 
 
 # One row per architecture the library knows; `perf aot` compiles for the NVIDIA rows and the
@@ -42,7 +45,7 @@ ARCH_TABLE = {
     "sm86": ArchFacts("nvidia", "mma.sync", 99 * KIB, 32, False, True, True, "RTX 30, A10, A40"),
     "sm89": ArchFacts("nvidia", "mma.sync", 99 * KIB, 32, False, True, True, "RTX 40, L4, L40S"),
     "sm90": ArchFacts("nvidia", "wgmma", 227 * KIB, 32, True, True, True, "H100, H200, GH200"),
-    "sm100": ArchFacts("nvidia", "tcgen05", 227 * KIB, 32, True, True, True, "B200, GB200"),
+    "sm100": ArchFacts("nvidia", "tcgen05", 227 * KIB, 32, True, True, True, "B200, GB200", warp_specialize=True),
     "sm120": ArchFacts("nvidia", "mma.sync", 99 * KIB, 32, True, True, True, "RTX 50, RTX PRO 6000"),
     "gfx942": ArchFacts("amd", "mfma", 64 * KIB, 64, False, False, False, "MI300X, MI300A, MI325X"),
     "gfx950": ArchFacts("amd", "mfma", 160 * KIB, 64, False, False, False, "MI350X, MI355X"),
@@ -97,6 +100,7 @@ class Arch:
     tma = property(lambda self: self.facts.tma)
     async_copy = property(lambda self: self.facts.async_copy)
     tf32 = property(lambda self: self.facts.tf32)
+    warp_specialize = property(lambda self: self.facts.warp_specialize)
     warpgroup_mma = property(lambda self: self.facts.mma in WARPGROUP_MMA)
 
 

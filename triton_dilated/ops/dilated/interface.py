@@ -28,7 +28,7 @@ from ..common.runtime import empty_result, last_dim_contiguous, portable_compute
 from ..common.query_offset import run_with_query_offset
 from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale
 from .decode import dilated_decode
-from .patterns import check_patterns, fit_patterns, head_offsets, warn_if_heads_first
+from .patterns import check_head_slice, check_patterns, fit_patterns, head_table, warn_if_heads_first
 from .plan import QueryWindow
 from .portable import dilated_attention_torch
 
@@ -40,14 +40,16 @@ _decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports trito
 
 
 def _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
-                allow_shorter_q=False):
-    """Validation shared by dilated_attention and dilated_attention_op: (patterns, scale)."""
+                allow_shorter_q=False, head_offset=0, total_heads=None):
+    """Validation shared by dilated_attention and dilated_attention_op: (patterns, scale,
+    (head_offset, total_heads))."""
     check_qkv(q, k, v, allow_shorter_q=allow_shorter_q)
     patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
     check_flags(causal=causal, return_lse=return_lse)
-    warn_if_heads_first(patterns, k.shape[1], q.shape[2])
-    patterns = fit_patterns(patterns, k.shape[1], q.shape[2])   # w >= N is one segment: clamped to N
-    return patterns, check_scale(scale, q.shape[-1])
+    heads = check_head_slice(head_offset, total_heads, q.shape[2], k.shape[2])
+    warn_if_heads_first(patterns, k.shape[1], heads[1])
+    patterns = fit_patterns(patterns, k.shape[1], heads[1])   # w >= N is one segment: clamped to N
+    return patterns, check_scale(scale, q.shape[-1]), heads
 
 
 # ----------------------------------------------------------------------------- eager autograd
@@ -79,7 +81,7 @@ class _DilatedAttentionFn(torch.autograd.Function):
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
                       mode="longnet", offsets="modulo", return_lse=False, backend="auto", cu_seqlens=None,
-                      cache_seqlens=None):
+                      cache_seqlens=None, head_offset=0, total_heads=None):
     """LongNet dilated attention (arXiv 2307.02486 §2.2-2.4), exact, forward and backward.
 
     Args:
@@ -113,25 +115,32 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
             row, queries included (query i of row b at position cache_seqlens[b] - Nq + i;
             rows from cache_seqlens[b] on are ignored). Unlike flash-attn's argument of the
             same name, which counts the cache *before* the new tokens, this counts them too.
+        head_offset, total_heads: q's heads are the query heads [head_offset, head_offset +
+            Hq) of a call with total_heads query heads (default: q's own); the per-head
+            offsets and head groups follow the global index, so the result equals that head
+            slice of the full call (Ulysses sequence parallelism computes one per rank).
+            With GQA both must be multiples of Hq // Hkv.
 
     Returns:
         out (B, N, Hq, D) like q, contiguous; with return_lse, (out, lse). A query with no
         key in any of its patterns gets 0 and lse = -inf.
     """
-    patterns, scale = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
-                                  allow_shorter_q=True)
+    patterns, scale, heads = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
+                                         return_lse, allow_shorter_q=True, head_offset=head_offset,
+                                         total_heads=total_heads)
     B, N, Hq, D = q.shape
+    table = head_table(Hq, patterns, mode, offsets, *heads)
     lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1], cu_seqlens)
     if lengths is not None or k.shape[1] != N:
         path = decode_path(backend, q, k, v, CONFIG_FAMILIES[:1])
         if path is not None:
-            out, lse = _decode(q, k, v, patterns, head_offsets(Hq, patterns, mode, offsets), lengths, cache_seqlens,
-                               causal=causal, scale=scale, path=path)
+            out, lse = _decode(q, k, v, patterns, table, lengths, cache_seqlens, causal=causal, scale=scale,
+                               path=path)
             return (out, lse) if return_lse else out
 
         def call(qq, kk, vv, rows, n):
             return _padded_call(qq, kk, vv, n - N, patterns, segment_lengths, dilation_rates, causal=causal,
-                                scale=scale, mode=mode, offsets=offsets, backend=backend)
+                                scale=scale, mode=mode, offsets=offsets, backend=backend, heads=heads)
 
         out, lse = run_with_query_offset(call, q, k, v, lengths)   # N = Nq: the rows kept
         return (out, lse) if return_lse else out
@@ -141,8 +150,8 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
     if torch.compiler.is_compiling() and doc_bounds is None:
         return dilated_attention_op(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
-                                    offsets=offsets, return_lse=return_lse, backend=backend)
-    table = head_offsets(Hq, patterns, mode, offsets)
+                                    offsets=offsets, return_lse=return_lse, backend=backend, head_offset=heads[0],
+                                    total_heads=heads[1])
 
     if B == 0 or N == 0:
         return empty_result(q, k, v, return_lse)
@@ -153,7 +162,7 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
 
 
 def _padded_call(q, k, v, first_query_row, patterns, segment_lengths, dilation_rates, *, causal, scale, mode,
-                 offsets, backend):
+                 offsets, backend, heads=(0, None)):
     """(out, lse) of the full-sequence call on q padded with first_query_row zero rows in
     front (common/query_offset.py), of which only the rows from first_query_row on are kept.
     The Triton path plans only the work those rows need (plan.QueryWindow): forward and dQ
@@ -162,11 +171,13 @@ def _padded_call(q, k, v, first_query_row, patterns, segment_lengths, dilation_r
     B, N, Hq, D = q.shape
     if B and N and not torch.compiler.is_compiling() and \
             resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype) == "triton":
-        patterns = fit_patterns(patterns, N, Hq)
-        return dilated_attention_table(q, k, v, patterns, head_offsets(Hq, patterns, mode, offsets), causal=causal,
-                                       scale=scale, backend="triton", doc_bounds=QueryWindow(None, first_query_row))
+        patterns = fit_patterns(patterns, N, heads[1] or Hq)
+        return dilated_attention_table(q, k, v, patterns, head_table(Hq, patterns, mode, offsets, *heads),
+                                       causal=causal, scale=scale, backend="triton",
+                                       doc_bounds=QueryWindow(None, first_query_row))
     return dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
-                             offsets=offsets, return_lse=True, backend=backend)
+                             offsets=offsets, return_lse=True, backend=backend, head_offset=heads[0],
+                             total_heads=heads[1])
 
 
 def _decode(q, k, v, patterns, table, lengths, cache_seqlens, *, causal, scale, path):
@@ -211,18 +222,21 @@ def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse
 # the portable path). Double backward is not supported (the backward op has no autograd
 # formula).
 
-def _patterns_table(num_heads, segment_lengths, dilation_rates, mode, offsets):
+def _patterns_table(num_heads, segment_lengths, dilation_rates, mode, offsets, head_offset=0, total_heads=-1):
+    """total_heads -1: q's head count (the op schema has no Optional default for ints)."""
     patterns = tuple(zip((int(w) for w in segment_lengths), (int(r) for r in dilation_rates)))
-    return patterns, head_offsets(num_heads, patterns, mode, offsets)
+    total = num_heads if total_heads < 0 else total_heads
+    return patterns, head_table(num_heads, patterns, mode, offsets, head_offset, total)
 
 
 @torch.library.custom_op("triton_dilated::dilated_fwd", mutates_args=())
 def _dilated_fwd(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int], dilation_rates: List[int],
                  causal: bool, scale: float, mode: str, offsets: str, need_lse: bool,
-                 path: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                 path: str, head_offset: int = 0, total_heads: int = -1) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, row_max, row_sum)."""
     check_path(path)
-    patterns, table = _patterns_table(q.shape[2], segment_lengths, dilation_rates, mode, offsets)
+    patterns, table = _patterns_table(q.shape[2], segment_lengths, dilation_rates, mode, offsets, head_offset,
+                                      total_heads)
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         out, row_max, row_sum = _kernels().dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale)
@@ -235,7 +249,8 @@ def _dilated_fwd(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int], di
 
 
 @_dilated_fwd.register_fake
-def _(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, need_lse, path):
+def _(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, need_lse, path, head_offset=0,
+      total_heads=-1):
     B, N, Hq, D = q.shape
     out = q.new_empty((B, N, Hq, D))
     stats = N if path == "triton" else 0
@@ -246,10 +261,12 @@ def _(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, ne
 @torch.library.custom_op("triton_dilated::dilated_bwd", mutates_args=())
 def _dilated_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                  row_max: Tensor, row_sum: Tensor, segment_lengths: List[int], dilation_rates: List[int],
-                 causal: bool, scale: float, mode: str, offsets: str, path: str) -> Tuple[Tensor, Tensor, Tensor]:
+                 causal: bool, scale: float, mode: str, offsets: str, path: str, head_offset: int = 0,
+                 total_heads: int = -1) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous. dlse: None, or float32 (B, Hq, N)."""
     check_path(path)
-    patterns, table = _patterns_table(q.shape[2], segment_lengths, dilation_rates, mode, offsets)
+    patterns, table = _patterns_table(q.shape[2], segment_lengths, dilation_rates, mode, offsets, head_offset,
+                                      total_heads)
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         dq, dk, dv = _kernels().dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table,
@@ -268,44 +285,45 @@ def _dilated_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Te
 
 @_dilated_bwd.register_fake
 def _(do, dlse, q, k, v, out, row_max, row_sum, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-      path):
+      path, head_offset=0, total_heads=-1):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _dilated_setup(ctx, inputs, output):
-    q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, need_lse, path = inputs
+    q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, need_lse, path, *heads = inputs
     out, lse, row_max, row_sum = output
     ctx.save_for_backward(q, k, v, out, row_max, row_sum)
     ctx.mark_non_differentiable(row_max, row_sum)
-    ctx.args = (list(segment_lengths), list(dilation_rates), causal, scale, mode, offsets, path)
+    ctx.args = (list(segment_lengths), list(dilation_rates), causal, scale, mode, offsets, path, *heads)
     ctx.lse_len = lse.shape[-1]
     ctx.need_lse = need_lse
 
 
 def _dilated_backward(ctx, do, dlse, _dmax, _dsum):
     q, k, v, out, row_max, row_sum = ctx.saved_tensors
-    segment_lengths, dilation_rates, causal, scale, mode, offsets, path = ctx.args
+    segment_lengths, dilation_rates, causal, scale, mode, offsets, path, *heads = ctx.args
     if do is None:
         do = torch.zeros_like(out)
     if dlse is not None and (not ctx.need_lse or ctx.lse_len == 0):
         dlse = None   # the caller never saw lse: its gradient is the materialised zero
     dq, dk, dv = _dilated_bwd(do, dlse, q, k, v, out, row_max, row_sum, segment_lengths, dilation_rates,
-                              causal, scale, mode, offsets, path)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                              causal, scale, mode, offsets, path, *heads)
+    return (dq, dk, dv) + (None,) * (len(ctx.args) + 1)
 
 
 _dilated_fwd.register_autograd(_dilated_backward, setup_context=_dilated_setup)
 
 
 def dilated_attention_op(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, mode="longnet",
-                         offsets="modulo", return_lse=False, backend="auto"):
+                         offsets="modulo", return_lse=False, backend="auto", head_offset=0, total_heads=None):
     """`dilated_attention` through the `triton_dilated::dilated_fwd/_bwd` custom ops: the
     same arguments, results and numerics, and traceable by `torch.compile(fullgraph=True)`
     forward and backward."""
-    patterns, scale = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse)
+    patterns, scale, heads = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
+                                         return_lse, head_offset=head_offset, total_heads=total_heads)
     path = resolve_path(backend, str(q.device))
     if q.shape[0] == 0 or q.shape[1] == 0:
         return empty_result(q, k, v, return_lse)
     out, lse, _, _ = _dilated_fwd(q, k, v, [w for w, _ in patterns], [r for _, r in patterns], causal, scale,
-                                  mode, offsets, return_lse, path)
+                                  mode, offsets, return_lse, path, heads[0], heads[1])
     return (out, lse) if return_lse else out

@@ -11,19 +11,21 @@ import torch
 
 from ..common.lse import masked_attention_with_lse, merge_partials
 from ..common.validation import check_qkv, check_scale
-from .patterns import check_patterns, head_offsets
+from .patterns import check_head_slice, check_patterns, head_offsets, head_table
 
 
 def dilated_attention_naive(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
-                            mode="longnet", offsets="modulo"):
+                            mode="longnet", offsets="modulo", head_offset=0, total_heads=None):
     """Reference dilated attention in float64. Returns (out, lse): out (B, N, Hq, D) float64,
-    lse (B, Hq, N) float64 (natural log; -inf for a query with no key). Differentiable."""
+    lse (B, Hq, N) float64 (natural log; -inf for a query with no key). Differentiable.
+    head_offset, total_heads: q holds the heads [head_offset, head_offset + Hq) of a call
+    with total_heads heads (offsets by global head index), as in dilated_attention."""
     check_qkv(q, k, v, allow_float64=True)
     patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
     scale = check_scale(scale, D)
-    table = head_offsets(Hq, patterns, mode, offsets)
+    table = head_table(Hq, patterns, mode, offsets, *check_head_slice(head_offset, total_heads, Hq, Hkv))
     q64, k64, v64 = q.double(), k.double(), v.double()
 
     head_outs, head_lses = [], []

@@ -5,7 +5,7 @@ import functools
 import math
 import warnings
 
-from ..common.validation import check_choice, check_int_list
+from ..common.validation import check_choice, check_int, check_int_list
 
 MODES = ("longnet", "head_groups")
 OFFSETS = ("modulo", "blocked")
@@ -57,6 +57,40 @@ def head_offsets(num_heads: int, patterns: tuple, mode: str, offsets: str) -> tu
         row = tuple(i % r if ii == i else -1 for ii in range(m))
         table.extend([row] * size)
     return tuple(table)
+
+
+def check_head_slice(head_offset, total_heads, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """Validate a head slice: q's heads are the query heads [head_offset, head_offset +
+    num_heads) of a call with total_heads query heads (None: num_heads). Returns
+    (head_offset, total_heads) as ints.
+
+    GQA: local head h reads local key/value head h // g (g = num_heads // num_kv_heads),
+    which must hold the full call's key/value head of global head head_offset + h. That
+    needs the slice to start on a boundary of g heads and total_heads to be a multiple of g
+    (key/value heads replicated to fewer query heads each, as Ulysses does when there are
+    fewer key/value heads than ranks, satisfy it; which data sits in each key/value head is
+    the caller's part)."""
+    head_offset = check_int("head_offset", head_offset, 0)
+    total_heads = num_heads if total_heads is None else check_int("total_heads", total_heads, 1)
+    if head_offset + num_heads > total_heads:
+        raise ValueError(f"head_offset + q's head count must not exceed total_heads: q holds heads "
+                         f"[{head_offset}, {head_offset + num_heads}) but total_heads = {total_heads}")
+    group = num_heads // max(num_kv_heads, 1)
+    if group > 1 and (head_offset % group or total_heads % group):
+        raise ValueError(f"head_offset and total_heads must be multiples of q's GQA group size "
+                         f"(q heads per key/value head = {num_heads} // {num_kv_heads} = {group}), got "
+                         f"head_offset = {head_offset}, total_heads = {total_heads}: the slice would split a group")
+    return head_offset, total_heads
+
+
+def head_table(num_heads: int, patterns: tuple, mode: str, offsets: str, head_offset: int = 0,
+               total_heads: int | None = None) -> tuple:
+    """head_offsets of the query heads [head_offset, head_offset + num_heads) of a call with
+    total_heads heads (validated by check_head_slice): the offsets depend on a head's
+    global index (j % r, j // ceil(H / r), its head group)."""
+    total = num_heads if total_heads is None else total_heads
+    table = head_offsets(total, patterns, mode, offsets)
+    return table if (head_offset, total) == (0, num_heads) else table[head_offset:head_offset + num_heads]
 
 
 def fit_patterns(patterns: tuple, seq_len: int, num_heads: int) -> tuple:

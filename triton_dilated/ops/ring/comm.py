@@ -53,11 +53,11 @@ class Transfer:
 
 
 class RingComm:
-    def __init__(self, group=None):
+    def __init__(self, group=None, who: str = "ring_attention"):
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ring_attention needs an initialised torch.distributed process group: call "
+            raise RuntimeError(f"{who} needs an initialised torch.distributed process group: call "
                                "torch.distributed.init_process_group(...) first (or pass group=)")
-        self.group = group
+        self.group, self.who = group, who
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         # batch_isend_irecv takes global ranks
@@ -81,10 +81,15 @@ class RingComm:
         exception from checking its own arguments, re-raised on that rank; the others
         name it). One all-gather of one int64 per entry (on `device` under NCCL); a
         second, of the readable values, only when they differ."""
+        exc = self.disagreement(signature, error, device)
+        if exc is not None:
+            raise exc
+
+    def disagreement(self, signature, error=None, device=None):
+        """agree's verdict without raising: None, or the exception every rank raises (a
+        caller checking over two groups combines the verdicts before raising)."""
         if self.world == 1:
-            if error is not None:
-                raise error
-            return
+            return error
         names = list(signature)
         digest = [int.from_bytes(hashlib.blake2b(repr(signature[n]).encode(), digest_size=8).digest(), "little",
                                  signed=True) for n in names]
@@ -94,20 +99,20 @@ class RingComm:
         dist.all_gather(rows, mine, group=self.group)
         table = torch.stack(rows).cpu()
         if not table[:, 0].any() and bool((table == table[0]).all()):
-            return
+            return None
         values = [None] * self.world
         dist.all_gather_object(values, (None if error is None else f"{type(error).__name__}: {error}", signature),
                                group=self.group)
         failed = [(r, e) for r, (e, _) in enumerate(values) if e is not None]
         if failed:
             if error is not None:
-                raise error
-            raise ValueError("ring_attention: " + "; ".join(f"rank {r} rejected its arguments ({e})" for r, e in failed)
-                             + "; every rank stops here")
+                return error
+            return ValueError(f"{self.who}: " + "; ".join(f"rank {r} rejected its arguments ({e})" for r, e in failed)
+                              + "; every rank stops here")
         differ = [n for n in names if len({repr(v[n]) for _, v in values}) > 1]
-        raise ValueError("ring_attention: the ranks of the group disagree on " + ", ".join(differ)
-                         + " (every rank must pass the same shapes, dtype, device type, flags, patterns and layout): "
-                         + "; ".join(f"{n}: {_by_value(n, [v for _, v in values])}" for n in differ))
+        return ValueError(f"{self.who}: the ranks of the group disagree on " + ", ".join(differ)
+                          + " (every rank must pass the same shapes, dtype, device type, flags, patterns and layout): "
+                          + "; ".join(f"{n}: {_by_value(n, [v for _, v in values])}" for n in differ))
 
     def note_held(self, nbytes_now: int) -> None:
         """Record how many key/value bytes the schedule holds at this point."""
@@ -125,6 +130,17 @@ class RingComm:
             ops.append(dist.P2POp(dist.isend, t.contiguous(), self.next, self.group))
             ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group))
         return Transfer(received, dist.batch_isend_irecv(ops))
+
+    def all_to_all(self, x):
+        """x (world, ...): x[j] goes to rank j; returns y (world, ...) with y[i] = rank i's
+        x[this rank]. One all_to_all_single (gloo and NCCL both have it); the identity
+        for one rank."""
+        if self.world == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=self.group)
+        return out
 
     def all_gather_seq(self, x, sizes):
         """Every rank's x (dim 1 of length sizes[rank]) in rank order. Padded to the

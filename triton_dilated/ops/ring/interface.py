@@ -25,7 +25,7 @@ from ..common.lse import merge_partials, softmax_delta
 from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
 from ..common.validation import check_choice, check_flags, check_qkv, check_scale
 from ..dilated.interface import dilated_attention_table
-from ..dilated.patterns import check_patterns, fit_patterns, head_offsets
+from ..dilated.patterns import check_head_slice, check_patterns, fit_patterns, head_table
 from . import step_portable
 from .comm import COMMS, RingComm
 from .mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask
@@ -110,7 +110,7 @@ def _residue_rows(patterns, table):
 # What every rank of the group must agree on (RingComm.agree), in this order.
 SIGNATURE = ("q shape (B, N_local, Hq, D)", "k/v shape (B, N_local, Hkv, D)", "dtype", "device type", "causal",
              "scale", "balance", "comm", "segment_lengths/dilation_rates", "mode/offsets", "layout",
-             "backward (grad mode, inputs requiring grad)")
+             "backward (grad mode, inputs requiring grad)", "heads (head_offset, total_heads)")
 
 
 def _layout_fingerprint(layout: BlockLayout) -> str:
@@ -123,7 +123,8 @@ def _layout_fingerprint(layout: BlockLayout) -> str:
 
 
 def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=None, layout=None, causal=False,
-                   scale=None, mode="longnet", offsets="modulo", comm="p2p", balance="contiguous", return_lse=False):
+                   scale=None, mode="longnet", offsets="modulo", comm="p2p", balance="contiguous", return_lse=False,
+                   head_offset=0, total_heads=None):
     """Attention over a sequence sharded across the ranks of `group` (DESIGN §5).
 
     q, k, v: this rank's shard (B, N_local, H, D), as `shard(x, rank, world, balance)`
@@ -131,6 +132,10 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     (mode, offsets as in dilated_attention); block-sparse with a BlockLayout over the full
     sequence. comm: "p2p" (ring, O(N/P) memory) or "allgather". Returns this rank's shard
     of the full-sequence result (and its lse, float32 (B, Hq, N_local)).
+    head_offset, total_heads: q holds the query heads [head_offset, head_offset + Hq) of a
+    call with total_heads heads (as in dilated_attention; a layout is then laid out for
+    total_heads, or one head row); 2-D sequence parallelism (ulysses_attention with
+    ring_group) runs the ring on each Ulysses rank's heads.
 
     Every rank must pass the same shapes, dtype, device type, flags, scale, patterns and
     layout: one small all-gather checks it before any transfer, and where ranks differ
@@ -152,16 +157,17 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
         scale = check_scale(scale, D)
         n_total = NQ * ring.world
         shard_positions(n_total, 0, ring.world, balance)          # checks N is divisible for the balance
-        patterns = fit_patterns(check_patterns(segment_lengths, dilation_rates, mode, offsets), n_total, Hq) \
+        heads = check_head_slice(head_offset, total_heads, Hq, k.shape[2])
+        patterns = fit_patterns(check_patterns(segment_lengths, dilation_rates, mode, offsets), n_total, heads[1]) \
             if dilated else None
         if layout is not None:
             layout.check_seq_len(n_total)
-            layout.check_heads(B, Hq)
+            layout.check_heads(B, heads[1])
         signature = dict(zip(SIGNATURE, (
             tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, causal, scale,
             balance, comm, patterns, (mode, offsets) if dilated else None,
             None if layout is None else _layout_fingerprint(layout),
-            torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))))
+            torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)), heads)))
     except (TypeError, ValueError) as exc:
         error = exc
     ring.agree(signature, error, device=q.device if isinstance(q, torch.Tensor) else None)
@@ -172,7 +178,7 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     parts = []
     if dilated:
-        table = head_offsets(Hq, patterns, mode, offsets)
+        table = head_table(Hq, patterns, mode, offsets, *heads)
         (loc_p, loc_t), (ring_p, ring_t) = _dilated_split(patterns, table, n_total, ring.world, balance)
         if any(o >= 0 for row in loc_t for o in row):
             parts.append(dilated_attention_table(q, k, v, loc_p, loc_t, causal=causal, scale=scale))
@@ -182,7 +188,7 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
             parts.append(_RingFn.apply(q, k, v, plan, scale, comm, use_triton))
     else:
         if layout is not None:
-            mask = StepMask(MASK_LAYOUT, causal, q.device, layout=layout)
+            mask = StepMask(MASK_LAYOUT, causal, q.device, layout=layout.heads(heads[0], heads[0] + Hq))
         else:
             mask = StepMask(MASK_DENSE, causal, q.device)
         plan = RingPlan(ring, n_total, balance, mask, q.device)

@@ -1,0 +1,189 @@
+"""ulysses_attention: sequence parallelism by heads (DeepSpeed Ulysses, arXiv 2309.14509).
+
+Each rank holds a sequence shard of every head. One all-to-all turns that into the whole
+sequence of Hq / P heads, the rank runs one local fused call on it (dense, dilated or
+block-sparse, with `head_offset` so that dilated offsets and head groups follow the global
+head index), and a second all-to-all turns the result back into the rank's sequence shard.
+Both all-to-alls are permutations of the entries across ranks, so each one's backward is
+the other (the adjoint of a permutation is its inverse): autograd-aware, forward and
+backward, one all_to_all_single each (gloo has it, as NCCL does).
+
+GQA with fewer key/value heads than ranks: each key/value head is repeated P / Hkv times
+before the all-to-all (DeepSpeed ALST's rule), so rank r receives the key/value head its
+query heads read; the gradients of the copies are summed by the repeat's backward. This
+needs P % Hkv == 0 (otherwise some rank's query heads would read two key/value heads).
+
+2-D (USP, yunchang's LongContextAttention): with a `ring_group` of R ranks the local call
+is ring_attention over that group on the Ulysses group's part of the sequence. A grid of U
+x R ranks holds the sequence as one sharding over U * R: the rank at Ulysses index u and
+ring index r holds shard(x, r * U + u, U * R, balance). For zigzag that is the right
+thing twice: the U shards of a Ulysses group, joined by unshard(..., balance) after the
+all-to-all, are exactly zigzag shard r of R (chunks rU..rU+U-1 and their mirrors), which
+is what the ring's zigzag balance takes.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..block_sparse.interface import block_sparse_attention
+from ..block_sparse.layout import BlockLayout
+from ..common.runtime import empty_result
+from ..common.validation import check_choice, check_flags, check_qkv, check_scale
+from ..dilated.interface import dilated_attention
+from ..dilated.patterns import check_patterns, fit_patterns
+from .comm import COMMS, RingComm
+from .interface import _layout_fingerprint, ring_attention
+from .shard import BALANCES, shard, shard_positions, unshard
+
+
+def seq_to_heads(x, comm: RingComm, balance: str = "contiguous"):
+    """(B, N/P, H, ...) sequence shards -> (B, N, H/P, ...): this rank's heads
+    [rank * H/P, (rank + 1) * H/P) over the whole sequence (positions in order)."""
+    P = comm.world
+    parts = x.unflatten(2, (P, x.shape[2] // P)).movedim(2, 0)        # (P, B, N/P, H/P, ...): part j to rank j
+    return unshard(list(comm.all_to_all(parts)), balance)            # part i: rank i's positions
+
+
+def heads_to_seq(y, comm: RingComm, balance: str = "contiguous"):
+    """The inverse of seq_to_heads: (B, N, H/P, ...) -> (B, N/P, H, ...)."""
+    P = comm.world
+    parts = torch.stack([shard(y, j, P, balance) for j in range(P)])  # (P, B, N/P, H/P, ...): rank j's positions
+    return comm.all_to_all(parts).movedim(0, 2).flatten(2, 3)          # part i: rank i's heads
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, balance):
+        ctx.args = (comm, balance)
+        return seq_to_heads(x, comm, balance)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return heads_to_seq(grad, *ctx.args), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, comm, balance):
+        ctx.args = (comm, balance)
+        return heads_to_seq(y, comm, balance)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return seq_to_heads(grad, *ctx.args), None, None
+
+
+SIGNATURE = ("q shape (B, N_local, Hq, D)", "k/v shape (B, N_local, Hkv, D)", "dtype", "device type", "causal",
+             "scale", "balance", "segment_lengths/dilation_rates", "mode/offsets", "layout", "backend",
+             "backward (grad mode, inputs requiring grad)", "ring (world size, comm)")
+
+
+def check_ulysses_heads(num_heads: int, num_kv_heads: int, world: int) -> int:
+    """How often each key/value head is repeated before the all-to-all (1: none); a
+    ValueError where the heads do not split over `world` ranks."""
+    if num_heads % world:
+        raise ValueError(f"ulysses_attention splits the query heads over the ranks: q's {num_heads} heads must be "
+                         f"a multiple of the world size {world}")
+    if num_kv_heads >= world:
+        if num_kv_heads % world:
+            raise ValueError(f"ulysses_attention: k/v's {num_kv_heads} heads must be a multiple of the world size "
+                             f"{world} (or divide it: then each is repeated, as DeepSpeed ALST does)")
+        return 1
+    if world % num_kv_heads:
+        raise ValueError(f"ulysses_attention: with fewer key/value heads ({num_kv_heads}) than ranks ({world}) each "
+                         f"is repeated world // Hkv times, which needs the world size to be a multiple of Hkv")
+    return world // num_kv_heads
+
+
+def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=None, layout=None, causal=False,
+                      scale=None, mode="longnet", offsets="modulo", balance="contiguous", return_lse=False,
+                      backend="auto", ring_group=None, comm="p2p"):
+    """Attention over a sequence sharded across the ranks of `group`, by heads (Ulysses).
+
+    q, k, v: this rank's sequence shard (B, N_local, H, D), as `shard(x, rank, world,
+    balance)` gives it. Hq must be a multiple of the world size P; Hkv a multiple of P, or
+    a divisor of it (each key/value head is then repeated P / Hkv times, DeepSpeed ALST's
+    rule). Dense attention by default; dilated with segment_lengths/dilation_rates (mode,
+    offsets as in dilated_attention); block-sparse with a BlockLayout over the full
+    sequence. backend: of the local call, as in dilated_attention. Returns this rank's
+    shard of the full-sequence result (and its lse, float32 (B, Hq, N_local)).
+
+    2-D sequence parallel (USP): with ring_group (R ranks; `group` then has U), the
+    Ulysses group's heads go around a ring (ring_attention with `comm`; its step kernels,
+    not `backend`). The rank at Ulysses index u, ring index r holds shard(x, r * U + u,
+    U * R, balance); balance="zigzag" balances the ring's causal work.
+
+    Memory per rank: the whole sequence of Hq / P heads (the same O(N H / P) as the
+    shards). Every rank must pass the same shapes, dtype, flags, scale, patterns and layout:
+    one small all-gather checks it first, and where ranks differ (or one rank's arguments
+    are invalid) every rank raises the same ValueError.
+    """
+    ucomm = RingComm(group, who="ulysses_attention")
+    rcomm = RingComm(ring_group, who="ulysses_attention (ring group)") if ring_group is not None else None
+    ring_world = rcomm.world if rcomm is not None else 1
+    signature, error = dict.fromkeys(SIGNATURE), None
+    try:
+        check_qkv(q, k, v)
+        check_choice("balance", balance, BALANCES)
+        check_choice("backend", backend, ("auto", "triton", "torch"))
+        check_choice("comm", comm, COMMS)
+        check_flags(causal=causal, return_lse=return_lse)
+        dilated = segment_lengths is not None or dilation_rates is not None
+        if dilated and layout is not None:
+            raise ValueError("give either segment_lengths/dilation_rates (dilated) or layout (block-sparse), not both")
+        if layout is not None and not isinstance(layout, BlockLayout):
+            raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+        B, NQ, Hq, D = q.shape
+        scale = check_scale(scale, D)
+        n_total = NQ * ucomm.world * ring_world
+        shard_positions(n_total, 0, ucomm.world * ring_world, balance)   # checks N is divisible for the balance
+        repeat = check_ulysses_heads(Hq, k.shape[2], ucomm.world)
+        patterns = fit_patterns(check_patterns(segment_lengths, dilation_rates, mode, offsets), n_total, Hq) \
+            if dilated else None
+        if layout is not None:
+            layout.check_seq_len(n_total)
+            layout.check_heads(B, Hq)
+        signature = dict(zip(SIGNATURE, (
+            tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, causal, scale,
+            balance, patterns, (mode, offsets) if dilated else None,
+            None if layout is None else _layout_fingerprint(layout), backend,
+            torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
+            (ring_world, comm) if rcomm is not None else None)))
+    except (TypeError, ValueError) as exc:
+        error = exc
+    device = q.device if isinstance(q, torch.Tensor) else None
+    verdict = ucomm.disagreement(signature, error, device)
+    if rcomm is not None:   # every Ulysses group's verdict reaches every rank of the grid through the rings
+        told = None if verdict is None else f"{type(verdict).__name__}: {verdict}"
+        across = rcomm.disagreement({"the Ulysses group's check": told, **signature}, None, device)
+        verdict = across if across is not None else verdict
+    if verdict is not None:
+        raise verdict
+    if q.shape[0] == 0 or q.shape[1] == 0:   # every rank agreed on these shapes: nothing to send
+        return empty_result(q, k, v, return_lse)
+
+    if repeat > 1:
+        k, v = (x.repeat_interleave(repeat, dim=2) for x in (k, v))
+    qh, kh, vh = (_SeqToHeads.apply(x, ucomm, balance) for x in (q, k, v))
+    heads = Hq // ucomm.world
+    first = ucomm.rank * heads
+    if rcomm is not None:
+        res = ring_attention(qh, kh, vh, group=ring_group, segment_lengths=segment_lengths,
+                             dilation_rates=dilation_rates, layout=layout, causal=causal, scale=scale, mode=mode,
+                             offsets=offsets, comm=comm, balance=balance, return_lse=return_lse, head_offset=first,
+                             total_heads=Hq)
+    elif dilated:
+        res = dilated_attention(qh, kh, vh, [w for w, _ in patterns], [r for _, r in patterns], causal=causal,
+                                scale=scale, mode=mode, offsets=offsets, return_lse=return_lse, backend=backend,
+                                head_offset=first, total_heads=Hq)
+    elif layout is not None:
+        res = block_sparse_attention(qh, kh, vh, layout.heads(first, first + heads), causal=causal, scale=scale,
+                                     return_lse=return_lse, backend=backend)
+    else:   # dense: one pattern whose segment is the whole sequence
+        res = dilated_attention(qh, kh, vh, [n_total], [1], causal=causal, scale=scale, return_lse=return_lse,
+                                backend=backend)
+    out, lse = res if return_lse else (res, None)
+    out = _HeadsToSeq.apply(out, ucomm, balance)
+    if not return_lse:
+        return out
+    return out, _HeadsToSeq.apply(lse.transpose(1, 2), ucomm, balance).transpose(1, 2).contiguous()
