@@ -179,10 +179,14 @@ def check_cache_seqlens(cache_seqlens, batch: int, q_len: int, kv_len: int, cu_s
 
 def check_softcap(softcap):
     """softcap (scores s -> c * tanh(s / c) before the softmax): None (no cap) or a positive
-    finite number -> float or None. Bools, 0, negative, NaN and inf are errors."""
+    finite number -> float or None. A bool, 0, a negative number, NaN and inf are a ValueError
+    (softcap=True reads as "cap on" but names no cap); other types a TypeError."""
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+    if isinstance(softcap, bool):
+        raise ValueError(f"softcap must be a positive finite float (the cap c in c * tanh(s / c)) or None, "
+                         f"got a bool ({softcap!r})")
+    if not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a positive float or None, got {type(softcap).__name__} ({softcap!r})")
     cap = float(softcap)
     if not (0.0 < cap < float("inf")):   # NaN fails too
