@@ -238,3 +238,203 @@ def test_cap_bites_and_backward_takes_its_derivative(backend, causal, variant):
         for name, a, r, w in zip(("dq", "dk"), *grads):
             assert max_err(a, r) <= 1e-4 * max(1.0, r.abs().max().item()), name
             assert max_err(w, r) > 100 * max(max_err(a, r), 1e-6), name
+
+
+# ----------------------------------------------------------------------------- NaN rule, empty rows
+
+@pytest.mark.parametrize("which", ["k", "q"])
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inf_score_still_gives_nan(backend, variant, which):
+    """DESIGN §6 with the cap: tanh(+-inf) = +-1 is finite, yet a row that reads an Inf key (or
+    has an Inf query) must give NaN out and lse, with or without sinks; other rows keep the
+    clean run's values."""
+    N, H, cap, pos = 40, 2, 2.0, 9
+    q, k, v = make_qkv(1, N, H, 1, 8, torch.float32, 3)
+    sinks = make_sinks(H, 4)
+    if variant == "dilated":
+        pairs = dilated_multiplicity(N, [16, 40], [1, 2], H, causal=True) > 0            # (H, N, N)
+        run = lambda q, k, v, s: dilated_attention(q, k, v, [16, 40], [1, 2], causal=True, softcap=cap,  # noqa: E731
+                                                   sinks=s, backend=backend, return_lse=True)
+    else:
+        layout = layouts.local(N, 16, 1)
+        pairs = element_mask(layout, N, True)[0].expand(H, N, N)
+        run = lambda q, k, v, s: block_sparse_attention(q, k, v, layout, causal=True, softcap=cap,  # noqa: E731
+                                                        sinks=s, backend=backend, return_lse=True)
+    bad_q, bad_k = q.clone(), k.clone()
+    if which == "k":
+        bad_k[0, pos, 0, 3] = float("inf")
+        reads = pairs[:, :, pos]                                                          # (H, N)
+    else:
+        bad_q[0, pos, 1, 3] = float("-inf")
+        reads = torch.zeros(H, N, dtype=torch.bool)
+        reads[1, pos] = True
+    for s in (None, sinks):
+        clean_out, clean_lse = run(q, k, v, s)
+        out, lse = run(bad_q, bad_k, v, s)
+        rows = reads.T[None].to(out.device)                                               # (1, N, H)
+        assert torch.isnan(out).all(-1).eq(rows).all() and torch.isnan(lse).eq(rows.transpose(1, 2)).all()
+        assert torch.equal(out[~rows], clean_out[~rows]) and torch.equal(lse[~rows.transpose(1, 2)],
+                                                                          clean_lse[~rows.transpose(1, 2)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sinks_on_rows_without_keys(backend):
+    """A query block with no key block: out 0 and lse = its head's sink (the denominator holds
+    only the sink), dq 0 there, and the sink gets its gradient from those rows too (dlse)."""
+    N, H = 48, 2
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    mask[1] = False                                               # rows 16..31 have no key
+    layout = BlockLayout.from_dense(mask, 16)
+    qkv = make_qkv(1, N, H, 1, 8, torch.float32, 5)
+    sinks = make_sinks(H, 6)
+    counts = element_mask(layout, N, False).double()
+    got, ref = compare(*block_sparse_fns(layout, counts, backend, softcap=4.0), qkv, sinks, seed=2)
+    out, lse, dq = got[0], got[1], got[2]
+    assert (out[:, 16:32] == 0).all() and (dq[:, 16:32] == 0).all()
+    assert torch.equal(lse[:, :, 16:32], sinks[None, :, None].expand(1, H, 16))
+
+
+def test_minus_inf_sinks_change_nothing():
+    """A sink of -inf adds exp(-inf) = 0: out and lse are exactly those without sinks, and no
+    gradient is NaN (an empty row has lse = -inf on both sides of the combine)."""
+    N, H = 24, 2
+    mask = torch.tensor([[True, False], [False, False]])
+    layout = BlockLayout.from_dense(mask, 16)                     # rows 16..23: no key
+    q, k, v = (x.requires_grad_() for x in make_qkv(1, N, H, 1, 8, torch.float32, 7))
+    sinks = torch.full((H,), float("-inf"), device=DEVICE, requires_grad=True)
+    out, lse = block_sparse_attention(q, k, v, layout, sinks=sinks, return_lse=True, backend="torch")
+    ref_out, ref_lse = block_sparse_attention(q, k, v, layout, return_lse=True, backend="torch")
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    grads = torch.autograd.grad(out.sum() + finite(lse).sum(), (q, k, v, sinks))
+    assert all(not torch.isnan(g).any() for g in grads) and (grads[3] == 0).all()
+
+
+# ----------------------------------------------------------------------------- validation
+
+BAD_CAPS = [(True, ValueError), (False, ValueError), (0, ValueError), (0.0, ValueError), (-1.5, ValueError),
+            (float("nan"), ValueError), (float("inf"), ValueError), ("50", TypeError), (torch.tensor(5.0), TypeError)]
+
+
+def _all_entry_points(q, k, v, **kw):
+    layout = layouts.local(q.shape[1], 16, 1)
+    yield lambda: dilated_attention(q, k, v, [8], [1], backend="torch", **kw)
+    yield lambda: dilated_attention_naive(q, k, v, [8], [1], **kw)
+    yield lambda: dilated_attention_op(q, k, v, [8], [1], backend="torch", **kw)
+    yield lambda: block_sparse_attention(q, k, v, layout, backend="torch", **kw)
+    yield lambda: block_sparse_attention_naive(q, k, v, layout, **kw)
+    yield lambda: block_sparse_attention_op(q, k, v, layout, backend="torch", **kw)
+
+
+@pytest.mark.parametrize("bad, exc", BAD_CAPS, ids=[repr(b) for b, _ in BAD_CAPS])
+def test_softcap_validation(bad, exc):
+    qkv = make_qkv(1, 16, 2, 1, 8, torch.float32, 0)
+    for call in _all_entry_points(*qkv, softcap=bad):
+        with pytest.raises(exc, match="softcap"):
+            call()
+    for make in (lambda: DilatedAttention([8], [1], softcap=bad), lambda: BlockSparseAttention(layouts.local(16, 16, 1),
+                                                                                                 softcap=bad)):
+        with pytest.raises(exc, match="softcap"):
+            make()
+
+
+BAD_SINKS = [([0.0, 0.0], TypeError, "float32 tensor"), (torch.zeros(2, dtype=torch.float64), TypeError, "float32"),
+             (torch.zeros(3), ValueError, r"shape \(Hq,\) = \(2,\)"), (torch.zeros(1, 2), ValueError, "shape")]
+
+
+@pytest.mark.parametrize("bad, exc, msg", BAD_SINKS, ids=["list", "float64", "wrong-heads", "2-d"])
+def test_sinks_validation(bad, exc, msg):
+    qkv = make_qkv(1, 16, 2, 1, 8, torch.float32, 0)
+    for i, call in enumerate(_all_entry_points(*qkv, sinks=bad)):
+        if i in (1, 4) and isinstance(bad, torch.Tensor) and bad.dtype == torch.float64:
+            call()      # the float64 oracles take float64 sinks
+            continue
+        with pytest.raises(exc, match="sinks must.*" + msg):
+            call()
+
+
+def test_decode_path_refuses_softcap_and_modules_need_heads_for_sinks():
+    q, k, v = make_qkv(1, 16, 2, 1, 8, torch.float32, 0)
+    layout = layouts.local(16, 16, 1)
+    for call in (lambda: dilated_attention(q[:, -1:], k, v, [8], [1], softcap=5.0),
+                 lambda: block_sparse_attention(q[:, -1:], k, v, layout, softcap=5.0),
+                 lambda: dilated_attention(q, k, v, [8], [1], softcap=5.0,
+                                           cache_seqlens=torch.tensor([16], dtype=torch.int32))):
+        with pytest.raises(ValueError, match="softcap is not supported on the decode path yet"):
+            call()
+    with pytest.raises(ValueError, match="sinks=True needs num_heads"):
+        DilatedAttention([8], [1], sinks=True)
+    with pytest.raises(ValueError, match="softcap and sinks are not available with compat"):
+        DilatedAttention([8], [1], compat="dilated-attention-pytorch", sinks=True, num_heads=2)
+
+
+# ----------------------------------------------------------------------------- decode, ops, modules
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sinks_on_the_decode_path(backend):
+    """Queries shorter than keys (the decode kernels, Nq <= 16): the sinks join each row the
+    same way, so every row equals that row of the full-sequence oracle with the sinks."""
+    N, H = 40, 2
+    q, k, v = make_qkv(1, N, H, 1, 8, torch.float32, 8)
+    sinks = make_sinks(H, 9)
+    layout = layouts.local(N, 16, 1)
+    for nq in (1, 3):
+        with torch.no_grad():
+            out, lse = dilated_attention(q[:, -nq:], k, v, [16, 40], [1, 2], causal=True, sinks=sinks,
+                                         return_lse=True, backend=backend)
+            bout, blse = block_sparse_attention(q[:, -nq:], k, v, layout, causal=True, sinks=sinks, return_lse=True,
+                                                backend=backend)
+        ref, ref_lse = dilated_attention_naive(q, k, v, [16, 40], [1, 2], causal=True, sinks=sinks)
+        bref, bref_lse = block_sparse_attention_naive(q, k, v, layout, causal=True, sinks=sinks)
+        for a, b in ((out, ref[:, -nq:]), (lse, ref_lse[..., -nq:]), (bout, bref[:, -nq:]),
+                     (blse, bref_lse[..., -nq:])):
+            assert max_err(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_custom_ops_take_softcap_and_sinks(backend):
+    """dilated_attention_op and block_sparse_attention_op (the torch.compile route) against
+    the oracles, forward and gradients, sinks included."""
+    N, H = 32, 2
+    qkv = make_qkv(1, N, H, 1, 8, torch.float32, 12, q_scale=4.0)
+    sinks = make_sinks(H, 13)
+    kw = dict(causal=True, softcap=3.0)
+    counts = dilated_multiplicity(N, [16], [2], H, causal=True)
+    _, oracle, same = dilated_fns([16], [2], counts, backend, **kw)
+    op = lambda q, k, v, s: dilated_attention_op(q, k, v, [16], [2], return_lse=True, backend=backend,  # noqa: E731
+                                                 sinks=s, **kw)
+    compare(op, oracle, same, qkv, sinks, seed=1)
+    layout = layouts.local(N, 16, 1)
+    counts = element_mask(layout, N, True).double()
+    _, oracle, same = block_sparse_fns(layout, counts, backend, **kw)
+    op = lambda q, k, v, s: block_sparse_attention_op(q, k, v, layout, return_lse=True,  # noqa: E731
+                                                      backend=backend, sinks=s, **kw)
+    compare(op, oracle, same, qkv, sinks, seed=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_modules_hold_learnable_sinks(backend):
+    """DilatedAttention / BlockSparseAttention(softcap=, sinks=True, num_heads=): a zero-initialised
+    float32 nn.Parameter per head in state_dict, the same result as the function with those
+    sinks, and a gradient for it (also after the module is cast to float16)."""
+    N, H = 32, 2
+    q, k, v = make_qkv(1, N, H, 1, 8, torch.float32, 14)
+    layout = layouts.local(N, 16, 1)
+    for module, fn in (
+            (DilatedAttention([16], [1], causal=True, softcap=3.0, sinks=True, num_heads=H, backend=backend),
+             lambda s: dilated_attention(q, k, v, [16], [1], causal=True, softcap=3.0, sinks=s, backend=backend)),
+            (BlockSparseAttention(layout, causal=True, softcap=3.0, sinks=True, num_heads=H, backend=backend),
+             lambda s: block_sparse_attention(q, k, v, layout, causal=True, softcap=3.0, sinks=s, backend=backend))):
+        module = module.to(DEVICE)
+        assert list(module.state_dict()) == ["sinks"] and module.sinks.dtype == torch.float32
+        assert (module.sinks == 0).all() and module.sinks.requires_grad
+        with torch.no_grad():
+            module.sinks.copy_(make_sinks(H, 15))
+        out = module(q, k, v)
+        assert torch.equal(out, fn(module.sinks.detach()))
+        out.square().sum().backward()
+        assert module.sinks.grad is not None and module.sinks.grad.abs().sum() > 0
+        module.half()
+        assert module(q.half(), k.half(), v.half()).dtype == torch.float16
+    plain = DilatedAttention([16], [1])
+    assert plain.sinks is None and list(plain.parameters()) == []

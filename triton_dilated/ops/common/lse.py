@@ -165,7 +165,9 @@ class _ChunkedAttention(torch.autograd.Function):
         s = torch.baddbmm(qc.new_empty(qc.shape[0], qc.shape[1], keys), qc, kc.transpose(1, 2), beta=0.0, alpha=scale)
         t = None
         if softcap is not None:
-            t = s.div_(softcap).tanh_()
+            # +-inf scores (an Inf query or key) -> NaN first: tanh would make them finite, and
+            # callers that skip the NaN rule's input scan (finite=True) rely on a NaN lse
+            t = s.add_(s * 0.0).div_(softcap).tanh_()
             s = t * softcap
         if keep is not None:
             kb = bs if keep.shape[0] > 1 else slice(None)
