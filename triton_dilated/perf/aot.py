@@ -55,6 +55,12 @@ KERNELS = kernel_specs()   # name -> KernelSpec, from the variants' spec.py
 # WARP_SPEC = 1 (with TMA): the block-sparse forward's main loop warp-specialized by the compiler.
 VARIANTS = {"block_sparse_fwd_tma": ("block_sparse_fwd", {"TMA": 1}),
             "block_sparse_fwd_ws": ("block_sparse_fwd", {"TMA": 1, "WARP_SPEC": 1})}
+# softcap= (issue 23): the kernels with the score cap compiled in (SOFTCAP, a constexpr; 0.0, the
+# default rows, is the uncapped kernel); 50.0 is Gemma 2's attention cap
+SOFTCAP_AOT = 50.0
+VARIANTS.update({f"{name}_softcap": (name, {"SOFTCAP": SOFTCAP_AOT})
+                 for name in ("dilated_fwd", "dilated_bwd_dq", "dilated_bwd_dkdv", "block_sparse_fwd",
+                              "block_sparse_bwd_dq", "block_sparse_bwd_dkdv")})
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
           "spill_stores", "spill_loads", "shared_bytes", "wgmma", "mma_sync", "cp_async", "cp_async_bulk",
           "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "tcgen05", "ws_partitions", "setmaxnreg",
@@ -95,7 +101,8 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
     tma = cfg.get("TMA", 0)
     constexprs = dict(HEAD_DIM=D, BLOCK_D=padded_head_dim(D), CAUSAL=causal,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=False,
-                      PRECISION=_precision(dtype, amd), TMA=bool(tma), WARP_SPEC=bool(cfg.get("WARP_SPEC", 0)))
+                      PRECISION=_precision(dtype, amd), TMA=bool(tma), WARP_SPEC=bool(cfg.get("WARP_SPEC", 0)),
+                      SOFTCAP=float(cfg.get("SOFTCAP", 0.0)))
     for variant in SPECS:
         if spec in variant.kernels:
             constexprs.update(variant.aot_constexprs)
@@ -292,8 +299,9 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
             family = KERNELS[VARIANTS.get(name, (name,))[0]].family
             for dtype in dtypes:
                 for D in head_dims:
+                    # a variant takes its kernel's config, as the launcher picks it
                     cfgs = configs or [default_config(family, padded_head_dim(D), fake,
-                                                      torch_dtype[dtype], kernel=name)]
+                                                      torch_dtype[dtype], kernel=VARIANTS.get(name, (name,))[0])]
                     work += [(name, arch, dtype, D, c, dict(cfg)) for c in causal for cfg in cfgs]
     if ptx_dir:
         for i, (name, arch, dtype, D, c, cfg) in enumerate(work):

@@ -110,6 +110,7 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
     Returns out (B, N, Hq, D) like q (and lse). Rows with no active key: 0, lse = -inf.
     """
     check_qkv(q, k, v, allow_shorter_q=True)
+    check_flags(return_lse=return_lse)
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q.shape[2], q.device)
     if softcap is not None and (cache_seqlens is not None or k.shape[1] != q.shape[1]):
@@ -279,6 +280,7 @@ def _block_sparse_setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices, q_num_blocks, q_indices)
     ctx.mark_non_differentiable(row_max, row_sum)
     ctx.args = (block_size, causal, scale, path, cap[0] if cap else 0.0)
+    ctx.n_inputs = len(inputs)   # softcap (a default) may be left out
 
 
 def _block_sparse_backward(ctx, do, dlse, _dmax, _dsum):
@@ -290,7 +292,7 @@ def _block_sparse_backward(ctx, do, dlse, _dmax, _dsum):
         dlse = None   # the caller never saw lse: its gradient is the materialised zero
     dq, dk, dv = _block_sparse_bwd(do, dlse, q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices,
                                    q_num_blocks, q_indices, block_size, causal, scale, path, softcap)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
 _block_sparse_fwd.register_autograd(_block_sparse_backward, setup_context=_block_sparse_setup)

@@ -97,17 +97,20 @@ def load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, r
 
 
 @triton.jit
-def tanh(x):
-    """tanh of float32 x to a few ulps (tl.math has no tanh; libdevice's does not run in the
-    interpreter): an odd Taylor polynomial below |x| = 0.25 (the next term is < 1e-8
-    relative there), (1 - e) / (1 + e) with e = exp(-2|x|) above (1 - e >= 0.39: no
-    cancellation). +-inf -> +-1, NaN -> NaN."""
+def tanh(x, EXACT: tl.constexpr):
+    """tanh of float32 x (tl.math has no tanh; libdevice's does not run in the interpreter):
+    t = (1 - e) / (1 + e) with e = exp(-2|x|), sign restored: +-inf -> +-1, NaN -> NaN. Its
+    error is absolute, ~1e-7 (1 - e cancels near 0): far below 16-bit resolution. EXACT (the
+    float32 kernels): an odd Taylor polynomial below |x| = 0.25 (next term < 1e-8 relative),
+    so t is good to a few ulps everywhere (above, 1 - e >= 0.39: no cancellation)."""
     a = tl.abs(x)
-    a2 = a * a
-    small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * (
-        -0.05396825396825397 + a2 * 0.021869488536155203))))
     e = tl.math.exp2(a * (-2.0 * LOG2E))
-    t = tl.where(a < 0.25, small, (1.0 - e) / (1.0 + e))
+    t = (1.0 - e) / (1.0 + e)
+    if EXACT:
+        a2 = a * a
+        small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * (
+            -0.05396825396825397 + a2 * 0.021869488536155203))))
+        t = tl.where(a < 0.25, small, t)
     return tl.where(x < 0, -t, t)
 
 
@@ -128,7 +131,7 @@ def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
     if q.dtype == tl.float32:   # exact form
         s = qk * sm_scale
         if SOFTCAP > 0:   # tanh keeps a NaN score NaN (NaN rule)
-            s = tanh(s * (1.0 / SOFTCAP)) * SOFTCAP
+            s = tanh(s * (1.0 / SOFTCAP), True) * SOFTCAP
         if HAS_MASK:
             s = tl.where(mask, s, float("-inf"))
         if HAS_WEIGHT:   # where: a NaN score of an uncounted pair must not survive + -inf
@@ -141,7 +144,7 @@ def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
         scale2 = tl.where(sm_scale == 0, MIN_SCALE2, sm_scale * LOG2E)   # never 0: 0 * -inf is NaN
         if HAS_WEIGHT or SOFTCAP > 0:   # log2-unit scores x, the max taken on them
             if SOFTCAP > 0:   # capped in natural units, then to log2 units
-                x = tanh(qk * (sm_scale * (1.0 / SOFTCAP))) * (SOFTCAP * LOG2E)
+                x = tanh(qk * (sm_scale * (1.0 / SOFTCAP)), False) * (SOFTCAP * LOG2E)
             else:
                 x = qk * scale2
             if HAS_WEIGHT:
@@ -212,8 +215,9 @@ def softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
     (times 1 - tanh^2, the cap's derivative)."""
     s = dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale
     if SOFTCAP > 0:
-        t = tanh(s * (1.0 / SOFTCAP))
+        t = tanh(s * (1.0 / SOFTCAP), k.dtype == tl.float32)
         s = t * SOFTCAP
+        f = (1.0 - t * t).to(k.dtype)   # the cap's derivative, kept in k's dtype (as transposed_grad_step)
     if HAS_MASK:
         s = tl.where(mask, s, float("-inf"))
     if HAS_WEIGHT:
@@ -222,7 +226,7 @@ def softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
     dp = dot(do, tl.trans(v), DOT_FP32, PRECISION)
     ds = p * (dp - delta[:, None])
     if SOFTCAP > 0:
-        ds = ds * (1.0 - t * t)
+        ds = ds * f.to(tl.float32)
     return p, ds
 
 
@@ -238,14 +242,17 @@ def transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_
     by the caller). SOFTCAP > 0: s_t is capped here (its -inf stay -inf) and dS^T taken
     through the cap (times 1 - tanh^2)."""
     if SOFTCAP > 0:
-        t_t = tanh(s_t * (1.0 / SOFTCAP))                 # -1 where masked: P = 0 there anyway
+        t_t = tanh(s_t * (1.0 / SOFTCAP), qT.dtype == tl.float32)   # -1 where masked: P = 0 there anyway
         s_t = tl.where(s_t == float("-inf"), s_t, t_t * SOFTCAP)
+        # the cap's derivative, kept across the dots in the inputs' dtype (16-bit: half the
+        # registers; relative error 2^-9 at most, the rounding dS^T gets before its dot anyway)
+        f_t = (1.0 - t_t * t_t).to(qT.dtype)
     # P^T from the saved (max, log2 denominator) of each query (load_row_stats)
     p_t = tl.math.exp2((s_t - row_max[None, :]) * LOG2E - row_log2l[None, :])
     dv += dot(p_t.to(do.dtype), do, DOT_FP32, PRECISION)
     dp_t = dot(v, tl.trans(do), DOT_FP32, PRECISION)                                  # [BLOCK_M, BLOCK_N]
     ds_t = p_t * (dp_t - delta[None, :])
     if SOFTCAP > 0:
-        ds_t = ds_t * (1.0 - t_t * t_t)
+        ds_t = ds_t * f_t.to(tl.float32)
     dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_FP32, PRECISION)
     return dk, dv

@@ -134,6 +134,7 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
         key in any of its patterns gets 0 and lse = -inf.
     """
     check_qkv(q, k, v, allow_shorter_q=True)
+    check_flags(return_lse=return_lse)
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q.shape[2], q.device)
     if softcap is not None and (cache_seqlens is not None or k.shape[1] != q.shape[1]):
@@ -327,6 +328,7 @@ def _dilated_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(row_max, row_sum)
     ctx.args = (list(segment_lengths), list(dilation_rates), causal, scale, mode, offsets, path, *heads)
     ctx.softcap = softcap
+    ctx.n_inputs = len(inputs)   # the trailing defaults may be left out
     ctx.lse_len = lse.shape[-1]
     ctx.need_lse = need_lse
 
@@ -340,7 +342,7 @@ def _dilated_backward(ctx, do, dlse, _dmax, _dsum):
         dlse = None   # the caller never saw lse: its gradient is the materialised zero
     dq, dk, dv = _dilated_bwd(do, dlse, q, k, v, out, row_max, row_sum, segment_lengths, dilation_rates,
                               causal, scale, mode, offsets, path, *heads, softcap=ctx.softcap)
-    return (dq, dk, dv) + (None,) * (len(ctx.args) + 2)
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
 _dilated_fwd.register_autograd(_dilated_backward, setup_context=_dilated_setup)
