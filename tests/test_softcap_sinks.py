@@ -438,3 +438,19 @@ def test_modules_hold_learnable_sinks(backend):
         assert module(q.half(), k.half(), v.half()).dtype == torch.float16
     plain = DilatedAttention([16], [1])
     assert plain.sinks is None and list(plain.parameters()) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_documents_with_softcap_and_sinks(backend):
+    """cu_seqlens: the packed call equals one call per document (cap and sinks per row)."""
+    N, H, bounds = 40, 2, [0, 13, 40]
+    q, k, v = make_qkv(1, N, H, 1, 8, torch.float32, 16, q_scale=4.0)
+    sinks = make_sinks(H, 17)
+    kw = dict(causal=True, softcap=2.0, sinks=sinks, return_lse=True, backend=backend)
+    out, lse = dilated_attention(q, k, v, [8, 16], [1, 2], cu_seqlens=bounds, **kw)
+    bout, blse = block_sparse_attention(q, k, v, lambda n: layouts.local(n, 16, 1), cu_seqlens=bounds, **kw)
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        ro, rl = dilated_attention(q[:, s:e], k[:, s:e], v[:, s:e], [8, 16], [1, 2], **kw)
+        bo, bl = block_sparse_attention(q[:, s:e], k[:, s:e], v[:, s:e], layouts.local(e - s, 16, 1), **kw)
+        assert max_err(out[:, s:e], ro) <= 1e-6 and max_err(lse[..., s:e], rl) <= 1e-6
+        assert max_err(bout[:, s:e], bo) <= 1e-6 and max_err(blse[..., s:e], bl) <= 1e-6
