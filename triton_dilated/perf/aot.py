@@ -60,7 +60,10 @@ VARIANTS = {"block_sparse_fwd_tma": ("block_sparse_fwd", {"TMA": 1}),
 SOFTCAP_AOT = 50.0
 VARIANTS.update({f"{name}_softcap": (name, {"SOFTCAP": SOFTCAP_AOT})
                  for name in ("dilated_fwd", "dilated_bwd_dq", "dilated_bwd_dkdv", "block_sparse_fwd",
-                              "block_sparse_bwd_dq", "block_sparse_bwd_dkdv")})
+                              "block_sparse_bwd_dq")})
+# the block-sparse backward launcher runs the capped dK/dV kernel with at most 2 pipeline stages
+# (ops/block_sparse/kernels.py, SOFTCAP_DKDV_STAGES); the defaults have 3
+VARIANTS["block_sparse_bwd_dkdv_softcap"] = ("block_sparse_bwd_dkdv", {"SOFTCAP": SOFTCAP_AOT, "num_stages": 2})
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
           "spill_stores", "spill_loads", "shared_bytes", "wgmma", "mma_sync", "cp_async", "cp_async_bulk",
           "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "tcgen05", "ws_partitions", "setmaxnreg",
@@ -216,6 +219,8 @@ def compile_one(job) -> dict:
     amd = isinstance(arch, str)
     row = dict.fromkeys(FIELDS, "")
     row.update(arch=arch_label(arch), kernel=name, dtype=dtype, D=D, causal=int(causal), **cfg)
+    # a variant's tile settings (num_stages of the capped backward) as compiled
+    row.update((k, v) for k, v in VARIANTS.get(name, (name, {}))[1].items() if k in FIELDS)
     start = time.time()
     warnings.filterwarnings("ignore", message=_FP_FUSION_WARNING)   # run_aot says it once
     try:

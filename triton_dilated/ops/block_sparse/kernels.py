@@ -404,6 +404,9 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None, softcap
     return out, row_max, row_sum
 
 
+SOFTCAP_DKDV_STAGES = 2   # at most this many pipeline stages in the dK/dV kernel with softcap
+
+
 @on_tensor_device
 def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, causal, scale, config=None,
                           softcap=None):
@@ -413,6 +416,9 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
     # one config for both kernels when given (or tuned); untuned, the dK/dV kernel has its own
     cfg = config or select_config("block_sparse_bwd", q.dtype, block_d, N, q.device)
     kv_cfg = config or select_config("block_sparse_bwd", q.dtype, block_d, N, q.device, kernel="block_sparse_bwd_dkdv")
+    if softcap:   # the cap's tanh and derivative take a pipeline stage's registers in dK/dV (perf aot, bf16:
+        # with 3 stages sm90 D = 128 spills 36 B, with 2 none)
+        kv_cfg = {**kv_cfg, "num_stages": min(kv_cfg.get("num_stages", 2), SOFTCAP_DKDV_STAGES)}
     bm, bn = _tiles(cfg, layout.block_size)
     for name, t in (("row_max", row_max), ("row_sum", row_sum)):
         require_contiguous("block_sparse_backward", name, t, (B, Hq, N))
