@@ -48,24 +48,33 @@ def max_err(a, b, mask=None):
 
 # ----------------------------------------------------------------------------- references
 
-def dense_reference(q, k, v, counts, scale=None):
+def dense_reference(q, k, v, counts, scale=None, softcap=None, sinks=None):
     """Attention with multiplicities `counts` ((B|1, Hq|1, N, Nk) or (Hq, N, Nk); a key
     counted twice has twice the weight) in the dtype of q (no upcast): (out, lse). Rows with
     no key: out 0, lse -inf. Differentiable. With float64 inputs it is the dense definition
-    of DESIGN §3/§4 (an independent check of the gather-based oracles)."""
+    of DESIGN §3/§4 (an independent check of the gather-based oracles). softcap: scores
+    s -> softcap * tanh(s / softcap); sinks (Hq,): a logit per head added to every row's
+    denominator (exp(sink), no value), in q's dtype."""
     B, N, Hq, D = q.shape
     scale = D ** -0.5 if scale is None else scale
     group = Hq // k.shape[2]
     kk = k.repeat_interleave(group, dim=2)
     vv = v.repeat_interleave(group, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     cnt = counts.to(device=q.device)
     cnt = cnt if cnt.dim() == 4 else cnt[None]
     s = s.masked_fill(cnt == 0, float("-inf"))
     m = s.detach().amax(-1, keepdim=True)
+    if sinks is not None:
+        sink = sinks.to(s.dtype)[None, :, None, None]
+        m = torch.maximum(m, sink.detach())
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m) * cnt.to(s.dtype)
     z = e.sum(-1, keepdim=True)
+    if sinks is not None:
+        z = z + torch.exp(sink - m)
     z_safe = torch.where(z > 0, z, torch.ones_like(z))
     out = torch.einsum("bhqk,bkhd->bqhd", (e / z_safe).to(q.dtype), vv)
     lse = torch.where(z > 0, m + torch.log(z_safe), torch.full_like(z, float("-inf"))).squeeze(-1)

@@ -62,7 +62,7 @@ from torch import Tensor, nn
 
 from .ops.block_sparse import BlockLayout, block_sparse_attention, block_sparse_attention_op
 from .ops.common.runtime import BACKENDS
-from .ops.common.validation import check_bool, check_choice, check_int, check_scale
+from .ops.common.validation import check_bool, check_choice, check_int, check_scale, check_softcap
 from .ops.dilated import dilated_attention, dilated_attention_op
 from .ops.dilated.patterns import check_patterns
 from .ops.ring import ring_attention, ulysses_attention
@@ -91,6 +91,22 @@ def _check_module_scale(scale):
 
 def _check_backend(backend):
     return check_choice("backend", backend, BACKENDS)
+
+
+def _sink_parameter(sinks, num_heads):
+    """sinks=True: one learnable sink logit per query head (float32, zero-initialised: a
+    sink of 0 first adds exp(0) = 1 to each row's denominator); False: None."""
+    if not check_bool("sinks", sinks):
+        return None
+    if num_heads is None:
+        raise ValueError("sinks=True needs num_heads (the query heads, one sink logit each)")
+    return nn.Parameter(torch.zeros(check_int("num_heads", num_heads, 1), dtype=torch.float32))
+
+
+def _sinks_arg(param):
+    """The sinks argument of the attention call: the parameter as float32 (a module cast to
+    16 bits keeps its sinks usable), or None."""
+    return None if param is None else param.float()
 
 
 COMPAT_DAP = "dilated-attention-pytorch"
@@ -192,17 +208,22 @@ class DilatedAttention(nn.Module):
             needs Hq a multiple of the number of patterns; no lse. Without it the outputs
             are not that library's (this module has no weights, so nothing warns at load
             time: pass it when switching the import).
+        softcap: None, or the score cap c (s -> c * tanh(s / c), see `dilated_attention`).
+        sinks: True: a learnable sink logit per query head (`self.sinks`, an nn.Parameter
+            (num_heads,), zero-initialised) joins every row's softmax denominator; needs
+            num_heads. False (default): no sinks, and the module has no parameters.
+        num_heads: the query heads (with sinks=True; forward's query must have them).
 
     forward(query, key, value, causal=None, return_lse=False, *, is_causal=None): query
     (B, N, Hq, D), key/value (B, N, Hkv, D) with Hq % Hkv == 0; returns out like query, or
-    (out, lse). `is_causal` is dilated-attention-pytorch's name for `causal`. The module has
-    no parameters.
+    (out, lse). `is_causal` is dilated-attention-pytorch's name for `causal`.
     """
 
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
                  softmax_scale: Optional[float] = None, attention_dropout: float = 0.0, op=None, *,
                  causal: bool = False, mode: Optional[str] = None, offsets: str = "modulo",
-                 scale: Optional[float] = None, backend: str = "auto", compat: Optional[str] = None):
+                 scale: Optional[float] = None, backend: str = "auto", compat: Optional[str] = None,
+                 softcap: Optional[float] = None, sinks: bool = False, num_heads: Optional[int] = None):
         super().__init__()
         _ignore_op(op, "DilatedAttention")
         if softmax_scale is not None and scale is not None:
@@ -222,6 +243,11 @@ class DilatedAttention(nn.Module):
         self.mode, self.offsets = mode, offsets
         self.scale = scale
         self.backend = _check_backend(backend)
+        self.softcap = check_softcap(softcap)
+        self.sinks = _sink_parameter(sinks, num_heads)
+        if self.compat is not None and (self.softcap is not None or self.sinks is not None):
+            raise ValueError(f"softcap and sinks are not available with compat={self.compat!r} (that library has "
+                             f"neither)")
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, causal: Optional[bool] = None,
                 return_lse: bool = False, *, is_causal: Optional[bool] = None):
@@ -234,7 +260,8 @@ class DilatedAttention(nn.Module):
             return self._compat_forward(query, key, value, causal, return_lse)
         fn = dilated_attention_op if _compiling() else dilated_attention
         return fn(query, key, value, self.segment_lengths, self.dilation_rates, causal=causal, scale=self.scale,
-                  mode=self.mode, offsets=self.offsets, return_lse=return_lse, backend=self.backend)
+                  mode=self.mode, offsets=self.offsets, return_lse=return_lse, backend=self.backend,
+                  softcap=self.softcap, sinks=_sinks_arg(self.sinks))
 
     def _compat_forward(self, query, key, value, causal, return_lse):
         """dilated-attention-pytorch's DilatedAttention: per head group g of m,
@@ -257,7 +284,7 @@ class DilatedAttention(nn.Module):
         compat = f", compat={self.compat!r}" if self.compat is not None else ""
         return (f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, "
                 f"causal={self.causal}, mode={self.mode!r}, offsets={self.offsets!r}, scale={self.scale}, "
-                f"backend={self.backend!r}{compat}")
+                f"backend={self.backend!r}{compat}{_extras_repr(self)}")
 
 
 class MultiheadDilatedAttention(nn.Module):
@@ -457,6 +484,9 @@ class BlockSparseAttention(nn.Module):
         scale: default 1/sqrt(D). backend: "auto", "triton" or "torch".
         cache_size: how many built layouts a seq_len builder keeps (least recently used
             dropped first; 0: rebuild on every call). Default 8.
+        softcap: None, or the score cap c (s -> c * tanh(s / c)).
+        sinks: True: a learnable sink logit per query head (`self.sinks`, an nn.Parameter
+            (num_heads,), zero-initialised) joins every row's denominator; needs num_heads.
 
     forward(query, key, value, causal=None, return_lse=False) returns out like query, or
     (out, lse). torch.compile(fullgraph=True) needs a fixed layout (the builders use
@@ -464,8 +494,11 @@ class BlockSparseAttention(nn.Module):
     """
 
     def __init__(self, layout: Union[BlockLayout, Callable], *, causal: bool = False, scale: Optional[float] = None,
-                 backend: str = "auto", builder_input: str = "seq_len", cache_size: int = 8):
+                 backend: str = "auto", builder_input: str = "seq_len", cache_size: int = 8,
+                 softcap: Optional[float] = None, sinks: bool = False, num_heads: Optional[int] = None):
         super().__init__()
+        self.softcap = check_softcap(softcap)
+        self.sinks = _sink_parameter(sinks, num_heads)
         check_choice("builder_input", builder_input, BUILDER_INPUTS)
         self.cache_size = check_int("cache_size", cache_size, 0)
         self.causal = check_bool("causal", causal)
@@ -522,10 +555,16 @@ class BlockSparseAttention(nn.Module):
         layout = self.layout if self.builder is None else self._built(query, key)
         fn = block_sparse_attention_op if _compiling() else block_sparse_attention
         return fn(query, key, value, layout, causal=causal, scale=self.scale, return_lse=return_lse,
-                  backend=self.backend)
+                  backend=self.backend, softcap=self.softcap, sinks=_sinks_arg(self.sinks))
 
     def extra_repr(self) -> str:
         src = (f"builder={getattr(self.builder, '__name__', type(self.builder).__name__)}, "
                f"builder_input={self.builder_input!r}" if self.builder is not None
                else f"layout={self.layout!r}")
-        return f"{src}, causal={self.causal}, scale={self.scale}, backend={self.backend!r}"
+        return f"{src}, causal={self.causal}, scale={self.scale}, backend={self.backend!r}{_extras_repr(self)}"
+
+
+def _extras_repr(module) -> str:
+    """", softcap=..., sinks=H" where a module has them."""
+    cap = f", softcap={module.softcap}" if module.softcap is not None else ""
+    return cap + (f", sinks={module.sinks.numel()}" if module.sinks is not None else "")

@@ -58,6 +58,15 @@ VARIANTS = {"block_sparse_fwd_tma": ("block_sparse_fwd", {"TMA": 1}),
             "block_sparse_fwd_ws": ("block_sparse_fwd", {"TMA": 1, "WARP_SPEC": 1}),
             "dilated_decode_paged": ("dilated_decode", {"PAGE_SIZE": 16}),
             "block_sparse_decode_paged": ("block_sparse_decode", {"PAGE_SIZE": 16})}
+# softcap= (issue 23): the kernels with the score cap compiled in (SOFTCAP, a constexpr; 0.0, the
+# default rows, is the uncapped kernel); 50.0 is Gemma 2's attention cap
+SOFTCAP_AOT = 50.0
+VARIANTS.update({f"{name}_softcap": (name, {"SOFTCAP": SOFTCAP_AOT})
+                 for name in ("dilated_fwd", "dilated_bwd_dq", "dilated_bwd_dkdv", "block_sparse_fwd",
+                              "block_sparse_bwd_dq")})
+# the block-sparse backward launcher runs the capped dK/dV kernel with at most 2 pipeline stages
+# (ops/block_sparse/kernels.py, SOFTCAP_DKDV_STAGES); the defaults have 3
+VARIANTS["block_sparse_bwd_dkdv_softcap"] = ("block_sparse_bwd_dkdv", {"SOFTCAP": SOFTCAP_AOT, "num_stages": 2})
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
           "spill_stores", "spill_loads", "shared_bytes", "wgmma", "mma_sync", "cp_async", "cp_async_bulk",
           "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "tcgen05", "ws_partitions", "setmaxnreg",
@@ -98,7 +107,8 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
     tma = cfg.get("TMA", 0)
     constexprs = dict(HEAD_DIM=D, BLOCK_D=padded_head_dim(D), CAUSAL=causal,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=False,
-                      PRECISION=_precision(dtype, amd), TMA=bool(tma), WARP_SPEC=bool(cfg.get("WARP_SPEC", 0)))
+                      PRECISION=_precision(dtype, amd), TMA=bool(tma), WARP_SPEC=bool(cfg.get("WARP_SPEC", 0)),
+                      SOFTCAP=float(cfg.get("SOFTCAP", 0.0)))
     for variant in SPECS:
         if spec in variant.kernels:
             constexprs.update(variant.aot_constexprs)
@@ -214,6 +224,8 @@ def compile_one(job) -> dict:
     amd = isinstance(arch, str)
     row = dict.fromkeys(FIELDS, "")
     row.update(arch=arch_label(arch), kernel=name, dtype=dtype, D=D, causal=int(causal), **cfg)
+    # a variant's tile settings (num_stages of the capped backward) as compiled
+    row.update((k, v) for k, v in VARIANTS.get(name, (name, {}))[1].items() if k in FIELDS)
     start = time.time()
     warnings.filterwarnings("ignore", message=_FP_FUSION_WARNING)   # run_aot says it once
     try:
@@ -297,10 +309,9 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
             family = KERNELS[VARIANTS.get(name, (name,))[0]].family
             for dtype in dtypes:
                 for D in head_dims:
-                    # a paged decode variant runs its kernel's launcher defaults
-                    paged = "PAGE_SIZE" in VARIANTS.get(name, ("", {}))[1]
-                    cfgs = configs or [default_config(family, padded_head_dim(D), fake, torch_dtype[dtype],
-                                                      kernel=VARIANTS[name][0] if paged else name)]
+                    # a variant takes its kernel's config, as the launcher picks it
+                    cfgs = configs or [default_config(family, padded_head_dim(D), fake,
+                                                      torch_dtype[dtype], kernel=VARIANTS.get(name, (name,))[0])]
                     work += [(name, arch, dtype, D, c, dict(cfg)) for c in causal for cfg in cfgs]
     if ptx_dir:
         for i, (name, arch, dtype, D, c, cfg) in enumerate(work):

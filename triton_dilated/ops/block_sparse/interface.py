@@ -21,11 +21,12 @@ from torch import Tensor
 
 from ..common.decode import DECODE_MAX_QUERIES, decode_path
 from ..common.first_order import first_order_backward, needs_grad
-from ..common.lse import lse_from_stats
+from ..common.lse import add_sinks, lse_from_stats
 from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.query_offset import run_with_query_offset
-from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale
+from ..common.validation import (check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale,
+                                 check_sinks, check_softcap)
 from .inference import block_sparse_attention_with_kvcache, decode_layout
 from .layout import BlockLayout
 from .portable import block_sparse_attention_torch
@@ -51,28 +52,29 @@ class _BlockSparseAttentionFn(torch.autograd.Function):
     """The Triton path: forward (out and the row statistics), dQ and dK/dV kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, causal, scale):
-        out, row_max, row_sum = _kernels().block_sparse_forward(q, k, v, layout, causal=causal, scale=scale)
+    def forward(ctx, q, k, v, layout, causal, scale, softcap=None):
+        out, row_max, row_sum = _kernels().block_sparse_forward(q, k, v, layout, causal=causal, scale=scale,
+                                                                softcap=softcap)
         ctx.save_for_backward(q, k, v, out, row_max, row_sum)
-        ctx.args = (layout, causal, scale)
+        ctx.args = (layout, causal, scale, softcap)
         return out, lse_from_stats(row_max, row_sum)
 
     @staticmethod
     @first_order_backward("block_sparse_attention (Triton path)")
     def backward(ctx, do, dlse):
         q, k, v, out, row_max, row_sum = ctx.saved_tensors
-        layout, causal, scale = ctx.args
+        layout, causal, scale, softcap = ctx.args
         if do is None:
             do = torch.zeros_like(out)
         dq, dk, dv = _kernels().block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout,
-                                                      causal=causal, scale=scale)
-        return dq, dk, dv, None, None, None
+                                                      causal=causal, scale=scale, softcap=softcap)
+        return dq, dk, dv, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- public
 
 def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_lse=False, backend="auto",
-                           cu_seqlens=None, cache_seqlens=None):
+                           cu_seqlens=None, cache_seqlens=None, softcap=None, sinks=None):
     """Exact attention over the active blocks of a BlockLayout (DESIGN §4).
 
     Args:
@@ -99,9 +101,33 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
             Unlike flash-attn's argument of the same name it counts the new tokens too.
             The values are checked on the host (a device sync); for a decode step with none,
             use block_sparse_attention_with_kvcache.
+        softcap: None, or a positive float c: scores s -> c * tanh(s / c) before the
+            softmax, gradients through the cap. Not on the decode path (q shorter than k, v,
+            or cache_seqlens) yet: a ValueError there.
+        sinks: None, or a float32 tensor (Hq,) (differentiable): a per-head logit joining
+            every row's softmax denominator, no value. lse then includes it: a row without
+            keys gets 0 and lse = its head's sink.
 
     Returns out (B, N, Hq, D) like q (and lse). Rows with no active key: 0, lse = -inf.
     """
+    check_qkv(q, k, v, allow_shorter_q=True)
+    check_flags(return_lse=return_lse)
+    softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, q.shape[2], q.device)
+    if softcap is not None and (cache_seqlens is not None or k.shape[1] != q.shape[1]):
+        raise ValueError("softcap is not supported on the decode path yet (q shorter than k, v, or cache_seqlens)")
+    res = _block_sparse_attention(q, k, v, layout, causal=causal, scale=scale,
+                                  return_lse=return_lse or sinks is not None, backend=backend, cu_seqlens=cu_seqlens,
+                                  cache_seqlens=cache_seqlens, softcap=softcap)
+    if sinks is None:
+        return res
+    out, lse = add_sinks(*res, sinks)
+    return (out, lse) if return_lse else out
+
+
+def _block_sparse_attention(q, k, v, layout, *, causal, scale, return_lse, backend, cu_seqlens, cache_seqlens,
+                            softcap):
+    """block_sparse_attention without the sinks (softcap validated)."""
     scale = _check_args(q, k, v, layout, causal, scale, return_lse, packed=cu_seqlens is not None,
                         allow_shorter_q=True)
     B, N, Hq, D = q.shape
@@ -140,13 +166,13 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
         return (out, lse) if return_lse else out
     if cu_seqlens is not None:
         return _packed(q, k, v, layout, cu_seqlens, causal=causal, scale=scale, return_lse=return_lse,
-                       backend=backend)
+                       backend=backend, softcap=softcap)
     path = resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype)
     # under torch.compile: the custom op (either path). It traces without a graph break; the
     # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
     if torch.compiler.is_compiling():
         return block_sparse_attention_op(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse,
-                                         backend=backend)
+                                         backend=backend, softcap=softcap)
     if B == 0 or N == 0:
         return empty_result(q, k, v, return_lse)
     layout.check_seq_len(N)
@@ -154,10 +180,11 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
     layout = layout.to(q.device) if layout.kv_indices.device != q.device else layout
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        out, lse = _BlockSparseAttentionFn.apply(q, k, v, layout, causal, scale)
+        out, lse = _BlockSparseAttentionFn.apply(q, k, v, layout, causal, scale, softcap)
     else:
         out, lse = block_sparse_attention_torch(q, k, v, layout, causal=causal, scale=scale,
-                                                compute_dtype=portable_compute_dtype(q.dtype, q.device))
+                                                compute_dtype=portable_compute_dtype(q.dtype, q.device),
+                                                softcap=softcap)
     return (out, lse) if return_lse else out
 
 
@@ -191,21 +218,24 @@ def _packed(q, k, v, layout, cu_seqlens, **kw):
 @torch.library.custom_op("triton_dilated::block_sparse_fwd", mutates_args=())
 def _block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Tensor, kv_indices: Tensor,
                       q_num_blocks: Tensor, q_indices: Tensor, block_size: int, causal: bool, scale: float,
-                      need_lse: bool, path: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, row_max, row_sum)."""
+                      need_lse: bool, path: str, softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, row_max, row_sum). softcap 0.0: no cap."""
     check_path(path)
     layout = BlockLayout.from_canonical_lists(kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size)
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        out, row_max, row_sum = _kernels().block_sparse_forward(q, k, v, layout, causal=causal, scale=scale)
+        out, row_max, row_sum = _kernels().block_sparse_forward(q, k, v, layout, causal=causal, scale=scale,
+                                                                softcap=softcap or None)
         return out, lse_from_stats(row_max, row_sum), row_max, row_sum
     out, lse = block_sparse_attention_torch(q, k, v, layout, causal=causal, scale=scale,
-                                            compute_dtype=portable_compute_dtype(q.dtype, q.device))
+                                            compute_dtype=portable_compute_dtype(q.dtype, q.device),
+                                            softcap=softcap or None)
     return fresh(out), fresh(lse), empty_stats(q), empty_stats(q)
 
 
 @_block_sparse_fwd.register_fake
-def _(q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, causal, scale, need_lse, path):
+def _(q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, causal, scale, need_lse, path,
+      softcap=0.0):
     B, N, Hq, D = q.shape
     stats = N if path == "triton" else 0
     return (q.new_empty((B, N, Hq, D)), q.new_empty((B, Hq, N), dtype=torch.float32),
@@ -216,19 +246,20 @@ def _(q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, c
 def _block_sparse_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                       row_max: Tensor, row_sum: Tensor, kv_num_blocks: Tensor, kv_indices: Tensor,
                       q_num_blocks: Tensor, q_indices: Tensor, block_size: int, causal: bool, scale: float,
-                      path: str) -> Tuple[Tensor, Tensor, Tensor]:
+                      path: str, softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
     check_path(path)
     layout = BlockLayout.from_canonical_lists(kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size)
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         dq, dk, dv = _kernels().block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout,
-                                                      causal=causal, scale=scale)
+                                                      causal=causal, scale=scale, softcap=softcap or None)
         return fresh(dq), fresh(dk), fresh(dv)
     compute = portable_compute_dtype(q.dtype, q.device)
     with_lse = dlse is not None
 
     def fwd(q_, k_, v_):
-        o, lse = block_sparse_attention_torch(q_, k_, v_, layout, causal=causal, scale=scale, compute_dtype=compute)
+        o, lse = block_sparse_attention_torch(q_, k_, v_, layout, causal=causal, scale=scale, compute_dtype=compute,
+                                              softcap=softcap or None)
         return (o, lse) if with_lse else (o,)
 
     return recompute_grads(fwd, (q, k, v), (do, dlse) if with_lse else (do,))
@@ -236,45 +267,55 @@ def _block_sparse_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, 
 
 @_block_sparse_bwd.register_fake
 def _(do, dlse, q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size,
-      causal, scale, path):
+      causal, scale, path, softcap=0.0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _block_sparse_setup(ctx, inputs, output):
-    q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, causal, scale, need_lse, path = inputs
+    q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, causal, scale, need_lse, path, *cap = inputs
     out, _, row_max, row_sum = output
     ctx.need_lse = need_lse
     ctx.save_for_backward(q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices, q_num_blocks, q_indices)
     ctx.mark_non_differentiable(row_max, row_sum)
-    ctx.args = (block_size, causal, scale, path)
+    ctx.args = (block_size, causal, scale, path, cap[0] if cap else 0.0)
+    ctx.n_inputs = len(inputs)   # softcap (a default) may be left out
 
 
 def _block_sparse_backward(ctx, do, dlse, _dmax, _dsum):
     q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices, q_num_blocks, q_indices = ctx.saved_tensors
-    block_size, causal, scale, path = ctx.args
+    block_size, causal, scale, path, softcap = ctx.args
     if do is None:
         do = torch.zeros_like(out)
     if not ctx.need_lse:
         dlse = None   # the caller never saw lse: its gradient is the materialised zero
     dq, dk, dv = _block_sparse_bwd(do, dlse, q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices,
-                                   q_num_blocks, q_indices, block_size, causal, scale, path)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                                   q_num_blocks, q_indices, block_size, causal, scale, path, softcap)
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
 _block_sparse_fwd.register_autograd(_block_sparse_backward, setup_context=_block_sparse_setup)
 
 
-def block_sparse_attention_op(q, k, v, layout, *, causal=False, scale=None, return_lse=False, backend="auto"):
+def block_sparse_attention_op(q, k, v, layout, *, causal=False, scale=None, return_lse=False, backend="auto",
+                              softcap=None, sinks=None):
     """`block_sparse_attention` through the `triton_dilated::block_sparse_fwd/_bwd` custom ops:
-    same arguments and results, traceable by `torch.compile(fullgraph=True)`. Build the
-    layout outside the compiled region (builders use data-dependent shapes)."""
+    same arguments and results, traceable by `torch.compile(fullgraph=True)` (the sinks join
+    outside the op, in traceable tensor code). Build the layout outside the compiled region
+    (builders use data-dependent shapes)."""
     scale = _check_args(q, k, v, layout, causal, scale, return_lse)
+    softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, q.shape[2], q.device)
     B, N, Hq, D = q.shape
     path = resolve_path(backend, str(q.device))
     if B == 0 or N == 0:
-        return empty_result(q, k, v, return_lse)
-    layout.check_seq_len(N)
-    layout.check_heads(B, Hq)
-    lists = [x.to(q.device) for x in (layout.kv_num_blocks, layout.kv_indices, layout.q_num_blocks, layout.q_indices)]
-    out, lse, _, _ = _block_sparse_fwd(q, k, v, *lists, layout.block_size, causal, scale, return_lse, path)
+        out, lse = empty_result(q, k, v, True)
+    else:
+        layout.check_seq_len(N)
+        layout.check_heads(B, Hq)
+        lists = [x.to(q.device) for x in (layout.kv_num_blocks, layout.kv_indices, layout.q_num_blocks,
+                                          layout.q_indices)]
+        out, lse, _, _ = _block_sparse_fwd(q, k, v, *lists, layout.block_size, causal, scale, return_lse, path,
+                                           softcap or 0.0)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out

@@ -88,7 +88,7 @@ def _block_sparse_fwd_kernel(
         N, HQ, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-        TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+        TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -125,7 +125,8 @@ def _block_sparse_fwd_kernel(
         else:
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, BLOCK_N, rows, row_ok, d_ok,
                                         CAUSAL, False, BLOCK_N)
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, False, DOT_FP32, PRECISION)
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, False, DOT_FP32, PRECISION,
+                                            SOFTCAP=SOFTCAP)
     # then the masked ones (the causal diagonal, the ragged last block): the end of the list
     for j in range(n_full, n_end):
         start = tl.load(index_base + j) * BLOCK_SIZE
@@ -139,7 +140,8 @@ def _block_sparse_fwd_kernel(
             else:
                 k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
                                             d_ok, CAUSAL, True, BLOCK_N)
-            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, True, DOT_FP32, PRECISION)
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, True, DOT_FP32, PRECISION,
+                                                SOFTCAP=SOFTCAP)
     out, row_max, row_sum = finalize(acc, m_i, l_i, q)                                  # [BLOCK_M, BLOCK_D]
     O += (b * N * HQ + h) * HEAD_DIM
     tl.store(O + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], out.to(O.dtype.element_ty),
@@ -158,7 +160,8 @@ def _block_sparse_bwd_dq_kernel(
         stride_dob, stride_don, stride_doh,
         N, HQ, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+        SOFTCAP: tl.constexpr = 0.0):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -191,7 +194,7 @@ def _block_sparse_bwd_dq_kernel(
         k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, BLOCK_N, rows, row_ok, d_ok,
                                     CAUSAL, False, BLOCK_N)
         p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, False, DOT_FP32,
-                                   PRECISION)                                            # [BLOCK_M, BLOCK_N]
+                                   PRECISION, SOFTCAP=SOFTCAP)                           # [BLOCK_M, BLOCK_N]
         dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
     for j in range(n_full, n_end):       # masked blocks: the end of the list
         start = tl.load(index_base + j) * BLOCK_SIZE
@@ -202,7 +205,7 @@ def _block_sparse_bwd_dq_kernel(
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
                                         d_ok, CAUSAL, True, BLOCK_N)
             p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, True, DOT_FP32,
-                                       PRECISION)
+                                       PRECISION, SOFTCAP=SOFTCAP)
             dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
     DQ += bnhd_offset(b, h, N, HQ, HEAD_DIM)
     tl.store(DQ + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
@@ -212,7 +215,7 @@ def _block_sparse_bwd_dq_kernel(
 @triton.jit
 def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N, stride_qn, stride_don,
                sm_scale, d, d_ok, CAUSAL_MASK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-               PRECISION: tl.constexpr):
+               PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """Add the query rows [m0, m0 + BLOCK_N) to the key tile's (dk, dv) [BLOCK_M, BLOCK_D].
     Transposed scores: the key tile is the M dimension of every dot (S^T = K Q^T, dV += P^T dO,
     dP^T = V dO^T, dK += dS^T Q), so P^T and dS^T feed the next dots from registers and the
@@ -231,7 +234,7 @@ def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, sta
     s_t = dot(k, qT, DOT_FP32, PRECISION) * sm_scale                                     # [BLOCK_M, BLOCK_N]
     if CAUSAL_MASK:
         s_t = tl.where(keys[:, None] <= qrows[None, :], s_t, float("-inf"))
-    return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_FP32, PRECISION)
+    return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_FP32, PRECISION, SOFTCAP)
 
 
 @triton.jit
@@ -242,7 +245,8 @@ def _block_sparse_bwd_dkdv_kernel(
         stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
         N, HKV, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+        SOFTCAP: tl.constexpr = 0.0):
     # this program: BLOCK_M keys of one key/value head (the M dimension of every dot); walks
     # BLOCK_N query sub-tiles
     tile, b, kvh = program_tile(tl.cdiv(N, BLOCK_M), HKV)
@@ -277,11 +281,11 @@ def _block_sparse_bwd_dkdv_kernel(
         diag_end = tl.where(n_full > n_skip, tl.minimum(kblock * BLOCK_SIZE + BLOCK_SIZE, N), 0)
         for m0 in range((first_key // BLOCK_N) * BLOCK_N, diag_end, BLOCK_N):
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
-                                stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_FP32, PRECISION)
+                                stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_FP32, PRECISION, SOFTCAP)
         for it in range(n_full * subs, count * subs):
             m0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_N
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
-                                stride_qn, stride_don, sm_scale, d, d_ok, False, BLOCK_N, DOT_FP32, PRECISION)
+                                stride_qn, stride_don, sm_scale, d, d_ok, False, BLOCK_N, DOT_FP32, PRECISION, SOFTCAP)
         stats += N   # the next head's rows
     DK += (b * N * HKV + kvh) * HEAD_DIM
     DV += (b * N * HKV + kvh) * HEAD_DIM
@@ -370,7 +374,7 @@ def _tiles(cfg, block_size):
 
 
 @on_tensor_device
-def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
+def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None, softcap=None):
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
     block_d = padded_head_dim(D)
@@ -395,19 +399,26 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None):
         **_strides(q=q, k=k, v=v), **lists, N=N, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
         DOT_FP32=dot_fp32, PRECISION=precision, TMA=bool(tma), WARP_SPEC=bool(warp_spec and tma),
-        num_warps=cfg.get("num_warps", 4),
+        SOFTCAP=float(softcap or 0.0), num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2))
     return out, row_max, row_sum
 
 
+SOFTCAP_DKDV_STAGES = 2   # at most this many pipeline stages in the dK/dV kernel with softcap
+
+
 @on_tensor_device
-def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, causal, scale, config=None):
+def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, causal, scale, config=None,
+                          softcap=None):
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
     block_d = padded_head_dim(D)
     # one config for both kernels when given (or tuned); untuned, the dK/dV kernel has its own
     cfg = config or select_config("block_sparse_bwd", q.dtype, block_d, N, q.device)
     kv_cfg = config or select_config("block_sparse_bwd", q.dtype, block_d, N, q.device, kernel="block_sparse_bwd_dkdv")
+    if softcap:   # the cap's tanh and derivative take a pipeline stage's registers in dK/dV (perf aot, bf16:
+        # with 3 stages sm90 D = 128 spills 36 B, with 2 none)
+        kv_cfg = {**kv_cfg, "num_stages": min(kv_cfg.get("num_stages", 2), SOFTCAP_DKDV_STAGES)}
     bm, bn = _tiles(cfg, layout.block_size)
     for name, t in (("row_max", row_max), ("row_sum", row_sum)):
         require_contiguous("block_sparse_backward", name, t, (B, Hq, N))
@@ -417,7 +428,7 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
     common = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
                   **_strides(q=q, k=k, v=v, do=do), N=N, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
                   HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal,
-                  DOT_FP32=dot_fp32, PRECISION=precision)
+                  DOT_FP32=dot_fp32, PRECISION=precision, SOFTCAP=float(softcap or 0.0))
     dq = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
     _, index, lists = _block_lists(layout.kv_num_blocks, layout.kv_indices, B, Hq)
     full, end = _key_lists(layout, N, causal)

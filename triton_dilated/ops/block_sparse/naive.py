@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common.lse import masked_attention_with_lse
-from ..common.validation import check_qkv, check_scale
+from ..common.lse import add_sinks, masked_attention_with_lse
+from ..common.validation import check_qkv, check_scale, check_sinks, check_softcap
 from .layout import BlockLayout
 
 
@@ -20,10 +20,15 @@ def element_mask(layout: BlockLayout, seq_len: int, causal: bool) -> torch.Tenso
     return mask
 
 
-def block_sparse_attention_naive(q, k, v, layout: BlockLayout, *, causal=False, scale=None):
+def block_sparse_attention_naive(q, k, v, layout: BlockLayout, *, causal=False, scale=None, softcap=None,
+                                 sinks=None):
     """Reference block-sparse attention in float64: (out (B, N, Hq, D), lse (B, Hq, N));
-    rows with no key give 0 and -inf. Differentiable."""
+    rows with no key give 0 and -inf. Differentiable. softcap: scores s -> softcap *
+    tanh(s / softcap); sinks: (Hq,) logits (float32 or float64) joining each row's
+    denominator (a row with no key then gets 0 and lse = its sink)."""
     check_qkv(q, k, v, allow_float64=True)
+    softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, q.shape[2], q.device, allow_float64=True)
     B, N, Hq, D = q.shape
     layout.check_seq_len(N)
     layout.check_heads(B, Hq)
@@ -33,5 +38,6 @@ def block_sparse_attention_naive(q, k, v, layout: BlockLayout, *, causal=False, 
     k64 = k.double().repeat_interleave(group, dim=2).transpose(1, 2)
     v64 = v.double().repeat_interleave(group, dim=2).transpose(1, 2)
     mask = element_mask(layout.to(q.device), N, causal)
-    out, lse = masked_attention_with_lse(q64, k64, v64, mask, scale)
-    return out.transpose(1, 2), lse
+    out, lse = masked_attention_with_lse(q64, k64, v64, mask, scale, softcap)
+    out = out.transpose(1, 2)
+    return (out, lse) if sinks is None else add_sinks(out, lse, sinks.double())

@@ -30,8 +30,9 @@ def _buckets(counts: torch.Tensor):
         yield rows, int(counts[rows].max())
 
 
-def block_sparse_attention_torch(q, k, v, layout, *, causal: bool, scale: float, compute_dtype=None):
-    """Validated inputs; returns (out like q, lse float32 (B, Hq, N))."""
+def block_sparse_attention_torch(q, k, v, layout, *, causal: bool, scale: float, compute_dtype=None, softcap=None):
+    """Validated inputs; returns (out like q, lse float32 (B, Hq, N)). softcap: None or the
+    score cap (ops.common.lse's explicit path)."""
     q, k, v = first_order_inputs("block_sparse_attention (portable backend)", q, k, v)
     B, N, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
@@ -71,7 +72,7 @@ def block_sparse_attention_torch(q, k, v, layout, *, causal: bool, scale: float,
             elif bool(keep.all()):
                 keep = None
             o, lse = attention_with_lse(qg[None], kg[None], vg[None], False, scale,
-                                        keep=None if keep is None else keep[None], finite=finite)
+                                        keep=None if keep is None else keep[None], finite=finite, softcap=softcap)
             ids.append(r)
             outs.append(o[0])
             lses.append(lse[0])

@@ -97,19 +97,41 @@ def load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, r
 
 
 @triton.jit
+def tanh(x, EXACT: tl.constexpr):
+    """tanh of float32 x (tl.math has no tanh; libdevice's does not run in the interpreter):
+    t = (1 - e) / (1 + e) with e = exp(-2|x|), sign restored: +-inf -> +-1, NaN -> NaN. Its
+    error is absolute, ~1e-7 (1 - e cancels near 0): far below 16-bit resolution. EXACT (the
+    float32 kernels): an odd Taylor polynomial below |x| = 0.25 (next term < 1e-8 relative),
+    so t is good to a few ulps everywhere (above, 1 - e >= 0.39: no cancellation)."""
+    a = tl.abs(x)
+    e = tl.math.exp2(a * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    if EXACT:
+        a2 = a * a
+        small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * (
+            -0.05396825396825397 + a2 * 0.021869488536155203))))
+        t = tl.where(a < 0.25, small, t)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
                         HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-                        log_weight=0.0, HAS_WEIGHT: tl.constexpr = False):
+                        log_weight=0.0, HAS_WEIGHT: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0):
     """Fold one key block (k, v: (BLOCK_N, BLOCK_D)) into the running (acc, m, l) of the
     query tile q (BLOCK_M, BLOCK_D). `mask` (BLOCK_M, BLOCK_N) keeps pairs when HAS_MASK.
     HAS_WEIGHT: `log_weight` (BLOCK_M, BLOCK_N) is added to the scores: ln of how many
     times a pair counts (a key two dilated patterns select counts twice), -inf for 0.
+    SOFTCAP > 0 (a constexpr: 0.0 compiles the uncapped kernel unchanged): scores
+    s -> SOFTCAP * tanh(s / SOFTCAP) before the mask and the weight.
     m is in natural units for float32 q, in log2 units for 16-bit q (module docstring);
     `finalize` gives the natural row max either way."""
     qk = dot(q, tl.trans(k), DOT_FP32, PRECISION)
     qk = qk + qk * 0.0     # +-Inf (an infinite key or query) -> NaN, never a dropped -inf
     if q.dtype == tl.float32:   # exact form
         s = qk * sm_scale
+        if SOFTCAP > 0:   # tanh keeps a NaN score NaN (NaN rule)
+            s = tanh(s * (1.0 / SOFTCAP), True) * SOFTCAP
         if HAS_MASK:
             s = tl.where(mask, s, float("-inf"))
         if HAS_WEIGHT:   # where: a NaN score of an uncounted pair must not survive + -inf
@@ -120,11 +142,17 @@ def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
         alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
     else:   # FMA form, m in log2 units
         scale2 = tl.where(sm_scale == 0, MIN_SCALE2, sm_scale * LOG2E)   # never 0: 0 * -inf is NaN
-        if HAS_WEIGHT:
-            x = qk * scale2 + log_weight * LOG2E
+        if HAS_WEIGHT or SOFTCAP > 0:   # log2-unit scores x, the max taken on them
+            if SOFTCAP > 0:   # capped in natural units, then to log2 units
+                x = tanh(qk * (sm_scale * (1.0 / SOFTCAP)), False) * (SOFTCAP * LOG2E)
+            else:
+                x = qk * scale2
+            if HAS_WEIGHT:
+                x = x + log_weight * LOG2E
             if HAS_MASK:
                 x = tl.where(mask, x, float("-inf"))
-            x = tl.where(log_weight > float("-inf"), x, float("-inf"))
+            if HAS_WEIGHT:
+                x = tl.where(log_weight > float("-inf"), x, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(x - m_safe[:, None])
@@ -179,12 +207,17 @@ def load_row_stats(M, L, offs, mask):
 @triton.jit
 def softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
                        HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-                       log_weight=0.0, HAS_WEIGHT: tl.constexpr = False):
+                       log_weight=0.0, HAS_WEIGHT: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0):
     """Recompute P for a (query block, key block) from the saved row statistics and return
     (p, ds), both (BLOCK_M, BLOCK_N) float32, with ds = P * (dO.V - delta), where delta
-    already includes the gradient on lse (delta = rowsum(dO*O) - dlse). HAS_WEIGHT: as in
-    online_softmax_step."""
+    already includes the gradient on lse (delta = rowsum(dO*O) - dlse). HAS_WEIGHT, SOFTCAP:
+    as in online_softmax_step; with SOFTCAP, ds is the gradient of the uncapped scaled score
+    (times 1 - tanh^2, the cap's derivative)."""
     s = dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale
+    if SOFTCAP > 0:
+        t = tanh(s * (1.0 / SOFTCAP), k.dtype == tl.float32)
+        s = t * SOFTCAP
+        f = (1.0 - t * t).to(k.dtype)   # the cap's derivative, kept in k's dtype (as transposed_grad_step)
     if HAS_MASK:
         s = tl.where(mask, s, float("-inf"))
     if HAS_WEIGHT:
@@ -192,23 +225,34 @@ def softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
     p = tl.math.exp2((s - row_max[:, None]) * LOG2E - row_log2l[:, None])
     dp = dot(do, tl.trans(v), DOT_FP32, PRECISION)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP > 0:
+        ds = ds * f.to(tl.float32)
     return p, ds
 
 
 @triton.jit
 def transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_FP32: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     """softmax_grad_block seen from a key tile, added to its (dk, dv) [BLOCK_M, BLOCK_D]: the
     key tile is the M dimension of every dot (S^T = K Q^T, dV += P^T dO, dP^T = V dO^T,
     dK += dS^T Q), so P^T and dS^T feed the next dots from registers and the query
     statistics broadcast along columns. s_t [BLOCK_M, BLOCK_N]: the scaled scores K Q^T with
     -inf where a pair does not count (the caller's mask); qT [BLOCK_D, BLOCK_N], do
     [BLOCK_N, BLOCK_D], v [BLOCK_M, BLOCK_D]. dK comes without the score scale (applied once
-    by the caller)."""
+    by the caller). SOFTCAP > 0: s_t is capped here (its -inf stay -inf) and dS^T taken
+    through the cap (times 1 - tanh^2)."""
+    if SOFTCAP > 0:
+        t_t = tanh(s_t * (1.0 / SOFTCAP), qT.dtype == tl.float32)   # -1 where masked: P = 0 there anyway
+        s_t = tl.where(s_t == float("-inf"), s_t, t_t * SOFTCAP)
+        # the cap's derivative, kept across the dots in the inputs' dtype (16-bit: half the
+        # registers; relative error 2^-9 at most, the rounding dS^T gets before its dot anyway)
+        f_t = (1.0 - t_t * t_t).to(qT.dtype)
     # P^T from the saved (max, log2 denominator) of each query (load_row_stats)
     p_t = tl.math.exp2((s_t - row_max[None, :]) * LOG2E - row_log2l[None, :])
     dv += dot(p_t.to(do.dtype), do, DOT_FP32, PRECISION)
     dp_t = dot(v, tl.trans(do), DOT_FP32, PRECISION)                                  # [BLOCK_M, BLOCK_N]
     ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP > 0:
+        ds_t = ds_t * f_t.to(tl.float32)
     dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_FP32, PRECISION)
     return dk, dv

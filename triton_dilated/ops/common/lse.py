@@ -44,6 +44,23 @@ def merge_partials(outs, lses):
     return out, lse
 
 
+def add_sinks(out, lse, sinks):
+    """(out, lse) of attention without sinks -> the same attention with a sink logit per head
+    joining every row's denominator (no value): lse' = log(exp(lse) + exp(sink)),
+    out' = out * exp(lse - lse'). Exact, and differentiable in out, lse and sinks: autograd's
+    chain rule feeds the attention's backward dO' * w and the matching lse gradient, and gives
+    d sink = -sum over rows of exp(sink - lse') * delta' (delta' = rowsum(dO' * O') - dlse').
+    out (B, N, H, D), lse (B, H, N), sinks (H,). Computed in float32 (float64 for float64 lse)
+    through safe_lse_weights: a row without keys gets out 0 and lse = sink, no NaN in any
+    gradient (also with a sink of -inf); a NaN lse stays NaN."""
+    acc = torch.promote_types(lse.dtype, torch.float32)
+    lse = lse.to(acc)
+    sink = sinks.to(device=lse.device, dtype=acc)[None, :, None].expand_as(lse)
+    weights, lse = safe_lse_weights(torch.stack([lse, sink]), dim=0)
+    out = (out.to(acc) * weights[0].transpose(1, 2).unsqueeze(-1)).to(out.dtype)
+    return out, lse
+
+
 # ----------------------------------------------------------------------------- NaN and Inf
 # DESIGN §6: a row that reads a non-finite query, key or value gives NaN out and NaN lse;
 # nothing else is touched. A matmul over masked or padded slots would spread them (the
@@ -97,15 +114,18 @@ def saved_inputs(ctx):
 
 # ----------------------------------------------------------------------------- explicit softmax
 
-def masked_attention_with_lse(q, k, v, mask, scale: float):
+def masked_attention_with_lse(q, k, v, mask, scale: float, softcap=None):
     """Explicit attention over the last two dims with a boolean keep-mask, in the dtype of q
     (callers pass float32 or float64): the oracles' softmax, plain autograd (double backward
-    works). O(L x S) memory. Returns (out, lse); rows with no key: 0 and -inf; rows that
-    read a non-finite input: NaN and NaN."""
+    works). O(L x S) memory. softcap: scores s -> softcap * tanh(s / softcap) before the mask.
+    Returns (out, lse); rows with no key: 0 and -inf; rows that read a non-finite input: NaN
+    and NaN."""
     fix = _nonfinite_fix(q, k, v, False, mask)
     if fix is not None:
         q, k, v, mark = fix
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask, float("-inf"))
     p, lse = safe_lse_weights(s, dim=-1)
     out = torch.matmul(p, v)
@@ -136,12 +156,19 @@ class _ChunkedAttention(torch.autograd.Function):
     Returns out (n, L, D) and lse (n, L) in the accumulation dtype."""
 
     @staticmethod
-    def _scores(q, k, keep, causal, scale, bs, rs, acc):
-        """Scores of the chunk (rows rs of batches bs), masked; causal chunks stop at their
-        last row's key. Returns (scores, number of keys)."""
+    def _scores(q, k, keep, causal, scale, bs, rs, acc, softcap=None):
+        """Scores of the chunk (rows rs of batches bs), capped (softcap * tanh(s / softcap))
+        and masked; causal chunks stop at their last row's key. Returns (scores, number of
+        keys, tanh(s / softcap) or None): the backward's factor 1 - tanh^2 needs it."""
         keys = min(k.shape[1], rs.stop) if causal else k.shape[1]
         qc, kc = q[bs, rs].to(acc), k[bs, :keys].to(acc)
         s = torch.baddbmm(qc.new_empty(qc.shape[0], qc.shape[1], keys), qc, kc.transpose(1, 2), beta=0.0, alpha=scale)
+        t = None
+        if softcap is not None:
+            # +-inf scores (an Inf query or key) -> NaN first: tanh would make them finite, and
+            # callers that skip the NaN rule's input scan (finite=True) rely on a NaN lse
+            t = s.add_(s * 0.0).div_(softcap).tanh_()
+            s = t * softcap
         if keep is not None:
             kb = bs if keep.shape[0] > 1 else slice(None)
             kr = rs if keep.shape[1] > 1 else slice(None)
@@ -150,17 +177,17 @@ class _ChunkedAttention(torch.autograd.Function):
             rows = torch.arange(rs.start, rs.stop, device=q.device)[:, None]
             later = torch.arange(rs.start, keys, device=q.device) > rows
             s[:, :, rs.start:].masked_fill_(later, float("-inf"))
-        return s, keys
+        return s, keys, t
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, causal, scale):
+    def forward(ctx, q, k, v, keep, causal, scale, softcap=None):
         acc = torch.promote_types(q.dtype, torch.float32)
         n, L, _ = q.shape
         out = torch.empty(n, L, v.shape[-1], dtype=acc, device=q.device)
         row_max = torch.empty(n, L, 1, dtype=acc, device=q.device)
         row_sum = torch.empty(n, L, 1, dtype=acc, device=q.device)
         for bs, rs in _score_chunks(n, L, k.shape[1]):
-            s, keys = _ChunkedAttention._scores(q, k, keep, causal, scale, bs, rs, acc)
+            s, keys, _ = _ChunkedAttention._scores(q, k, keep, causal, scale, bs, rs, acc, softcap)
             m = s.amax(dim=-1, keepdim=True)
             m.masked_fill_(m == float("-inf"), 0.0)                       # rows with no key
             p = s.sub_(m).exp_()
@@ -169,7 +196,7 @@ class _ChunkedAttention(torch.autograd.Function):
             row_max[bs, rs], row_sum[bs, rs] = m, l_
         lse = (row_max + torch.log(row_sum)).squeeze(-1)                   # log 0 = -inf: no key
         ctx.save_for_backward(q, k, v, keep, out, row_max, row_sum)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.softcap = causal, scale, softcap
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -188,24 +215,26 @@ class _ChunkedAttention(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         for bs, rs in _score_chunks(n, L, k.shape[1]):
-            s, keys = _ChunkedAttention._scores(q, k, keep, ctx.causal, ctx.scale, bs, rs, acc)
+            s, keys, t = _ChunkedAttention._scores(q, k, keep, ctx.causal, ctx.scale, bs, rs, acc, ctx.softcap)
             p = s.sub_(row_max[bs, rs]).exp_().mul_(inv_l[bs, rs])
             do = dout[bs, rs]
             dv[bs, :keys] += torch.matmul(p.transpose(1, 2), do)
             ds = torch.matmul(do, v[bs, :keys].to(acc).transpose(1, 2)).sub_(delta[bs, rs]).mul_(p)
+            if t is not None:   # through the cap: d(c * tanh(s / c)) / ds = 1 - tanh^2
+                ds.mul_(1.0 - t * t)
             dq[bs, rs] = torch.matmul(ds, k[bs, :keys].to(acc)).mul_(ctx.scale)
             dk[bs, :keys] += torch.matmul(ds.transpose(1, 2), q[bs, rs].to(acc)).mul_(ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _chunked_attention(q, k, v, causal, scale, keep):
+def _chunked_attention(q, k, v, causal, scale, keep, softcap=None):
     """_ChunkedAttention on (..., L, D) inputs and a keep-mask broadcastable to (..., L, S)."""
     batch, L = q.shape[:-2], q.shape[-2]
     flat = lambda x: x.reshape(-1, *x.shape[-2:])  # noqa: E731
     if keep is not None:
         keep = keep.expand(*batch, *keep.shape[-2:])
         keep = keep.reshape(-1, *keep.shape[-2:]) if keep.dim() > 2 else keep.unsqueeze(0)
-    out, lse = _ChunkedAttention.apply(flat(q), flat(k), flat(v), keep, causal, scale)
+    out, lse = _ChunkedAttention.apply(flat(q), flat(k), flat(v), keep, causal, scale, softcap)
     return out.reshape(*batch, L, v.shape[-1]), lse.reshape(*batch, L)
 
 
@@ -292,7 +321,7 @@ def all_finite(*xs) -> bool:
 
 
 def attention_with_lse(q, k, v, causal: bool, scale: float, keep=None, need_lse: bool = True,
-                       finite: bool = False):
+                       finite: bool = False, softcap=None):
     """Attention on (B, H, L, D) queries and (B, H, S, D) keys/values (any strides) with
     either `causal` (top-left) or a boolean keep-mask broadcastable to (B, H, L, S). Returns
     out (B, H, L, D) and lse (B, H, L) float32 (float64 for float64 inputs; None without
@@ -302,7 +331,8 @@ def attention_with_lse(q, k, v, causal: bool, scale: float, keep=None, need_lse:
     batch slices whose scores may exceed FUSED_MAX_SCORE; without need_lse off the CPU,
     scaled_dot_product_attention; else the chunked explicit float32 softmax. No path holds
     more than ~SCORE_BUDGET scores at once (the caller's keep-mask aside). finite=True: the caller knows q, k, v are finite
-    (skips the check)."""
+    (skips the check). softcap (scores s -> softcap * tanh(s / softcap)): always the chunked
+    explicit path (PyTorch's fused kernels have no cap)."""
     L, S = q.shape[-2], k.shape[-2]
     if L == 0 or S == 0 or q.shape[:-2].numel() == 0:
         acc = torch.promote_types(q.dtype, torch.float32)
@@ -311,7 +341,10 @@ def attention_with_lse(q, k, v, causal: bool, scale: float, keep=None, need_lse:
     fix = None if finite else _nonfinite_fix(q, k, v, causal, keep)
     if fix is not None:
         q, k, v, mark = fix
-    out, lse = _attention(q, k, v, causal, scale, keep, need_lse)
+    if softcap is not None:
+        out, lse = _chunked_attention(q, k, v, causal, scale, keep, softcap)
+    else:
+        out, lse = _attention(q, k, v, causal, scale, keep, need_lse)
     return _mark_nan(out, lse, mark) if fix is not None else (out, lse)
 
 

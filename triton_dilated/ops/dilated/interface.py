@@ -22,11 +22,11 @@ from torch import Tensor
 
 from ..common.decode import DECODE_MAX_QUERIES, decode_path
 from ..common.first_order import first_order_backward, needs_grad
-from ..common.lse import lse_from_stats
+from ..common.lse import add_sinks, lse_from_stats
 from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.query_offset import run_with_query_offset
-from ..common.validation import check_cache_seqlens, check_cu_seqlens
+from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_sinks, check_softcap
 from .inference import check_args as _check_args, decode_table, dilated_attention_with_kvcache
 from .patterns import fit_patterns, head_table
 from .plan import QueryWindow
@@ -44,30 +44,30 @@ class _DilatedAttentionFn(torch.autograd.Function):
     """The Triton path: fused forward (out and the row statistics), dQ and dK/dV kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, patterns, table, causal, scale, doc_bounds=None):
+    def forward(ctx, q, k, v, patterns, table, causal, scale, doc_bounds=None, softcap=None):
         out, row_max, row_sum = _kernels().dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale,
-                                                           doc_bounds=doc_bounds)
+                                                           doc_bounds=doc_bounds, softcap=softcap)
         ctx.save_for_backward(q, k, v, out, row_max, row_sum)
-        ctx.args = (patterns, table, causal, scale, doc_bounds)
+        ctx.args = (patterns, table, causal, scale, doc_bounds, softcap)
         return out, lse_from_stats(row_max, row_sum)
 
     @staticmethod
     @first_order_backward("dilated_attention (Triton path)")
     def backward(ctx, do, dlse):
         q, k, v, out, row_max, row_sum = ctx.saved_tensors
-        patterns, table, causal, scale, doc_bounds = ctx.args
+        patterns, table, causal, scale, doc_bounds, softcap = ctx.args
         if do is None:
             do = torch.zeros_like(out)
         dq, dk, dv = _kernels().dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table,
-                                                 causal=causal, scale=scale, doc_bounds=doc_bounds)
-        return dq, dk, dv, None, None, None, None, None
+                                                 causal=causal, scale=scale, doc_bounds=doc_bounds, softcap=softcap)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- public
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
                       mode="longnet", offsets="modulo", return_lse=False, backend="auto", cu_seqlens=None,
-                      cache_seqlens=None, head_offset=0, total_heads=None):
+                      cache_seqlens=None, head_offset=0, total_heads=None, softcap=None, sinks=None):
     """LongNet dilated attention (arXiv 2307.02486 §2.2-2.4), exact, forward and backward.
 
     Args:
@@ -108,11 +108,37 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
             offsets and head groups follow the global index, so the result equals that head
             slice of the full call (Ulysses sequence parallelism computes one per rank).
             With GQA both must be multiples of Hq // Hkv.
+        softcap: None, or a positive float c: every scaled score s becomes c * tanh(s / c)
+            before the softmax (Gemma 2), gradients through the cap. Not on the decode path
+            (q shorter than k, v, or cache_seqlens) yet: a ValueError there.
+        sinks: None, or a float32 tensor (Hq,) (differentiable): a per-head logit that joins
+            every row's softmax denominator once (the joint denominator of all patterns)
+            and contributes no value (gpt-oss). lse then includes it: a row without keys
+            gets 0 and lse = its head's sink.
 
     Returns:
         out (B, N, Hq, D) like q, contiguous; with return_lse, (out, lse). A query with no
         key in any of its patterns gets 0 and lse = -inf.
     """
+    check_qkv(q, k, v, allow_shorter_q=True)
+    check_flags(return_lse=return_lse)
+    softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, q.shape[2], q.device)
+    if softcap is not None and (cache_seqlens is not None or k.shape[1] != q.shape[1]):
+        raise ValueError("softcap is not supported on the decode path yet (q shorter than k, v, or cache_seqlens)")
+    res = _dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
+                             offsets=offsets, return_lse=return_lse or sinks is not None, backend=backend,
+                             cu_seqlens=cu_seqlens, cache_seqlens=cache_seqlens, head_offset=head_offset,
+                             total_heads=total_heads, softcap=softcap)
+    if sinks is None:
+        return res
+    out, lse = add_sinks(*res, sinks)
+    return (out, lse) if return_lse else out
+
+
+def _dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal, scale, mode, offsets, return_lse,
+                       backend, cu_seqlens, cache_seqlens, head_offset, total_heads, softcap):
+    """dilated_attention without the sinks (softcap validated)."""
     patterns, scale, heads = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
                                          return_lse, allow_shorter_q=True, head_offset=head_offset,
                                          total_heads=total_heads)
@@ -154,13 +180,13 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     if torch.compiler.is_compiling() and doc_bounds is None:
         return dilated_attention_op(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
                                     offsets=offsets, return_lse=return_lse, backend=backend, head_offset=heads[0],
-                                    total_heads=heads[1])
+                                    total_heads=heads[1], softcap=softcap)
 
     if B == 0 or N == 0:
         return empty_result(q, k, v, return_lse)
 
     out, lse = dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=return_lse,
-                                       backend=path, doc_bounds=doc_bounds)
+                                       backend=path, doc_bounds=doc_bounds, softcap=softcap)
     return (out, lse) if return_lse else out
 
 
@@ -184,18 +210,18 @@ def _padded_call(q, k, v, first_query_row, patterns, segment_lengths, dilation_r
 
 
 def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse=True, backend="auto",
-                            doc_bounds=None):
+                            doc_bounds=None, softcap=None):
     """dilated_attention on validated inputs with an explicit (patterns, per-head offset
     table) and optional documents; returns (out, lse) (lse None when the portable path
     was not asked for it)."""
     if resolve_backend(backend, q.device) == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        return _DilatedAttentionFn.apply(q, k, v, patterns, table, causal, scale, doc_bounds)
+        return _DilatedAttentionFn.apply(q, k, v, patterns, table, causal, scale, doc_bounds, softcap)
     compute_dtype = portable_compute_dtype(q.dtype, q.device)
 
     def run(q_, k_, v_):
         return dilated_attention_torch(q_, k_, v_, patterns, table, causal=causal, scale=scale, need_lse=need_lse,
-                                       compute_dtype=compute_dtype)
+                                       compute_dtype=compute_dtype, softcap=softcap)
 
     if doc_bounds is None:
         return run(q, k, v)
@@ -221,17 +247,20 @@ def _patterns_table(num_heads, segment_lengths, dilation_rates, mode, offsets, h
 @torch.library.custom_op("triton_dilated::dilated_fwd", mutates_args=())
 def _dilated_fwd(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int], dilation_rates: List[int],
                  causal: bool, scale: float, mode: str, offsets: str, need_lse: bool,
-                 path: str, head_offset: int = 0, total_heads: int = -1) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, row_max, row_sum)."""
+                 path: str, head_offset: int = 0, total_heads: int = -1,
+                 softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, row_max, row_sum). softcap 0.0: no cap."""
     check_path(path)
     patterns, table = _patterns_table(q.shape[2], segment_lengths, dilation_rates, mode, offsets, head_offset,
                                       total_heads)
+    cap = softcap or None
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        out, row_max, row_sum = _kernels().dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale)
+        out, row_max, row_sum = _kernels().dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale,
+                                                           softcap=cap)
         return out, lse_from_stats(row_max, row_sum), row_max, row_sum
     out, lse = dilated_attention_torch(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=need_lse,
-                                       compute_dtype=portable_compute_dtype(q.dtype, q.device))
+                                       compute_dtype=portable_compute_dtype(q.dtype, q.device), softcap=cap)
     if lse is None:
         lse = empty_stats(q)
     return fresh(out), fresh(lse), empty_stats(q), empty_stats(q)
@@ -239,7 +268,7 @@ def _dilated_fwd(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int], di
 
 @_dilated_fwd.register_fake
 def _(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, need_lse, path, head_offset=0,
-      total_heads=-1):
+      total_heads=-1, softcap=0.0):
     B, N, Hq, D = q.shape
     out = q.new_empty((B, N, Hq, D))
     stats = N if path == "triton" else 0
@@ -251,22 +280,23 @@ def _(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, ne
 def _dilated_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                  row_max: Tensor, row_sum: Tensor, segment_lengths: List[int], dilation_rates: List[int],
                  causal: bool, scale: float, mode: str, offsets: str, path: str, head_offset: int = 0,
-                 total_heads: int = -1) -> Tuple[Tensor, Tensor, Tensor]:
+                 total_heads: int = -1, softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous. dlse: None, or float32 (B, Hq, N)."""
     check_path(path)
     patterns, table = _patterns_table(q.shape[2], segment_lengths, dilation_rates, mode, offsets, head_offset,
                                       total_heads)
+    cap = softcap or None
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         dq, dk, dv = _kernels().dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table,
-                                                 causal=causal, scale=scale)
+                                                 causal=causal, scale=scale, softcap=cap)
         return fresh(dq), fresh(dk), fresh(dv)
     compute = portable_compute_dtype(q.dtype, q.device)
     with_lse = dlse is not None
 
     def fwd(q_, k_, v_):
         o, lse = dilated_attention_torch(q_, k_, v_, patterns, table, causal=causal, scale=scale,
-                                         need_lse=with_lse, compute_dtype=compute)
+                                         need_lse=with_lse, compute_dtype=compute, softcap=cap)
         return (o, lse) if with_lse else (o,)
 
     return recompute_grads(fwd, (q, k, v), (do, dlse) if with_lse else (do,))
@@ -274,16 +304,19 @@ def _dilated_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Te
 
 @_dilated_bwd.register_fake
 def _(do, dlse, q, k, v, out, row_max, row_sum, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-      path, head_offset=0, total_heads=-1):
+      path, head_offset=0, total_heads=-1, softcap=0.0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _dilated_setup(ctx, inputs, output):
-    q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, need_lse, path, *heads = inputs
+    q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, need_lse, path, *rest = inputs
+    heads, softcap = rest[:2], (rest[2] if len(rest) > 2 else 0.0)
     out, lse, row_max, row_sum = output
     ctx.save_for_backward(q, k, v, out, row_max, row_sum)
     ctx.mark_non_differentiable(row_max, row_sum)
     ctx.args = (list(segment_lengths), list(dilation_rates), causal, scale, mode, offsets, path, *heads)
+    ctx.softcap = softcap
+    ctx.n_inputs = len(inputs)   # the trailing defaults may be left out
     ctx.lse_len = lse.shape[-1]
     ctx.need_lse = need_lse
 
@@ -296,23 +329,30 @@ def _dilated_backward(ctx, do, dlse, _dmax, _dsum):
     if dlse is not None and (not ctx.need_lse or ctx.lse_len == 0):
         dlse = None   # the caller never saw lse: its gradient is the materialised zero
     dq, dk, dv = _dilated_bwd(do, dlse, q, k, v, out, row_max, row_sum, segment_lengths, dilation_rates,
-                              causal, scale, mode, offsets, path, *heads)
-    return (dq, dk, dv) + (None,) * (len(ctx.args) + 1)
+                              causal, scale, mode, offsets, path, *heads, softcap=ctx.softcap)
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
 _dilated_fwd.register_autograd(_dilated_backward, setup_context=_dilated_setup)
 
 
 def dilated_attention_op(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, mode="longnet",
-                         offsets="modulo", return_lse=False, backend="auto", head_offset=0, total_heads=None):
+                         offsets="modulo", return_lse=False, backend="auto", head_offset=0, total_heads=None,
+                         softcap=None, sinks=None):
     """`dilated_attention` through the `triton_dilated::dilated_fwd/_bwd` custom ops: the
     same arguments, results and numerics, and traceable by `torch.compile(fullgraph=True)`
-    forward and backward."""
+    forward and backward (the sinks join outside the op, in traceable tensor code)."""
     patterns, scale, heads = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
                                          return_lse, head_offset=head_offset, total_heads=total_heads)
+    softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, q.shape[2], q.device)
     path = resolve_path(backend, str(q.device))
+    need_lse = return_lse or sinks is not None
     if q.shape[0] == 0 or q.shape[1] == 0:
-        return empty_result(q, k, v, return_lse)
-    out, lse, _, _ = _dilated_fwd(q, k, v, [w for w, _ in patterns], [r for _, r in patterns], causal, scale,
-                                  mode, offsets, return_lse, path, heads[0], heads[1])
+        out, lse = empty_result(q, k, v, True)
+    else:
+        out, lse, _, _ = _dilated_fwd(q, k, v, [w for w, _ in patterns], [r for _, r in patterns], causal, scale,
+                                      mode, offsets, need_lse, path, heads[0], heads[1], softcap or 0.0)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out

@@ -10,18 +10,23 @@ from __future__ import annotations
 import torch
 
 from ..common.first_order import joined_to
-from ..common.lse import masked_attention_with_lse, merge_partials
-from ..common.validation import check_qkv, check_scale
+from ..common.lse import add_sinks, masked_attention_with_lse, merge_partials
+from ..common.validation import check_qkv, check_scale, check_sinks, check_softcap
 from .patterns import check_head_slice, check_patterns, head_offsets, head_table
 
 
 def dilated_attention_naive(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
-                            mode="longnet", offsets="modulo", head_offset=0, total_heads=None):
+                            mode="longnet", offsets="modulo", head_offset=0, total_heads=None, softcap=None,
+                            sinks=None):
     """Reference dilated attention in float64. Returns (out, lse): out (B, N, Hq, D) float64,
     lse (B, Hq, N) float64 (natural log; -inf for a query with no key). Differentiable.
     head_offset, total_heads: q holds the heads [head_offset, head_offset + Hq) of a call
-    with total_heads heads (offsets by global head index), as in dilated_attention."""
+    with total_heads heads (offsets by global head index), as in dilated_attention.
+    softcap: scores s -> softcap * tanh(s / softcap). sinks: (Hq,) logits (float32 or
+    float64) joining each row's joint denominator once, after the patterns are mixed."""
     check_qkv(q, k, v, allow_float64=True)
+    softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, q.shape[2], q.device, allow_float64=True)
     patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -47,7 +52,7 @@ def dilated_attention_naive(q, k, v, segment_lengths, dilation_rates, *, causal=
                 if causal:
                     keep = idx[:, None] >= idx[None, :]
                 o_seg, l_seg = masked_attention_with_lse(
-                    q64[:, idx, h], k64[:, idx, kv_head], v64[:, idx, kv_head], keep, scale)
+                    q64[:, idx, h], k64[:, idx, kv_head], v64[:, idx, kv_head], keep, scale, softcap)
                 out_p = out_p.index_copy(1, idx, o_seg)
                 lse_p = lse_p.index_copy(1, idx, l_seg)
             parts_out.append(out_p)
@@ -56,7 +61,8 @@ def dilated_attention_naive(q, k, v, segment_lengths, dilation_rates, *, causal=
         head_outs.append(out_h.double())
         head_lses.append(lse_h.double())
     # joined: heads that read no key (a head slice past a short N) still take (zero) gradients
-    return joined_to(torch.stack(head_outs, dim=2), q, k, v), joined_to(torch.stack(head_lses, dim=1), q, k, v)
+    out, lse = joined_to(torch.stack(head_outs, dim=2), q, k, v), joined_to(torch.stack(head_lses, dim=1), q, k, v)
+    return (out, lse) if sinks is None else add_sinks(out, lse, sinks.double())
 
 
 def pattern_multiplicity(q_pos, k_pos, patterns, table, *, causal=False) -> torch.Tensor:
