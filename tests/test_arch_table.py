@@ -96,7 +96,7 @@ def test_default_configs_follow_the_facts(name):
                     table = {"sm86": configs.MID_SMEM_DEFAULTS, "sm89": configs.MID_SMEM_DEFAULTS,
                              "sm120": configs.MID_SMEM_DEFAULTS, "gfx942": configs.CDNA_DEFAULTS,
                              "gfx950": configs.CDNA_DEFAULTS, "sm70": configs.FMA_DEFAULTS,
-                             "sm75": configs.FMA_DEFAULTS}.get(name, {})
+                             "sm75": configs.FMA_DEFAULTS, "sm100": configs.TCGEN05_DEFAULTS}.get(name, {})
                     if (own, band) in table:
                         assert cfg == table[(own, band)], (name, family, kernel, d)
                     else:
@@ -185,3 +185,28 @@ def test_volta_turing_defaults_are_the_compiled_ones(name):
         assert not r["error"] and r["mma_sync"] == "0" and int(r["shared_bytes"]) <= arch.shared_memory, r
         if r["D"] == "64" or (r["D"] == "128" and r["kernel"] not in FMA_SPILLS_D128):
             assert r["spill_stores"] == "0", (r["kernel"], r["D"], r["spill_stores"])
+
+
+SM100_DEFAULTS_CSV = "perf/aot/sm100-defaults-bf16-triton39.csv"
+
+
+def test_sm100_defaults_are_the_compiled_spill_free_ones(monkeypatch, clear_arch_cache):
+    """On a fake B200 (capability 10.0) the bf16 config select_config picks for every kernel
+    at D <= 128 is the one the committed sm100 compile used (perf/aot/, causal: the
+    spill-prone case), and that compile has no spill, tcgen05 MMAs in every tile kernel and
+    fits 227 KiB (configs.TCGEN05_DEFAULTS where the Hopper tiles spilled)."""
+    import csv
+    import pathlib
+
+    from triton_dilated.perf.aot import KERNELS
+    _fake_device(monkeypatch, None, major=10, minor=0, shared_memory_per_block_optin=227 * 1024)
+    monkeypatch.setattr(configs, "load_arch_table", lambda arch_name: {})   # no tuned table: the defaults
+    with open(pathlib.Path(__file__).resolve().parents[1] / SM100_DEFAULTS_CSV) as f:
+        rows = [r for r in csv.DictReader(f) if r["arch"] == "sm100" and int(r["D"]) <= 128]
+    for r in rows:
+        cfg = configs.select_config(KERNELS[r["kernel"]].family, torch.bfloat16, int(r["D"]), 8192,
+                                    torch.device("cuda", 0), kernel=r["kernel"])
+        assert cfg == {k: int(r[k]) for k in configs.CONFIG_FIELDS}, (r["kernel"], r["D"], cfg)
+        assert not r["error"] and int(r["spill_stores"]) == 0 and int(r["shared_bytes"]) <= 227 * 1024, r
+        assert int(r["tcgen05"]) > 0 or r["kernel"] in NO_DOT_KERNELS, r
+    assert {(r["kernel"], r["D"]) for r in rows} == {(k, d) for k in KERNELS for d in ("64", "128")}

@@ -303,6 +303,27 @@ FMA_DEFAULTS = {
 }
 
 
+# Datacenter Blackwell (sm100: tcgen05 MMAs, 227 KiB) where the Hopper tiles it inherits spill
+# (perf/aot/sm100-defaults-bf16-triton39.csv: 8 of 26 causal compiles at D <= 128, 8-348 B).
+# From `perf aot --arch 100 --configs` (bf16, triton 3.9; perf/aot/sm100-candidates-bf16-triton39.csv):
+# * dK/dV (dilated, block-sparse, ring step), D = 64 and 128: 128 keys x 32 queries, w8, one stage,
+#   128-254 registers and no spill on all three (with 2 stages every 128x32 and 64x32 tile spills
+#   at D = 128: the second buffer of q and dO costs the registers); a GPU run (perf tune) may
+#   prefer a pipelined 64x16 tile at D = 64, which also compiles without spills; the ring step's
+#   dK/dV at D = 64 takes 64x32 w4 s2 (216-222 registers): 128x32 w8 s1 spills 100 B without causal;
+# * block-sparse forward, D = 128: 128x32 w8 s2, 193-211 registers (64x64 w4 s3 spills 36 B
+#   causal; 128x64 w8 s2 compiles at 240-255, no headroom);
+# * ring step dQ, D = 64: 64x32 w4 s2, 122 registers (s3 spills 8 B causal).
+_TCGEN05_DKDV = make_config(128, 32, 8, 1)
+TCGEN05_DEFAULTS = {
+    **{(kernel, band): _TCGEN05_DKDV for kernel in ("dilated_bwd_dkdv", "block_sparse_bwd_dkdv", "ring_step_bwd_dkdv")
+       for band in (64, 128)},
+    ("ring_step_bwd_dkdv", 64): make_config(64, 32, 4, 2),
+    ("block_sparse_fwd", 128): make_config(128, 32, 8, 2),
+    ("ring_step_bwd", 64): make_config(64, 32, 4, 2),
+}
+
+
 def _mid_smem(arch: Arch) -> bool:
     return not arch.warpgroup_mma and arch.async_copy and arch.shared_memory < 160 * 1024
 
@@ -310,11 +331,13 @@ def _mid_smem(arch: Arch) -> bool:
 def _arch_defaults(arch: Arch) -> dict:
     """The per-arch table of 16-bit defaults that replace the sm80/sm90 rule's where they
     spill: MID_SMEM_DEFAULTS (sm86, sm89, sm120), CDNA_DEFAULTS (AMD), FMA_DEFAULTS (archs where
-    Triton's dots are FMA loops: sm70, sm75), else none."""
+    Triton's dots are FMA loops: sm70, sm75), TCGEN05_DEFAULTS (sm100), else none."""
     if arch.vendor == "amd":
         return CDNA_DEFAULTS
     if arch.mma == "fma":
         return FMA_DEFAULTS
+    if arch.mma == "tcgen05":
+        return TCGEN05_DEFAULTS
     return MID_SMEM_DEFAULTS if _mid_smem(arch) else {}
 
 
@@ -351,7 +374,7 @@ def default_config(family: str, head_dim_padded: int, arch: Arch, dtype: torch.d
     D=128: no spills on sm80); backward kernels: BWD_DEFAULTS; D > 128: (HOPPER_)
     WIDE_HEAD_DEFAULTS; float32: small tiles; `kernel` (its AOT name): KERNEL_DEFAULTS where
     it has an entry; on sm86/sm89/sm120, MID_SMEM_DEFAULTS first, on AMD CDNA_DEFAULTS, on
-    sm70/sm75 FMA_DEFAULTS. Then fewer stages, then
+    sm70/sm75 FMA_DEFAULTS, on sm100 TCGEN05_DEFAULTS. Then fewer stages, then
     smaller tiles, until the shared-memory estimate fits the arch. "Hopper" tiles: archs with
     warpgroup MMAs (Arch.warpgroup_mma), whatever their compute capability."""
     big_smem = arch.shared_memory >= 160 * 1024
