@@ -12,10 +12,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.first_order import needs_grad
-from ..common.kvcache import append_rows, cache_view, capacity, check_kvcache_args, check_kvcache_values
-from ..common.op_support import check_path, lazy_module, resolve_path
-from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
+from ..common.kvcache import cache_view, capacity, check_kvcache_args, decode_step
+from ..common.op_support import check_path, lazy_module
+from ..common.runtime import empty_result, last_dim_contiguous
 from ..common.validation import check_flags, check_qkv, check_scale
 from .decode import block_sparse_decode
 from .layout import BlockLayout
@@ -64,24 +63,16 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     check_flags(causal=causal, return_lse=return_lse)
     scale = check_scale(scale, q.shape[-1])
-    B, Nq, Hq, D = q.shape
+    B, Hq = q.shape[0], q.shape[2]
     layout.check_seq_len(capacity(k_cache, block_table))
     layout.check_heads(B, Hq)
-    compiling = torch.compiler.is_compiling()
-    path = resolve_path(backend, str(q.device)) if compiling else \
-        resolve_backend(backend, q.device, DECODE_FAMILIES, D, q.dtype)
-    if path == "triton" and needs_grad(q, k_cache, v_cache, *(x for x in (k, v) if x is not None)):
-        raise ValueError("block_sparse_attention_with_kvcache: the Triton decode kernel has no backward; call it "
-                         "under torch.no_grad() (inference), or use block_sparse_attention for gradients")
-    if validate:
-        check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], Nq, capacity(k_cache, block_table),
-                             block_table, k_cache.shape[0])
-    lengths = append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    path, lengths = decode_step("block_sparse_attention_with_kvcache", q, k_cache, v_cache, k, v, cache_seqlens,
+                                block_table, validate, backend, DECODE_FAMILIES)
     if B == 0:
         return empty_result(q, k_cache, v_cache, return_lse)
     if layout.kv_indices.device != q.device:
         layout = layout.to(q.device)
-    if compiling:
+    if torch.compiler.is_compiling():
         out, lse = _block_sparse_decode(q, k_cache, v_cache, lengths, block_table, layout.kv_num_blocks,
                                         layout.kv_indices, layout.block_size, causal, scale, path)
     else:

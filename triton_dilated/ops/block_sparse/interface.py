@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..common.decode import DECODE_MAX_QUERIES, decode_path
 from ..common.first_order import first_order_backward, needs_grad
-from ..common.lse import add_sinks, lse_from_stats
+from ..common.lse import add_sinks, lse_from_stats, with_softcap_and_sinks
 from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.query_offset import run_with_query_offset
@@ -110,19 +110,11 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
 
     Returns out (B, N, Hq, D) like q (and lse). Rows with no active key: 0, lse = -inf.
     """
-    check_qkv(q, k, v, allow_shorter_q=True)
-    check_flags(return_lse=return_lse)
-    softcap = check_softcap(softcap)
-    sinks = check_sinks(sinks, q.shape[2], q.device)
-    if softcap is not None and (cache_seqlens is not None or k.shape[1] != q.shape[1]):
-        raise ValueError("softcap is not supported on the decode path yet (q shorter than k, v, or cache_seqlens)")
-    res = _block_sparse_attention(q, k, v, layout, causal=causal, scale=scale,
-                                  return_lse=return_lse or sinks is not None, backend=backend, cu_seqlens=cu_seqlens,
-                                  cache_seqlens=cache_seqlens, softcap=softcap)
-    if sinks is None:
-        return res
-    out, lse = add_sinks(*res, sinks)
-    return (out, lse) if return_lse else out
+    return with_softcap_and_sinks(
+        lambda with_lse, cap: _block_sparse_attention(q, k, v, layout, causal=causal, scale=scale, return_lse=with_lse,
+                                                      backend=backend, cu_seqlens=cu_seqlens,
+                                                      cache_seqlens=cache_seqlens, softcap=cap),
+        q, k, v, return_lse=return_lse, softcap=softcap, sinks=sinks, cache_seqlens=cache_seqlens)
 
 
 def _block_sparse_attention(q, k, v, layout, *, causal, scale, return_lse, backend, cu_seqlens, cache_seqlens,

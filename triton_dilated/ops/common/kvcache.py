@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from .first_order import needs_grad
+from .op_support import resolve_path
+from .runtime import resolve_backend
 from .validation import check_bool
 
 MAX_DECODE_QUERIES = 16   # = decode.DECODE_MAX_QUERIES (the decode paths' limit)
@@ -130,3 +133,21 @@ def append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table=None):
     k_cache[batch, rows] = k
     v_cache[batch, rows] = v
     return cache_seqlens + k.shape[1]
+
+
+def decode_step(what: str, q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, backend, families):
+    """What both inference entry points do after checking their own arguments: pick the path
+    (under torch.compile the requested one, resolved inside the custom op; else resolved
+    here), refuse gradients on the Triton path (its decode kernel has no backward), run the
+    value checks when asked and append k, v. Returns (path, the lengths after the append)."""
+    if torch.compiler.is_compiling():
+        path = resolve_path(backend, str(q.device))
+    else:
+        path = resolve_backend(backend, q.device, families, q.shape[-1], q.dtype)
+    if path == "triton" and needs_grad(q, k_cache, v_cache, *(x for x in (k, v) if x is not None)):
+        raise ValueError(f"{what}: the Triton decode kernel has no backward; call it under torch.no_grad() "
+                         f"(inference), or use {what.removesuffix('_with_kvcache')} for gradients")
+    if validate:
+        check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], q.shape[1],
+                             capacity(k_cache, block_table), block_table, k_cache.shape[0])
+    return path, append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table)

@@ -44,6 +44,24 @@ def merge_partials(outs, lses):
     return out, lse
 
 
+def with_softcap_and_sinks(attend, q, k, v, *, return_lse, softcap, sinks, cache_seqlens):
+    """The front doors' part of softcap= and sinks= (DESIGN §3): validated, softcap refused on
+    the decode path (not there yet), attend(return_lse, softcap) run (with its lse when sinks
+    need it) and the sinks added to its (out, lse)."""
+    from .validation import check_flags, check_qkv, check_sinks, check_softcap
+    check_qkv(q, k, v, allow_shorter_q=True)
+    check_flags(return_lse=return_lse)
+    softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, q.shape[2], q.device)
+    if softcap is not None and (cache_seqlens is not None or k.shape[1] != q.shape[1]):
+        raise ValueError("softcap is not supported on the decode path yet (q shorter than k, v, or cache_seqlens)")
+    res = attend(return_lse or sinks is not None, softcap)
+    if sinks is None:
+        return res
+    out, lse = add_sinks(*res, sinks)
+    return (out, lse) if return_lse else out
+
+
 def add_sinks(out, lse, sinks):
     """(out, lse) of attention without sinks -> the same attention with a sink logit per head
     joining every row's denominator (no value): lse' = log(exp(lse) + exp(sink)),

@@ -15,10 +15,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.first_order import needs_grad
-from ..common.kvcache import append_rows, cache_view, capacity, check_kvcache_args, check_kvcache_values
-from ..common.op_support import check_path, lazy_module, resolve_path
-from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
+from ..common.kvcache import cache_view, check_kvcache_args, decode_step
+from ..common.op_support import check_path, lazy_module
+from ..common.runtime import empty_result, last_dim_contiguous
 from ..common.validation import check_flags, check_qkv, check_scale
 from .decode import dilated_decode
 from .patterns import check_head_slice, check_patterns, fit_patterns, head_table, warn_if_heads_first
@@ -97,20 +96,12 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     patterns, scale, heads = check_args(q, cache_view(k_cache, block_table, B), cache_view(v_cache, block_table, B),
                                         segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
                                         allow_shorter_q=True, head_offset=head_offset, total_heads=total_heads)
-    B, Nq, Hq, D = q.shape
-    compiling = torch.compiler.is_compiling()
-    path = resolve_path(backend, str(q.device)) if compiling else \
-        resolve_backend(backend, q.device, DECODE_FAMILIES, D, q.dtype)
-    if path == "triton" and needs_grad(q, k_cache, v_cache, *(x for x in (k, v) if x is not None)):
-        raise ValueError("dilated_attention_with_kvcache: the Triton decode kernel has no backward; call it under "
-                         "torch.no_grad() (inference), or use dilated_attention for gradients")
-    if validate:
-        check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], Nq, capacity(k_cache, block_table),
-                             block_table, k_cache.shape[0])
-    lengths = append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    Hq = q.shape[2]
+    path, lengths = decode_step("dilated_attention_with_kvcache", q, k_cache, v_cache, k, v, cache_seqlens,
+                                block_table, validate, backend, DECODE_FAMILIES)
     if B == 0:
         return empty_result(q, k_cache, v_cache, return_lse)
-    if compiling:
+    if torch.compiler.is_compiling():
         out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
                                    [r for _, r in patterns], causal, scale, mode, offsets, *heads, path)
     else:

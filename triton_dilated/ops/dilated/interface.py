@@ -22,11 +22,11 @@ from torch import Tensor
 
 from ..common.decode import DECODE_MAX_QUERIES, decode_path
 from ..common.first_order import first_order_backward, needs_grad
-from ..common.lse import add_sinks, lse_from_stats
+from ..common.lse import add_sinks, lse_from_stats, with_softcap_and_sinks
 from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.query_offset import run_with_query_offset
-from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_sinks, check_softcap
+from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_sinks, check_softcap
 from .inference import check_args as _check_args, decode_table, dilated_attention_with_kvcache
 from .patterns import fit_patterns, head_table
 from .plan import QueryWindow
@@ -120,20 +120,12 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
         out (B, N, Hq, D) like q, contiguous; with return_lse, (out, lse). A query with no
         key in any of its patterns gets 0 and lse = -inf.
     """
-    check_qkv(q, k, v, allow_shorter_q=True)
-    check_flags(return_lse=return_lse)
-    softcap = check_softcap(softcap)
-    sinks = check_sinks(sinks, q.shape[2], q.device)
-    if softcap is not None and (cache_seqlens is not None or k.shape[1] != q.shape[1]):
-        raise ValueError("softcap is not supported on the decode path yet (q shorter than k, v, or cache_seqlens)")
-    res = _dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
-                             offsets=offsets, return_lse=return_lse or sinks is not None, backend=backend,
-                             cu_seqlens=cu_seqlens, cache_seqlens=cache_seqlens, head_offset=head_offset,
-                             total_heads=total_heads, softcap=softcap)
-    if sinks is None:
-        return res
-    out, lse = add_sinks(*res, sinks)
-    return (out, lse) if return_lse else out
+    return with_softcap_and_sinks(
+        lambda with_lse, cap: _dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
+                                                 mode=mode, offsets=offsets, return_lse=with_lse, backend=backend,
+                                                 cu_seqlens=cu_seqlens, cache_seqlens=cache_seqlens,
+                                                 head_offset=head_offset, total_heads=total_heads, softcap=cap),
+        q, k, v, return_lse=return_lse, softcap=softcap, sinks=sinks, cache_seqlens=cache_seqlens)
 
 
 def _dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal, scale, mode, offsets, return_lse,

@@ -122,6 +122,34 @@ def _layout_fingerprint(layout: BlockLayout) -> str:
     return f"BlockLayout {tuple(layout.shape)} blocks of {layout.block_size}, digest {h.hexdigest()}"
 
 
+def check_sequence_parallel_args(q, k, v, shards: int, *, causal, scale, return_lse, comm, balance,
+                                 segment_lengths, dilation_rates, mode, offsets, layout, head_offset=0,
+                                 total_heads=None):
+    """The argument checks of ring_attention and ulysses_attention, run by every rank before
+    they agree (q, k, v: this rank's shard of a sequence cut into `shards`). Returns
+    (dilated, scale, the full length, the fitted patterns or None, (head_offset, total_heads))."""
+    check_qkv(q, k, v)
+    check_choice("comm", comm, COMMS)
+    check_choice("balance", balance, BALANCES)
+    check_flags(causal=causal, return_lse=return_lse)
+    dilated = segment_lengths is not None or dilation_rates is not None
+    if dilated and layout is not None:
+        raise ValueError("give either segment_lengths/dilation_rates (dilated) or layout (block-sparse), not both")
+    if layout is not None and not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    B, NQ, Hq, D = q.shape
+    scale = check_scale(scale, D)
+    n_total = NQ * shards
+    shard_positions(n_total, 0, shards, balance)          # checks N is divisible for the balance
+    heads = check_head_slice(head_offset, total_heads, Hq, k.shape[2])
+    patterns = fit_patterns(check_patterns(segment_lengths, dilation_rates, mode, offsets), n_total, heads[1]) \
+        if dilated else None
+    if layout is not None:
+        layout.check_seq_len(n_total)
+        layout.check_heads(B, heads[1])
+    return dilated, scale, n_total, patterns, heads
+
+
 def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=None, layout=None, causal=False,
                    scale=None, mode="longnet", offsets="modulo", comm="p2p", balance="contiguous", return_lse=False,
                    head_offset=0, total_heads=None):
@@ -144,25 +172,10 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     ring = RingComm(group)
     signature, error = dict.fromkeys(SIGNATURE), None
     try:
-        check_qkv(q, k, v)
-        check_choice("comm", comm, COMMS)
-        check_choice("balance", balance, BALANCES)
-        check_flags(causal=causal, return_lse=return_lse)
-        dilated = segment_lengths is not None or dilation_rates is not None
-        if dilated and layout is not None:
-            raise ValueError("give either segment_lengths/dilation_rates (dilated) or layout (block-sparse), not both")
-        if layout is not None and not isinstance(layout, BlockLayout):
-            raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
-        B, NQ, Hq, D = q.shape
-        scale = check_scale(scale, D)
-        n_total = NQ * ring.world
-        shard_positions(n_total, 0, ring.world, balance)          # checks N is divisible for the balance
-        heads = check_head_slice(head_offset, total_heads, Hq, k.shape[2])
-        patterns = fit_patterns(check_patterns(segment_lengths, dilation_rates, mode, offsets), n_total, heads[1]) \
-            if dilated else None
-        if layout is not None:
-            layout.check_seq_len(n_total)
-            layout.check_heads(B, heads[1])
+        dilated, scale, n_total, patterns, heads = check_sequence_parallel_args(
+            q, k, v, ring.world, causal=causal, scale=scale, return_lse=return_lse, comm=comm, balance=balance,
+            segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode, offsets=offsets,
+            layout=layout, head_offset=head_offset, total_heads=total_heads)
         signature = dict(zip(SIGNATURE, (
             tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, causal, scale,
             balance, comm, patterns, (mode, offsets) if dilated else None,

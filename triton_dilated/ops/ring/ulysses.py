@@ -26,14 +26,12 @@ from __future__ import annotations
 import torch
 
 from ..block_sparse.interface import block_sparse_attention
-from ..block_sparse.layout import BlockLayout
 from ..common.runtime import empty_result
-from ..common.validation import check_choice, check_flags, check_qkv, check_scale
+from ..common.validation import check_choice
 from ..dilated.interface import dilated_attention
-from ..dilated.patterns import check_patterns, fit_patterns
-from .comm import COMMS, RingComm
-from .interface import _layout_fingerprint, ring_attention
-from .shard import BALANCES, shard, shard_positions, unshard
+from .comm import RingComm
+from .interface import _layout_fingerprint, check_sequence_parallel_args, ring_attention
+from .shard import shard, unshard
 
 
 def seq_to_heads(x, comm: RingComm, balance: str = "contiguous"):
@@ -123,26 +121,13 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
     ring_world = rcomm.world if rcomm is not None else 1
     signature, error = dict.fromkeys(SIGNATURE), None
     try:
-        check_qkv(q, k, v)
-        check_choice("balance", balance, BALANCES)
+        dilated, scale, n_total, patterns, _ = check_sequence_parallel_args(
+            q, k, v, ucomm.world * ring_world, causal=causal, scale=scale, return_lse=return_lse, comm=comm,
+            balance=balance, segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
+            offsets=offsets, layout=layout)
         check_choice("backend", backend, ("auto", "triton", "torch"))
-        check_choice("comm", comm, COMMS)
-        check_flags(causal=causal, return_lse=return_lse)
-        dilated = segment_lengths is not None or dilation_rates is not None
-        if dilated and layout is not None:
-            raise ValueError("give either segment_lengths/dilation_rates (dilated) or layout (block-sparse), not both")
-        if layout is not None and not isinstance(layout, BlockLayout):
-            raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
-        B, NQ, Hq, D = q.shape
-        scale = check_scale(scale, D)
-        n_total = NQ * ucomm.world * ring_world
-        shard_positions(n_total, 0, ucomm.world * ring_world, balance)   # checks N is divisible for the balance
+        Hq = q.shape[2]
         repeat = check_ulysses_heads(Hq, k.shape[2], ucomm.world)
-        patterns = fit_patterns(check_patterns(segment_lengths, dilation_rates, mode, offsets), n_total, Hq) \
-            if dilated else None
-        if layout is not None:
-            layout.check_seq_len(n_total)
-            layout.check_heads(B, Hq)
         signature = dict(zip(SIGNATURE, (
             tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, causal, scale,
             balance, patterns, (mode, offsets) if dilated else None,
