@@ -188,6 +188,7 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
         return empty_result(q, k, v, return_lse)
 
     use_triton = resolve_backend("auto", q.device) == "triton"
+    Hq = q.shape[2]
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     parts = []
     if dilated:
