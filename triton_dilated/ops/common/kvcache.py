@@ -19,7 +19,7 @@ import torch
 from .first_order import needs_grad
 from .op_support import resolve_path
 from .runtime import resolve_backend
-from .validation import check_bool
+from .validation import check_bool, check_lengths_tensor
 
 MAX_DECODE_QUERIES = 16   # = decode.DECODE_MAX_QUERIES (the decode paths' limit)
 
@@ -83,13 +83,7 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, va
             raise ValueError(f"k and v must hold the same number of new rows, got {k.shape[1]} and {v.shape[1]}")
         if k.shape[1] > capacity(k_cache, block_table):
             raise ValueError(f"k holds {k.shape[1]} new rows, more than the cache's {capacity(k_cache, block_table)}")
-    if not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(f"cache_seqlens must be an int32 tensor of shape (B,) = ({B},) on q's device, got "
-                        f"{type(cache_seqlens).__name__}")
-    if cache_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cache_seqlens must be an int32 (or int64) tensor, got {cache_seqlens.dtype}")
-    if tuple(cache_seqlens.shape) != (B,):
-        raise ValueError(f"cache_seqlens must have shape (B,) = ({B},), got {tuple(cache_seqlens.shape)}")
+    check_lengths_tensor(cache_seqlens, B, " on q's device")
     if cache_seqlens.device != q.device:
         raise ValueError(f"cache_seqlens must be on q's device ({q.device}; a copy from elsewhere would wait for "
                          f"the host), got {cache_seqlens.device}")

@@ -152,6 +152,18 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int):
     return bounds
 
 
+def check_lengths_tensor(cache_seqlens, batch: int, device_note: str = "") -> None:
+    """cache_seqlens is an int32 (or int64) tensor of shape (batch,): its type, dtype and shape
+    only (no value read)."""
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be an int32 tensor of shape (B,) = ({batch},){device_note}, got "
+                        f"{type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cache_seqlens must be an int32 (or int64) tensor, got {cache_seqlens.dtype}")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise ValueError(f"cache_seqlens must have shape (B,) = ({batch},), got {tuple(cache_seqlens.shape)}")
+
+
 def check_cache_seqlens(cache_seqlens, batch: int, q_len: int, kv_len: int, cu_seqlens=None):
     """cache_seqlens (DESIGN §5b): an integer tensor (B,) of valid key rows per batch row,
     queries included, each in [Nq, Nk]. Returns a tuple of ints, or None. Packed documents
@@ -161,13 +173,7 @@ def check_cache_seqlens(cache_seqlens, batch: int, q_len: int, kv_len: int, cu_s
                          "cache_seqlens")
     if cache_seqlens is None:
         return None
-    if not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(f"cache_seqlens must be an int32 tensor of shape (B,) = ({batch},), got "
-                        f"{type(cache_seqlens).__name__}")
-    if cache_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cache_seqlens must be an int32 (or int64) tensor, got {cache_seqlens.dtype}")
-    if tuple(cache_seqlens.shape) != (batch,):
-        raise ValueError(f"cache_seqlens must have shape (B,) = ({batch},), got {tuple(cache_seqlens.shape)}")
+    check_lengths_tensor(cache_seqlens, batch)
     lengths = tuple(int(x) for x in cache_seqlens.tolist())
     bad = [(b, n) for b, n in enumerate(lengths) if not q_len <= n <= kv_len]
     if bad:
