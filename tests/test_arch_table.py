@@ -210,3 +210,23 @@ def test_sm100_defaults_are_the_compiled_spill_free_ones(monkeypatch, clear_arch
         assert not r["error"] and int(r["spill_stores"]) == 0 and int(r["shared_bytes"]) <= 227 * 1024, r
         assert int(r["tcgen05"]) > 0 or r["kernel"] in NO_DOT_KERNELS, r
     assert {(r["kernel"], r["D"]) for r in rows} == {(k, d) for k in KERNELS for d in ("64", "128")}
+
+
+@pytest.mark.parametrize("name, major, minor, smem", [("sm75", 7, 5, 64 * 1024), ("sm70", 7, 0, 96 * 1024)])
+def test_volta_turing_auto_never_runs_a_spilling_default(monkeypatch, clear_arch_cache, name, major, minor, smem):
+    """Where the committed compile lists a spill (FMA_SPILLS_D128: the backward kernels at
+    D = 128 on sm70/sm75), backend="auto" takes the portable path; at D = 64 (no spill) and
+    for forward-only families it keeps the Triton kernels; backend="triton" still runs them."""
+    from triton_dilated.ops.block_sparse.interface import CONFIG_FAMILIES as BS_FAMILIES
+    from triton_dilated.ops.common.runtime import resolve_backend
+    from triton_dilated.ops.dilated.interface import CONFIG_FAMILIES as DILATED_FAMILIES
+    from triton_dilated.perf.aot import KERNELS
+    _fake_device(monkeypatch, None, major=major, minor=minor, shared_memory_per_block_optin=smem)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
+    cuda = torch.device("cuda", 0)
+    assert {KERNELS[k].family for k in FMA_SPILLS_D128} == {"dilated_bwd", "block_sparse_bwd", "ring_step_bwd"}
+    for families in (DILATED_FAMILIES, BS_FAMILIES):
+        assert resolve_backend("auto", cuda, families, 128, torch.float16) == "torch"
+        assert resolve_backend("auto", cuda, families, 64, torch.float16) == "triton"
+        assert resolve_backend("triton", cuda, families, 128, torch.float16) == "triton"
+    assert resolve_backend("auto", cuda, ("dilated_fwd",), 128, torch.float16) == "triton"

@@ -575,6 +575,27 @@ def select_config(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen:
     return cfg if cfg is not None else default_config(family, head_dim_padded, arch, dtype, kernel)
 
 
+# Volta and Turing (Arch.mma == "fma"): above D = 64 every backward tile tried spills, 0.8-9 KB
+# (perf/aot/sm75-sm70-candidates-fp16-triton39.csv; fewer warps spill more:
+# perf/aot/sm75-fewer-warps-fp16-triton39.csv). Triton's FMA dots hold whole operand rows of
+# length D in registers. "auto" takes the portable path there instead, whose matmuls and SDPA
+# run on the tensor cores that Triton 3.9 does not use before sm80. backend="triton" still runs
+# the kernels (correct, with spills).
+FMA_SPILL_FREE_HEAD_DIM = 64
+
+
+def kernels_spill_free(families, head_dim: int, device: torch.device) -> bool:
+    """Whether the default tiles of `families` compile without register spills for this head
+    dim on this GPU (what backend="auto" asks before taking the Triton kernels). False only
+    on archs without tensor-core dots in Triton (sm70, sm75), for the backward kernels at
+    D > FMA_SPILL_FREE_HEAD_DIM. Off-GPU: True."""
+    if device.type != "cuda":
+        return True
+    arch = device_arch(device)
+    return not (arch.mma == "fma" and padded_head_dim(head_dim) > FMA_SPILL_FREE_HEAD_DIM
+                and any(is_backward(f) for f in families))
+
+
 def kernels_fit(families, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the Triton kernels of `families` can run this problem on this GPU: a config of
     each fits shared memory (no tile fits a Turing block for the backward at D = 256), and

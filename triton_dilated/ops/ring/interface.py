@@ -187,7 +187,9 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     if q.shape[0] == 0 or q.shape[1] == 0:   # every rank agreed on these shapes: nothing to send
         return empty_result(q, k, v, return_lse)
 
-    use_triton = resolve_backend("auto", q.device) == "triton"
+    # the ring-step kernels' families: a GPU where their tiles do not fit (or spill: Volta/Turing
+    # above D = 64) runs the portable step
+    use_triton = resolve_backend("auto", q.device, ("ring_step_fwd", "ring_step_bwd"), q.shape[-1], q.dtype) == "triton"
     Hq = q.shape[2]
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     parts = []
