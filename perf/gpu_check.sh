@@ -31,7 +31,9 @@
 #                        (python -m triton_dilated.perf decode -> decode.csv)
 #   7. tests (80 s)      the test suite on CUDA with compiled kernels, bf16 included, 12 xdist
 #                        workers (TRITON_DILATED_TEST_DEVICE=cuda) -> tests.log, tests.xml
-#   then the result tables.
+#   then the result tables, and every result row in one file named after the card
+#   (perf/gpu_results.py -> OUTDIR/<card>.csv, e.g. h100-80gb-hbm3.csv: commit it as perf/results/<card>.csv).
+#   The card's own defaults run everywhere (configs pick per arch: B200, H200, MI300 alike; ROCm: rocm-smi).
 # Python: $PYTHON if set, else python, else python3 on PATH.
 # Without a CUDA GPU (and without --dry-run) it stops at once: exit 2, before creating OUTDIR.
 # Exit status: 0 when every stage exited 0, 3 when the smoke test failed, else 1.
@@ -122,8 +124,12 @@ stage() {
 
 smoke() {
   if [ "$DRY" = 0 ]; then
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,power.draw,power.limit \
-      --format=csv || true
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,power.draw,power.limit \
+        --format=csv || true
+    else   # ROCm (torch.cuda is HIP there)
+      rocm-smi --showproductname --showclocks --showpower --showmeminfo vram 2>/dev/null || echo "no nvidia-smi or rocm-smi"
+    fi
   fi
   echo "git sha: $TRITON_DILATED_GIT_SHA; python: $PY"
   "$PY" perf/gpu_smoke.py
@@ -163,7 +169,8 @@ for f in key_rows.csv block_sparse_vs_flex.csv; do
   [ -s "$OUT/$f" ] && TABLE_IN+=("$OUT/$f")
 done
 if [ ${#TABLE_IN[@]} -gt 0 ]; then
-  timeout -k 5 $(( 20 * SCALE )) "$PY" -m triton_dilated.perf table "${TABLE_IN[@]}" || echo "(table failed)"
+  timeout -k 5 $(( 20 * SCALE )) bash -c '"$0" -m triton_dilated.perf table "${@:2}" || echo "(table failed)"
+    "$0" perf/gpu_results.py "$1" || echo "(combining the result CSVs failed)"' "$PY" "$OUT" "${TABLE_IN[@]}"
 else
   echo "no result CSVs were written"
 fi

@@ -101,6 +101,20 @@ def test_dry_run_runs_every_stage_in_order_and_each_writes_its_rows(tmp_path):
     assert {(p, n) for p in ("dilated", "dilated_bounded", "sdpa_dense") for n in ("256", "512")} <= decode
     assert " passed" in (out / "tests.log").read_text()
     assert "== results ==" in proc.stdout
+    # every result row in one file named after the card (the dry run's "machine" is the CPU)
+    combined = _rows(out / "cpu.csv")
+    assert {r["stage"] for r in combined} == {"key_rows", "kernel_breakdown", "config_ab", "block_sparse_vs_flex",
+                                              "decode"}
+    assert len(combined) == sum(len(_rows(out / f"{s}.csv")) for s in {r["stage"] for r in combined})
+    assert "commit it as perf/results/cpu.csv" in proc.stdout
+
+
+def test_card_names():
+    from triton_dilated.perf.results import card_name
+    assert card_name("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert card_name("NVIDIA B200") == "b200"
+    assert card_name("AMD Instinct MI300X") == "instinct-mi300x"
+    assert card_name("cpu (x86_64, 2 cores)") == "cpu"
 
 
 def test_breakdown_buckets_gpu_kernels_and_the_delta_range():

@@ -313,7 +313,11 @@ FMA_DEFAULTS = {
 #   dK/dV at D = 64 takes 64x32 w4 s2 (216-222 registers): 128x32 w8 s1 spills 100 B without causal;
 # * block-sparse forward, D = 128: 128x32 w8 s2, 193-211 registers (64x64 w4 s3 spills 36 B
 #   causal; 128x64 w8 s2 compiles at 240-255, no headroom);
-# * ring step dQ, D = 64: 64x32 w4 s2, 122 registers (s3 spills 8 B causal).
+# * ring step dQ, D = 64: 64x32 w4 s2, 122 registers (s3 spills 8 B causal);
+# * block-sparse decode (perf/aot/sm100-block-sparse-decode-candidates-bf16-triton39.csv): the
+#   64- and 32-key tiles spill 4-12 B at D = 128 without causal (at 72-96 registers: ptxas
+#   keeps a local array, not register pressure), 16x128 w4 s3 does not (134); D = 256:
+#   16x32 w4 s2 (94-96 registers; 64 keys spill 8 B).
 _TCGEN05_DKDV = make_config(128, 32, 8, 1)
 TCGEN05_DEFAULTS = {
     **{(kernel, band): _TCGEN05_DKDV for kernel in ("dilated_bwd_dkdv", "block_sparse_bwd_dkdv", "ring_step_bwd_dkdv")
@@ -321,6 +325,8 @@ TCGEN05_DEFAULTS = {
     ("ring_step_bwd_dkdv", 64): make_config(64, 32, 4, 2),
     ("block_sparse_fwd", 128): make_config(128, 32, 8, 2),
     ("ring_step_bwd", 64): make_config(64, 32, 4, 2),
+    ("block_sparse_decode", 128): make_config(16, 128, 4, 3),
+    ("block_sparse_decode", 256): make_config(16, 32, 4, 2),
 }
 
 

@@ -358,7 +358,7 @@ def _aot_arch(text: str):
 
 
 def _aot(args) -> int:
-    from .aot import KERNELS, VARIANTS, AotCrash, run_aot
+    from .aot import KERNELS, VARIANTS, AotCrash, arch_summary, run_aot
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("aot: TRITON_INTERPRET=1 replaces the compiled kernels by the interpreter: unset it", file=sys.stderr)
         return 2
@@ -387,6 +387,7 @@ def _aot(args) -> int:
     failed = [r for r in rows if r["error"]]
     spilled = [r for r in rows if not r["error"] and r["spill_stores"]]
     replicated = [r for r in rows if not r["error"] and r["mma_replicated"]]
+    print("\n" + "\n".join(arch_summary(rows)))
     print(f"\n{len(rows)} compiles: {len(failed)} failed, {len(spilled)} spill registers, {len(replicated)} compute "
           f"MMA rows twice (mma_replicated); wrote {args.out}" + (f" and PTX under {args.ptx_dir}" if args.ptx_dir else ""))
     return 1 if failed else 0

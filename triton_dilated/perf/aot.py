@@ -292,6 +292,35 @@ def _summary(row: dict) -> str:
                    + f"mma.sync {row['mma_sync']}, cp.async {row['cp_async']}, pipeline depth {row['pipeline_depth']}")
 
 
+def arch_summary(rows) -> list[str]:
+    """One line per arch of AOT rows (the README's table): its tensor-core instructions as
+    compiled, the most registers, the spilling compiles at D <= 128 and at D = 256 (count,
+    worst bytes), and the largest shared memory / LDS against the arch's limit."""
+    by_arch = {}
+    for r in rows:
+        if not r.get("error"):
+            by_arch.setdefault(r["arch"], []).append(r)
+    lines = ["| arch | compiles | tensor-core instructions | most registers | spills, D <= 128 | spills, D = 256 "
+             "| largest shared / LDS (limit) |", "|---|---|---|---|---|---|---|"]
+    for arch in sorted(by_arch, key=lambda a: (a.startswith("gfx"), int(a[2:]) if a[2:].isdigit() else 0, a)):
+        group = by_arch[arch]
+        count = lambda col: sum(int(r.get(col) or 0) > 0 for r in group)    # noqa: E731
+        families = [name for name, col in (("tcgen05", "tcgen05"), ("wgmma", "wgmma"), ("mma.sync", "mma_sync"),
+                                           ("MFMA", "mfma")) if count(col)]
+        mma = ", ".join(families) or "none (FMA loops)"
+
+        def spills(sel):
+            bad = [int(r["spill_stores"]) for r in group if sel(int(r["D"])) and int(r.get("spill_stores") or 0)]
+            total = sum(sel(int(r["D"])) for r in group)
+            return f"{len(bad)} of {total}" + (f" (worst {max(bad)} B)" if bad else "") if total else "-"
+        limit = arch_facts(arch).shared_memory
+        shared = max(int(r.get("shared_bytes") or 0) for r in group)
+        lines.append(f"| {arch} | {len(group)} | {mma} | {max(int(r['registers'] or 0) for r in group)} "
+                     f"| {spills(lambda d: d <= 128)} | {spills(lambda d: d > 128)} "
+                     f"| {shared / 1024:.0f} KiB ({limit // 1024} KiB) |")
+    return lines
+
+
 def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False, True), kernels=None,
             configs=None, out=None, jobs=2, log=print, ptx_dir=None) -> list[dict]:
     """Compile every kernel for each arch/dtype/head dim/causal with the default config of

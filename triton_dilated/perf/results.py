@@ -24,6 +24,7 @@ import functools
 import math
 import os
 import platform
+import re
 import subprocess
 
 import torch
@@ -141,6 +142,19 @@ class CsvSink:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def card_name(machine: str) -> str:
+    """A file name for the machine that measured: "NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3",
+    "AMD Instinct MI300X" -> "instinct-mi300x", "cpu (x86_64, 2 cores)" -> "cpu" (as
+    perf/results/<card>.csv names the committed runs)."""
+    name = str(machine or "").strip().lower()
+    if not name or name.startswith("cpu"):
+        return "cpu"
+    for vendor in ("nvidia ", "amd "):
+        if name.startswith(vendor):
+            name = name[len(vendor):]
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "unknown-gpu"
 
 
 def write_csv(rows, path):
