@@ -160,8 +160,9 @@ def test_rocm_device_picks_the_compiled_spill_free_config(monkeypatch, clear_arc
 
 
 FMA_DEFAULTS_CSV = "perf/aot/sm75-sm70-defaults-fp16-triton39.csv"
-# Volta/Turing backward kernels at D = 128 spill on every tile tried (FMA dots hold their
-# operands in registers; configs.FMA_DEFAULTS): the documented list, which may only shrink
+# Volta/Turing kernels at D = 128 that spill on every tile tried (FMA dots hold their operands
+# in registers; configs.FMA_DEFAULTS, configs.FMA_SPILLING): the documented list, which may only
+# shrink; backend="auto" does not run them
 FMA_SPILLS_D128 = {"dilated_bwd_dq", "dilated_bwd_dkdv", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv",
                    "ring_step_bwd_dq", "ring_step_bwd_dkdv"}
 
@@ -214,9 +215,9 @@ def test_sm100_defaults_are_the_compiled_spill_free_ones(monkeypatch, clear_arch
 
 @pytest.mark.parametrize("name, major, minor, smem", [("sm75", 7, 5, 64 * 1024), ("sm70", 7, 0, 96 * 1024)])
 def test_volta_turing_auto_never_runs_a_spilling_default(monkeypatch, clear_arch_cache, name, major, minor, smem):
-    """Where the committed compile lists a spill (FMA_SPILLS_D128: the backward kernels at
+    """Where the committed compiles list spills (FMA_SPILLS_D128: the backward kernels at
     D = 128 on sm70/sm75), backend="auto" takes the portable path; at D = 64 (no spill) and
-    for forward-only families it keeps the Triton kernels; backend="triton" still runs them."""
+    for the forward alone it keeps the Triton kernels; backend="triton" still runs them."""
     from triton_dilated.ops.block_sparse.interface import CONFIG_FAMILIES as BS_FAMILIES
     from triton_dilated.ops.common.runtime import resolve_backend
     from triton_dilated.ops.dilated.interface import CONFIG_FAMILIES as DILATED_FAMILIES
@@ -224,9 +225,45 @@ def test_volta_turing_auto_never_runs_a_spilling_default(monkeypatch, clear_arch
     _fake_device(monkeypatch, None, major=major, minor=minor, shared_memory_per_block_optin=smem)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
     cuda = torch.device("cuda", 0)
-    assert {KERNELS[k].family for k in FMA_SPILLS_D128} == {"dilated_bwd", "block_sparse_bwd", "ring_step_bwd"}
-    for families in (DILATED_FAMILIES, BS_FAMILIES):
+    assert {(KERNELS[k].family, 128) for k in FMA_SPILLS_D128} <= configs.FMA_SPILLING
+    for families in (DILATED_FAMILIES, BS_FAMILIES, ("ring_step_fwd", "ring_step_bwd")):
         assert resolve_backend("auto", cuda, families, 128, torch.float16) == "torch"
         assert resolve_backend("auto", cuda, families, 64, torch.float16) == "triton"
         assert resolve_backend("triton", cuda, families, 128, torch.float16) == "triton"
     assert resolve_backend("auto", cuda, ("dilated_fwd",), 128, torch.float16) == "triton"
+
+
+ALL_ARCHS_CSV = "perf/aot/all-archs-defaults-bf16-triton39.csv"
+
+
+def test_every_arch_compiles_its_defaults_without_spills_at_d128():
+    """Issue 20's bar, on the committed compile of every arch in ARCH_TABLE (bf16, D = 64 and
+    128, causal and not; perf/aot/all-archs-defaults-bf16-triton39.csv, assembled from the
+    per-arch `perf aot` runs, each row the config default_config picks today): no compile
+    error, no spill (Volta/Turing's backward at D = 128 excepted: FMA_SPILLS_D128, which
+    backend="auto" does not run), shared memory / LDS within the arch's limit, and the arch's
+    tensor-core instructions in every tile kernel (none on the FMA archs). D = 256: compiles."""
+    import csv
+    import pathlib
+
+    from triton_dilated.perf.aot import KERNELS
+    with open(pathlib.Path(__file__).resolve().parents[1] / ALL_ARCHS_CSV) as f:
+        rows = list(csv.DictReader(f))
+    seen = set()
+    for r in rows:
+        arch = fake_arch(r["arch"])
+        cfg = configs.default_config(KERNELS[r["kernel"]].family, int(r["D"]), arch, torch.bfloat16, r["kernel"])
+        assert cfg == {k: int(r[k]) for k in configs.CONFIG_FIELDS}, (r["arch"], r["kernel"], r["D"], cfg)
+        assert not r["error"] and int(r["shared_bytes"]) <= arch.shared_memory, r
+        seen.add((r["arch"], r["kernel"], r["D"], r["causal"]))
+        if r["D"] == "256":
+            continue
+        if not (arch.mma == "fma" and r["D"] == "128" and r["kernel"] in FMA_SPILLS_D128):
+            assert int(r["spill_stores"] or 0) == 0, (r["arch"], r["kernel"], r["D"], r["causal"], r["spill_stores"])
+        tensor_core = {"fma": None, "mma.sync": ("mma_sync",), "wgmma": ("wgmma", "mma_sync"),
+                       "tcgen05": ("tcgen05", "mma_sync"), "mfma": ("mfma",)}[arch.mma]
+        if tensor_core is None:
+            assert int(r["mma_sync"]) == 0 and int(r["wgmma"]) == 0, r
+        elif r["kernel"] not in NO_DOT_KERNELS:
+            assert any(int(r[c] or 0) > 0 for c in tensor_core), r
+    assert seen >= {(a, k, d, c) for a in ARCH_TABLE for k in KERNELS for d in ("64", "128") for c in "01"}

@@ -281,6 +281,14 @@ CDNA_DEFAULTS = {
     ("ring_step_bwd_dkdv", 128): make_config(64, 16, 4, 2),
     ("block_sparse_bwd_dkdv", 64): make_config(64, 32, 4, 2),
     ("ring_step_bwd_dkdv", 64): make_config(64, 32, 4, 2),
+    # D = 256 (perf/aot/gfx942-gfx950-d256-candidates-bf16-triton39.csv, causal): 4 warps, as
+    # at D = 128 (the 8-warp tiles spilled 12-4904 B in 18 of 26 compiles on the two archs);
+    # forward 64x32 (321-386 VGPRs), dQ 16x32 (268-362; 32x32 overflows gfx942's 64 KiB LDS by
+    # the estimate), dK/dV 32x16 (272-462; 32x32 spills 0.7-1 KB on gfx942): 0 spills on both
+    **{(family, 256): make_config(64, 32, 4, 2) for family in ("dilated_fwd", "block_sparse_fwd", "ring_step_fwd")},
+    **{(family, 256): make_config(16, 32, 4, 2) for family in ("dilated_bwd", "block_sparse_bwd", "ring_step_bwd")},
+    **{(kernel, 256): make_config(32, 16, 4, 2) for kernel in ("dilated_bwd_dkdv", "block_sparse_bwd_dkdv",
+                                                               "ring_step_bwd_dkdv")},
 }
 
 # Volta and Turing (sm70, sm75): Triton 3.9 compiles tl.dot there to FMA loops, in float16
@@ -289,17 +297,25 @@ CDNA_DEFAULTS = {
 # `perf aot --arch 75 70 --configs` (fp16, causal; perf/aot/sm75-sm70-candidates-fp16-triton39.csv):
 # forward 32x32 w4 at D = 64 (221-247 registers), 16x32 w4 at D = 128 (219-254; 32x32 spills
 # 1.3 KB); dQ 32x32 w8 at D = 64 (222-244; 32x32 w4 spills 0.4-0.9 KB), 16x32 w8 at D = 128 (the
-# least: 268-528 B; every tile tried spills); dK/dV 16x16 w4 (0 spills at D = 64; every tile
-# tried spills at D = 128, 16x16 least: 0.8-1.5 KB). One stage: no cp.async to pipeline.
+# least with 4 warps: 268-528 B); dK/dV 16x16 w4 at D = 64. One stage: no cp.async to pipeline.
+# D = 128 backward: 16x16 tiles with 8 warps (perf/aot/sm75-sm70-fma-w8-triton39.csv), at the
+# 255-register edge: 0 spills in most of the 48 compiles (sm70/sm75, fp16/bf16, causal or not),
+# 8-112 B in a few, which ones depending on arch and dtype (4 warps spilled 0.3-1.5 KB in every
+# kernel, 2 warps more, 16 warps cap the registers at 128 and spill 0.1-0.6 KB). So "auto"
+# leaves the backward at D = 128 to the portable path there (FMA_SPILLING); these tiles are
+# what backend="triton" runs. The ring step's dK/dV at D = 64 in bf16 spills 12 B with 4 warps:
+# 8 warps (128 registers, no spill).
 _FMA_FWD = {64: make_config(32, 32, 4, 1), 128: make_config(16, 32, 4, 1), 256: make_config(16, 16, 4, 1)}
-_FMA_DQ = {64: make_config(32, 32, 8, 1), 128: make_config(16, 32, 8, 1), 256: make_config(16, 16, 4, 1)}
+_FMA_DQ = {64: make_config(32, 32, 8, 1), 128: make_config(16, 16, 8, 1), 256: make_config(16, 16, 4, 1)}
+_FMA_DKDV = {64: make_config(16, 16, 4, 1), 128: make_config(16, 16, 8, 1), 256: make_config(16, 16, 4, 1)}
 FMA_DEFAULTS = {
     **{(family, band): cfg for family in ("dilated_fwd", "block_sparse_fwd", "ring_step_fwd")
        for band, cfg in _FMA_FWD.items()},
     **{(family, band): cfg for family in ("dilated_bwd", "block_sparse_bwd", "ring_step_bwd")
        for band, cfg in _FMA_DQ.items()},
-    **{(kernel, band): make_config(16, 16, 4, 1) for kernel in ("dilated_bwd_dkdv", "block_sparse_bwd_dkdv",
-                                                                "ring_step_bwd_dkdv") for band in (64, 128, 256)},
+    **{(kernel, band): cfg for kernel in ("dilated_bwd_dkdv", "block_sparse_bwd_dkdv", "ring_step_bwd_dkdv")
+       for band, cfg in _FMA_DKDV.items()},
+    ("ring_step_bwd_dkdv", 64): make_config(16, 16, 8, 1),
 }
 
 
@@ -581,25 +597,25 @@ def select_config(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen:
     return cfg if cfg is not None else default_config(family, head_dim_padded, arch, dtype, kernel)
 
 
-# Volta and Turing (Arch.mma == "fma"): above D = 64 every backward tile tried spills, 0.8-9 KB
-# (perf/aot/sm75-sm70-candidates-fp16-triton39.csv; fewer warps spill more:
-# perf/aot/sm75-fewer-warps-fp16-triton39.csv). Triton's FMA dots hold whole operand rows of
-# length D in registers. "auto" takes the portable path there instead, whose matmuls and SDPA
-# run on the tensor cores that Triton 3.9 does not use before sm80. backend="triton" still runs
-# the kernels (correct, with spills).
-FMA_SPILL_FREE_HEAD_DIM = 64
+# Volta and Turing (Arch.mma == "fma"): the families whose default tiles spill at a head dim
+# band: the backward above D = 64, at the register limit on every tile tried at D = 128 and
+# spilling 2-12 KB at D = 256 (FMA_DEFAULTS;
+# Triton's FMA dots hold whole operand rows of length D in registers). "auto" takes the portable
+# path there, whose matmuls and SDPA run on the tensor cores Triton 3.9 does not use before
+# sm80; backend="triton" still runs the kernels (correct, spilling up to 112 B).
+FMA_SPILLING = {(family, band) for family in ("dilated_bwd", "block_sparse_bwd", "ring_step_bwd") for band in (128, 256)}
 
 
 def kernels_spill_free(families, head_dim: int, device: torch.device) -> bool:
     """Whether the default tiles of `families` compile without register spills for this head
     dim on this GPU (what backend="auto" asks before taking the Triton kernels). False only
-    on archs without tensor-core dots in Triton (sm70, sm75), for the backward kernels at
-    D > FMA_SPILL_FREE_HEAD_DIM. Off-GPU: True."""
+    on archs without tensor-core dots in Triton (sm70, sm75), for FMA_SPILLING. Off-GPU: True."""
     if device.type != "cuda":
         return True
     arch = device_arch(device)
-    return not (arch.mma == "fma" and padded_head_dim(head_dim) > FMA_SPILL_FREE_HEAD_DIM
-                and any(is_backward(f) for f in families))
+    padded = padded_head_dim(head_dim)
+    band = 64 if padded <= 64 else 128 if padded <= 128 else 256
+    return not (arch.mma == "fma" and any((f, band) in FMA_SPILLING for f in families))
 
 
 def kernels_fit(families, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:

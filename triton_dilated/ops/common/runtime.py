@@ -55,8 +55,8 @@ def resolve_backend(backend: str, device: torch.device, families=(), head_dim: i
                     dtype: torch.dtype = torch.float16) -> str:
     """Map `backend` to "triton" or "torch" for tensors on `device` (DESIGN §7). With
     config `families`, a GPU where none of their tiles fits shared memory at `head_dim`
-    takes the portable path ("auto") or is an error ("triton"); one where every backward tile
-    spills registers (Volta/Turing above D = 64: configs.kernels_spill_free) takes the
+    takes the portable path ("auto") or is an error ("triton"); one where every tile of a kernel
+    spills registers (Volta/Turing, the backward at D = 128: configs.kernels_spill_free) takes the
     portable path under "auto"."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
@@ -70,7 +70,7 @@ def resolve_backend(backend: str, device: torch.device, families=(), head_dim: i
                              f"{dtype} on {torch.cuda.get_device_name(device)} (no tile fits its shared memory, or "
                              "float32 without TF32 tensor cores); use backend='auto' or 'torch' (the portable path)")
         if backend == "auto" and families and not kernels_spill_free(families, head_dim, device):
-            return "torch"     # Volta/Turing above D = 64: every backward tile spills (configs)
+            return "torch"     # Volta/Turing: the backward at D = 128 spills (configs)
         return "triton"
     if backend == "auto":
         return "torch"
