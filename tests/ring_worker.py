@@ -22,13 +22,15 @@ def make_inputs(case, device="cpu"):
     return mk(B, N, Hq, D), mk(B, N, Hkv, D), mk(B, N, Hkv, D), mk(B, N, Hq, D), mk(B, Hq, N)
 
 
-def case_layout(case):
-    """The BlockLayout of a "layout" case (every block for "dense"); None for "dilated"."""
+def case_layout(case, n=None):
+    """The BlockLayout of a "layout" case (every block for "dense"); None for "dilated". n: of
+    a sequence of that length (a document's) instead of case["N"]."""
     from triton_dilated import BlockLayout, layouts
+    n = case["N"] if n is None else n
     if case["kind"] == "layout":
-        return layouts.bigbird(case["N"], case["bs"], 1, 1, 1, seed=1, num_heads=case["Hq"])
+        return layouts.bigbird(n, case["bs"], 1, 1, 1, seed=1, num_heads=case["Hq"])
     if case["kind"] == "dense":
-        nb = -(-case["N"] // 16)
+        nb = -(-n // 16)
         return BlockLayout.from_dense(torch.ones(nb, nb, dtype=torch.bool), 16)
     return None
 
@@ -69,6 +71,11 @@ def run_case(case, rank, world):
                   offsets=case.get("offsets", "modulo"))
     elif case["kind"] == "layout":
         kw.update(layout=case_layout(case))
+    if case.get("cu") is not None:   # packed documents: one layout per document
+        cu = case["cu"]
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+        if case["kind"] == "layout":
+            kw["layout"] = [case_layout(case, e - s) if e > s else None for s, e in zip(cu[:-1], cu[1:])]
     if case.get("fn") == "ulysses":
         del kw["comm"]
         out, lse = ulysses_attention(ql, kl, vl, backend=case.get("backend", "auto"), **kw)
