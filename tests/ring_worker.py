@@ -61,6 +61,12 @@ def run_case(case, rank, world):
     summed over ranks, the peak key/value bytes held."""
     from triton_dilated import ring_attention, shard, ulysses_attention
     from triton_dilated.ops.ring import interface as ring_mod
+    if "interpret" in case:   # "0": the portable ring step (and local calls) for this case
+        saved, os.environ["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET"), case["interpret"]
+        try:
+            return run_case({k: v for k, v in case.items() if k != "interpret"}, rank, world)
+        finally:
+            os.environ["TRITON_INTERPRET"] = saved if saved is not None else "1"
     q, k, v, g, gl = make_inputs(case)
     bal = case.get("balance", "contiguous")
     loc = lambda x: shard(x, rank, world, bal).clone()  # noqa: E731

@@ -83,11 +83,12 @@ def _same_document(Q_DOC, K_DOC, rows, cols, q_ok, k_ok, DOCS: tl.constexpr):
     document" (their ids in Q_DOC, K_DOC; ring/documents.py): passed to _pair_log_weight as
     the query flags, so a pair across documents has weight 0. rows, cols: a column and a
     row of row indices (or the transpose), broadcast like the positions."""
-    if DOCS:
+    ok = q_ok
+    if DOCS:   # one return: the compiler types every return alike, constexpr branch or not
         q_doc = tl.load(Q_DOC + rows, mask=q_ok, other=-1)
         k_doc = tl.load(K_DOC + cols, mask=k_ok, other=-2)
-        return q_ok & (q_doc == k_doc)
-    return q_ok
+        ok = q_ok & (q_doc == k_doc)
+    return ok
 
 
 @triton.jit
