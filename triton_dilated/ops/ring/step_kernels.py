@@ -289,6 +289,9 @@ def _ring_step_bwd_dkdv_kernel(
     d_ok = d < HEAD_DIM
     tile_mask = k_ok[:, None] & d_ok[None, :]                                              # [BLOCK_M, BLOCK_D]
     kpos = tl.load(K_POS + keys, mask=k_ok, other=0)                                       # [BLOCK_M]
+    k_doc = kpos   # the key tile's document ids (DOCS), read once
+    if DOCS:
+        k_doc = tl.load(K_DOC + keys, mask=k_ok, other=-2)
     k = tl.load(K + keys64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_M, BLOCK_D]
     v = tl.load(V + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_M, BLOCK_D]
     dk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -309,7 +312,9 @@ def _ring_step_bwd_dkdv_kernel(
             rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
             q_ok = rows < NQ
             qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)                               # [BLOCK_N]
-            in_doc = _same_document(Q_DOC, K_DOC, rows[None, :], keys[:, None], q_ok[None, :], k_ok[:, None], DOCS)
+            in_doc = q_ok[None, :]
+            if DOCS:
+                in_doc = in_doc & (tl.load(Q_DOC + rows, mask=q_ok, other=-1)[None, :] == k_doc[:, None])
             log_w = _pair_log_weight(qpos[None, :], kpos[:, None], in_doc, k_ok[:, None], PAT_W, PAT_R,
                                      pat_off, layout, LAYOUT_COLS, layout_block, MASK_KIND, NUM_PATTERNS,
                                      CAUSAL)                                               # [BLOCK_M, BLOCK_N]
