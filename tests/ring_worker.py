@@ -204,3 +204,33 @@ def ulysses_errors_worker(rank, world, init_file, queue, U=None):
         dist.destroy_process_group()
     except Exception:
         queue.put((rank, "error", traceback.format_exc()))
+
+
+def documents_errors_worker(rank, world, init_file, queue):
+    """ring_attention / ulysses_attention with packed documents whose arguments differ across
+    ranks or are invalid on one: the error each rank raised (type and message), in order."""
+    try:
+        from triton_dilated import document_balance, ring_attention, ulysses_attention
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        x = torch.zeros(1, 8, 2, 8)
+        other = document_balance([0, 3, 16], world)
+        calls = [lambda: ring_attention(x, x, x, cu_seqlens=[0, 5 + rank, 16]),              # cu_seqlens differ
+                 lambda: ring_attention(x, x, x, cu_seqlens=[0, 5, 17] if rank == 1 else [0, 5, 16]),  # invalid
+                 lambda: ring_attention(x, x, x, cu_seqlens=[0, 5, 16], balance=other),       # planned elsewhere
+                 lambda: ring_attention(x, x, x, balance=other),                              # a plan, no documents
+                 lambda: ulysses_attention(x, x, x, cu_seqlens=[0, 4 + rank, 16]),            # cu_seqlens differ
+                 lambda: ulysses_attention(x, x, x, cu_seqlens=[0, 5, 16], balance=other),    # ring's balance only
+                 lambda: ring_attention(x, x, x, cu_seqlens=[0, 5, 16])]                      # all agree: runs
+        errors = []
+        for call in calls:
+            try:
+                call()
+                errors.append(None)
+            except (ValueError, TypeError) as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        queue.put((rank, "ok", errors))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        queue.put((rank, "error", traceback.format_exc()))

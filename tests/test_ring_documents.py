@@ -367,3 +367,20 @@ def test_portable_step_with_random_documents_against_oracle(data):
     got = (out[:, inv], lse[:, :, inv], dq[:, inv], dk, dv)
     for name, x, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
         torch.testing.assert_close(x.double(), r.detach(), atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_documents_that_differ_or_are_invalid_raise_on_every_rank():
+    from ring_worker import documents_errors_worker, spawn_world
+    results = spawn_world(documents_errors_worker, 2, lambda queue: (queue,), 300)
+    assert sorted(results) == [0, 1]
+    errs = {rank: payload for rank, (status, payload) in results.items()}
+    assert all(status == "ok" for status, _ in results.values()), results
+    for rank, e in errs.items():
+        assert "disagree on cu_seqlens" in e[0], e[0]
+        assert "cu_seqlens must start at 0, end at the sequence length (16)" in e[1], e[1]
+        assert "balance was planned for other documents" in e[2], e[2]
+        assert "needs the same cu_seqlens in the call" in e[3], e[3]
+        assert "disagree on cu_seqlens" in e[4], e[4]
+        assert "balance must be one of" in e[5], e[5]
+        assert e[6] is None, e[6]
+    assert errs[0][1].startswith("ValueError: ring_attention: rank 1 rejected its arguments"), errs[0][1]
