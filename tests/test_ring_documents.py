@@ -37,14 +37,14 @@ CASES = [
     dict(kind="dense", B=1, N=48, Hq=2, Hkv=1, D=8, causal=True, cu=A),
     dict(PORTABLE, kind="dense", B=1, N=48, Hq=2, Hkv=2, D=8, causal=False, cu=Bd, balance="zigzag",
          comm="allgather"),
-    dict(kind="dilated", B=1, N=48, Hq=4, Hkv=2, D=8, causal=True, ws=[8, 48], rs=[1, 3], cu=A),
+    dict(kind="dilated", B=1, N=48, Hq=4, Hkv=2, D=8, causal=True, ws=[8, 48], rs=[1, 3], cu=A, world1=True),
     dict(PORTABLE, kind="dilated", B=1, N=48, Hq=4, Hkv=2, D=8, causal=False, ws=[4, 24, 48], rs=[1, 2, 4],
          offsets="blocked", cu=Bd, balance="zigzag", world3=True),
     dict(PORTABLE, kind="dilated", B=1, N=48, Hq=2, Hkv=1, D=8, causal=True, ws=[8, 16], rs=[2, 3],
          mode="head_groups", cu=Bd, balance="documents"),
     dict(kind="layout", B=1, N=96, Hq=2, Hkv=1, D=8, causal=True, bs=16, cu=C),
     dict(PORTABLE, kind="layout", B=1, N=96, Hq=2, Hkv=2, D=8, causal=False, bs=16, cu=C, balance="documents",
-         comm="allgather", world3=True),
+         comm="allgather", world3=True, world1=True),
     dict(kind="dense", B=1, N=48, Hq=2, Hkv=1, D=8, causal=True, cu=A, balance="documents", world3=True),
 ]
 
@@ -110,16 +110,17 @@ def compare(world, cases, results):
                         torch.tensor(loss_same), factor=2, floor=FLOOR[torch.float32])
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_ring_with_documents_matches_per_document_oracle(world):
     """Against the oracle; and packed documents add no key/value memory: with comm="p2p" a
-    rank holds at most 3 shards (own, in use, in flight), with every balance."""
-    cases = [planned({k: v for k, v in c.items() if k != "world3"}, world) for c in CASES
-             if world == 2 or c.get("world3")]
+    rank holds at most 3 shards (own, in use, in flight), with every balance. World 1: the
+    single-device path (dilated) and a ring of one (layout)."""
+    cases = [planned({k: v for k, v in c.items() if not k.startswith("world")}, world) for c in CASES
+             if world == 2 or c.get(f"world{world}")]
     results = run_world(world, cases)
     compare(world, cases, results)
     for i, case in enumerate(cases):
-        if case.get("comm", "p2p") == "p2p":
+        if world > 1 and case.get("comm", "p2p") == "p2p":
             shard_bytes = 2 * case["N"] // world * case["Hkv"] * case["D"] * 4
             held = [payload[i]["max_kv_bytes_held"] for _, payload in results.values()]
             assert all(0 < h <= 3 * shard_bytes for h in held), (case, held, shard_bytes)
