@@ -168,6 +168,18 @@ def empty_batch_worker(rank, world, init_file, queue, interpret):
         queue.put((rank, "error", traceback.format_exc()))
 
 
+def errors_of(calls):
+    """Each call's ValueError or TypeError as "Type: message", or None where it ran."""
+    errors = []
+    for call in calls:
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, TypeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
+
+
 def ulysses_errors_worker(rank, world, init_file, queue, U=None):
     """ulysses_attention with arguments that differ across ranks or that no world size can
     split: the error each rank raised (type and message), in order. With U: on a grid of
@@ -192,14 +204,7 @@ def ulysses_errors_worker(rank, world, init_file, queue, U=None):
                      lambda: ulysses_attention(x, kv, kv, scale=float("nan") if rank == 0 else None),  # invalid
                      lambda: ulysses_attention(torch.zeros(1, 8, 6, 8), torch.zeros(1, 8, 3, 8),
                                                torch.zeros(1, 8, 3, 8))]                     # kv heads vs world
-        errors = []
-        for call in calls:
-            try:
-                call()
-                errors.append(None)
-            except (ValueError, TypeError) as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
-        queue.put((rank, "ok", errors))
+        queue.put((rank, "ok", errors_of(calls)))
         dist.barrier()
         dist.destroy_process_group()
     except Exception:
@@ -222,14 +227,7 @@ def documents_errors_worker(rank, world, init_file, queue):
                  lambda: ulysses_attention(x, x, x, cu_seqlens=[0, 4 + rank, 16]),            # cu_seqlens differ
                  lambda: ulysses_attention(x, x, x, cu_seqlens=[0, 5, 16], balance=other),    # ring's balance only
                  lambda: ring_attention(x, x, x, cu_seqlens=[0, 5, 16])]                      # all agree: runs
-        errors = []
-        for call in calls:
-            try:
-                call()
-                errors.append(None)
-            except (ValueError, TypeError) as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
-        queue.put((rank, "ok", errors))
+        queue.put((rank, "ok", errors_of(calls)))
         dist.barrier()
         dist.destroy_process_group()
     except Exception:

@@ -14,19 +14,19 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from triton_dilated import block_sparse_attention_naive, dilated_attention, dilated_attention_naive, shard, unshard
+from triton_dilated import (block_sparse_attention_naive, dilated_attention, dilated_attention_naive,
+                            document_balance, shard, unshard)
 from triton_dilated.ops.block_sparse.naive import element_mask
 from triton_dilated.ops.dilated.naive import dilated_multiplicity
 from triton_dilated.ops.dilated.patterns import head_offsets
 from triton_dilated.ops.ring import step_portable
-from triton_dilated import document_balance
 from triton_dilated.ops.ring.documents import DocPositions, position_pairs
 from triton_dilated.ops.ring.mask import MASK_DENSE, MASK_DILATED, StepMask
 from triton_dilated.ops.ring.shard import shard_positions
 from conftest import DEVICE
-from reference import FLOOR, assert_rule, assert_rule_all, dense_reference
+from reference import FLOOR, assert_rule_all, dense_reference
 from ring_worker import case_layout, loss_of, make_inputs
-from test_ring import run_world
+from test_ring import compare_ranks, run_world
 
 # documents: empty ones, some spanning the ranks' shards, boundaries inside segments of 8
 A = [0, 5, 5, 23, 40, 48]
@@ -93,21 +93,7 @@ def document_references(case):
 
 
 def compare(world, cases, results):
-    assert sorted(results) == list(range(world))
-    refs = [document_references(case) for case in cases]
-    for rank, (status, payload) in results.items():
-        assert status == "ok", payload
-        for case, got, ((oracle, loss_oracle), (same, loss_same)) in zip(cases, payload, refs):
-            bal = case.get("balance", "contiguous")
-
-            def local(x, i):   # this rank's rows of a full-sequence out/grad (i != 1) or lse (i == 1)
-                return shard(x.transpose(1, 2), rank, world, bal).transpose(1, 2) if i == 1 else \
-                    shard(x, rank, world, bal)
-            assert_rule_all([torch.from_numpy(got[n]) for n in ("out", "lse", "dq", "dk", "dv")],
-                            [local(x, i) for i, x in enumerate(oracle)], [local(x, i) for i, x in enumerate(same)],
-                            floor=FLOOR[torch.float32], what=f"world {world} rank {rank} {case}: ")
-            assert_rule(f"world {world} {case}: loss", torch.tensor(got["loss"]), torch.tensor(loss_oracle),
-                        torch.tensor(loss_same), factor=2, floor=FLOOR[torch.float32])
+    compare_ranks(world, cases, results, document_references)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
