@@ -22,13 +22,15 @@ def make_inputs(case, device="cpu"):
     return mk(B, N, Hq, D), mk(B, N, Hkv, D), mk(B, N, Hkv, D), mk(B, N, Hq, D), mk(B, Hq, N)
 
 
-def case_layout(case):
-    """The BlockLayout of a "layout" case (every block for "dense"); None for "dilated"."""
+def case_layout(case, n=None):
+    """The BlockLayout of a "layout" case (every block for "dense"); None for "dilated". n: of
+    a sequence of that length (a document's) instead of case["N"]."""
     from triton_dilated import BlockLayout, layouts
+    n = case["N"] if n is None else n
     if case["kind"] == "layout":
-        return layouts.bigbird(case["N"], case["bs"], 1, 1, 1, seed=1, num_heads=case["Hq"])
+        return layouts.bigbird(n, case["bs"], 1, 1, 1, seed=1, num_heads=case["Hq"])
     if case["kind"] == "dense":
-        nb = -(-case["N"] // 16)
+        nb = -(-n // 16)
         return BlockLayout.from_dense(torch.ones(nb, nb, dtype=torch.bool), 16)
     return None
 
@@ -59,6 +61,12 @@ def run_case(case, rank, world):
     summed over ranks, the peak key/value bytes held."""
     from triton_dilated import ring_attention, shard, ulysses_attention
     from triton_dilated.ops.ring import interface as ring_mod
+    if "interpret" in case:   # "0": the portable ring step (and local calls) for this case
+        saved, os.environ["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET"), case["interpret"]
+        try:
+            return run_case({k: v for k, v in case.items() if k != "interpret"}, rank, world)
+        finally:
+            os.environ["TRITON_INTERPRET"] = saved if saved is not None else "1"
     q, k, v, g, gl = make_inputs(case)
     bal = case.get("balance", "contiguous")
     loc = lambda x: shard(x, rank, world, bal).clone()  # noqa: E731
@@ -69,6 +77,11 @@ def run_case(case, rank, world):
                   offsets=case.get("offsets", "modulo"))
     elif case["kind"] == "layout":
         kw.update(layout=case_layout(case))
+    if case.get("cu") is not None:   # packed documents: one layout per document
+        cu = case["cu"]
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+        if case["kind"] == "layout":
+            kw["layout"] = [case_layout(case, e - s) if e > s else None for s, e in zip(cu[:-1], cu[1:])]
     if case.get("fn") == "ulysses":
         del kw["comm"]
         out, lse = ulysses_attention(ql, kl, vl, backend=case.get("backend", "auto"), **kw)
@@ -155,6 +168,18 @@ def empty_batch_worker(rank, world, init_file, queue, interpret):
         queue.put((rank, "error", traceback.format_exc()))
 
 
+def errors_of(calls):
+    """Each call's ValueError or TypeError as "Type: message", or None where it ran."""
+    errors = []
+    for call in calls:
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, TypeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
+
+
 def ulysses_errors_worker(rank, world, init_file, queue, U=None):
     """ulysses_attention with arguments that differ across ranks or that no world size can
     split: the error each rank raised (type and message), in order. With U: on a grid of
@@ -179,14 +204,30 @@ def ulysses_errors_worker(rank, world, init_file, queue, U=None):
                      lambda: ulysses_attention(x, kv, kv, scale=float("nan") if rank == 0 else None),  # invalid
                      lambda: ulysses_attention(torch.zeros(1, 8, 6, 8), torch.zeros(1, 8, 3, 8),
                                                torch.zeros(1, 8, 3, 8))]                     # kv heads vs world
-        errors = []
-        for call in calls:
-            try:
-                call()
-                errors.append(None)
-            except (ValueError, TypeError) as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
-        queue.put((rank, "ok", errors))
+        queue.put((rank, "ok", errors_of(calls)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def documents_errors_worker(rank, world, init_file, queue):
+    """ring_attention / ulysses_attention with packed documents whose arguments differ across
+    ranks or are invalid on one: the error each rank raised (type and message), in order."""
+    try:
+        from triton_dilated import document_balance, ring_attention, ulysses_attention
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        x = torch.zeros(1, 8, 2, 8)
+        other = document_balance([0, 3, 16], world)
+        calls = [lambda: ring_attention(x, x, x, cu_seqlens=[0, 5 + rank, 16]),              # cu_seqlens differ
+                 lambda: ring_attention(x, x, x, cu_seqlens=[0, 5, 17] if rank == 1 else [0, 5, 16]),  # invalid
+                 lambda: ring_attention(x, x, x, cu_seqlens=[0, 5, 16], balance=other),       # planned elsewhere
+                 lambda: ring_attention(x, x, x, balance=other),                              # a plan, no documents
+                 lambda: ulysses_attention(x, x, x, cu_seqlens=[0, 4 + rank, 16]),            # cu_seqlens differ
+                 lambda: ulysses_attention(x, x, x, cu_seqlens=[0, 5, 16], balance=other),    # ring's balance only
+                 lambda: ring_attention(x, x, x, cu_seqlens=[0, 5, 16])]                      # all agree: runs
+        queue.put((rank, "ok", errors_of(calls)))
         dist.barrier()
         dist.destroy_process_group()
     except Exception:

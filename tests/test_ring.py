@@ -70,9 +70,14 @@ def test_ring_matches_oracle(world_results):
     """Forward, lse and gradients (through a loss that also uses lse) of every rank's shard
     against the float64 oracle's shard, by the tolerance rule; the loss summed over ranks
     against the oracle's, so it does not depend on the world size beyond rounding."""
-    world, cases, results = world_results
+    compare_ranks(*world_results, case_references)
+
+
+def compare_ranks(world, cases, results, references):
+    """test_ring_matches_oracle's comparison with the full-sequence references(case) of
+    case_references' form (the packed-document tests give per-document ones)."""
     assert sorted(results) == list(range(world))
-    refs = [case_references(case) for case in cases]
+    refs = [references(case) for case in cases]
     for rank, (status, payload) in results.items():
         assert status == "ok", payload
         for case, got, ((oracle, loss_oracle), (same, loss_same)) in zip(cases, payload, refs):
@@ -90,17 +95,23 @@ def test_ring_matches_oracle(world_results):
 
 def test_p2p_memory_falls_with_world_size():
     """Per-rank key/value bytes held at once with comm="p2p": own shard + the one in use +
-    the one in flight = 3 N/P rows, so it falls as 1/P at fixed N."""
+    the one in flight = 3 N/P rows, so it falls as 1/P at fixed N; the same with packed
+    documents spanning the ranks, sharded by their document balance (portable step)."""
+    from triton_dilated import document_balance
     case = dict(kind="dense", B=1, N=96, Hq=1, Hkv=1, D=16, causal=False)
-    held = {}
+    cu = [0, 7, 60, 61, 96]
+    held, held_docs = {}, {}
     for world in (1, 2, 4):
-        results = run_world(world, [case])
+        docs = dict(case, causal=True, cu=cu, interpret="0", balance=document_balance(cu, world, causal=True))
+        results = run_world(world, [case, docs])
         held[world] = max(payload[0]["max_kv_bytes_held"] for status, payload in results.values())
+        held_docs[world] = max(payload[1]["max_kv_bytes_held"] for status, payload in results.values())
     shard_bytes = lambda p: 2 * 96 // p * 16 * 4  # noqa: E731  (k and v, float32)
-    assert held[1] == shard_bytes(1)
-    for world in (2, 4):
-        assert held[world] <= 3 * shard_bytes(world), held
-    assert held[4] < held[2] < 2 * held[1], held
+    for h in (held, held_docs):
+        assert h[1] == shard_bytes(1)
+        for world in (2, 4):
+            assert h[world] <= 3 * shard_bytes(world), h
+        assert h[4] < h[2] < 2 * h[1], h
 
 
 def test_a_failing_rank_does_not_hang_the_others():

@@ -64,6 +64,9 @@ SOFTCAP_AOT = 50.0
 VARIANTS.update({f"{name}_softcap": (name, {"SOFTCAP": SOFTCAP_AOT})
                  for name in ("dilated_fwd", "dilated_bwd_dq", "dilated_bwd_dkdv", "block_sparse_fwd",
                               "block_sparse_bwd_dq")})
+# packed documents in the ring (issue 22): the step kernels with the per-pair document compare (DOCS)
+VARIANTS.update({f"{name}_docs": (name, {"DOCS": 1})
+                 for name in ("ring_step_fwd", "ring_step_bwd_dq", "ring_step_bwd_dkdv", "ring_step_lists")})
 # the block-sparse backward launcher runs the capped dK/dV kernel with at most 2 pipeline stages
 # (ops/block_sparse/kernels.py, SOFTCAP_DKDV_STAGES); the defaults have 3
 VARIANTS["block_sparse_bwd_dkdv_softcap"] = ("block_sparse_bwd_dkdv", {"SOFTCAP": SOFTCAP_AOT, "num_stages": 2})
@@ -114,6 +117,8 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
             constexprs.update(variant.aot_constexprs)
     if "PAGE_SIZE" in cfg:
         constexprs["PAGE_SIZE"] = cfg["PAGE_SIZE"]
+    if "DOCS" in cfg:
+        constexprs["DOCS"] = bool(cfg["DOCS"])
     sig, given, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         a = p.name

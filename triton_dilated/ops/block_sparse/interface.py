@@ -180,18 +180,36 @@ def _block_sparse_attention(q, k, v, layout, *, causal, scale, return_lse, backe
     return (out, lse) if return_lse else out
 
 
+def document_layouts(layout, bounds):
+    """One BlockLayout per document of bounds (None for an empty one): `layout` is a list or
+    tuple with one per document, a builder called with each document's length, or one
+    BlockLayout for every document. Each is checked against its document's length."""
+    docs = list(zip(bounds[:-1], bounds[1:]))
+    if isinstance(layout, (list, tuple)):
+        if len(layout) != len(docs):
+            raise ValueError(f"layout must hold one BlockLayout per document ({len(docs)}), got {len(layout)}")
+        per_doc = list(layout)
+    elif callable(layout) and not isinstance(layout, BlockLayout):
+        per_doc = [layout(e - s) if e > s else None for s, e in docs]
+    else:
+        per_doc = [layout] * len(docs)
+    out = []
+    for i, (lay, (s, e)) in enumerate(zip(per_doc, docs)):
+        if e == s:
+            out.append(None)
+            continue
+        if not isinstance(lay, BlockLayout):
+            raise TypeError(f"layout for document {i} must be a BlockLayout, got {type(lay).__name__}")
+        lay.check_seq_len(e - s, name=f"layout for document {i} (length {e - s})")
+        out.append(lay)
+    return out
+
+
 def _packed(q, k, v, layout, cu_seqlens, **kw):
     """Documents one after another, each with its own layout (blocks restart per document)."""
     bounds = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     docs = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
-    if isinstance(layout, (list, tuple)):
-        if len(layout) != len(bounds) - 1:
-            raise ValueError(f"layout must hold one BlockLayout per document ({len(bounds) - 1}), got {len(layout)}")
-        per_doc = [lay for lay, (s, e) in zip(layout, zip(bounds[:-1], bounds[1:])) if e > s]
-    elif callable(layout) and not isinstance(layout, BlockLayout):
-        per_doc = [layout(e - s) for s, e in docs]
-    else:
-        per_doc = [layout] * len(docs)
+    per_doc = [lay for lay in document_layouts(layout, bounds) if lay is not None]
     return_lse = kw.pop("return_lse")
     outs = [block_sparse_attention(q[:, s:e], k[:, s:e], v[:, s:e], lay, return_lse=True, **kw)
             for lay, (s, e) in zip(per_doc, docs)]

@@ -10,6 +10,12 @@ Dilated attention (LongNet §3.1): a pattern whose segments lie inside one shard
 needs no communication: it runs on the local shard with the fused dilated kernel and is
 merged by lse with the ring part. For the other patterns only the rows some head uses
 (its residue rows) travel.
+
+Packed documents (cu_seqlens, documents.py): a pair counts only within one document, and
+segments, residues, layout blocks and causal restart at each document start; the steps read
+per-position document ids and document positions. Every pattern then goes around the ring
+(a segment may cross a shard where a document does), and steps whose shards share no
+document (or, causal, only keys after every query of it) are skipped.
 """
 from __future__ import annotations
 
@@ -23,11 +29,12 @@ from ..block_sparse.layout import BlockLayout, valid_slots
 from ..common.first_order import first_order_backward
 from ..common.lse import merge_partials, softmax_delta
 from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
-from ..common.validation import check_choice, check_flags, check_qkv, check_scale
+from ..common.validation import check_choice, check_cu_seqlens, check_flags, check_qkv, check_scale
 from ..dilated.interface import dilated_attention_table
 from ..dilated.patterns import check_head_slice, check_patterns, fit_patterns, head_table
 from . import step_portable
 from .comm import COMMS, RingComm
+from .documents import DocPositions, DocumentBalance, bounds_digest, document_layouts, virtual_layout
 from .mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask
 from .schedules import SCHEDULES, RingPlan
 from .shard import BALANCES, shard_positions
@@ -110,7 +117,7 @@ def _residue_rows(patterns, table):
 # What every rank of the group must agree on (RingComm.agree), in this order.
 SIGNATURE = ("q shape (B, N_local, Hq, D)", "k/v shape (B, N_local, Hkv, D)", "dtype", "device type", "causal",
              "scale", "balance", "comm", "segment_lengths/dilation_rates", "mode/offsets", "layout",
-             "backward (grad mode, inputs requiring grad)", "heads (head_offset, total_heads)")
+             "backward (grad mode, inputs requiring grad)", "heads (head_offset, total_heads)", "cu_seqlens")
 
 
 def _layout_fingerprint(layout: BlockLayout) -> str:
@@ -124,18 +131,20 @@ def _layout_fingerprint(layout: BlockLayout) -> str:
 
 def check_sequence_parallel_args(q, k, v, shards: int, *, causal, scale, return_lse, comm, balance,
                                  segment_lengths, dilation_rates, mode, offsets, layout, head_offset=0,
-                                 total_heads=None):
+                                 total_heads=None, cu_seqlens=None):
     """The argument checks of ring_attention and ulysses_attention, run by every rank before
     they agree (q, k, v: this rank's shard of a sequence cut into `shards`). Returns
-    (dilated, scale, the full length, the fitted patterns or None, (head_offset, total_heads))."""
+    (dilated, scale, the full length, the fitted patterns or None, (head_offset, total_heads)).
+    With cu_seqlens the layout (a per-document form) is checked by check_documents."""
     check_qkv(q, k, v)
     check_choice("comm", comm, COMMS)
-    check_choice("balance", balance, BALANCES)
+    if not isinstance(balance, DocumentBalance):
+        check_choice("balance", balance, BALANCES)
     check_flags(causal=causal, return_lse=return_lse)
     dilated = segment_lengths is not None or dilation_rates is not None
     if dilated and layout is not None:
         raise ValueError("give either segment_lengths/dilation_rates (dilated) or layout (block-sparse), not both")
-    if layout is not None and not isinstance(layout, BlockLayout):
+    if layout is not None and cu_seqlens is None and not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     B, NQ, Hq, D = q.shape
     scale = check_scale(scale, D)
@@ -144,15 +153,45 @@ def check_sequence_parallel_args(q, k, v, shards: int, *, causal, scale, return_
     heads = check_head_slice(head_offset, total_heads, Hq, k.shape[2])
     patterns = fit_patterns(check_patterns(segment_lengths, dilation_rates, mode, offsets), n_total, heads[1]) \
         if dilated else None
-    if layout is not None:
+    if layout is not None and cu_seqlens is None:
         layout.check_seq_len(n_total)
         layout.check_heads(B, heads[1])
     return dilated, scale, n_total, patterns, heads
 
 
+def check_documents(cu_seqlens, layout, balance, batch, n_total, total_heads):
+    """Packed documents of a sequence-parallel call: (bounds, one BlockLayout per document
+    or None each (empty documents; no layout)), or (None, None) without cu_seqlens. A
+    DocumentBalance must have been planned for these documents."""
+    if cu_seqlens is None:
+        if isinstance(balance, DocumentBalance):
+            raise ValueError("a DocumentBalance (document_balance) needs the same cu_seqlens in the call, got "
+                             "cu_seqlens=None")
+        return None, None
+    bounds = check_cu_seqlens(cu_seqlens, batch, n_total)
+    if isinstance(balance, DocumentBalance) and balance.cu_seqlens != bounds:
+        raise ValueError(f"balance was planned for other documents ({bounds_digest(balance.cu_seqlens)}) than "
+                         f"cu_seqlens ({bounds_digest(bounds)})")
+    per_doc = None
+    if layout is not None:
+        per_doc = document_layouts(layout, bounds)
+        for i, lay in enumerate(per_doc):
+            if lay is not None:
+                lay.check_heads(batch, total_heads, name=f"layout for document {i}")
+    return bounds, per_doc
+
+
+def _documents_fingerprint(per_doc) -> str:
+    """The per-document layouts as one short string (for the rank-agreement check)."""
+    h = hashlib.blake2b(digest_size=8)
+    for lay in per_doc:
+        h.update(b"-" if lay is None else _layout_fingerprint(lay).encode())
+    return f"{len(per_doc)} document layouts, digest {h.hexdigest()}"
+
+
 def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=None, layout=None, causal=False,
                    scale=None, mode="longnet", offsets="modulo", comm="p2p", balance="contiguous", return_lse=False,
-                   head_offset=0, total_heads=None):
+                   head_offset=0, total_heads=None, cu_seqlens=None):
     """Attention over a sequence sharded across the ranks of `group` (DESIGN §5).
 
     q, k, v: this rank's shard (B, N_local, H, D), as `shard(x, rank, world, balance)`
@@ -164,6 +203,16 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     call with total_heads heads (as in dilated_attention; a layout is then laid out for
     total_heads, or one head row); 2-D sequence parallelism (ulysses_attention with
     ring_group) runs the ring on each Ulysses rank's heads.
+    cu_seqlens: packed documents on the global sequence (B == 1), the same on every rank,
+    as in dilated_attention: [cu_seqlens[i], cu_seqlens[i+1]) is a document; documents may
+    span ranks; no query sees another document, and segments, layout blocks and causal
+    restart at each document start, so each rank's rows equal those of the single-GPU call
+    with the same cu_seqlens (and of per-document calls). layout is then one BlockLayout
+    per document (a list), a builder called with each document's length, or one
+    BlockLayout for every document (as in block_sparse_attention); all one block size.
+    balance: "contiguous", "zigzag", or a DocumentBalance (document_balance(cu_seqlens,
+    world, ...)) that deals the positions so that the (query, key) pairs per rank are near
+    even for any document lengths; shard and unshard take the same object.
 
     Every rank must pass the same shapes, dtype, device type, flags, scale, patterns and
     layout: one small all-gather checks it before any transfer, and where ranks differ
@@ -175,12 +224,15 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
         dilated, scale, n_total, patterns, heads = check_sequence_parallel_args(
             q, k, v, ring.world, causal=causal, scale=scale, return_lse=return_lse, comm=comm, balance=balance,
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode, offsets=offsets,
-            layout=layout, head_offset=head_offset, total_heads=total_heads)
+            layout=layout, head_offset=head_offset, total_heads=total_heads, cu_seqlens=cu_seqlens)
+        bounds, per_doc = check_documents(cu_seqlens, layout, balance, q.shape[0], n_total, heads[1])
         signature = dict(zip(SIGNATURE, (
             tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, causal, scale,
             balance, comm, patterns, (mode, offsets) if dilated else None,
-            None if layout is None else _layout_fingerprint(layout),
-            torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)), heads)))
+            None if layout is None else _layout_fingerprint(layout) if per_doc is None else
+            _documents_fingerprint(per_doc),
+            torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)), heads,
+            None if bounds is None else bounds_digest(bounds))))
     except (TypeError, ValueError) as exc:
         error = exc
     ring.agree(signature, error, device=q.device if isinstance(q, torch.Tensor) else None)
@@ -193,7 +245,11 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     Hq = q.shape[2]
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     parts = []
-    if dilated:
+    if bounds is not None:
+        parts.append(_documents_ring(q, k, v, ring, n_total, balance, bounds, per_doc, dilated, patterns, heads,
+                                     causal=causal, scale=scale, mode=mode, offsets=offsets, comm=comm,
+                                     use_triton=use_triton))
+    elif dilated:
         table = head_table(Hq, patterns, mode, offsets, *heads)
         (loc_p, loc_t), (ring_p, ring_t) = _dilated_split(patterns, table, n_total, ring.world, balance)
         if any(o >= 0 for row in loc_t for o in row):
@@ -216,3 +272,25 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
         out, lse = merge_partials([p[0].transpose(1, 2) for p in parts], [p[1] for p in parts])
         out = out.transpose(1, 2).to(q.dtype).contiguous()
     return (out, lse) if return_lse else out
+
+
+def _documents_ring(q, k, v, ring, n_total, balance, bounds, per_doc, dilated, patterns, heads, *, causal, scale,
+                    mode, offsets, comm, use_triton):
+    """(out, lse) of ring_attention with packed documents (documents.py). One rank: the
+    single-device call with the documents' bounds (the shard is the sequence)."""
+    Hq = q.shape[2]
+    if dilated:
+        table = head_table(Hq, patterns, mode, offsets, *heads)
+        if ring.world == 1:
+            return dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, doc_bounds=bounds)
+        mask = StepMask(MASK_DILATED, causal, q.device, patterns=patterns, table=table)
+        plan = RingPlan(ring, n_total, balance, mask, q.device, send_rows=_residue_rows(patterns, table),
+                        docs=DocPositions(bounds, q.device))
+    elif per_doc is not None:
+        lay = virtual_layout(per_doc, bounds, (heads[0], heads[0] + Hq))
+        mask = StepMask(MASK_LAYOUT, causal, q.device, layout=lay)
+        plan = RingPlan(ring, n_total, balance, mask, q.device, docs=DocPositions(bounds, q.device, lay.block_size))
+    else:
+        mask = StepMask(MASK_DENSE, causal, q.device)
+        plan = RingPlan(ring, n_total, balance, mask, q.device, docs=DocPositions(bounds, q.device))
+    return _RingFn.apply(q, k, v, plan, scale, comm, use_triton)

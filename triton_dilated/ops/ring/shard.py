@@ -3,19 +3,27 @@
 balance="contiguous": rank i holds positions [i*N/P, (i+1)*N/P).
 balance="zigzag": the sequence is cut into 2P chunks; rank i holds chunks i and 2P-1-i
 (causal load balance: every rank gets an early and a late chunk).
+balance=DocumentBalance (documents.document_balance, packed documents): each rank holds the
+chunks the planner dealt it (near-even (query, key) pairs for any document lengths).
 """
 from __future__ import annotations
 
 import torch
 
 from ..common.validation import check_choice, check_int
+from .documents import DocumentBalance
 
 BALANCES = ("contiguous", "zigzag")
 
 
-def _check(n: int, world_size: int, balance: str, what: str = "the sequence length"):
-    check_choice("balance", balance, BALANCES)
+def _check(n: int, world_size: int, balance, what: str = "the sequence length"):
     world_size = check_int("world_size", world_size, 1)
+    if isinstance(balance, DocumentBalance):
+        if (balance.n, balance.world_size) != (n, world_size):
+            raise ValueError(f"balance was planned for {balance.n} positions on {balance.world_size} ranks, but "
+                             f"{what} is {n} on {world_size} ranks")
+        return n // world_size
+    check_choice("balance", balance, BALANCES)
     parts = world_size * (2 if balance == "zigzag" else 1)
     if n % parts:
         raise ValueError(f"{what} ({n}) must be a multiple of {parts} for balance={balance!r} "
@@ -29,6 +37,8 @@ def shard_positions(n: int, rank: int, world_size: int, balance: str = "contiguo
     world_size, rank = int(world_size), check_int("rank", rank, 0)
     if rank >= world_size:
         raise ValueError(f"rank must lie in [0, {world_size}), got {rank}")
+    if isinstance(balance, DocumentBalance):
+        return balance.positions(rank, device)
     if balance == "contiguous":
         return torch.arange(rank * size, (rank + 1) * size, dtype=torch.int32, device=device)
     first = torch.arange(rank * size, (rank + 1) * size, dtype=torch.int32, device=device)

@@ -8,7 +8,7 @@ from .mask import MASK_DILATED
 
 _MODULE = "triton_dilated.ops.ring.step_kernels"
 _TABLES = {"Q_POS": "i32", "K_POS": "i32", "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32", "LAYOUT": "i8",
-           "TILE_COUNT": "i32", "TILE_INDEX": "i32"}
+           "TILE_COUNT": "i32", "TILE_INDEX": "i32", "Q_DOC": "i32", "K_DOC": "i32"}
 # block-table and tile-list strides: any value, 0 broadcasts
 _LAYOUT_STRIDES = frozenset({"stride_lb", "stride_lh", "stride_tb", "stride_th"})
 
@@ -91,7 +91,7 @@ SPEC = VariantSpec(
         KernelSpec("ring_step_lists", _MODULE, "_ring_tile_lists_kernel", "ring_step_fwd",
                    pointers={**_TABLES, "COUNT": "i32", "INDEX": "i32"}, odd_strides=_LAYOUT_STRIDES),
     ),
-    aot_constexprs={"NUM_PATTERNS": 3, "MASK_KIND": MASK_DILATED, "BY_KEY": False},
+    aot_constexprs={"NUM_PATTERNS": 3, "MASK_KIND": MASK_DILATED, "BY_KEY": False, "DOCS": False},
     problem=RingStepProblem,
     pairs=count_pairs,
 )

@@ -78,11 +78,25 @@ def _tile_positions(POS, tile, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _same_document(Q_DOC, K_DOC, rows, cols, q_ok, k_ok, DOCS: tl.constexpr):
+    """q_ok, and with packed documents (DOCS) also "query row and key row lie in one
+    document" (their ids in Q_DOC, K_DOC; ring/documents.py): passed to _pair_log_weight as
+    the query flags, so a pair across documents has weight 0. rows, cols: a column and a
+    row of row indices (or the transpose), broadcast like the positions."""
+    ok = q_ok
+    if DOCS:   # one return: the compiler types every return alike, constexpr branch or not
+        q_doc = tl.load(Q_DOC + rows, mask=q_ok, other=-1)
+        k_doc = tl.load(K_DOC + cols, mask=k_ok, other=-2)
+        ok = q_ok & (q_doc == k_doc)
+    return ok
+
+
+@triton.jit
 def _ring_tile_lists_kernel(
         Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, COUNT, INDEX, stride_lb, stride_lh, LAYOUT_COLS,
         NQ, NK, LH, layout_block,
         MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BY_KEY: tl.constexpr):
+        BLOCK_N: tl.constexpr, BY_KEY: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False):
     """The active tiles of a step: for one query tile (BY_KEY: one key tile) of one (layout
     batch, head) row, the ascending tiles of the other side with a counted pair, written to
     INDEX (LB, LH, tiles, other tiles) with their number in COUNT (LB, LH, tiles)."""
@@ -101,7 +115,12 @@ def _ring_tile_lists_kernel(
             q_ok, qpos = _tile_positions(Q_POS, t, NQ, BLOCK_M)
         else:
             k_ok, kpos = _tile_positions(K_POS, t, NK, BLOCK_N)
-        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], q_ok[:, None], k_ok[None, :], PAT_W, PAT_R,
+        if BY_KEY:
+            rows, cols = t * BLOCK_M + tl.arange(0, BLOCK_M), tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        else:
+            rows, cols = tile * BLOCK_M + tl.arange(0, BLOCK_M), t * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_doc = _same_document(Q_DOC, K_DOC, rows[:, None], cols[None, :], q_ok[:, None], k_ok[None, :], DOCS)
+        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], in_doc, k_ok[None, :], PAT_W, PAT_R,
                                  PAT_OFF + h * NUM_PATTERNS, LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS,
                                  layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)          # [BLOCK_M, BLOCK_N]
         active = tl.max(log_w) > float("-inf")
@@ -118,7 +137,7 @@ def _ring_step_fwd_kernel(
         NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-        PRECISION: tl.constexpr):
+        PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     Q += b * stride_qb + h * stride_qh
@@ -151,7 +170,8 @@ def _ring_step_fwd_kernel(
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         k_ok = cols < NK
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                 # [BLOCK_N]
-        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], q_ok[:, None], k_ok[None, :], PAT_W, PAT_R, PAT_OFF,
+        in_doc = _same_document(Q_DOC, K_DOC, rows[:, None], cols[None, :], q_ok[:, None], k_ok[None, :], DOCS)
+        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], in_doc, k_ok[None, :], PAT_W, PAT_R, PAT_OFF,
                                  LAYOUT, LAYOUT_COLS, layout_block, MASK_KIND, NUM_PATTERNS,
                                  CAUSAL)                                                 # [BLOCK_M, BLOCK_N]
         # K, V addressed here rather than offset before the loop: fewer registers
@@ -196,7 +216,7 @@ def _ring_step_bwd_dq_kernel(
         NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-        PRECISION: tl.constexpr):
+        PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -226,7 +246,8 @@ def _ring_step_bwd_dq_kernel(
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         k_ok = cols < NK
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                   # [BLOCK_N]
-        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], q_ok[:, None], k_ok[None, :], PAT_W, PAT_R,
+        in_doc = _same_document(Q_DOC, K_DOC, rows[:, None], cols[None, :], q_ok[:, None], k_ok[None, :], DOCS)
+        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], in_doc, k_ok[None, :], PAT_W, PAT_R,
                                  PAT_OFF + h * NUM_PATTERNS, LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS,
                                  layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)            # [BLOCK_M, BLOCK_N]
         # K, V addressed here rather than offset before the loop: fewer registers
@@ -251,7 +272,7 @@ def _ring_step_bwd_dkdv_kernel(
         NQ, NK, HKV, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-        PRECISION: tl.constexpr):
+        PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False):
     # BLOCK_M: the key tile this program owns, the M dimension of every dot (S^T = K Q^T,
     # dV += P^T dO, dP^T = V dO^T, dK += dS^T Q: P^T and dS^T feed the next dot from
     # registers); BLOCK_N: the query tiles it walks (its lists are built with these tiles).
@@ -268,6 +289,9 @@ def _ring_step_bwd_dkdv_kernel(
     d_ok = d < HEAD_DIM
     tile_mask = k_ok[:, None] & d_ok[None, :]                                              # [BLOCK_M, BLOCK_D]
     kpos = tl.load(K_POS + keys, mask=k_ok, other=0)                                       # [BLOCK_M]
+    k_doc = kpos   # the key tile's document ids (DOCS), read once
+    if DOCS:
+        k_doc = tl.load(K_DOC + keys, mask=k_ok, other=-2)
     k = tl.load(K + keys64[:, None] * stride_kn + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_M, BLOCK_D]
     v = tl.load(V + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_M, BLOCK_D]
     dk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -288,7 +312,10 @@ def _ring_step_bwd_dkdv_kernel(
             rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
             q_ok = rows < NQ
             qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)                               # [BLOCK_N]
-            log_w = _pair_log_weight(qpos[None, :], kpos[:, None], q_ok[None, :], k_ok[:, None], PAT_W, PAT_R,
+            in_doc = q_ok[None, :]
+            if DOCS:
+                in_doc = in_doc & (tl.load(Q_DOC + rows, mask=q_ok, other=-1)[None, :] == k_doc[:, None])
+            log_w = _pair_log_weight(qpos[None, :], kpos[:, None], in_doc, k_ok[:, None], PAT_W, PAT_R,
                                      pat_off, layout, LAYOUT_COLS, layout_block, MASK_KIND, NUM_PATTERNS,
                                      CAUSAL)                                               # [BLOCK_M, BLOCK_N]
             rows64 = rows.to(tl.int64)
@@ -350,7 +377,12 @@ def _list_shape(mask: StepMask, Hq):
     return 1, 1
 
 
-def _tile_lists(q_pos, k_pos, mask: StepMask, B, Hq, block_m, block_n, by_key):
+def _doc_args(q_doc, k_doc):
+    """Packed documents' ids per query and key row (ring/documents.py) as kernel keywords."""
+    return {} if q_doc is None else dict(Q_DOC=q_doc, K_DOC=k_doc, DOCS=True)
+
+
+def _tile_lists(q_pos, k_pos, mask: StepMask, B, Hq, block_m, block_n, by_key, docs=None):
     """The active tiles of a step as kernel keywords: TILE_COUNT (LB, LH, tiles) and
     TILE_INDEX (LB, LH, tiles, other tiles), per query tile its key tiles with a counted pair
     (by_key: per key tile its query tiles), read through zero strides where they broadcast."""
@@ -359,39 +391,43 @@ def _tile_lists(q_pos, k_pos, mask: StepMask, B, Hq, block_m, block_n, by_key):
     n_q, n_k = triton.cdiv(NQ, block_m), triton.cdiv(NK, block_n)
     n_tiles, n_other = (n_k, n_q) if by_key else (n_q, n_k)
     count = torch.empty(LB, LH, n_tiles, dtype=torch.int32, device=q_pos.device)
-    if mask.kind == step_mask.MASK_DENSE and not mask.causal:   # every tile
+    if mask.kind == step_mask.MASK_DENSE and not mask.causal and not docs:   # every tile
         count.fill_(n_other)
         index = torch.arange(n_other, dtype=torch.int32, device=q_pos.device).expand(LB, LH, n_tiles, n_other)
     else:
         index = torch.empty(LB, LH, n_tiles, n_other, dtype=torch.int32, device=q_pos.device)
         _ring_tile_lists_kernel[(LB * LH * n_tiles,)](
             Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, LB, LH), COUNT=count, INDEX=index, NQ=NQ, NK=NK, LH=LH,
-            BLOCK_M=block_m, BLOCK_N=block_n, BY_KEY=by_key)
+            BLOCK_M=block_m, BLOCK_N=block_n, BY_KEY=by_key, **(docs or {}))
     c = count.expand(B, Hq, n_tiles)
     return dict(TILE_COUNT=count, TILE_INDEX=index.contiguous(), stride_tb=c.stride(0), stride_th=c.stride(1),
                 TILE_WIDTH=n_other)
 
 
 @on_tensor_device
-def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale, config=None):
+def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale, config=None, q_doc=None, k_doc=None):
     """Fold the shard (k, v at global positions k_pos) into the running out (fp32, like q)
-    and lse (fp32 (B, Hq, Nq), contiguous) of the local queries q at q_pos, in place."""
+    and lse (fp32 (B, Hq, Nq), contiguous) of the local queries q at q_pos, in place.
+    q_doc, k_doc: packed documents' ids (int32, per row; ring/documents.py): a pair counts
+    only within one document (positions are then the documents' mask positions)."""
     B, NQ, Hq, D = q.shape
     NK, Hkv = k.shape[1], k.shape[2]
     require_contiguous("step_forward", "lse", lse, (B, Hq, NQ))
     if NQ == 0 or NK == 0 or B == 0:
         return
     _, cfg, meta = _config(q, "ring_step_fwd", config)
+    docs = _doc_args(q_doc, k_doc)
     _ring_step_fwd_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
-        Q=q, K=k, V=v, OUT=out, LSE=lse, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq),
-        **_tile_lists(q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"], False),
+        Q=q, K=k, V=v, OUT=out, LSE=lse, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq), **docs,
+        **_tile_lists(q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"], False, docs),
         **_strides(q=q, k=k, v=v, o=out), NQ=NQ, NK=NK, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale, **meta)
 
 
 @on_tensor_device
-def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepMask, *, scale, config=None):
+def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepMask, *, scale, config=None,
+                  q_doc=None, k_doc=None):
     """Add this shard's contributions to dq (fp32, local) and dk, dv (fp32, travelling);
-    lse and delta (fp32 (B, Hq, Nq)) contiguous."""
+    lse and delta (fp32 (B, Hq, Nq)) contiguous. q_doc, k_doc: as in step_forward."""
     B, NQ, Hq, D = q.shape
     NK, Hkv = k.shape[1], k.shape[2]
     for name, t in (("lse", lse), ("delta", delta)):
@@ -402,11 +438,13 @@ def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepM
     # dQ: BLOCK_M query rows x BLOCK_N keys; dK/dV: BLOCK_M keys x BLOCK_N queries
     _, cfg, meta = _config(q, "ring_step_bwd", config)
     _, kv_cfg, kv_meta = _config(q, "ring_step_bwd", config, kernel="ring_step_bwd_dkdv")
+    docs = _doc_args(q_doc, k_doc)
     common = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq),
+                  **docs,
                   **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=scale)
     _ring_step_bwd_dq_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
         **common, **meta, DQ=dq, **_strides(dq=dq), HQ=Hq,
-        **_tile_lists(q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"], False))
+        **_tile_lists(q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"], False, docs))
     _ring_step_bwd_dkdv_kernel[(triton.cdiv(NK, kv_cfg["BLOCK_M"]) * B * Hkv,)](
         **common, **kv_meta, DK=dk, DV=dv, **_strides(dk=dk, dv=dv), HKV=Hkv,
-        **_tile_lists(q_pos, k_pos, mask, B, Hq, kv_cfg["BLOCK_N"], kv_cfg["BLOCK_M"], True))
+        **_tile_lists(q_pos, k_pos, mask, B, Hq, kv_cfg["BLOCK_N"], kv_cfg["BLOCK_M"], True, docs))

@@ -26,9 +26,20 @@ def query_blocks(q, n_keys, block_bytes=None):
     return [slice(s, min(NQ, s + rows)) for s in range(0, NQ, rows)]
 
 
-def pair_log_weight(q_pos, k_pos, mask, num_heads, batch):
+def pair_log_weight(q_pos, k_pos, mask, num_heads, batch, q_doc=None, k_doc=None):
     """(B|1, Hq|1, Nq, Nk) ln(weight), -inf where a pair does not count; None when every
-    pair counts once (dense, not causal)."""
+    pair counts once (dense, not causal). q_doc, k_doc: packed documents' ids per row
+    (ring/documents.py): a pair across documents does not count."""
+    log_w = _pair_log_weight(q_pos, k_pos, mask)
+    if q_doc is None:
+        return log_w
+    apart = q_doc.long()[:, None] != k_doc.long()[None, :]
+    if log_w is None:
+        return torch.zeros(apart.shape, dtype=torch.float32, device=apart.device).masked_fill_(apart, -math.inf)
+    return log_w.masked_fill(apart, -math.inf)
+
+
+def _pair_log_weight(q_pos, k_pos, mask):
     qp, kp = q_pos.long()[:, None], k_pos.long()[None, :]
     if mask.kind == MASK_DILATED:
         c = pattern_multiplicity(q_pos, k_pos, mask.patterns, mask.table, causal=mask.causal).float()[None]
@@ -56,19 +67,24 @@ def _unheads(x, G):
     return x.view(B, Hkv, G, Gn // G, D).permute(0, 3, 1, 2, 4).reshape(B, Gn // G, Hkv * G, D)
 
 
-def _scores(qh, kh, q_pos, k_pos, mask, scale, G):
+def _scores(qh, kh, q_pos, k_pos, mask, scale, G, q_doc=None, k_doc=None):
     """float32 scores plus ln(weight), (B, Hq, n, Nk), from _heads(q rows) and K as (B, Hkv, Nk, D)."""
     B, Hkv, Gn, _ = qh.shape
     s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale).view(B, Hkv * G, Gn // G, kh.shape[2])
-    log_w = pair_log_weight(q_pos, k_pos, mask, Hkv * G, B)
+    log_w = pair_log_weight(q_pos, k_pos, mask, Hkv * G, B, q_doc, k_doc)
     return s if log_w is None else s.add_(log_w)
 
 
-def step_forward(q, k, v, q_pos, k_pos, out, lse, mask, *, scale):
+def _rows_of(q_doc, rows):
+    return None if q_doc is None else q_doc[rows]
+
+
+def step_forward(q, k, v, q_pos, k_pos, out, lse, mask, *, scale, q_doc=None, k_doc=None):
     B, G = q.shape[0], q.shape[2] // k.shape[2]
     kh, vh = _heads(k, 1), _heads(v, 1)                                     # (B, Hkv, Nk, D)
     for rows in query_blocks(q, k.shape[1]):
-        s = _scores(_heads(q[:, rows], G), kh, q_pos[rows], k_pos, mask, scale, G)   # (B, Hq, n, Nk)
+        s = _scores(_heads(q[:, rows], G), kh, q_pos[rows], k_pos, mask, scale, G, _rows_of(q_doc, rows),
+                    k_doc)                                                  # (B, Hq, n, Nk)
         n = s.shape[2]
         lse_step = torch.logsumexp(s, dim=-1)                               # -inf rows stay -inf
         safe = torch.where(torch.isinf(lse_step), torch.zeros_like(lse_step), lse_step)
@@ -86,13 +102,13 @@ def step_forward(q, k, v, q_pos, k_pos, out, lse, mask, *, scale):
         run_lse.copy_(torch.where(total == 0, torch.full_like(total, -math.inf), top_safe + torch.log(total_safe)))
 
 
-def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask, *, scale):
+def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask, *, scale, q_doc=None, k_doc=None):
     B, G = q.shape[0], q.shape[2] // k.shape[2]
     kh, vh = _heads(k, 1), _heads(v, 1)                                     # (B, Hkv, Nk, D)
     dkh, dvh = torch.zeros_like(kh), torch.zeros_like(vh)
     for rows in query_blocks(q, k.shape[1]):
         qh, doh = _heads(q[:, rows], G), _heads(do[:, rows], G)             # (B, Hkv, G n, D)
-        s = _scores(qh, kh, q_pos[rows], k_pos, mask, scale, G)
+        s = _scores(qh, kh, q_pos[rows], k_pos, mask, scale, G, _rows_of(q_doc, rows), k_doc)
         n = s.shape[2]
         row_lse = lse[:, :, rows]
         row = torch.where(torch.isinf(row_lse), torch.full_like(row_lse, math.inf), row_lse)

@@ -30,8 +30,10 @@ from ..common.runtime import empty_result
 from ..common.validation import check_choice
 from ..dilated.interface import dilated_attention
 from .comm import RingComm
-from .interface import _layout_fingerprint, check_sequence_parallel_args, ring_attention
-from .shard import shard, unshard
+from .documents import bounds_digest
+from .interface import _documents_fingerprint, _layout_fingerprint, check_documents, check_sequence_parallel_args, \
+    ring_attention
+from .shard import BALANCES, shard, unshard
 
 
 def seq_to_heads(x, comm: RingComm, balance: str = "contiguous"):
@@ -73,7 +75,7 @@ class _HeadsToSeq(torch.autograd.Function):
 
 SIGNATURE = ("q shape (B, N_local, Hq, D)", "k/v shape (B, N_local, Hkv, D)", "dtype", "device type", "causal",
              "scale", "balance", "segment_lengths/dilation_rates", "mode/offsets", "layout", "backend",
-             "backward (grad mode, inputs requiring grad)", "ring (world size, comm)")
+             "backward (grad mode, inputs requiring grad)", "ring (world size, comm)", "cu_seqlens")
 
 
 def check_ulysses_heads(num_heads: int, num_kv_heads: int, world: int) -> int:
@@ -95,7 +97,7 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, world: int) -> int:
 
 def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=None, layout=None, causal=False,
                       scale=None, mode="longnet", offsets="modulo", balance="contiguous", return_lse=False,
-                      backend="auto", ring_group=None, comm="p2p"):
+                      backend="auto", ring_group=None, comm="p2p", cu_seqlens=None):
     """Attention over a sequence sharded across the ranks of `group`, by heads (Ulysses).
 
     q, k, v: this rank's sequence shard (B, N_local, H, D), as `shard(x, rank, world,
@@ -111,6 +113,12 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
     not `backend`). The rank at Ulysses index u, ring index r holds shard(x, r * U + u,
     U * R, balance); balance="zigzag" balances the ring's causal work.
 
+    cu_seqlens: packed documents on the global sequence (B == 1), the same on every rank:
+    the local call takes them (dilated_attention's / block_sparse_attention's cu_seqlens;
+    with ring_group, ring_attention's), so each rank's rows equal the single-GPU call's.
+    layout may then be per document, as in block_sparse_attention. balance stays
+    "contiguous" or "zigzag" here (a DocumentBalance is ring_attention's).
+
     Memory per rank: the whole sequence of Hq / P heads (the same O(N H / P) as the
     shards). Every rank must pass the same shapes, dtype, flags, scale, patterns and layout:
     one small all-gather checks it first, and where ranks differ (or one rank's arguments
@@ -124,16 +132,19 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
         dilated, scale, n_total, patterns, _ = check_sequence_parallel_args(
             q, k, v, ucomm.world * ring_world, causal=causal, scale=scale, return_lse=return_lse, comm=comm,
             balance=balance, segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
-            offsets=offsets, layout=layout)
+            offsets=offsets, layout=layout, cu_seqlens=cu_seqlens)
+        check_choice("balance", balance, BALANCES)
+        bounds, per_doc = check_documents(cu_seqlens, layout, balance, q.shape[0], n_total, q.shape[2])
         check_choice("backend", backend, ("auto", "triton", "torch"))
         Hq = q.shape[2]
         repeat = check_ulysses_heads(Hq, k.shape[2], ucomm.world)
         signature = dict(zip(SIGNATURE, (
             tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, causal, scale,
             balance, patterns, (mode, offsets) if dilated else None,
-            None if layout is None else _layout_fingerprint(layout), backend,
+            None if layout is None else _layout_fingerprint(layout) if per_doc is None else
+            _documents_fingerprint(per_doc), backend,
             torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
-            (ring_world, comm) if rcomm is not None else None)))
+            (ring_world, comm) if rcomm is not None else None, None if bounds is None else bounds_digest(bounds))))
     except (TypeError, ValueError) as exc:
         error = exc
     device = q.device if isinstance(q, torch.Tensor) else None
@@ -154,19 +165,21 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
     first = ucomm.rank * heads
     if rcomm is not None:
         res = ring_attention(qh, kh, vh, group=ring_group, segment_lengths=segment_lengths,
-                             dilation_rates=dilation_rates, layout=layout, causal=causal, scale=scale, mode=mode,
-                             offsets=offsets, comm=comm, balance=balance, return_lse=return_lse, head_offset=first,
-                             total_heads=Hq)
+                             dilation_rates=dilation_rates, layout=layout if per_doc is None else per_doc,
+                             causal=causal, scale=scale, mode=mode, offsets=offsets, comm=comm, balance=balance,
+                             return_lse=return_lse, head_offset=first, total_heads=Hq, cu_seqlens=bounds)
     elif dilated:
         res = dilated_attention(qh, kh, vh, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
                                 offsets=offsets, return_lse=return_lse, backend=backend, head_offset=first,
-                                total_heads=Hq)
+                                total_heads=Hq, cu_seqlens=bounds)
     elif layout is not None:
-        res = block_sparse_attention(qh, kh, vh, layout.heads(first, first + heads), causal=causal, scale=scale,
-                                     return_lse=return_lse, backend=backend)
-    else:   # dense: one pattern whose segment is the whole sequence
+        mine = layout.heads(first, first + heads) if per_doc is None else \
+            [lay if lay is None else lay.heads(first, first + heads) for lay in per_doc]
+        res = block_sparse_attention(qh, kh, vh, mine, causal=causal, scale=scale, return_lse=return_lse,
+                                     backend=backend, cu_seqlens=bounds)
+    else:   # dense: one pattern whose segment is the whole sequence (each document's, with cu_seqlens)
         res = dilated_attention(qh, kh, vh, [n_total], [1], causal=causal, scale=scale, return_lse=return_lse,
-                                backend=backend)
+                                backend=backend, cu_seqlens=bounds)
     out, lse = res if return_lse else (res, None)
     out = _HeadsToSeq.apply(out, ucomm, balance)
     if not return_lse:
