@@ -7,8 +7,8 @@ Two measurements, medians over interleaved rounds of `--calls` calls each:
 * "launch path": the Triton path with the kernel launches replaced by no-ops (the Python
   from the public call to the launch: argument checks, tables, buffers), so that a CPU
   measures what a GPU's host would spend before its queue gets the kernel (the launch
-  itself, ~10-30 us on a GPU, not included). Needs TRITON_INTERPRET=1 (set here) so that
-  the Triton path is chosen for CPU tensors; nothing is interpreted.
+  itself, ~10-30 us on a GPU, not included): triton_dilated.perf.decode.stubbed_launches,
+  which `perf decode` uses for its CPU host rows too. Nothing is interpreted.
 * "portable": the whole call of the portable path at a tiny shape (B=1, one query, H=4,
   D=16, N=256, patterns 16/32/64 x 1/2/4), where Python dominates.
 
@@ -17,20 +17,13 @@ Two measurements, medians over interleaved rounds of `--calls` calls each:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
 
-import torch  # noqa: E402
-
-from triton_dilated import dilated_attention, dilated_attention_with_kvcache  # noqa: E402
-
-
-class _NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+from triton_dilated import dilated_attention, dilated_attention_with_kvcache
+from triton_dilated.perf.decode import stubbed_launches
 
 
 def _calls(backend, B, N, H, D, ws, rs):
@@ -68,15 +61,11 @@ def main():
     p.add_argument("--calls", type=int, default=50)
     args = p.parse_args()
     torch.set_num_threads(1)
-    from triton_dilated.ops.common import decode_kernels as common_kernels
-    from triton_dilated.ops.dilated import decode_kernels as dl_kernels
-    saved = (dl_kernels._dilated_decode_kernel, common_kernels._decode_merge_kernel)
-    dl_kernels._dilated_decode_kernel = common_kernels._decode_merge_kernel = _NoLaunch()
-    try:
+    with stubbed_launches() as ok:
+        if not ok:
+            raise SystemExit("the Triton kernels were defined compiled in this process: run without TRITON_INTERPRET=0")
         launch = _time(_calls("triton", 1, 32768, 16, 128, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12]),
                        args.rounds, args.calls)
-    finally:
-        dl_kernels._dilated_decode_kernel, common_kernels._decode_merge_kernel = saved
     portable = _time(_calls("torch", 1, 256, 4, 16, [16, 32, 64], [1, 2, 4]), args.rounds, args.calls)
     print("host time per call, us (median of rounds; 1 thread)")
     print(f"{'entry point':30} {'launch path (Triton, no launch)':>32} {'portable, tiny shape':>22}")

@@ -213,10 +213,10 @@ def _bound_and_error(q, k, v, kd, vd, key_lists, scale, out8, out16):
     so key j's score moves by at most eps_j = scale * sum_d |q_d| (U |k_jd| + A kd), its
     weight p_j by a factor e^(ds_j) / sum_i p_i e^(ds_i), within 1 +- rho_j, and
 
-        |d out_d| <= sum_j p_j rho_j |v_jd| + U max_j |v_jd| + A vd + 2^-8 (|out_d| + 1)
+        |d out_d| <= sum_j p_j rho_j |v_jd| + U max_j |v_jd| + A vd + 2^-8 |out_d| + 1e-5
 
-    (the last term: both outputs rounded to bf16, and float32 sums). Returns (bound, error)
-    (Hq, D)."""
+    (the last terms: both outputs rounded to bf16, 2^-9 each, and float32 sums). Returns
+    (bound, error) (Hq, D)."""
     Hq, D = q.shape
     group = Hq // k.shape[1]
     bounds = []
@@ -228,7 +228,7 @@ def _bound_and_error(q, k, v, kd, vd, key_lists, scale, out8, out16):
         lo, hi = (p * torch.exp(-eps)).sum(), (p * torch.exp(eps)).sum()
         rho = torch.maximum(torch.exp(eps) / lo - 1, 1 - torch.exp(-eps) / hi)
         out = p @ vh
-        bound = (p * rho) @ vh.abs() + U * vh.abs().amax(0) + A * vd[h // group] + 2.0 ** -8 * (out.abs() + 1)
+        bound = (p * rho) @ vh.abs() + U * vh.abs().amax(0) + A * vd[h // group] + 2.0 ** -8 * out.abs() + 1e-5
         bounds.append(bound)
     return torch.stack(bounds), (out8.double() - out16.double()).abs()
 

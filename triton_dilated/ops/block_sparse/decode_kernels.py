@@ -64,7 +64,8 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, spli
     """Block-sparse attention of q (B, Nq, Hq, D), the last Nq positions of each row's
     lengths[b] (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with
     block_table (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv,
-    D); the layout (on q's device) covers the capacity. Returns (out like q, lse float32
+    D); the layout (on q's device) covers the capacity. k, v float8_e4m3fn (an FP8 cache):
+    k_descale, v_descale float32 (Hkv,) on q's device. Returns (out like q, lse float32
     (B, Hq, Nq))."""
     B, Nq, Hq, D = q.shape
     Hkv = k.shape[2]

@@ -110,7 +110,8 @@ def dilated_decode_forward(q, k, v, patterns, table, lengths, *, causal, scale, 
     (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with block_table
     (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv, D). Returns
     (out like q, lse float32 (B, Hq, Nq)). `splits`: the number of splits per query (default:
-    common.decode_kernels.num_splits); `max_length`: max(lengths) if known (else the capacity)."""
+    common.decode_kernels.num_splits); `max_length`: max(lengths) if known (else the capacity).
+    k, v float8_e4m3fn (an FP8 cache): k_descale, v_descale float32 (Hkv,) on q's device."""
     B, Nq, Hq, D = q.shape
     Hkv = k.shape[2]
     paged = block_table is not None
