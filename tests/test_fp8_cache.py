@@ -186,6 +186,39 @@ def test_fp8_nan_a_query_reads_spreads_and_nothing_else(backend):
     assert torch.isfinite(out[0, 0, :2]).all() and torch.isfinite(lse[0, :2]).all()
 
 
+@pytest.mark.parametrize("backend,variant", [("torch", "block_sparse"), ("triton", "dilated")])
+def test_fp8_decode_step_compiles_once_for_every_length(backend, variant):
+    """torch.compile(fullgraph=True) of an FP8 decode step with an append (the quantisation
+    traced with it, the descales through the custom ops), paged, three cache_seqlens: one
+    frame, equal to eager (out and the pool's bytes). Each variant, each backend once."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    B, Nk, Hq, Hkv, D = 2, 48, 4, 2, 8
+    lay = layouts.local(Nk, 16, 1, causal=True).to(DEVICE)
+    q = seeded((B, 1, Hq, D), torch.float32, 1, DEVICE)
+    k_new, v_new = (seeded((B, 1, Hkv, D), torch.float32, s, DEVICE) for s in (2, 3))
+    fn = _call(variant, lay)
+
+    def step(q, kc, vc, k, v, lens, table, kd, vd):
+        return fn(q, kc, vc, k, v, cache_seqlens=lens, block_table=table, k_descale=kd, v_descale=vd,
+                  return_lse=True, backend=backend)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for i, before in enumerate(([5, 30], [17, 9], [46, 0])):
+        k8, v8, kd, vd = _fp8_cache(B, Nk, Hkv, D, [Nk, Nk], seed=20 + i)
+        pool_k, pool_v, table = _paged_fp8(k8, v8, 16)
+        pk2, pv2 = pool_k.clone(), pool_v.clone()
+        lens = torch.tensor(before, dtype=torch.int32, device=DEVICE)
+        got = compiled(q, pool_k, pool_v, k_new, v_new, lens, table, kd, vd)
+        want = step(q, pk2, pv2, k_new, v_new, lens, table, kd, vd)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert torch.equal(pool_k.view(torch.uint8), pk2.view(torch.uint8))
+        assert torch.equal(pool_v.view(torch.uint8), pv2.view(torch.uint8))
+    assert counter.frame_count == 1, f"{counter.frame_count} compiles for 3 cache_seqlens values"
+
+
 # ----------------------------------------------------------------------------- quantisation
 
 def test_quantise_rounds_saturates_and_keeps_nonfinite_as_nan():
