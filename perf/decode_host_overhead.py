@@ -11,8 +11,12 @@ Two measurements, medians over interleaved rounds of `--calls` calls each:
   which `perf decode` uses for its CPU host rows too. Nothing is interpreted.
 * "portable": the whole call of the portable path at a tiny shape (B=1, one query, H=4,
   D=16, N=256, patterns 16/32/64 x 1/2/4), where Python dominates.
+* --serving: the launch path of the serving step (one token appended, then attended) on a
+  contiguous, paged, FP8 and paged FP8 cache (perf decode's dilated_kvcache providers), bf16,
+  N = 32K, H = 16, D = 128, batch 1 and 8, as wall time and as CPU time (time.process_time:
+  what a loaded shared machine cannot inflate by descheduling the process).
 
-    python perf/decode_host_overhead.py --rounds 15 --calls 50
+    python perf/decode_host_overhead.py --rounds 15 --calls 50 [--serving]
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import time
 import torch
 
 from triton_dilated import dilated_attention, dilated_attention_with_kvcache
-from triton_dilated.perf.decode import stubbed_launches
+from triton_dilated.perf.decode import KVCACHE, LONGNET, kvcache_steps, stubbed_launches
 
 
 def _calls(backend, B, N, H, D, ws, rs):
@@ -55,12 +59,43 @@ def _time(calls, rounds, n):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def serving(rounds, calls):
+    """{(batch, provider): (wall us, CPU us)} of the serving step's launch path."""
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for B in (1, 8):
+        k, v = (torch.randn(B, 16, 32768, 128, generator=gen, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+        q = torch.randn(B, 1, 16, 128, generator=gen, dtype=torch.bfloat16)
+        steps = kvcache_steps(q, k, v, *LONGNET, list(KVCACHE))
+        with stubbed_launches() as ok:
+            if not ok:
+                raise SystemExit("the Triton kernels were defined compiled in this process")
+            for step in steps.values():
+                step()
+            for name, step in steps.items():
+                wall, cpu = [], []
+                for _ in range(rounds):
+                    t, c = time.perf_counter(), time.process_time()
+                    for _ in range(calls):
+                        step()
+                    wall.append((time.perf_counter() - t) / calls * 1e6)
+                    cpu.append((time.process_time() - c) / calls * 1e6)
+                out[B, name] = statistics.median(wall), statistics.median(cpu)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--serving", action="store_true", help="the serving step's table instead")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.serving:
+        print("serving step (append + attend), launch path, us per call (median of rounds; 1 thread): wall / CPU")
+        for (B, name), (wall, cpu) in serving(args.rounds, args.calls).items():
+            print(f"batch {B} {name:28} {wall:>10.1f} / {cpu:.1f}")
+        return
     with stubbed_launches() as ok:
         if not ok:
             raise SystemExit("the Triton kernels were defined compiled in this process: run without TRITON_INTERPRET=0")

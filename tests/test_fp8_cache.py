@@ -31,7 +31,7 @@ from triton_dilated.ops.dilated import decode_kernels as dl_kernels
 from conftest import DEVICE
 from reference import seeded
 from test_decode import check_forward
-from test_with_kvcache import _paged, _unpage
+from test_with_kvcache import HostSync, _paged, _unpage, no_host_sync
 
 FP8 = torch.float8_e4m3fn
 U = 2.0 ** -4          # e4m3: 3 mantissa bits, round to nearest: relative error <= 2^-4 for normals
@@ -217,6 +217,35 @@ def test_fp8_decode_step_compiles_once_for_every_length(backend, variant):
         assert torch.equal(pool_k.view(torch.uint8), pk2.view(torch.uint8))
         assert torch.equal(pool_v.view(torch.uint8), pv2.view(torch.uint8))
     assert counter.frame_count == 1, f"{counter.frame_count} compiles for 3 cache_seqlens values"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_decode_step_reads_nothing_on_the_host(backend):
+    """The no-host-sync guard of test_with_kvcache around an FP8 step with an append (the
+    quantisation included), contiguous and paged, both variants: no host read, same result
+    as unguarded; validate=True (which reads the descales) trips it."""
+    B, Nk, Hq, Hkv, D = 2, 48, 4, 2, 8
+    lay = layouts.local(Nk, 16, 1, causal=True).to(DEVICE)
+    q = seeded((B, 1, Hq, D), torch.float32, 1, DEVICE)
+    k_new, v_new = (seeded((B, 1, Hkv, D), torch.float32, s, DEVICE) for s in (2, 3))
+    lens = torch.tensor([20, 33], dtype=torch.int32, device=DEVICE)
+    k8, v8, kd, vd = _fp8_cache(B, Nk, Hkv, D, [Nk, Nk], seed=4)
+    pool_k, pool_v, table = _paged_fp8(k8, v8, 16)
+    for variant in ("dilated", "block_sparse"):
+        fn = _call(variant, lay)
+        for kc, vc, tab in ((k8, v8, None), (pool_k, pool_v, table)):
+            fn(q, kc.clone(), vc.clone(), k_new, v_new, cache_seqlens=lens, block_table=tab, k_descale=kd,
+               v_descale=vd, backend=backend)   # warm-up: cached device tables
+            guarded, plain = (kc.clone(), vc.clone()), (kc.clone(), vc.clone())
+            with no_host_sync():
+                got = fn(q, *guarded, k_new, v_new, cache_seqlens=lens, block_table=tab, k_descale=kd, v_descale=vd,
+                         backend=backend)
+            want = fn(q, *plain, k_new, v_new, cache_seqlens=lens, block_table=tab, k_descale=kd, v_descale=vd,
+                      backend=backend)
+            assert torch.equal(got, want)
+            assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(guarded, plain))
+    with pytest.raises(HostSync), no_host_sync():
+        fn(q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd, backend=backend, validate=True)
 
 
 # ----------------------------------------------------------------------------- quantisation
