@@ -385,6 +385,8 @@ def test_fp8_argument_errors():
         dilated_attention_with_kvcache(q, k8, v8.float(), k_descale=kd, v_descale=vd, **kw)
     with pytest.raises(TypeError, match=r"k must have q's dtype \(an FP8 cache quantises new rows\)"):
         dilated_attention_with_kvcache(q, k8, v8, k8[:, :1], v8[:, :1], k_descale=kd, v_descale=vd, **kw)
+    with pytest.raises(ValueError, match=r"must have one shape \(B, .., Hkv, D\) with B = 1"):
+        dilated_attention_with_kvcache(q[:1], k8, v8, k_descale=kd, v_descale=vd, **dict(kw, cache_seqlens=lens[:1]))
     with pytest.raises(ValueError, match="k_descale must be finite and positive"):
         dilated_attention_with_kvcache(q, k8, v8, k_descale=kd * 0, v_descale=vd, validate=True, **kw)
     lay = layouts.local(32, 16, 1, causal=True).to(DEVICE)

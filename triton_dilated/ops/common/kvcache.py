@@ -105,10 +105,13 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, va
                              f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     check_descales(q, k_cache, v_cache, k_descale, v_descale)
     if k_cache.dtype == FP8_DTYPE and (k_cache.shape != v_cache.shape or k_cache.device != q.device or
-                                       k_cache.shape[-1] != q.shape[-1]):
-        raise ValueError(f"k_cache and v_cache (float8_e4m3fn) must have one shape (.., Hkv, D = {q.shape[-1]}) and "
-                         f"be on q's device ({q.device}), got {tuple(k_cache.shape)} on {k_cache.device} and "
-                         f"{tuple(v_cache.shape)} on {v_cache.device}")
+                                       k_cache.shape[-1] != q.shape[-1] or
+                                       block_table is None and k_cache.shape[0] != B):
+        # check_qkv sees a stand-in in q's dtype (cache_view): the cache's own shape is checked here
+        rows = "B" if block_table is None else "num_pages"
+        raise ValueError(f"k_cache and v_cache (float8_e4m3fn) must have one shape ({rows}, .., Hkv, D) with B = "
+                         f"{B}, D = {q.shape[-1]}, on q's device ({q.device}), got {tuple(k_cache.shape)} on "
+                         f"{k_cache.device} and {tuple(v_cache.shape)} on {v_cache.device}")
     new_dtype = q.dtype if k_cache.dtype == FP8_DTYPE else k_cache.dtype
     if not 1 <= Nq <= MAX_DECODE_QUERIES:
         raise ValueError(f"q must hold 1 to {MAX_DECODE_QUERIES} query rows per batch row (a decode step or a "
