@@ -20,6 +20,8 @@ NaN, one in a value its accumulator, and either makes the denominator, output an
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -38,9 +40,14 @@ def fp8_mode(k_cache) -> int:
     older GPUs, AMD, the interpreter; load_cache)."""
     if k_cache.dtype != torch.float8_e4m3fn:
         return 0
+    return 1 if k_cache.device.type == "cuda" and _hardware_fp8(k_cache.device.index) else 2
+
+
+@functools.lru_cache(maxsize=None)
+def _hardware_fp8(index) -> bool:
+    """Whether Triton converts fp8e4nv on this CUDA device (NVIDIA sm89+, compiled kernels)."""
     from .kernels import is_interpreted
-    cuda = k_cache.device.type == "cuda" and not torch.version.hip and not is_interpreted()
-    return 1 if cuda and torch.cuda.get_device_capability(k_cache.device) >= (8, 9) else 2
+    return not torch.version.hip and not is_interpreted() and torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def fp8_operands(k, v, mode: int):
@@ -122,7 +129,8 @@ def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stri
     exp(s - m) is computed as exp2((s - m) * log2(e)). A max of -inf (nothing seen yet) is
     replaced by 0 before it is subtracted: no -inf - -inf. PAGE_SIZE > 0: a paged cache, key
     position n at row n % PAGE_SIZE of page BT[n // PAGE_SIZE] (BT: the batch row's block
-    table; pages stride_kp / stride_vp apart; k_base, v_base without a batch offset)."""
+    table; pages stride_kp / stride_vp apart; k_base, v_base without a batch offset). KV_FP8:
+    an FP8 cache (load_cache; sm_scale then carries k_descale, kv_descales)."""
     for t0 in range(t_lo, t_hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         ok = t < t_hi
