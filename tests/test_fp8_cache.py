@@ -400,3 +400,40 @@ def test_fp8_argument_errors():
     with pytest.raises(ValueError, match="apply to a float8_e4m3fn pool only"):
         PagedDilatedKVCache(WS, RS, num_pages=4, page_size=16, num_kv_heads=2, head_dim=8, k_descale=kd)
     assert math.isclose(FP8_MAX, float(torch.finfo(FP8).max))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (TRITON_DILATED_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+def test_fp8_decode_step_captures_in_a_cuda_graph(variant):
+    """An FP8 paged decode step with an append (Triton path: on sm89+ the fp8e4nv conversion)
+    captured once in a CUDA graph, replayed for three cache_seqlens written into the captured
+    tensor: out and the pool's bytes equal the eager call each time."""
+    B, Nk, Hq, Hkv, D = 2, 256, 4, 2, 64
+    lay = layouts.local(Nk, 16, 1, causal=True).to(DEVICE)
+    fn = _call(variant, lay)
+    q = seeded((B, 1, Hq, D), torch.bfloat16, 1, DEVICE)
+    k_new, v_new = (seeded((B, 1, Hkv, D), torch.bfloat16, s, DEVICE) for s in (2, 3))
+    k8, v8, kd, vd = _fp8_cache(B, Nk, Hkv, D, [Nk, Nk], seed=4)
+    pool_k, pool_v, table = _paged_fp8(k8, v8, 16)
+    lens = torch.tensor([10, 20], dtype=torch.int32, device=DEVICE)
+
+    def step(kc=pool_k, vc=pool_v):
+        return fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, block_table=table, k_descale=kd, v_descale=vd,
+                  backend="triton", return_lse=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for before in ([5, 200], [131, 17], [254, 0]):
+        lens.copy_(torch.tensor(before, dtype=torch.int32))
+        kc_eager, vc_eager = pool_k.clone(), pool_v.clone()
+        graph.replay()
+        want = step(kc_eager, vc_eager)
+        torch.testing.assert_close(captured, want, rtol=0, atol=0)
+        assert torch.equal(pool_k.view(torch.uint8), kc_eager.view(torch.uint8))
+        assert torch.equal(pool_v.view(torch.uint8), vc_eager.view(torch.uint8))
