@@ -101,7 +101,8 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     """
     check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale)
     B = q.shape[0]
-    patterns, scale, heads = check_args(q, cache_view(k_cache, block_table, B, q), cache_view(v_cache, block_table, B, q),
+    patterns, scale, heads = check_args(q, cache_view(k_cache, block_table, B, q),
+                                        cache_view(v_cache, block_table, B, q),
                                         segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
                                         allow_shorter_q=True, head_offset=head_offset, total_heads=total_heads)
     Hq = q.shape[2]

@@ -138,7 +138,8 @@ SPEC = VariantSpec(
         KernelSpec("decode_merge", "triton_dilated.ops.common.decode_kernels", "_decode_merge_kernel", "dilated_fwd",
                    pointers=DECODE_POINTERS, odd_strides=DECODE_ODD_STRIDES),
     ),
-    # FLAT_LOOP: the launchers' default (configs.VARIANT_SWITCHES); PAGE_SIZE 0, KV_FP8 0: a contiguous cache in q's dtype
+    # FLAT_LOOP: the launchers' default (configs.VARIANT_SWITCHES); PAGE_SIZE 0, KV_FP8 0: a contiguous
+    # cache in q's dtype
     aot_constexprs={"NUM_PATTERNS": 3, "FLAT_LOOP": 1, "PAGE_SIZE": 0, "KV_FP8": 0},
     problem=DilatedProblem,
     pairs=count_pairs,
