@@ -404,7 +404,7 @@ def decode_table(rows) -> str:
     or rows read back from a CSV: `perf table`)."""
     batch = lambda r: int(r["B"]) if not _missing(r.get("B")) else 1  # noqa: E731
     ms = {(batch(r), r["N"], r["provider"]): r["value"] for r in rows if r["metric"] == "ms"}
-    host = {(batch(r), r["N"], r["provider"]): (r["value"], r.get("flags") or "") for r in rows
+    host = {(batch(r), r["N"], r["provider"]): (r["value"], str(r.get("flags") or "")) for r in rows
             if r["metric"] == "host_ms"}
     err = {(batch(r), r["N"], r["provider"]): r["value"] for r in rows if r["metric"] == "max_abs_err"}
     provs = [p for p in PROVIDERS if any(p == k[2] for k in ms)]
