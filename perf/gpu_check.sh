@@ -19,16 +19,19 @@
 #                        (perf/gpu_key_rows.py -> key_rows.csv)
 #   3. breakdown (40 s)  torch.profiler per kernel of one dilated fwd+bwd at the key shape:
 #                        fwd, dQ, dK/dV, delta, rest (perf/kernel_breakdown.py -> kernel_breakdown.csv)
-#   4. configs (90 s)    config A/B of the dilated forward and backward at the key shape,
+#   4. configs (80 s)    config A/B of the dilated forward and backward at the key shape,
 #                        paired against the defaults, the kernel variant switches (dilated
 #                        FLAT_LOOP, block-sparse TMA, and WARP_SPEC on sm100) included
 #                        (perf/config_ab.py -> config_ab.csv)
 #   5. flex (75 s)       block-sparse vs FlexAttention (compiled) and dense at 16K, ~90% sparsity
 #                        (perf/block_sparse_vs_flex.py -> block_sparse_vs_flex.csv)
 #   6. ringstep (25 s)   issue 4's one-GPU ring check (perf/ring_step_vs_dense.py -> ring_step_vs_dense.txt)
-#   6b. decode (20 s)    one decode step (bf16, H = 16, D = 128) at 4K, 32K, 256K and 1M tokens of
-#                        context: dilated (Triton decode kernel) vs dense SDPA on the same cache
-#                        (python -m triton_dilated.perf decode -> decode.csv)
+#   6b. decode (30 s)    one decode step (bf16, H = 16, D = 128) at 4K, 32K, 256K and 1M tokens of
+#                        context, batch 1 and 8: dilated (Triton decode kernel) vs dense SDPA on the
+#                        same cache; the serving step (append + attend, dilated_attention_with_kvcache)
+#                        contiguous, paged, FP8, and compiled + captured in a CUDA graph (replay
+#                        timed); host time per call; FP8 error (python -m triton_dilated.perf decode
+#                        -> decode.csv). Its 10 s more than before came from configs (90 -> 80 s).
 #   7. tests (80 s)      the test suite on CUDA with compiled kernels, bf16 included, 12 xdist
 #                        workers (TRITON_DILATED_TEST_DEVICE=cuda) -> tests.log, tests.xml
 #   then the result tables, and every result row in one file named after the card
@@ -76,7 +79,8 @@ if [ "$DRY" = 1 ]; then
   CONFIG_ARGS=("${SHAPE[@]}" --quick --causal yes --fwd-configs 16,16,4,1 --bwd-configs 16,16,4,1)
   FLEX_ARGS=("${SHAPE[@]}" --block-size 32 --quick)
   RING_ARGS=("${SHAPE[@]}" --worlds 2)
-  DECODE_ARGS=(--contexts 256 512 --heads 2 --head-dim 16 --dtype float32 --budget 0.05)
+  DECODE_ARGS=(--contexts 128 --batch 1 2 --heads 1 --head-dim 16 --dtype float32 --budget 0.05
+               --providers dilated dilated_kvcache dilated_kvcache_paged_fp8 dilated_kvcache_graph sdpa_dense)
   TEST_ARGS=(tests/test_perf.py -k "plan_cli")
   SCALE=${GPU_CHECK_DRY_SCALE:-4}      # the interpreter on a shared CPU: longer limits
 else
@@ -87,7 +91,7 @@ else
   CONFIG_ARGS=()
   FLEX_ARGS=()
   RING_ARGS=()
-  DECODE_ARGS=(--contexts 4096 32768 262144 1048576 --budget 0.2)
+  DECODE_ARGS=(--contexts 4096 32768 262144 1048576 --batch 1 8 --budget 0.2)
   # CPU-only suites (the gloo ring processes, notebooks, the ahead-of-time compile) run in CI:
   # not here, where the ring children would fall back to the slow interpreter and the real
   # compiles make the AOT one redundant. The ring step kernels do run here.
@@ -145,11 +149,11 @@ fi
 
 stage key 85 "$PY" perf/gpu_key_rows.py --out "$OUT/key_rows.csv" "${KEY_ARGS[@]}"
 stage breakdown 40 "$PY" perf/kernel_breakdown.py --out "$OUT/kernel_breakdown.csv" "${BREAKDOWN_ARGS[@]}"
-stage configs 90 "$PY" perf/config_ab.py --out "$OUT/config_ab.csv" "${CONFIG_ARGS[@]}"
+stage configs 80 "$PY" perf/config_ab.py --out "$OUT/config_ab.csv" "${CONFIG_ARGS[@]}"
 stage flex 75 "$PY" perf/block_sparse_vs_flex.py --out "$OUT/block_sparse_vs_flex.csv" "${FLEX_ARGS[@]}"
 stage ringstep 25 bash -c '"$1" perf/ring_step_vs_dense.py "${@:2}" > "$0/ring_step_vs_dense.txt" 2>&1; rc=$?;
   cat "$0/ring_step_vs_dense.txt"; exit $rc' "$OUT" "$PY" "${RING_ARGS[@]}"
-stage decode 20 "$PY" -m triton_dilated.perf decode --out "$OUT/decode.csv" --memory-contexts --max-call-seconds 5 \
+stage decode 30 "$PY" -m triton_dilated.perf decode --out "$OUT/decode.csv" --memory-contexts --max-call-seconds 5 \
   "${DECODE_ARGS[@]}"
 
 # the test suite last: its GPU-only value (compiled bf16 numerics, bounds) is real, but compile

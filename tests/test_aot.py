@@ -257,6 +257,29 @@ def test_paged_decode_variants_compile_without_spills(tmp_path):
 
 
 @needs_ptxas
+def test_fp8_decode_variants_compile_without_spills(tmp_path):
+    """The decode kernels on an FP8 cache at D = 128, causal, their launchers' default tiles:
+    on sm90 through Triton's fp8e4nv conversion (KV_FP8 = 1), contiguous and paged; on sm80,
+    where Triton has no fp8e4nv, from the cache's bytes (KV_FP8 = 2, paged): no register spill
+    (perf/aot/decode-fp8-bf16-triton39.csv: 96-128 registers on sm90, 124-125 on sm80)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    rows = []
+    for arch, kernels in (("90", ["dilated_decode_fp8", "block_sparse_decode_fp8_paged"]),
+                          ("80", ["dilated_decode_fp8_bytes_paged", "block_sparse_decode_fp8_bytes_paged"])):
+        out = tmp_path / f"fp8-{arch}.csv"
+        proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", arch, "--head-dims", "128",
+                               "--causal", "yes", "--kernels", *kernels, "--out", str(out)], env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        with open(out) as f:
+            rows += list(csv.DictReader(f))
+    assert len(rows) == 4
+    bad = [f"{r['arch']} {r['kernel']}: {r['registers']} registers, spills {r['spill_stores']} B {r['error']}"
+           for r in rows if r["error"] or r["spill_stores"] != "0"]
+    assert not bad, "\n".join(bad)
+
+
+@needs_ptxas
 def test_block_sparse_forward_warp_specialized_on_sm100(tmp_path):
     """block_sparse_fwd_ws (WARP_SPEC = 1 on the sm100 default tiles, K/V by TMA): Triton
     splits the full-block loop into partitions beside the default one (TTGIR

@@ -97,8 +97,16 @@ def test_dry_run_runs_every_stage_in_order_and_each_writes_its_rows(tmp_path):
     assert {"local", "bigbird"} == {r["variant"] for r in flex}
 
     assert "steps/one" in (out / "ring_step_vs_dense.txt").read_text()
-    decode = {(r["provider"], r["N"]) for r in _rows(out / "decode.csv") if r["metric"] == "ms"}
-    assert {(p, n) for p in ("dilated", "dilated_bounded", "sdpa_dense") for n in ("256", "512")} <= decode
+    decode = _rows(out / "decode.csv")
+    timed = {(r["provider"], r["B"]) for r in decode if r["metric"] == "ms" and r["value"]}
+    assert {(p, b) for p in ("dilated", "dilated_kvcache", "dilated_kvcache_paged_fp8", "sdpa_dense")
+            for b in ("1", "2")} <= timed
+    # the CUDA-graph step: a clear skipped row on the CPU; the FP8 error and the CPU host rows
+    assert {r["flags"] for r in decode if r["provider"] == "dilated_kvcache_graph"} == {
+        "skipped: CUDA graphs need a GPU (CPU run)"}
+    assert {r["provider"] for r in decode if r["metric"] == "max_abs_err"} == {"dilated_kvcache_paged_fp8"}
+    assert {r["provider"] for r in decode if r["metric"] == "host_ms"} == {"dilated_kvcache",
+                                                                         "dilated_kvcache_paged_fp8"}
     assert " passed" in (out / "tests.log").read_text()
     assert "== results ==" in proc.stdout
     # every result row in one file named after the card (the dry run's "machine" is the CPU)

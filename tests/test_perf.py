@@ -598,6 +598,35 @@ def test_decode_sweep_times_the_inference_entry_point_and_prints_host_rows():
     assert "host time per call" in table and "dilated_kvcache host" in table
 
 
+def test_decode_sweep_batches_paged_fp8_graph_and_host_rows():
+    """Issue 21 item 6: batch sizes, the paged and FP8 serving-step providers (paged equal to
+    contiguous, FP8 within its error), the CUDA-graph provider (a skipped row on a CPU), the
+    CPU host rows (launch path, launches stubbed), a (B, N) over the memory cap skipped; and
+    the table prints them per batch size."""
+    from triton_dilated.perf import decode as perf_decode
+    one = timing.Timing(warmup=0, budget_s=0.0, min_reps=1, max_reps=1)
+    provs = ["dilated_kvcache", "dilated_kvcache_paged", "dilated_kvcache_fp8", "dilated_kvcache_paged_fp8",
+             "dilated_kvcache_graph"]
+    rows = perf_decode.run_decode([64, 128], providers=provs, heads=2, head_dim=8, ws=[16, 32], rs=[1, 2],
+                                  device="cpu", memory_contexts=[], quiet=True, timing=one, batches=[1, 3],
+                                  page_size=16, max_cache_gib=3 * 128 * 2 * 8 * 2 * (4 + 4 + 1 + 1) / 2 ** 30 * 0.99)
+    timed = {(r["B"], r["N"], r["provider"]) for r in rows if r["metric"] == "ms" and r["value"] != ""}
+    assert timed == {(b, n, p) for b in (1, 3) for n in (64, 128) for p in provs[:4]} - {
+        (3, 128, p) for p in provs[:4]}
+    skipped = {(r["B"], r["N"], r["provider"]): r["flags"] for r in rows if r["metric"] == "ms" and r["value"] == ""}
+    assert all(f.startswith("skipped: CUDA graphs need a GPU") for (b, n, p), f in skipped.items() if
+               p == "dilated_kvcache_graph" and (b, n) != (3, 128))
+    assert all("max_cache_gib" in f for (b, n, p), f in skipped.items() if (b, n) == (3, 128))
+    err = {(r["B"], r["N"], r["provider"]): r["value"] for r in rows if r["metric"] == "max_abs_err"}
+    assert len(err) == 9 and all(v == 0 for (b, n, p), v in err.items() if p == "dilated_kvcache_paged")
+    assert all(0 < v < 0.1 for (b, n, p), v in err.items() if p.endswith("fp8"))
+    assert {r["dtype"] for r in rows if r["provider"].endswith("fp8")} == {"float8_e4m3fn"}
+    host = [r for r in rows if r["metric"] == "host_ms"]
+    assert len(host) == 12 and all(r["value"] > 0 and r["flags"].startswith("CPU") for r in host)
+    table = perf_decode.decode_table(rows)
+    assert "batch 3 (CPU)" in table and "launches stubbed" in table and "fp8: the quantisation error" in table
+
+
 # ----------------------------------------------------------------------------- CLI rough edges (issue 24)
 
 def test_sweep_names_an_unknown_provider_and_lists_the_known_ones(tmp_path, capsys):

@@ -155,8 +155,18 @@ def _parser():
                    help="cached tokens per step (default: GPU 4096 .. 1048576, CPU 4096 .. 131072, powers of two)")
     p.add_argument("--memory-contexts", type=int, nargs="*", metavar="N",
                    help="contexts of the cache-memory rows (default: the timed ones and 1048576; none: no rows)")
-    p.add_argument("--providers", nargs="+", choices=("dilated", "dilated_kvcache", "dilated_bounded", "sdpa_dense"),
-                   help="default: all four")
+    p.add_argument("--providers", nargs="+", choices=("dilated", "dilated_kvcache", "dilated_kvcache_paged",
+                                                      "dilated_kvcache_fp8", "dilated_kvcache_paged_fp8",
+                                                      "dilated_kvcache_graph", "dilated_bounded", "sdpa_dense"),
+                   help="default: all (docstring of triton_dilated/perf/decode.py)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1], metavar="B",
+                   help="batch sizes, one query per row (e.g. 1 8 64; default: 1)")
+    p.add_argument("--page-size", type=int, default=64, help="rows per page of the paged providers (default: 64)")
+    p.add_argument("--max-cache-gib", type=float, metavar="GIB",
+                   help="skip a (batch, context) whose caches (with the paged and FP8 copies) take more (default: "
+                        "half the GPU's memory, 4 on a CPU)")
+    p.add_argument("--graph-backend", default="aot_eager",
+                   help="torch.compile backend of the CUDA-graph provider (default: %(default)s; inductor works too)")
     p.add_argument("--heads", type=int, default=16, help="query heads (default: %(default)s)")
     p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
     p.add_argument("--head-dim", type=int, default=128, help="default: %(default)s")

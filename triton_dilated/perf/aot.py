@@ -58,6 +58,13 @@ VARIANTS = {"block_sparse_fwd_tma": ("block_sparse_fwd", {"TMA": 1}),
             "block_sparse_fwd_ws": ("block_sparse_fwd", {"TMA": 1, "WARP_SPEC": 1}),
             "dilated_decode_paged": ("dilated_decode", {"PAGE_SIZE": 16}),
             "block_sparse_decode_paged": ("block_sparse_decode", {"PAGE_SIZE": 16})}
+# KV_FP8: the decode kernels on a float8_e4m3fn cache, contiguous and paged: _fp8 (1) K and V as fp8e4nv
+# pointers, converted by the hardware (sm89 and newer: Triton has no fp8e4nv before); _fp8_bytes (2) K and V
+# as uint8, decoded in the kernel (older GPUs)
+VARIANTS.update({f"{name}_{kind}{tail}": (name, {"KV_FP8": mode, **extra})
+                 for name in ("dilated_decode", "block_sparse_decode")
+                 for kind, mode in (("fp8", 1), ("fp8_bytes", 2))
+                 for tail, extra in (("", {}), ("_paged", {"PAGE_SIZE": 16}))})
 # softcap= (issue 23): the kernels with the score cap compiled in (SOFTCAP, a constexpr; 0.0, the
 # default rows, is the uncapped kernel); 50.0 is Gemma 2's attention cap
 SOFTCAP_AOT = 50.0
@@ -115,8 +122,9 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
     for variant in SPECS:
         if spec in variant.kernels:
             constexprs.update(variant.aot_constexprs)
-    if "PAGE_SIZE" in cfg:
-        constexprs["PAGE_SIZE"] = cfg["PAGE_SIZE"]
+    for key in ("PAGE_SIZE", "KV_FP8"):
+        if key in cfg:
+            constexprs[key] = cfg[key]
     if "DOCS" in cfg:
         constexprs["DOCS"] = bool(cfg["DOCS"])
     sig, given, attrs = {}, {}, {}
@@ -133,6 +141,8 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
                 sig[a], given[a] = "constexpr", None
         elif a in spec.pointers:
             ty = spec.pointers[a]
+            if cfg.get("KV_FP8") and a in ("K", "V"):   # an FP8 cache: fp8e4nv or its bytes
+                ty = "fp8e4nv" if cfg["KV_FP8"] == 1 else "u8"
             sig[a] = "*" + (dtype if ty == "act" else ty)
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:

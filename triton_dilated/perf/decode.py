@@ -2,13 +2,29 @@
 a cache of N tokens) for dilated attention against dense SDPA, as the context grows, and the
 memory of the bounded cache (DilatedKVCache) against the full cache.
 
-Providers, all on one cache per context (transformers' layout (B, Hkv, N, D)):
+Providers, all on one cache per (batch size, context) (transformers' layout (B, Hkv, N, D)):
   dilated          dilated_attention(q, k, v) over the full cache (the public API: whatever
                    decode path it has; a DynamicCache decode step)
-  dilated_kvcache  dilated_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=) over the
-                   same cache: the inference entry point, no host sync
-  dilated_bounded  the same over the rows a DilatedKVCache keeps at this context
+  dilated_kvcache  a serving decode step: dilated_attention_with_kvcache(q, k_cache, v_cache,
+                   k_new, v_new, cache_seqlens=N - 1) over the same cache, the new token's row
+                   appended in place, then attended (the inference entry point, no host sync)
+  dilated_kvcache_paged      the same over a page pool (--page-size rows a page, a shuffled
+                   block table; a copy of the cache in pages)
+  dilated_kvcache_fp8, dilated_kvcache_paged_fp8   the same on a float8_e4m3fn cache (the
+                   cache quantised with per-head descales amax / 448); their metric
+                   max_abs_err is the largest |out - dilated_kvcache's out| (the paged
+                   providers': 0 expected against their contiguous twin)
+  dilated_kvcache_graph      dilated_kvcache's step compiled (torch.compile fullgraph,
+                   --graph-backend) and captured in a CUDA graph, replay timed (GPU only: a
+                   skipped row on a CPU)
+  dilated_bounded  dilated_attention over the rows a DilatedKVCache keeps at this context
   sdpa_dense       scaled_dot_product_attention over the full cache (one query: no mask)
+
+Host time per call (metric host_ms, Python + launches): on a GPU, HOST_CALLS calls queued
+back to back (host_ms); on a CPU, for the dilated_kvcache providers, the Python from the call
+to the kernel launch with the launches stubbed out (the Triton path's launch path; Triton
+only decides interpreted or compiled when the kernels are defined, so this needs them
+undefined or interpreted: flag "CPU").
 
 A query at position t reads about sum(w / r) keys whatever N (4,267 for the LongNet schedule),
 so a decode path that reads only those keys has a flat time per token; dense decoding grows
@@ -17,20 +33,30 @@ the tokens through a DilatedKVCache in chunks (no attention), at bfloat16 by def
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import statistics
 import sys
 import time
 
 import torch
 
+from ..ops.common.kvcache import FP8_MAX, quantise_fp8
 from ..ops.dilated import dilated_attention, dilated_attention_with_kvcache
 from ..ops.dilated.cache import DilatedKVCache, quiet_heads_warning
 from .results import CsvSink, make_row, provenance, sig
 from .timing import OtherLoad, Timing, interleaved, spread_pct
 
 LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12])
-PROVIDERS = ("dilated", "dilated_kvcache", "dilated_bounded", "sdpa_dense")
-HOST_CALLS = 20   # calls queued back to back for the host time (metric host_ms, GPU only)
+PROVIDERS = ("dilated", "dilated_kvcache", "dilated_kvcache_paged", "dilated_kvcache_fp8",
+             "dilated_kvcache_paged_fp8", "dilated_kvcache_graph", "dilated_bounded", "sdpa_dense")
+# the serving-step providers: (paged, fp8)
+KVCACHE = {"dilated_kvcache": (False, False), "dilated_kvcache_paged": (True, False),
+           "dilated_kvcache_fp8": (False, True), "dilated_kvcache_paged_fp8": (True, True)}
+HOST_CALLS = 20   # calls queued back to back for the host time (metric host_ms, GPU)
+CPU_HOST_CALLS = 200   # calls timed for the CPU launch path (host_ms, launches stubbed)
+PAGE_SIZE = 64
 OP = "decode"
 
 
@@ -44,7 +70,71 @@ def _dtype(name):
     return getattr(torch, name)
 
 
-def _calls(q, k_full, v_full, bounded_rows, ws, rs, heads, kv_heads):
+def _paged(x, table, page_size):
+    """x (B, N, Hkv, D) as a page pool (B * pages, page_size, Hkv, D): page j of row b at
+    table[b, j] (a copy; the last page zero-padded)."""
+    B, N, H, D = x.shape
+    pages = table.shape[1]
+    pool = x.new_zeros(B * pages, page_size, H, D)
+    ordered = torch.cat([x, x.new_zeros(B, pages * page_size - N, H, D)], dim=1) if pages * page_size > N else x
+    pool[table.long().flatten()] = ordered.reshape(B * pages, page_size, H, D)
+    return pool
+
+
+def kvcache_steps(q, kq, vq, ws, rs, providers, page_size=PAGE_SIZE, gen=None):
+    """{provider: step()} for the requested dilated_kvcache providers: each one decode step
+    (the token at row N - 1 appended, then attended; the same row every call, so repeated
+    calls do the same work), returning its output. kq, vq (B, N, Hkv, D)."""
+    B, N, Hkv, D = kq.shape
+    lens = torch.full((B,), N - 1, dtype=torch.int32, device=q.device)
+    k_new, v_new = kq[:, -1:].clone(), vq[:, -1:].clone()
+    kw = dict(segment_lengths=ws, dilation_rates=rs)
+    steps, table, fp8 = {}, None, None
+    for name, (paged, low) in KVCACHE.items():
+        if name not in providers and not (name == "dilated_kvcache" and "dilated_kvcache_graph" in providers):
+            continue
+        k, v, extra = kq, vq, {}
+        if low:
+            if fp8 is None:   # per key/value head amax / 448: no value saturates
+                descales = [(x.float().abs().amax(dim=(0, 1, 3)) / FP8_MAX).clamp(min=1e-12) for x in (kq, vq)]
+                fp8 = (quantise_fp8(kq, descales[0]), quantise_fp8(vq, descales[1]), *descales)
+            k, v = fp8[:2]
+            extra = dict(k_descale=fp8[2], v_descale=fp8[3])
+        if paged:
+            if table is None:
+                pages = -(-N // page_size)
+                table = torch.randperm(B * pages, generator=gen, device="cpu").view(B, pages).to(torch.int32)
+                table = table.to(q.device)
+            k, v = _paged(k, table, page_size), _paged(v, table, page_size)
+            extra["block_table"] = table
+
+        def step(k=k, v=v, extra=extra):
+            with torch.no_grad():
+                return dilated_attention_with_kvcache(q, k, v, k_new, v_new, cache_seqlens=lens, **extra, **kw)
+        steps[name] = step
+    return steps
+
+
+def graph_step(step, backend="aot_eager"):
+    """replay(): `step` compiled with torch.compile(fullgraph=True) and captured once in a CUDA
+    graph (warmed up on a side stream first, as torch.cuda.graphs asks). A host sync in the
+    step would make the capture fail."""
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            compiled()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        compiled()
+    return graph.replay
+
+
+def _calls(q, k_full, v_full, bounded_rows, ws, rs, heads, kv_heads, providers=PROVIDERS, page_size=PAGE_SIZE,
+           gen=None, graph_backend="aot_eager"):
     """{provider: no-argument call}, each one decode step for the query q (B, 1, Hq, D)."""
     kq, vq = k_full.transpose(1, 2), v_full.transpose(1, 2)      # (B, N, Hkv, D) views of the cache
     q_sdpa = q.transpose(1, 2)
@@ -60,14 +150,69 @@ def _calls(q, k_full, v_full, bounded_rows, ws, rs, heads, kv_heads):
         with torch.no_grad():
             torch.nn.functional.scaled_dot_product_attention(q_sdpa, k_full, v_full, **gqa)
 
-    lens = torch.full((q.shape[0],), kq.shape[1], dtype=torch.int32, device=q.device)
+    calls = {"dilated": dilated(kq, vq), "sdpa_dense": sdpa}
+    if "dilated_bounded" in providers:
+        calls["dilated_bounded"] = dilated(*bounded_rows())
+    calls.update(kvcache_steps(q, kq, vq, ws, rs, providers, page_size, gen))
+    if "dilated_kvcache_graph" in providers and q.device.type == "cuda":
+        calls["dilated_kvcache_graph"] = graph_step(calls["dilated_kvcache"], graph_backend)
+    return {p: c for p, c in calls.items() if p in providers}
 
-    def kvcache():
-        with torch.no_grad():
-            dilated_attention_with_kvcache(q, kq, vq, cache_seqlens=lens, segment_lengths=ws, dilation_rates=rs)
 
-    return {"dilated": dilated(kq, vq), "dilated_kvcache": kvcache, "dilated_bounded": dilated(*bounded_rows),
-            "sdpa_dense": sdpa}
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def stubbed_launches():
+    """The decode kernels' launches (dilated decode, split merge) replaced by no-ops, and the
+    Triton path chosen for CPU tensors (TRITON_INTERPRET=1 while inside; nothing is
+    interpreted): what is left of a call is its Python up to the launch, what a GPU's host
+    spends before its queue gets the kernel. Yields False (and changes nothing) when the
+    kernels were already defined compiled, which TRITON_INTERPRET cannot switch any more."""
+    saved_env = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from ..ops.common import decode_kernels as common_kernels
+        from ..ops.common.runtime import interpreter_enabled
+        from ..ops.dilated import decode_kernels as dl_kernels
+    except ImportError:   # no triton
+        common_kernels = dl_kernels = None
+    if dl_kernels is None or not interpreter_enabled():
+        _restore_env(saved_env)
+        yield False
+        return
+    saved = (dl_kernels._dilated_decode_kernel, common_kernels._decode_merge_kernel)
+    dl_kernels._dilated_decode_kernel = common_kernels._decode_merge_kernel = _NoLaunch()
+    try:
+        yield True
+    finally:
+        dl_kernels._dilated_decode_kernel, common_kernels._decode_merge_kernel = saved
+        _restore_env(saved_env)
+
+
+def _restore_env(value):
+    if value is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = value
+
+
+def cpu_host_ms(call, calls: int = CPU_HOST_CALLS) -> float | None:
+    """CPU: the launch path of `call` (stubbed_launches), ms per call (median of 5 rounds), or
+    None where the Triton path cannot be taken."""
+    with stubbed_launches() as ok:
+        if not ok:
+            return None
+        call()   # warm-up: cached tables
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(max(1, calls // 5)):
+                call()
+            rounds.append((time.perf_counter() - t0) / max(1, calls // 5) * 1e3)
+    return statistics.median(rounds)
 
 
 def host_ms(call, device) -> float:
@@ -116,77 +261,129 @@ def cache_memory(contexts, *, heads=16, head_dim=128, dtype=torch.bfloat16, ws=L
     return out
 
 
+def cache_bytes(B: int, n: int, kv_heads: int, head_dim: int, itemsize: int, providers) -> int:
+    """Bytes of the caches one (B, N) point holds: the cache itself, a paged copy, the FP8
+    copy and its paged copy, as the providers need them."""
+    one = B * n * kv_heads * head_dim * 2   # keys and values, one byte each
+    total = one * itemsize
+    total += one * itemsize if "dilated_kvcache_paged" in providers else 0
+    total += one if {"dilated_kvcache_fp8", "dilated_kvcache_paged_fp8"} & set(providers) else 0
+    total += one if "dilated_kvcache_paged_fp8" in providers else 0
+    return total
+
+
+def default_max_cache_gib(device: str) -> float:
+    """Half the GPU's memory, 4 GiB on a CPU (a shared machine)."""
+    if device == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory / 2 ** 31
+    return 4.0
+
+
 def run_decode(contexts=None, *, heads=16, kv_heads=None, head_dim=128, dtype=None, providers=PROVIDERS,
                ws=LONGNET[0], rs=LONGNET[1], timing=None, max_call_s=None, out=None, memory_contexts=None,
-               memory_dtype=torch.bfloat16, device=None, quiet=False):
-    """Time the decode providers at each context; rows in the project's long CSV format
-    (metric "ms": median per token; "cache_mib": per layer). A provider whose single call
-    takes longer than max_call_s is not timed at that context or any longer one."""
+               memory_dtype=torch.bfloat16, device=None, quiet=False, batches=(1,), page_size=PAGE_SIZE,
+               max_cache_gib=None, graph_backend="aot_eager"):
+    """Time the decode providers at each batch size and context; rows in the project's long
+    CSV format (metric "ms": median per step; "host_ms": host time per call; "max_abs_err":
+    the FP8 and paged providers against dilated_kvcache; "cache_mib": per layer). A provider
+    whose single call takes longer than max_call_s is not timed at that context or any longer
+    one (per batch size); a (B, N) whose caches pass max_cache_gib is skipped."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     contexts = sorted(contexts or default_contexts(device))
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    dname = str(dtype).removeprefix("torch.")
     kv_heads = kv_heads or heads
     timing = timing or Timing.for_device(device)
     max_call_s = max_call_s if max_call_s is not None else (30.0 if device == "cuda" else 20.0)
+    max_cache_gib = max_cache_gib if max_cache_gib is not None else default_max_cache_gib(device)
+    providers = [p for p in PROVIDERS if p in providers]
     prov = provenance(device)
     common = dict(op=OP, variant="longnet" if [list(ws), list(rs)] == [list(x) for x in LONGNET] else "custom",
-                  B=1, H=heads, Hkv=kv_heads, D=head_dim, causal=True, attn_mode="longnet",
+                  H=heads, Hkv=kv_heads, D=head_dim, causal=True, attn_mode="longnet",
                   segment_lengths=" ".join(map(str, ws)), dilation_rates=" ".join(map(str, rs)), **prov)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    rows, dropped = [], {}
+    rows = []
     gen = torch.Generator(device=device).manual_seed(0)
+    cpu_gen = torch.Generator().manual_seed(0)
     with CsvSink(out) as sink:
-        for n in contexts:
-            k_full = torch.randn(1, kv_heads, n, head_dim, generator=gen, device=device, dtype=dtype)
-            v_full = torch.randn(1, kv_heads, n, head_dim, generator=gen, device=device, dtype=dtype)
-            q = torch.randn(1, 1, heads, head_dim, generator=gen, device=device, dtype=dtype)
-            calls = _calls(q, k_full, v_full, _bounded_rows(k_full, v_full, ws, rs), ws, rs, heads, kv_heads)
-            calls = {p: c for p, c in calls.items() if p in providers}
-            new = []
-            for p in list(calls):
-                if p in dropped:
-                    new.append(make_row(**common, provider=p, N=n, dtype=str(dtype).removeprefix("torch."),
-                                        metric="ms", value="", flags=f"skipped: {dropped[p]}"))
-                    del calls[p]
+        for B in sorted(batches):
+            dropped = {}
+            for n in contexts:
+                new = []
+
+                def row(p, metric, value, **kw):
+                    cache_dtype = "float8_e4m3fn" if p.endswith("_fp8") else dname
+                    flags = kw.pop("flags", "")
+                    if "paged" in p:
+                        flags = ";".join(x for x in (flags, f"page_size={page_size}") if x)
+                    new.append(make_row(**common, B=B, provider=p, N=n, dtype=cache_dtype, metric=metric,
+                                        value=value, flags=flags, **kw))
+
+                need = cache_bytes(B, n, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size(), providers)
+                if need > max_cache_gib * 2 ** 30:
+                    for p in providers:
+                        row(p, "ms", "", flags=f"skipped: caches of {need / 2 ** 30:.1f} GiB > max_cache_gib "
+                                              f"{max_cache_gib:g}")
+                    sink.write(new)
+                    rows += new
+                    say(f"B={B} N={n}: skipped (caches {need / 2 ** 30:.1f} GiB > {max_cache_gib:g} GiB)")
                     continue
-                if n == contexts[0]:   # untimed: the first call compiles kernels (Triton) or warms caches
-                    calls[p]()
+                k_full = torch.randn(B, kv_heads, n, head_dim, generator=gen, device=device, dtype=dtype)
+                v_full = torch.randn(B, kv_heads, n, head_dim, generator=gen, device=device, dtype=dtype)
+                q = torch.randn(B, 1, heads, head_dim, generator=gen, device=device, dtype=dtype)
+                calls = _calls(q, k_full, v_full, lambda: _bounded_rows(k_full, v_full, ws, rs), ws, rs, heads,
+                               kv_heads, [p for p in providers if p not in dropped], page_size, cpu_gen,
+                               graph_backend)
+                if "dilated_kvcache_graph" in providers and device != "cuda":
+                    row("dilated_kvcache_graph", "ms", "", flags="skipped: CUDA graphs need a GPU (CPU run)")
+                for p in providers:
+                    if p in dropped:
+                        row(p, "ms", "", flags=f"skipped: {dropped[p]}")
+                reference = calls["dilated_kvcache"]() if "dilated_kvcache" in calls else None
+                for p in list(calls):
+                    if n == contexts[0]:   # untimed: the first call compiles kernels (Triton) or warms caches
+                        calls[p]()
+                        if device == "cuda":
+                            torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    got = calls[p]()
                     if device == "cuda":
                         torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                calls[p]()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                first = time.perf_counter() - t0
-                if first > max_call_s:
-                    dropped[p] = f"one call took {first:.1f} s > {max_call_s:g} s at N={n}"
-                    say(f"  {p}: {dropped[p]}; not timed from here on")
-                    new.append(make_row(**common, provider=p, N=n, dtype=str(dtype).removeprefix("torch."),
-                                        metric="ms", value=sig(first * 1e3), rounds=1,
-                                        flags="single call (too slow to time)"))
-                    del calls[p]
-            if calls:
-                with OtherLoad() as load:
-                    times = interleaved(calls, device, timing)
-                for p, t in times.items():
-                    t_sorted = sorted(t)
-                    new.append(make_row(**common, provider=p, N=n, dtype=str(dtype).removeprefix("torch."),
-                                        metric="ms", value=sig(t_sorted[len(t) // 2]), spread_pct=sig(spread_pct(t)),
-                                        rounds=len(t), other_cores=sig(load.cores)))
-                if device == "cuda":   # on a CPU every call is synchronous: host time = ms
+                    first = time.perf_counter() - t0
+                    if p in KVCACHE and p != "dilated_kvcache" and reference is not None:
+                        row(p, "max_abs_err", sig(float((got.float() - reference.float()).abs().max())),
+                            config=f"vs dilated_kvcache ({dname} cache)")
+                    if first > max_call_s:
+                        dropped[p] = f"one call took {first:.1f} s > {max_call_s:g} s at N={n}"
+                        say(f"  {p}: {dropped[p]}; not timed from here on")
+                        row(p, "ms", sig(first * 1e3), rounds=1, flags="single call (too slow to time)")
+                        del calls[p]
+                if calls:
+                    with OtherLoad() as load:
+                        times = interleaved(calls, device, timing)
+                    for p, t in times.items():
+                        t_sorted = sorted(t)
+                        row(p, "ms", sig(t_sorted[len(t) // 2]), spread_pct=sig(spread_pct(t)), rounds=len(t),
+                            other_cores=sig(load.cores))
                     for p, c in calls.items():
-                        new.append(make_row(**common, provider=p, N=n, dtype=str(dtype).removeprefix("torch."),
-                                            metric="host_ms", value=sig(host_ms(c, device)), rounds=1))
-            for r in new:
-                unit = "ms" if r["metric"] == "ms" else "ms host"
-                say(f"N={n:>8} {r['provider']:16} {r['value'] if r['value'] != '' else '-':>12} {unit}  {r['flags']}")
-            sink.write(new)
-            rows += new
-            del k_full, v_full, calls
+                        if device == "cuda":   # queued calls: the host's share
+                            row(p, "host_ms", sig(host_ms(c, device)), rounds=HOST_CALLS)
+                        elif p in KVCACHE:     # CPU: the launch path, launches stubbed
+                            ms = cpu_host_ms(c)
+                            if ms is not None:
+                                row(p, "host_ms", sig(ms), rounds=CPU_HOST_CALLS,
+                                    flags="CPU: Python up to the launch, launches stubbed")
+                for r in new:
+                    unit = {"ms": "ms", "host_ms": "ms host", "max_abs_err": "max |err|"}[r["metric"]]
+                    say(f"B={B:>3} N={n:>8} {r['provider']:26} {r['value'] if r['value'] != '' else '-':>12} {unit}  "
+                        f"{r['flags']}")
+                sink.write(new)
+                rows += new
+                del k_full, v_full, calls, reference
         if memory_contexts:
             for n, step_rows, live, held, full in cache_memory(memory_contexts, heads=kv_heads, head_dim=head_dim,
                                                                    dtype=memory_dtype, ws=ws, rs=rs):
-                mem = [make_row(**common, provider=p, N=n, dtype=str(memory_dtype).removeprefix("torch."),
+                mem = [make_row(**common, B=1, provider=p, N=n, dtype=str(memory_dtype).removeprefix("torch."),
                                 metric=m, value=sig(b / 2 ** 20), config=f"rows={r}")
                        for p, m, b, r in (("dilated_bounded", "cache_mib", live, step_rows),
                                           ("dilated_bounded", "cache_allocated_mib", held, step_rows),
@@ -202,37 +399,55 @@ def _missing(v) -> bool:
 
 
 def decode_table(rows) -> str:
-    """ms per token by context and provider, each provider's ratio to its first context, and
-    the cache memory rows (fresh rows, or rows read back from a CSV: `perf table`)."""
-    ms = {(r["N"], r["provider"]): r["value"] for r in rows if r["metric"] == "ms"}
-    host = {(r["N"], r["provider"]): r["value"] for r in rows if r["metric"] == "host_ms"}
-    ns = sorted({n for n, _ in ms})
-    provs = [p for p in PROVIDERS if any(p == q for _, q in ms)]
+    """ms per step by batch size, context and provider, each provider's ratio to its first
+    context; the host time per call; the FP8/paged errors; the cache memory rows (fresh rows,
+    or rows read back from a CSV: `perf table`)."""
+    batch = lambda r: int(r["B"]) if not _missing(r.get("B")) else 1  # noqa: E731
+    ms = {(batch(r), r["N"], r["provider"]): r["value"] for r in rows if r["metric"] == "ms"}
+    host = {(batch(r), r["N"], r["provider"]): (r["value"], str(r.get("flags") or "")) for r in rows
+            if r["metric"] == "host_ms"}
+    err = {(batch(r), r["N"], r["provider"]): r["value"] for r in rows if r["metric"] == "max_abs_err"}
+    provs = [p for p in PROVIDERS if any(p == k[2] for k in ms)]
     lines = []
-    if ns:
-        head = f"{'context':>9} " + " ".join(f"{p + ' ms':>18} {'x first':>7}" for p in provs)
-        lines += ["time per decode step (one query), median", head]
-        first = {p: next((ms[(n, p)] for n in ns if not _missing(ms.get((n, p)))), None) for p in provs}
+    cpu = any(str(r.get("device")) == "cpu" for r in rows)
+    for B in sorted({k[0] for k in ms}):
+        ns = sorted({k[1] for k in ms if k[0] == B})
+        head = f"{'context':>9} " + " ".join(f"{p + ' ms':>30} {'x first':>7}" for p in provs)
+        lines += [f"time per decode step (one query per row), median, batch {B}{' (CPU)' if cpu else ''}", head]
+        first = {p: next((ms[(B, n, p)] for n in ns if not _missing(ms.get((B, n, p)))), None) for p in provs}
         for n in ns:
             cells = []
             for p in provs:
-                v = ms.get((n, p))
+                v = ms.get((B, n, p))
                 if _missing(v):
-                    cells.append(f"{'skipped':>18} {'':>7}")
+                    cells.append(f"{'skipped':>30} {'':>7}")
                 else:
                     ratio = v / first[p] if first[p] else math.nan
-                    cells.append(f"{v:>18.4g} {ratio:>7.2f}")
+                    cells.append(f"{v:>30.4g} {ratio:>7.2f}")
             lines.append(f"{n:>9} " + " ".join(cells))
+        lines.append("")
     if host:
-        hp = [p for p in provs if any((n, p) in host for n in ns)]
-        lines += ["", f"host time per call (Python + launches, {HOST_CALLS} calls queued), ms",
-                  f"{'context':>9} " + " ".join(f"{p + ' host':>22}" for p in hp)]
-        for n in ns:
-            lines.append(f"{n:>9} " + " ".join(f"{host[(n, p)]:>22.4g}" if not _missing(host.get((n, p)))
-                                                else f"{'-':>22}" for p in hp))
+        hp = [p for p in provs if any(k[2] == p for k in host)]
+        how = "CPU: Python up to the launch, launches stubbed" if any("CPU" in f for _, f in host.values()) else \
+            f"{HOST_CALLS} calls queued"
+        lines += [f"host time per call (Python + launches; {how}), ms",
+                  f"{'batch':>5} {'context':>9} " + " ".join(f"{p + ' host':>30}" for p in hp)]
+        for B, n in sorted({k[:2] for k in host}):
+            lines.append(f"{B:>5} {n:>9} " + " ".join(f"{host[(B, n, p)][0]:>30.4g}"
+                                                      if not _missing(host.get((B, n, p), ("",))[0])
+                                                      else f"{'-':>30}" for p in hp))
+        lines.append("")
+    if err:
+        ep = [p for p in provs if any(k[2] == p for k in err)]
+        lines += ["max |out - dilated_kvcache out| (paged: 0 expected; fp8: the quantisation error)",
+                  f"{'batch':>5} {'context':>9} " + " ".join(f"{p:>30}" for p in ep)]
+        for B, n in sorted({k[:2] for k in err}):
+            lines.append(f"{B:>5} {n:>9} " + " ".join(f"{err[(B, n, p)]:>30.4g}" if (B, n, p) in err
+                                                      else f"{'-':>30}" for p in ep))
+        lines.append("")
     mem = {(r["N"], r["provider"], r["metric"]): r for r in rows if r["metric"].startswith("cache_")}
     if mem:
-        lines += ["", "KV cache per layer (keys + values) at the decode step of token N, MiB",
+        lines += ["KV cache per layer (keys + values) at the decode step of token N, MiB",
                   f"{'context':>9} {'bounded rows':>12} {'bounded MiB':>12} {'allocated':>10} {'full MiB':>10} "
                   f"{'full/bounded':>12}"]
         for n in sorted({k[0] for k in mem}):
@@ -242,7 +457,7 @@ def decode_table(rows) -> str:
                 continue
             lines.append(f"{n:>9} {str(b['config']).removeprefix('rows='):>12} {b['value']:>12.4g} {a['value']:>10.4g} "
                          f"{f['value']:>10.4g} {f['value'] / b['value']:>12.1f}")
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip("\n")
 
 
 def main(args) -> int:
@@ -253,9 +468,12 @@ def main(args) -> int:
     timing = Timing.for_device(device, args.budget)
     rows = run_decode(contexts, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                       dtype=_dtype(args.dtype) if args.dtype else None, providers=args.providers or PROVIDERS,
-                      timing=timing, max_call_s=args.max_call_seconds, out=args.out, memory_contexts=memory)
+                      timing=timing, max_call_s=args.max_call_seconds, out=args.out, memory_contexts=memory,
+                      batches=args.batch, page_size=args.page_size, max_cache_gib=args.max_cache_gib,
+                      graph_backend=args.graph_backend)
     print(decode_table(rows))
     print(f"\nwrote {len(rows)} rows to {args.out}")
     if device == "cpu":
-        print("(CPU run: the portable backend; kernel timings need a GPU.)")
+        print("(CPU run: the portable backend; kernel timings need a GPU. Host rows: the Triton path's Python up "
+              "to the launch, launches stubbed; CUDA-graph rows need a GPU.)")
     return 0 if rows else 1

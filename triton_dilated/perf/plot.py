@@ -256,6 +256,9 @@ def ring_figure(rows):
 DECODE_STYLE = {
     "dilated": dict(color="tab:blue", marker="s", label="dilated, full cache"),
     "dilated_kvcache": dict(color="tab:green", marker="^", label="dilated, with_kvcache (no host sync)"),
+    "dilated_kvcache_paged": dict(color="tab:olive", marker="v", label="dilated, with_kvcache, paged"),
+    "dilated_kvcache_fp8": dict(color="tab:purple", marker="D", label="dilated, with_kvcache, FP8 cache"),
+    "dilated_kvcache_graph": dict(color="tab:red", marker="*", label="dilated, with_kvcache, CUDA graph"),
     "dilated_bounded": dict(color="tab:orange", marker="o", label="dilated, bounded cache (DilatedKVCache)"),
     "sdpa_dense": dict(color="black", marker="x", linestyle="--", label="dense SDPA, full cache"),
     "full_cache": dict(color="black", marker="x", linestyle="--", label="full cache"),
@@ -264,9 +267,13 @@ DECODE_STYLE = {
 
 def decode_figure(rows):
     """`perf decode` rows: time per decode step against the context, a line per provider, and
-    the cache's memory per layer (bounded against full) against the context."""
+    the cache's memory per layer (bounded against full) against the context; the smallest batch
+    size's rows (perf decode --batch)."""
     from .decode import OP
     rows = [r for r in rows if r["op"] == OP]
+    batches = {int(r["B"]) for r in rows if not (isinstance(r["B"], float) and math.isnan(r["B"])) and r["B"] != ""}
+    if len(batches) > 1:
+        rows = [r for r in rows if r["B"] == "" or int(r["B"]) == min(batches)]
     fig, axes = _grid(2)
     panels = ((axes[0], "ms", "median ms per decode step (log)", "Time per token (lower is better)"),
               (axes[1], "cache_mib", "KV cache per layer, MiB (log)", "Cache memory per layer (keys + values)"))

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.kvcache import cache_view, capacity, check_kvcache_args, decode_step
+from ..common.kvcache import FP8_DTYPE, cache_view, capacity, check_kvcache_args, decode_step, portable_descaled
 from ..common.op_support import check_path, lazy_module
 from ..common.runtime import empty_result, last_dim_contiguous
 from ..common.validation import check_flags, check_qkv, check_scale
@@ -24,27 +24,32 @@ _decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports trito
 DECODE_FAMILIES = ("block_sparse_fwd",)
 
 
-def decode_layout(q, k, v, layout, lengths, *, causal, scale, path, block_table=None):
+def decode_layout(q, k, v, layout, lengths, *, causal, scale, path, block_table=None, k_descale=None,
+                  v_descale=None):
     """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
-    q's device) valid rows of k, v (page pools with block_table), the layout (on q's device)
-    covering the cache's capacity."""
+    q's device) valid rows of k, v (page pools with block_table; float8_e4m3fn with k_descale,
+    v_descale), the layout (on q's device) covering the cache's capacity."""
     if path == "torch":
-        return block_sparse_decode(q, k, v, layout, lengths, causal=causal, scale=scale, block_table=block_table)
+        return portable_descaled(lambda q_: block_sparse_decode(q_, k, v, layout, lengths, causal=causal, scale=scale,
+                                                                block_table=block_table),
+                                 q, k_descale, v_descale, k.shape[2])
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     return _decode_kernels().block_sparse_decode_forward(q, k, v, layout, lengths, causal=causal, scale=scale,
-                                                         block_table=block_table)
+                                                         block_table=block_table, k_descale=k_descale,
+                                                         v_descale=v_descale)
 
 
 def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, layout,
                                         block_table=None, causal=True, scale=None, return_lse=False,
-                                        backend="auto", validate=False):
+                                        backend="auto", validate=False, k_descale=None, v_descale=None):
     """Block-sparse attention of a decode step against a KV cache, with no host sync.
 
     Args:
-        q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate: as
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale,
+            v_descale: as
             `dilated_attention_with_kvcache` (q of 1 to 16 rows, the last positions of
             each row's L_b = cache_seqlens[b] + Nnew valid rows; k, v appended in place;
-            block_table: a paged cache).
+            block_table: a paged cache; k_descale, v_descale: an FP8 cache).
         layout: a BlockLayout covering the cache's capacity Nk (ceil(Nk / block_size)
             blocks per side) at absolute positions, laid out for (B|1, Hq|1); keep it on
             q's device (a copy per call otherwise). Each query reads the active blocks of
@@ -56,8 +61,8 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     torch.compile: the custom op `triton_dilated::block_sparse_decode` (build the layout
     outside the compiled region).
     """
-    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate)
-    check_qkv(q, cache_view(k_cache, block_table, q.shape[0]), cache_view(v_cache, block_table, q.shape[0]),
+    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale)
+    check_qkv(q, cache_view(k_cache, block_table, q.shape[0], q), cache_view(v_cache, block_table, q.shape[0], q),
               allow_shorter_q=True)
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
@@ -67,17 +72,18 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     layout.check_seq_len(capacity(k_cache, block_table))
     layout.check_heads(B, Hq)
     path, lengths = decode_step("block_sparse_attention_with_kvcache", q, k_cache, v_cache, k, v, cache_seqlens,
-                                block_table, validate, backend, DECODE_FAMILIES)
+                                block_table, validate, backend, DECODE_FAMILIES, k_descale, v_descale)
     if B == 0:
-        return empty_result(q, k_cache, v_cache, return_lse)
+        return empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), return_lse)
     if layout.kv_indices.device != q.device:
         layout = layout.to(q.device)
     if torch.compiler.is_compiling():
         out, lse = _block_sparse_decode(q, k_cache, v_cache, lengths, block_table, layout.kv_num_blocks,
-                                        layout.kv_indices, layout.block_size, causal, scale, path)
+                                        layout.kv_indices, layout.block_size, causal, scale, path, k_descale,
+                                        v_descale)
     else:
         out, lse = decode_layout(q, k_cache, v_cache, layout, lengths, causal=causal, scale=scale, path=path,
-                                 block_table=block_table)
+                                 block_table=block_table, k_descale=k_descale, v_descale=v_descale)
     return (out, lse) if return_lse else out
 
 
@@ -93,14 +99,17 @@ class _RowLists:
 @torch.library.custom_op("triton_dilated::block_sparse_decode", mutates_args=())
 def _block_sparse_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
                          kv_num_blocks: Tensor, kv_indices: Tensor, block_size: int, causal: bool, scale: float,
-                         path: str) -> Tuple[Tensor, Tensor]:
+                         path: str, k_descale: Optional[Tensor] = None,
+                         v_descale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq)."""
     check_path(path)
     return decode_layout(q, k_cache, v_cache, _RowLists(kv_num_blocks, kv_indices, block_size), lengths,
-                         causal=causal, scale=scale, path=path, block_table=block_table)
+                         causal=causal, scale=scale, path=path, block_table=block_table, k_descale=k_descale,
+                         v_descale=v_descale)
 
 
 @_block_sparse_decode.register_fake
-def _(q, k_cache, v_cache, lengths, block_table, kv_num_blocks, kv_indices, block_size, causal, scale, path):
+def _(q, k_cache, v_cache, lengths, block_table, kv_num_blocks, kv_indices, block_size, causal, scale, path,
+      k_descale=None, v_descale=None):
     B, Nq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)

@@ -11,11 +11,16 @@ writes a float32 partial (acc, max, denominator) and `_decode_merge_kernel` comb
 with the max-guarded log-sum-exp (exact when a split is empty). Splits let one token at
 batch 1 fill the GPU: the work per program is the key list / splits.
 
+FP8 cache (KV_FP8 > 0): keys and values load as float8_e4m3fn and convert to float32
+(load_cache); the per-head descales fold into the score scale and the output (kv_descales).
+
 NaN rule (DESIGN §6): padding slots and masked keys load as 0 and score -inf, so a NaN
 stored there never spreads; a NaN or Inf in a key or query the row reads makes its score
 NaN, one in a value its accumulator, and either makes the denominator, output and lse NaN.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -27,6 +32,27 @@ from .runtime import on_tensor_device
 
 MIN_KEYS_PER_SPLIT = 64
 MERGE_CHUNK: tl.constexpr = tl.constexpr(16)   # splits the merge kernel reads per step
+
+
+def fp8_mode(k_cache) -> int:
+    """The decode kernels' KV_FP8 constexpr for a cache: 0 (q's dtype), 1 (float8_e4m3fn on an
+    NVIDIA GPU of compute capability 8.9 or newer), 2 (float8_e4m3fn decoded from its bytes:
+    older GPUs, AMD, the interpreter; load_cache)."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return 0
+    return 1 if k_cache.device.type == "cuda" and _hardware_fp8(k_cache.device.index) else 2
+
+
+@functools.lru_cache(maxsize=None)
+def _hardware_fp8(index) -> bool:
+    """Whether Triton converts fp8e4nv on this CUDA device (NVIDIA sm89+, compiled kernels)."""
+    from .kernels import is_interpreted
+    return not torch.version.hip and not is_interpreted() and torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def fp8_operands(k, v, mode: int):
+    """k, v as the decode kernels take them: viewed as uint8 for KV_FP8 = 2 (no copy)."""
+    return (k.view(torch.uint8), v.view(torch.uint8)) if mode == 2 else (k, v)
 
 
 def kernel_lengths(lengths, device) -> torch.Tensor:
@@ -61,14 +87,50 @@ def decode_program(Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, st
 
 
 @triton.jit
+def load_cache(ptrs, mask, KV_FP8: tl.constexpr):
+    """A tile of cache rows as float32. KV_FP8 = 1: float8_e4m3fn rows through the hardware
+    conversion (Triton's fp8e4nv: sm89 and newer). 2: the same bytes loaded as uint8 and
+    decoded here (older GPUs, which Triton gives no fp8e4nv, and the interpreter, whose
+    fp8e4nv conversion reads e4m3fn's NaN, S.1111.111, as +-480): exponent e and mantissa m
+    to float32 bits ((e + 120) << 23 | m << 20) for a normal, m * 2^-9 for a subnormal (e = 0),
+    NaN for S.1111.111 (DESIGN §6)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if KV_FP8 == 2:
+        b = x.to(tl.int32)
+        e = (b >> 3) & 15
+        m = b & 7
+        mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, (((e + 120) << 23) | (m << 20)).to(tl.float32,
+                                                                                                 bitcast=True))
+        mag = tl.where((b & 127) == 127, float("nan"), mag)
+        return tl.where(b >= 128, -mag, mag)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8: tl.constexpr):
+    """(score scale, value scale) of query head h's program: for an FP8 cache sm_scale times
+    k_descale and v_descale of its key/value head (float32; the output is acc * v_descale,
+    the scores (q . k8) * sm_scale * k_descale: the attention over the dequantised rows with
+    one multiply per program instead of one per element); else (sm_scale, 1)."""
+    k_scale = sm_scale
+    v_scale = sm_scale * 0.0 + 1.0
+    if KV_FP8 > 0:
+        kvh = (h // HEAD_GROUP).to(tl.int64)
+        k_scale = sm_scale * tl.load(K_DESCALE + kvh)
+        v_scale = tl.load(V_DESCALE + kvh)
+    return k_scale, v_scale
+
+
+@triton.jit
 def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stride, t_lo, t_hi, d_ok, sm_scale,
-             BT, stride_kp, stride_vp, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+             BT, stride_kp, stride_vp, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr = 0):
     """Fold the keys start + stride*t, t in [t_lo, t_hi), into the running (acc (BLOCK_D,),
     max, denominator) of one query q (BLOCK_D,), all float32. Scores are in natural units;
     exp(s - m) is computed as exp2((s - m) * log2(e)). A max of -inf (nothing seen yet) is
     replaced by 0 before it is subtracted: no -inf - -inf. PAGE_SIZE > 0: a paged cache, key
     position n at row n % PAGE_SIZE of page BT[n // PAGE_SIZE] (BT: the batch row's block
-    table; pages stride_kp / stride_vp apart; k_base, v_base without a batch offset)."""
+    table; pages stride_kp / stride_vp apart; k_base, v_base without a batch offset). KV_FP8:
+    an FP8 cache (load_cache; sm_scale then carries k_descale, kv_descales)."""
     for t0 in range(t_lo, t_hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         ok = t < t_hi
@@ -81,8 +143,8 @@ def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stri
         else:
             k_off = kpos * stride_kn
             v_off = kpos * stride_vn
-        k = tl.load(k_base + k_off[:, None], mask=tile_ok, other=0.0).to(tl.float32)
-        v = tl.load(v_base + v_off[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+        k = load_cache(k_base + k_off[:, None], tile_ok, KV_FP8)
+        v = load_cache(v_base + v_off[:, None], tile_ok, KV_FP8)
         # s + s * 0 turns a score of +-Inf (an infinite key or query) into NaN, which then
         # reaches the denominator (a -inf score would read as "no key"); see store_result
         s = tl.sum(k * q[None, :], 1)

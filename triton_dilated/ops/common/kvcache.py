@@ -11,6 +11,14 @@ before the call; new rows k, v (B, Nnew, Hkv, D), when given, are written at row
 cache_seqlens[b] .. cache_seqlens[b] + Nnew - 1; the attention then covers
 L_b = cache_seqlens[b] + Nnew rows (Nnew = 0 without k, v), with the Nq queries the last Nq
 of them (query i at L_b - Nq + i, DESIGN §5b).
+
+FP8 cache: k_cache, v_cache of dtype float8_e4m3fn with float32 descales k_descale, v_descale
+(Hkv,), FlashAttention-3's names and meaning: the key a row holds is k_cache * k_descale[h]
+(per key/value head h; one scale per layer and head). New rows are quantised on append,
+k / k_descale rounded to nearest-even and saturated to +-448 (e4m3's largest finite value),
+with a non-finite input kept NaN (e4m3fn has no Inf: a saturated Inf would hide it, DESIGN §6).
+The decode paths fold the descales into the query (k_descale) and the output (v_descale) in
+float32, which is the attention over the dequantised rows.
 """
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ from .runtime import resolve_backend
 from .validation import check_bool, check_lengths_tensor
 
 MAX_DECODE_QUERIES = 16   # = decode.DECODE_MAX_QUERIES (the decode paths' limit)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0           # e4m3's largest finite value (S.1111.110): quantisation saturates there
 
 
 def capacity(k_cache, block_table) -> int:
@@ -29,19 +39,51 @@ def capacity(k_cache, block_table) -> int:
     return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
 
 
-def cache_view(k_cache, block_table, batch: int):
+def cache_view(k_cache, block_table, batch: int, q=None):
     """A (B, capacity, Hkv, D) stand-in for shape checks (check_qkv): the cache itself, or for
-    a page pool a zero-stride expand of its first row (no copy)."""
+    a page pool a zero-stride expand of its first row (no copy); for an FP8 cache a
+    zero-stride expand of an empty row in q's dtype (the cache's dtype is checked apart)."""
+    if k_cache.dtype == FP8_DTYPE and q is not None:
+        return q.new_empty((1, 1, *k_cache.shape[2:])).expand(batch, capacity(k_cache, block_table), -1, -1)
     if block_table is None:
         return k_cache
     return k_cache[:1, :1].expand(batch, capacity(k_cache, block_table), -1, -1)
 
 
-def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate) -> None:
+def check_descales(q, k_cache, v_cache, k_descale, v_descale) -> None:
+    """An FP8 cache (both caches float8_e4m3fn) needs both descales, float32 (Hkv,) on q's
+    device; any other cache takes none."""
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 != (v_cache.dtype == FP8_DTYPE):
+        raise TypeError(f"k_cache and v_cache must both be float8_e4m3fn or both not, got {k_cache.dtype} and "
+                        f"{v_cache.dtype}")
+    if not fp8:
+        if k_descale is not None or v_descale is not None:
+            raise ValueError(f"k_descale and v_descale apply to a float8_e4m3fn cache only, got a {k_cache.dtype} "
+                             f"cache (leave them None)")
+        return
+    hkv = k_cache.shape[2]
+    for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if x is None:
+            raise ValueError(f"a float8_e4m3fn cache needs {name}: a float32 tensor ({hkv},), one scale per key/value "
+                             f"head (the stored value times it is the key or value), got None")
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{name} must be a float32 tensor ({hkv},), got {got}")
+        if tuple(x.shape) != (hkv,):
+            raise ValueError(f"{name} must have shape (Hkv,) = ({hkv},), got {tuple(x.shape)}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+
+
+def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale=None,
+                       v_descale=None) -> None:
     """Shape/dtype/device checks (no value read): q (B, Nq, Hq, D) with 1 <= Nq <= 16;
-    k_cache, v_cache (B, Nk, Hkv, D) like q, or with block_table int32 (B, max_pages) on q's
-    device page pools (num_pages, page_size, Hkv, D); k, v both or neither, (B, Nnew, Hkv, D)
-    with Nnew <= the capacity; cache_seqlens an int32 (or int64) tensor (B,) on q's device."""
+    k_cache, v_cache (B, Nk, Hkv, D) like q (or float8_e4m3fn with k_descale, v_descale), or
+    with block_table int32 (B, max_pages) on q's device page pools (num_pages, page_size, Hkv,
+    D); k, v both or neither, (B, Nnew, Hkv, D) with Nnew <= the capacity, in the cache's dtype
+    (q's for an FP8 cache: quantised on append); cache_seqlens an int32 (or int64) tensor (B,)
+    on q's device."""
     check_bool("validate", validate)
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(x, torch.Tensor):
@@ -61,6 +103,16 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, va
         if k_cache.shape != v_cache.shape:
             raise ValueError(f"k_cache and v_cache (page pools) must have the same shape, got "
                              f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    check_descales(q, k_cache, v_cache, k_descale, v_descale)
+    if k_cache.dtype == FP8_DTYPE and (k_cache.shape != v_cache.shape or k_cache.device != q.device or
+                                       k_cache.shape[-1] != q.shape[-1] or
+                                       block_table is None and k_cache.shape[0] != B):
+        # check_qkv sees a stand-in in q's dtype (cache_view): the cache's own shape is checked here
+        rows = "B" if block_table is None else "num_pages"
+        raise ValueError(f"k_cache and v_cache (float8_e4m3fn) must have one shape ({rows}, .., Hkv, D) with B = "
+                         f"{B}, D = {q.shape[-1]}, on q's device ({q.device}), got {tuple(k_cache.shape)} on "
+                         f"{k_cache.device} and {tuple(v_cache.shape)} on {v_cache.device}")
+    new_dtype = q.dtype if k_cache.dtype == FP8_DTYPE else k_cache.dtype
     if not 1 <= Nq <= MAX_DECODE_QUERIES:
         raise ValueError(f"q must hold 1 to {MAX_DECODE_QUERIES} query rows per batch row (a decode step or a "
                          f"speculative draft), got {Nq}; longer chunks: dilated_attention / "
@@ -76,8 +128,10 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, va
             if x.dim() != 4 or x.shape[0] != B or tuple(x.shape[2:]) != tuple(k_cache.shape[2:]):
                 raise ValueError(f"{name} (new rows) must have shape (B, Nnew, Hkv, D) = {want} like k_cache, got "
                                  f"{tuple(x.shape)}")
-            if x.dtype != k_cache.dtype or x.device != k_cache.device:
-                raise TypeError(f"{name} must have k_cache's dtype and device ({k_cache.dtype}, {k_cache.device}), "
+            if x.dtype != new_dtype or x.device != k_cache.device:
+                whose = "q's dtype (an FP8 cache quantises new rows)" if new_dtype != k_cache.dtype else \
+                    "k_cache's dtype"
+                raise TypeError(f"{name} must have {whose} and k_cache's device ({new_dtype}, {k_cache.device}), "
                                 f"got {x.dtype}, {x.device}")
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"k and v must hold the same number of new rows, got {k.shape[1]} and {v.shape[1]}")
@@ -90,11 +144,14 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, va
 
 
 def check_kvcache_values(cache_seqlens, num_new: int, num_queries: int, cache_len: int, block_table=None,
-                         num_pages: int = 0) -> None:
+                         num_pages: int = 0, descales=()) -> None:
     """validate=True: every row's length after the append, cache_seqlens[b] + Nnew, must lie
     in [Nq, capacity] (each query a valid position, no row past the cache), cache_seqlens >= 0,
-    and the pages those rows use must be in [0, num_pages). Reads the values on the host (a
-    sync: for debugging, not the hot path)."""
+    the pages those rows use must be in [0, num_pages), and FP8 descales finite and positive.
+    Reads the values on the host (a sync: for debugging, not the hot path)."""
+    for name, x in zip(("k_descale", "v_descale"), descales):
+        if x is not None and not bool(torch.isfinite(x).all() & (x > 0).all()):
+            raise ValueError(f"{name} must be finite and positive, got {x.tolist()}")
     lengths = cache_seqlens.tolist()
     for b, n in enumerate(lengths):
         if n < 0 or not num_queries <= n + num_new <= cache_len:
@@ -112,13 +169,27 @@ def check_kvcache_values(cache_seqlens, num_new: int, num_queries: int, cache_le
                              f"the {len(used)} pages its {n + num_new} rows use")
 
 
-def append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table=None):
+def quantise_fp8(x, descale):
+    """x (..., Hkv, D) as float8_e4m3fn rows of a cache with descale (Hkv,): x / descale in
+    float32, rounded to nearest-even (relative error <= 2^-4 for |x / descale| >= 2^-6, e4m3's
+    smallest normal; absolute <= 2^-10 * descale below it), saturated to +-448. A NaN or Inf
+    element becomes NaN (x * 0 is NaN exactly there): e4m3fn has no Inf, and the NaN rule
+    (DESIGN §6) must still see it."""
+    x = x.float()
+    y = (x / descale[:, None]).clamp(-FP8_MAX, FP8_MAX) + x * 0
+    return y.to(FP8_DTYPE)
+
+
+def append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_descale=None, v_descale=None):
     """Write k, v (B, Nnew, Hkv, D) into k_cache, v_cache at rows cache_seqlens[b] + j (through
     block_table for a page pool), in place, without a host sync (one index_put_ per cache; rows
-    past the cache are an index error, checked by torch on the device). Returns the lengths
-    after the append: cache_seqlens + Nnew."""
+    past the cache are an index error, checked by torch on the device); into an FP8 cache
+    quantised with the descales (quantise_fp8). Returns the lengths after the append:
+    cache_seqlens + Nnew."""
     if k is None:
         return cache_seqlens
+    if k_cache.dtype == FP8_DTYPE:
+        k, v = quantise_fp8(k, k_descale), quantise_fp8(v, v_descale)
     rows = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=k_cache.device)
     batch = torch.arange(k.shape[0], device=k_cache.device)[:, None]
     if block_table is not None:
@@ -129,11 +200,13 @@ def append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table=None):
     return cache_seqlens + k.shape[1]
 
 
-def decode_step(what: str, q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, backend, families):
+def decode_step(what: str, q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, backend, families,
+                k_descale=None, v_descale=None):
     """What both inference entry points do after checking their own arguments: pick the path
     (under torch.compile the requested one, resolved inside the custom op; else resolved
     here), refuse gradients on the Triton path (its decode kernel has no backward), run the
-    value checks when asked and append k, v. Returns (path, the lengths after the append)."""
+    value checks when asked and append k, v (quantised into an FP8 cache). Returns (path,
+    the lengths after the append)."""
     if torch.compiler.is_compiling():
         path = resolve_path(backend, str(q.device))
     else:
@@ -143,5 +216,18 @@ def decode_step(what: str, q, k_cache, v_cache, k, v, cache_seqlens, block_table
                          f"(inference), or use {what.removesuffix('_with_kvcache')} for gradients")
     if validate:
         check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], q.shape[1],
-                             capacity(k_cache, block_table), block_table, k_cache.shape[0])
-    return path, append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table)
+                             capacity(k_cache, block_table), block_table, k_cache.shape[0], (k_descale, v_descale))
+    return path, append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+
+
+def portable_descaled(attend, q, k_descale, v_descale, num_kv_heads: int):
+    """(out, lse) of a portable decode `attend(q)` over an FP8 cache: the descales folded in,
+    k_descale into the query (scores of the dequantised keys) and v_descale into the output,
+    per query head's key/value head, in float32; `attend` reads the cache's rows converted
+    to float32. Without descales: attend(q)."""
+    if k_descale is None:
+        return attend(q)
+    group = q.shape[2] // num_kv_heads
+    per_head = lambda s: s.repeat_interleave(group).view(1, 1, -1, 1)  # noqa: E731
+    out, lse = attend(q.float() * per_head(k_descale))
+    return (out * per_head(v_descale)).to(q.dtype), lse

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from ...configs import select_config
-from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, kernel_lengths, merge_splits,
-                                     num_splits, store_result)
+from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, fp8_mode, fp8_operands,
+                                     kernel_lengths, kv_descales, merge_splits, num_splits, store_result)
 from ..common.hardware import padded_head_dim
 from ..common.runtime import on_tensor_device
 
@@ -42,17 +42,18 @@ def _pattern_run(p, length, w, r, o, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _dilated_decode_kernel(
-        Q, K, V, O, LSE, ACC, PART_M, PART_L, LENS, PAT_W, PAT_R, PAT_OFF, BLOCK_TABLE,
+        Q, K, V, O, LSE, ACC, PART_M, PART_L, LENS, PAT_W, PAT_R, PAT_OFF, BLOCK_TABLE, K_DESCALE, V_DESCALE,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
         stride_btb, stride_kp, stride_vp,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D)
     bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb = 0 then)
+    k_scale, v_scale = kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8)   # FP8 cache: descales
 
     total = 0   # the length of the key list
     for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
@@ -75,8 +76,10 @@ def _dilated_decode_kernel(
         t_lo = tl.maximum(lo - first, 0)
         t_hi = tl.minimum(hi - first, count)
         acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, r, t_lo, t_hi,
-                                 d_ok, sm_scale, bt, stride_kp, stride_vp, BLOCK_N, PAGE_SIZE)
+                                 d_ok, k_scale, bt, stride_kp, stride_vp, BLOCK_N, PAGE_SIZE, KV_FP8)
         first += count
+    if KV_FP8 > 0:   # the values' descale, once per program (the splits merge linearly in acc)
+        acc = acc * v_scale
     part = ((b * NUM_ROWS + row) * NUM_HEADS + h64) * NUM_SPLITS + split
     store_result(O, LSE, ACC, PART_M, PART_L, b * stride_ob + row * stride_on + h64 * stride_oh,
                  b * stride_lb + h64 * stride_lh + row, part, acc, m_i, l_i, d, d_ok, NUM_SPLITS, HEAD_DIM)
@@ -102,12 +105,13 @@ def _pattern_tables(patterns, table, device):
 
 @on_tensor_device
 def dilated_decode_forward(q, k, v, patterns, table, lengths, *, causal, scale, max_length=None, splits=None,
-                           config=None, block_table=None):
+                           config=None, block_table=None, k_descale=None, v_descale=None):
     """Dilated attention of q (B, Nq, Hq, D), the last Nq positions of each row's lengths[b]
     (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with block_table
     (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv, D). Returns
     (out like q, lse float32 (B, Hq, Nq)). `splits`: the number of splits per query (default:
-    common.decode_kernels.num_splits); `max_length`: max(lengths) if known (else the capacity)."""
+    common.decode_kernels.num_splits); `max_length`: max(lengths) if known (else the capacity).
+    k, v float8_e4m3fn (an FP8 cache): k_descale, v_descale float32 (Hkv,) on q's device."""
     B, Nq, Hq, D = q.shape
     Hkv = k.shape[2]
     paged = block_table is not None
@@ -117,17 +121,20 @@ def dilated_decode_forward(q, k, v, patterns, table, lengths, *, causal, scale, 
     longest = longest_key_list(patterns, table, max_length or cap)
     splits = splits or num_splits(q.device, B * Nq * Hq, longest)
     out, lse, acc, part_m, part_l = decode_buffers(q, splits)
+    kv_fp8 = fp8_mode(k)
+    k, v = fp8_operands(k, v, kv_fp8)
     pat_w, pat_r, pat_off = _pattern_tables(patterns, table, q.device)
     lengths = kernel_lengths(lengths, q.device)
     bt = block_table if paged else lengths       # not read when contiguous (PAGE_SIZE = 0)
     _dilated_decode_kernel[(B * Nq * Hq * splits,)](
         q, k, v, out, lse, acc, part_m, part_l, lengths, pat_w, pat_r, pat_off, bt,
+        lengths if k_descale is None else k_descale, lengths if v_descale is None else v_descale,
         q.stride(0), q.stride(1), q.stride(2), 0 if paged else k.stride(0), k.stride(1), k.stride(2),
         0 if paged else v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         bt.stride(0), k.stride(0), v.stride(0),
         Nq, Hq, Hq // Hkv, splits, scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, BLOCK_N=cfg["BLOCK_N"],
-        PAGE_SIZE=k.shape[1] if paged else 0,
+        PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return merge_splits(out, lse, acc, part_m, part_l, splits, num_warps=cfg.get("num_warps", 4))

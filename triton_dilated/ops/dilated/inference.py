@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.kvcache import cache_view, check_kvcache_args, decode_step
+from ..common.kvcache import FP8_DTYPE, cache_view, check_kvcache_args, decode_step, portable_descaled
 from ..common.op_support import check_path, lazy_module
 from ..common.runtime import empty_result, last_dim_contiguous
 from ..common.validation import check_flags, check_qkv, check_scale
@@ -40,23 +40,25 @@ def check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, of
     return patterns, check_scale(scale, q.shape[-1]), heads
 
 
-def decode_table(q, k, v, patterns, table, lengths, *, causal, scale, path, host_loop=False, block_table=None):
+def decode_table(q, k, v, patterns, table, lengths, *, causal, scale, path, host_loop=False, block_table=None,
+                 k_descale=None, v_descale=None):
     """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
-    q's device) valid rows of k, v (page pools with block_table): the Triton decode kernel or
-    the portable decode (host_loop: its strided-view CPU variant, which reads the lengths on
-    the host; contiguous caches only)."""
+    q's device) valid rows of k, v (page pools with block_table; float8_e4m3fn with
+    k_descale, v_descale): the Triton decode kernel or the portable decode (host_loop: its
+    strided-view CPU variant, which reads the lengths on the host; contiguous caches only)."""
     if path == "torch":
-        return dilated_decode(q, k, v, patterns, table, lengths, causal=causal, scale=scale, host_loop=host_loop,
-                              block_table=block_table)
+        return portable_descaled(lambda q_: dilated_decode(q_, k, v, patterns, table, lengths, causal=causal,
+                                                           scale=scale, host_loop=host_loop, block_table=block_table),
+                                 q, k_descale, v_descale, k.shape[2])
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     return _decode_kernels().dilated_decode_forward(q, k, v, patterns, table, lengths, causal=causal, scale=scale,
-                                                    block_table=block_table)
+                                                    block_table=block_table, k_descale=k_descale, v_descale=v_descale)
 
 
 def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
                                    segment_lengths, dilation_rates, causal=True, scale=None, mode="longnet",
                                    offsets="modulo", return_lse=False, backend="auto", validate=False,
-                                   head_offset=0, total_heads=None):
+                                   head_offset=0, total_heads=None, k_descale=None, v_descale=None):
     """Dilated attention of a decode step against a KV cache, with no host sync (inference).
 
     Args:
@@ -76,6 +78,12 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
             rows, and position n of row b lives at row n % page_size of page
             block_table[b, n // page_size]; the capacity is max_pages * page_size. The
             result equals that of the same rows in a contiguous cache bit for bit.
+        k_descale, v_descale: for an FP8 cache (k_cache, v_cache float8_e4m3fn, q 16- or
+            32-bit), float32 tensors (Hkv,) on q's device, FlashAttention-3's names: the key
+            (value) row h of a stored row is k_cache[..., h, :] * k_descale[h]. New rows k, v
+            (q's dtype) are quantised on append: k / k_descale rounded to nearest-even,
+            saturated to +-448 (choose k_descale >= max|k| / 448, e.g. amax / 448 per head
+            from a calibration pass). None (the default) for a 16/32-bit cache.
         segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse, backend,
             head_offset, total_heads: as dilated_attention (causal defaults to True here).
         validate: check that every L_b lies in [Nq, Nk] (reads the lengths on the host: a
@@ -91,23 +99,25 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     backend), so `torch.compile(fullgraph=True)` traces a decode step once for every value
     of cache_seqlens.
     """
-    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate)
+    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale)
     B = q.shape[0]
-    patterns, scale, heads = check_args(q, cache_view(k_cache, block_table, B), cache_view(v_cache, block_table, B),
+    patterns, scale, heads = check_args(q, cache_view(k_cache, block_table, B, q),
+                                        cache_view(v_cache, block_table, B, q),
                                         segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
                                         allow_shorter_q=True, head_offset=head_offset, total_heads=total_heads)
     Hq = q.shape[2]
     path, lengths = decode_step("dilated_attention_with_kvcache", q, k_cache, v_cache, k, v, cache_seqlens,
-                                block_table, validate, backend, DECODE_FAMILIES)
+                                block_table, validate, backend, DECODE_FAMILIES, k_descale, v_descale)
     if B == 0:
-        return empty_result(q, k_cache, v_cache, return_lse)
+        return empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), return_lse)
     if torch.compiler.is_compiling():
         out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
-                                   [r for _, r in patterns], causal, scale, mode, offsets, *heads, path)
+                                   [r for _, r in patterns], causal, scale, mode, offsets, *heads, path, k_descale,
+                                   v_descale)
     else:
         table = head_table(Hq, patterns, mode, offsets, *heads)
         out, lse = decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
-                                block_table=block_table)
+                                block_table=block_table, k_descale=k_descale, v_descale=v_descale)
     return (out, lse) if return_lse else out
 
 
@@ -119,17 +129,18 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
 @torch.library.custom_op("triton_dilated::dilated_decode", mutates_args=())
 def _dilated_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
                     segment_lengths: List[int], dilation_rates: List[int], causal: bool, scale: float, mode: str,
-                    offsets: str, head_offset: int, total_heads: int, path: str) -> Tuple[Tensor, Tensor]:
+                    offsets: str, head_offset: int, total_heads: int, path: str, k_descale: Optional[Tensor] = None,
+                    v_descale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq)."""
     check_path(path)
     patterns = tuple(zip((int(w) for w in segment_lengths), (int(r) for r in dilation_rates)))
     table = head_table(q.shape[2], patterns, mode, offsets, head_offset, total_heads)
     return decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
-                        block_table=block_table)
+                        block_table=block_table, k_descale=k_descale, v_descale=v_descale)
 
 
 @_dilated_decode.register_fake
 def _(q, k_cache, v_cache, lengths, block_table, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-      head_offset, total_heads, path):
+      head_offset, total_heads, path, k_descale=None, v_descale=None):
     B, Nq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)

@@ -42,10 +42,11 @@ class PagedStep:
         if self.done:
             raise ValueError("this PagedStep has ended; call cache.begin for the next step")
         c = self.cache
+        descales = {} if c.k_descale is None else dict(k_descale=c.k_descale[layer], v_descale=c.v_descale[layer])
         return dilated_attention_with_kvcache(q, c.k_pools[layer], c.v_pools[layer], k_new, v_new,
                                               cache_seqlens=self.cache_seqlens, block_table=self.block_table,
                                               segment_lengths=c.segment_lengths, dilation_rates=c.dilation_rates,
-                                              causal=True, mode=c.mode, offsets=c.offsets, **kwargs)
+                                              causal=True, mode=c.mode, offsets=c.offsets, **descales, **kwargs)
 
     def end(self) -> None:
         """The step's tokens are written (every layer): advance the sequences."""
@@ -69,11 +70,16 @@ class PagedDilatedKVCache:
 
     `pages_held(seq)`, `free_pages` and `rows_bound` (the most rows a sequence keeps) describe
     the memory. A step needs pages for its new tokens: the pool running out raises.
+
+    FP8 pools: dtype=torch.float8_e4m3fn with k_descale, v_descale, float32 (num_kv_heads,)
+    (every layer) or (num_layers, num_kv_heads), one scale per layer and key/value head
+    (dilated_attention_with_kvcache's meaning: stored value times descale; new rows, given in
+    q's dtype, are quantised on append). Half the bytes of a bf16 pool.
     """
 
     def __init__(self, segment_lengths, dilation_rates, *, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype=torch.float32, device="cpu", num_layers: int = 1, mode: str = "longnet",
-                 offsets: str = "modulo"):
+                 offsets: str = "modulo", k_descale=None, v_descale=None):
         patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
         self.segment_lengths = [w for w, _ in patterns]
         self.dilation_rates = [r for _, r in patterns]
@@ -86,6 +92,7 @@ class PagedDilatedKVCache:
         self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.device = self.k_pools[0].device
+        self.k_descale, self.v_descale = self._descales(dtype, num_layers, shape[2], k_descale, v_descale)
         # the dropped prefix: whole pages and a multiple of every segment length
         self.step = math.lcm(math.lcm(*self.segment_lengths), self.page_size)
         self.rows_bound = decode_rows_bound(self.segment_lengths)
@@ -93,6 +100,25 @@ class PagedDilatedKVCache:
         self.pages: dict = {}    # sequence -> physical pages, logical page j holding rows base + j*page_size ...
         self.base: dict = {}     # sequence -> position of its first kept row
         self.seen: dict = {}     # sequence -> tokens written
+
+    def _descales(self, dtype, num_layers, num_kv_heads, k_descale, v_descale):
+        """(k, v) descales float32 (num_layers, Hkv) on the pools' device for an FP8 pool, else
+        (None, None); the entry point checks them further at each call."""
+        if dtype != torch.float8_e4m3fn:
+            if k_descale is not None or v_descale is not None:
+                raise ValueError(f"k_descale and v_descale apply to a float8_e4m3fn pool only, got dtype={dtype}")
+            return None, None
+        out = []
+        for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+                got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+                raise TypeError(f"a float8_e4m3fn pool needs {name}: a float32 tensor ({num_kv_heads},) or "
+                                f"({num_layers}, {num_kv_heads}), got {got}")
+            if tuple(x.shape) not in ((num_kv_heads,), (num_layers, num_kv_heads)):
+                raise ValueError(f"{name} must have shape ({num_kv_heads},) or ({num_layers}, {num_kv_heads}) "
+                                 f"(num_kv_heads or num_layers x num_kv_heads), got {tuple(x.shape)}")
+            out.append(x.to(self.device).expand(num_layers, num_kv_heads).contiguous())
+        return out[0], out[1]
 
     @property
     def free_pages(self) -> int:

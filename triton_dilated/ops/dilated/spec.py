@@ -131,14 +131,16 @@ SPEC = VariantSpec(
         # decoding (q of 1-16 rows against a long cache); configs: the forward's family
         KernelSpec("dilated_decode", "triton_dilated.ops.dilated.decode_kernels", "_dilated_decode_kernel",
                    "dilated_fwd", pointers={"Q": "act", "K": "act", "V": "act", **DECODE_POINTERS, "LENS": "i32",
-                                            "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32", "BLOCK_TABLE": "i32"},
+                                            "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32", "BLOCK_TABLE": "i32",
+                                            "K_DESCALE": "fp32", "V_DESCALE": "fp32"},
                    odd_strides=DECODE_ODD_STRIDES),
         # the merge of the decode splits, shared with block-sparse decoding (ops/common)
         KernelSpec("decode_merge", "triton_dilated.ops.common.decode_kernels", "_decode_merge_kernel", "dilated_fwd",
                    pointers=DECODE_POINTERS, odd_strides=DECODE_ODD_STRIDES),
     ),
-    # FLAT_LOOP: the launchers' default (configs.VARIANT_SWITCHES); PAGE_SIZE 0: the contiguous cache
-    aot_constexprs={"NUM_PATTERNS": 3, "FLAT_LOOP": 1, "PAGE_SIZE": 0},
+    # FLAT_LOOP: the launchers' default (configs.VARIANT_SWITCHES); PAGE_SIZE 0, KV_FP8 0: a contiguous
+    # cache in q's dtype
+    aot_constexprs={"NUM_PATTERNS": 3, "FLAT_LOOP": 1, "PAGE_SIZE": 0, "KV_FP8": 0},
     problem=DilatedProblem,
     pairs=count_pairs,
     call=call,
