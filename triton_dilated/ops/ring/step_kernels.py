@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ...configs import select_config
 from ..common.hardware import padded_head_dim
-from ..common.kernels import LOG2E, dot, finalize, online_softmax_step, program_tile, softmax_grad_block
+from ..common.kernels import LOG2E, dot, finalize, online_softmax_step, program_tile, softmax_grad_block, window_keep
 from ..common.runtime import kernel_options, on_tensor_device, require_contiguous
 from . import mask as step_mask
 from .mask import StepMask
@@ -38,12 +38,14 @@ MASK_LAYOUT: tl.constexpr = tl.constexpr(step_mask.MASK_LAYOUT)
 
 @triton.jit
 def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYOUT_COLS, layout_block,
-                     MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr):
+                     MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
+                     WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     """ln(weight) of each (query, key) pair, -inf where it does not count, for query and key
     positions (and in-range flags) given as a column and a row: qpos [BLOCK_M, 1], kpos
     [1, BLOCK_N] give [BLOCK_M, BLOCK_N]; qpos [1, BLOCK_N], kpos [BLOCK_M, 1] the transpose
     (the dK/dV kernel's keys x queries). PAT_OFF and LAYOUT point at the head's offsets and
-    block table."""
+    block table. WINDOW > 0: a block-table entry of 2 is a sliding window's block, where
+    window_keep decides per element."""
     ok = q_ok & k_ok
     if CAUSAL:
         ok = ok & (kpos <= qpos)
@@ -66,6 +68,8 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYO
         kb = (kpos // layout_block).to(tl.int64)
         active = tl.load(LAYOUT + qb * LAYOUT_COLS + kb, mask=ok, other=0)
         ok = ok & (active != 0)
+        if WINDOW > 0:
+            ok = ok & ((active != 2) | window_keep(qpos, kpos, WINDOW, SINK_TOKENS))
     return tl.where(ok, 0.0, float("-inf"))
 
 
@@ -82,7 +86,7 @@ def _ring_tile_lists_kernel(
         Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, COUNT, INDEX, stride_lb, stride_lh, LAYOUT_COLS,
         NQ, NK, LH, layout_block,
         MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BY_KEY: tl.constexpr):
+        BLOCK_N: tl.constexpr, BY_KEY: tl.constexpr, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     """The active tiles of a step: for one query tile (BY_KEY: one key tile) of one (layout
     batch, head) row, the ascending tiles of the other side with a counted pair, written to
     INDEX (LB, LH, tiles, other tiles) with their number in COUNT (LB, LH, tiles)."""
@@ -103,7 +107,8 @@ def _ring_tile_lists_kernel(
             k_ok, kpos = _tile_positions(K_POS, t, NK, BLOCK_N)
         log_w = _pair_log_weight(qpos[:, None], kpos[None, :], q_ok[:, None], k_ok[None, :], PAT_W, PAT_R,
                                  PAT_OFF + h * NUM_PATTERNS, LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS,
-                                 layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)          # [BLOCK_M, BLOCK_N]
+                                 layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL,
+                                 WINDOW, SINK_TOKENS)                                    # [BLOCK_M, BLOCK_N]
         active = tl.max(log_w) > float("-inf")
         tl.store(INDEX + count, t, mask=active)
         count += active.to(tl.int32)
@@ -118,7 +123,7 @@ def _ring_step_fwd_kernel(
         NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-        PRECISION: tl.constexpr):
+        PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     Q += b * stride_qb + h * stride_qh
@@ -153,7 +158,7 @@ def _ring_step_fwd_kernel(
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                 # [BLOCK_N]
         log_w = _pair_log_weight(qpos[:, None], kpos[None, :], q_ok[:, None], k_ok[None, :], PAT_W, PAT_R, PAT_OFF,
                                  LAYOUT, LAYOUT_COLS, layout_block, MASK_KIND, NUM_PATTERNS,
-                                 CAUSAL)                                                 # [BLOCK_M, BLOCK_N]
+                                 CAUSAL, WINDOW, SINK_TOKENS)                            # [BLOCK_M, BLOCK_N]
         # K, V addressed here rather than offset before the loop: fewer registers
         cols64 = cols.to(tl.int64)
         k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
@@ -196,7 +201,7 @@ def _ring_step_bwd_dq_kernel(
         NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-        PRECISION: tl.constexpr):
+        PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -228,7 +233,8 @@ def _ring_step_bwd_dq_kernel(
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                   # [BLOCK_N]
         log_w = _pair_log_weight(qpos[:, None], kpos[None, :], q_ok[:, None], k_ok[None, :], PAT_W, PAT_R,
                                  PAT_OFF + h * NUM_PATTERNS, LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS,
-                                 layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)            # [BLOCK_M, BLOCK_N]
+                                 layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL,
+                                 WINDOW, SINK_TOKENS)                                      # [BLOCK_M, BLOCK_N]
         # K, V addressed here rather than offset before the loop: fewer registers
         cols64 = cols.to(tl.int64)
         k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
@@ -251,7 +257,7 @@ def _ring_step_bwd_dkdv_kernel(
         NQ, NK, HKV, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-        PRECISION: tl.constexpr):
+        PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     # BLOCK_M: the key tile this program owns, the M dimension of every dot (S^T = K Q^T,
     # dV += P^T dO, dP^T = V dO^T, dK += dS^T Q: P^T and dS^T feed the next dot from
     # registers); BLOCK_N: the query tiles it walks (its lists are built with these tiles).
@@ -290,7 +296,7 @@ def _ring_step_bwd_dkdv_kernel(
             qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)                               # [BLOCK_N]
             log_w = _pair_log_weight(qpos[None, :], kpos[:, None], q_ok[None, :], k_ok[:, None], PAT_W, PAT_R,
                                      pat_off, layout, LAYOUT_COLS, layout_block, MASK_KIND, NUM_PATTERNS,
-                                     CAUSAL)                                               # [BLOCK_M, BLOCK_N]
+                                     CAUSAL, WINDOW, SINK_TOKENS)                          # [BLOCK_M, BLOCK_N]
             rows64 = rows.to(tl.int64)
             qT = tl.load(q_base + rows64[None, :] * stride_qn + d[:, None], mask=d_ok[:, None] & q_ok[None, :],
                          other=0.0)                                                        # [BLOCK_D, BLOCK_N]
