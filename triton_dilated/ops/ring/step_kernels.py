@@ -327,10 +327,18 @@ def _strides(**tensors):
     return {f"stride_{name}{axis}": t.stride(i) for name, t in tensors.items() for i, axis in enumerate("bnh")}
 
 
-def _config(q, name, config=None, kernel=None):
+# a sliding window's dK/dV above head dim 64: at most this many pipeline stages (perf aot, bf16,
+# perf/aot/window-sm90-sm80-bf16-triton39.csv: at D = 128 the window predicate made sm80's 64x64
+# w8 s3 spill 48 B and sm90's 128x32 w8 s2 20 B; with 1 stage neither spills)
+WINDOW_DKDV_STAGES = 1
+
+
+def _config(q, name, config=None, kernel=None, window=False):
     D = q.shape[-1]
     block_d = padded_head_dim(D)
     cfg = config or select_config(name, q.dtype, block_d, q.shape[1], q.device, kernel=kernel)
+    if window and not config and block_d > 64:
+        cfg = {**cfg, "num_stages": min(cfg.get("num_stages", 2), WINDOW_DKDV_STAGES)}
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     return block_d, cfg, dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                               DOT_FP32=dot_fp32, PRECISION=precision, num_warps=cfg.get("num_warps", 4),
@@ -407,7 +415,8 @@ def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepM
     # one config for both kernels when given (or tuned); untuned, the dK/dV kernel has its own.
     # dQ: BLOCK_M query rows x BLOCK_N keys; dK/dV: BLOCK_M keys x BLOCK_N queries
     _, cfg, meta = _config(q, "ring_step_bwd", config)
-    _, kv_cfg, kv_meta = _config(q, "ring_step_bwd", config, kernel="ring_step_bwd_dkdv")
+    _, kv_cfg, kv_meta = _config(q, "ring_step_bwd", config, kernel="ring_step_bwd_dkdv",
+                                 window=mask.window is not None)
     common = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq),
                   **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=scale)
     _ring_step_bwd_dq_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
