@@ -161,6 +161,31 @@ def test_layout_transforms_keep_the_window():
     assert torch.equal(lay.to("cpu").element_mask(n, True), lay.element_mask(n, True))
 
 
+def test_flex_block_mask_and_module_keep_the_window():
+    """to_flex_block_mask: its mask_mod is the element mask, its "full" blocks wholly visible;
+    BlockSparseAttention with a fixed window layout (buffers) computes the window."""
+    from triton_dilated import BlockSparseAttention
+    n, bs = 80, 16
+    lay = layouts.sliding_window(n, bs, 20, sinks=3) | layouts.global_tokens(n, bs, 1, causal=True)
+    bm = lay.to_flex_block_mask(n, causal=True)
+    q, kv = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    zero = torch.zeros((), dtype=torch.long)
+    got = bm.mask_mod(zero, zero, q, kv)
+    want = lay.element_mask(n, True)[0, 0]
+    assert torch.equal(got, want)
+    full = torch.zeros(5, 5, dtype=torch.bool)
+    for r in range(5):
+        for j in range(int(bm.full_kv_num_blocks[0, 0, r])):
+            full[r, int(bm.full_kv_indices[0, 0, r, j])] = True
+    blocks = want.view(5, bs, 5, bs)
+    assert not full.any() or blocks.all(3).all(1)[full].all()
+    module = BlockSparseAttention(lay, causal=True)
+    assert module.layout.window == lay.window
+    x = seeded((1, n, 2, 8), torch.float32, 0, DEVICE)
+    o64, _ = block_sparse_attention_naive(x.double(), x.double(), x.double(), lay, causal=True)
+    assert max_err(module(x, x, x), o64) < 1e-5
+
+
 # ----------------------------------------------------------------------------- attention
 
 @st.composite
@@ -369,13 +394,16 @@ RING_CASES = [
     dict(kind="window", B=1, N=96, Hq=2, Hkv=1, D=8, causal=True, bs=16, window=21, sinks=3),
     dict(kind="window", B=1, N=96, Hq=2, Hkv=2, D=8, causal=True, bs=32, window=7, sinks=1, balance="zigzag",
          comm="allgather", union=True),
+    dict(kind="window", B=1, N=64, Hq=2, Hkv=2, D=8, causal=True, bs=16, window=9, sinks=0, fn="ulysses",
+         union=True),
 ]
 
 
 def test_ring_attention_on_a_world_of_two():
     """ring_attention(layout=sliding_window(...)) on 2 gloo processes (p2p and all-gather,
-    contiguous and zigzag shards, a union with a per-head random layout): every rank's shard of
-    out, lse and the gradients against the float64 oracle by the tolerance rule."""
+    contiguous and zigzag shards, a union with a per-head random layout) and ulysses_attention
+    (per-head layout slices): every rank's shard of out, lse and the gradients against the
+    float64 oracle by the tolerance rule."""
     from ring_worker import case_layout as ring_case_layout, loss_of, make_inputs, spawn_world, worker
     from triton_dilated import shard
     world = 2
