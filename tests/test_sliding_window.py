@@ -432,3 +432,24 @@ def test_ring_attention_on_a_world_of_two():
             assert_rule_all([torch.from_numpy(got[n]) for n in ("out", "lse", "dq", "dk", "dv")],
                             [local(x, i) for i, x in enumerate(oracle)], [local(x, i) for i, x in enumerate(same)],
                             floor=FLOOR[torch.float32], what=f"rank {rank} {case}: ")
+
+
+def test_compiled_decode_step_keeps_the_window():
+    """torch.compile(fullgraph=True, aot_eager) of a window decode step (the decode custom op
+    takes the window and its flags): equal to eager, one frame for two cache lengths."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    N, bs = 64, 16
+    lay = layouts.sliding_window(N, bs, 10, sinks=2)
+    q = seeded((2, 1, 2, 8), torch.float32, 1, DEVICE)
+    kc, vc = (seeded((2, N, 1, 8), torch.float32, s, DEVICE) for s in (2, 3))
+
+    def step(q, kc, vc, lens):
+        return block_sparse_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, layout=lay, backend="torch")
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for lens in ([64, 20], [33, 50]):
+        lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        torch.testing.assert_close(compiled(q, kc, vc, lens), step(q, kc, vc, lens), rtol=1e-6, atol=1e-6)
+    assert counter.frame_count == 1
