@@ -39,6 +39,7 @@ from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_r
                               program_tile, softmax_grad_block, transposed_grad_step, window_keep)
 from ..common.lse import softmax_delta
 from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
+from ..common.window import check_window_causal
 
 
 # Q, K, V and dO may come with any strides (unit stride on the head dim): their (batch,
@@ -476,6 +477,7 @@ def _forward_lists(layout, N, causal, B, Hq):
         _, index, lists = _block_lists(layout.kv_num_blocks, layout.kv_indices, B, Hq)
         full, end = _key_lists(layout, N, causal)
         return index, full, end, lists
+    check_window_causal(layout, causal)   # the reordered lists assume the causal cut
     index, full, win, end = _window_key_lists(layout, N)
     _, index, lists = _block_lists(layout.kv_num_blocks, index, B, Hq)
     return index, full, end, dict(lists, KV_WIN=win, **_window_meta(layout))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..common.lse import add_sinks, masked_attention_with_lse
-from ..common.window import check_window_causal
 from ..common.validation import check_qkv, check_scale, check_sinks, check_softcap
+from ..common.window import check_window_causal
 from .layout import BlockLayout
 
 
