@@ -29,6 +29,10 @@ def case_layout(case, n=None):
     n = case["N"] if n is None else n
     if case["kind"] == "layout":
         return layouts.bigbird(n, case["bs"], 1, 1, 1, seed=1, num_heads=case["Hq"])
+    if case["kind"] == "window":   # a sliding window (issue 23), with a per-head random layout when "union"
+        lay = layouts.sliding_window(n, case["bs"], case["window"], sinks=case["sinks"])
+        return lay | layouts.random(n, case["bs"], 1, seed=2, num_heads=case["Hq"]) if case.get("union") \
+            else lay
     if case["kind"] == "dense":
         nb = -(-n // 16)
         return BlockLayout.from_dense(torch.ones(nb, nb, dtype=torch.bool), 16)
@@ -75,7 +79,7 @@ def run_case(case, rank, world):
     if case["kind"] == "dilated":
         kw.update(segment_lengths=case["ws"], dilation_rates=case["rs"], mode=case.get("mode", "longnet"),
                   offsets=case.get("offsets", "modulo"))
-    elif case["kind"] == "layout":
+    elif case["kind"] in ("layout", "window"):
         kw.update(layout=case_layout(case))
     if case.get("cu") is not None:   # packed documents: one layout per document
         cu = case["cu"]
