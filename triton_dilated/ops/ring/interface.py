@@ -21,9 +21,9 @@ import torch
 
 from ..block_sparse.layout import BlockLayout, valid_slots
 from ..common.first_order import first_order_backward
-from ..common.lse import merge_partials, softmax_delta
+from ..common.lse import add_sinks, merge_partials, softmax_delta
 from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
-from ..common.validation import check_choice, check_flags, check_qkv, check_scale
+from ..common.validation import check_choice, check_flags, check_qkv, check_scale, check_sinks, check_softcap
 from ..dilated.interface import dilated_attention_table
 from ..dilated.patterns import check_head_slice, check_patterns, fit_patterns, head_table
 from . import step_portable
@@ -110,7 +110,8 @@ def _residue_rows(patterns, table):
 # What every rank of the group must agree on (RingComm.agree), in this order.
 SIGNATURE = ("q shape (B, N_local, Hq, D)", "k/v shape (B, N_local, Hkv, D)", "dtype", "device type", "causal",
              "scale", "balance", "comm", "segment_lengths/dilation_rates", "mode/offsets", "layout",
-             "backward (grad mode, inputs requiring grad)", "heads (head_offset, total_heads)")
+             "backward (grad mode, inputs requiring grad)", "heads (head_offset, total_heads)", "softcap",
+             "sinks (given)")
 
 
 def _layout_fingerprint(layout: BlockLayout) -> str:
@@ -152,7 +153,7 @@ def check_sequence_parallel_args(q, k, v, shards: int, *, causal, scale, return_
 
 def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=None, layout=None, causal=False,
                    scale=None, mode="longnet", offsets="modulo", comm="p2p", balance="contiguous", return_lse=False,
-                   head_offset=0, total_heads=None):
+                   head_offset=0, total_heads=None, softcap=None, sinks=None):
     """Attention over a sequence sharded across the ranks of `group` (DESIGN §5).
 
     q, k, v: this rank's shard (B, N_local, H, D), as `shard(x, rank, world, balance)`
@@ -164,6 +165,12 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     call with total_heads heads (as in dilated_attention; a layout is then laid out for
     total_heads, or one head row); 2-D sequence parallelism (ulysses_attention with
     ring_group) runs the ring on each Ulysses rank's heads.
+    softcap: None or c > 0: scores s -> c * tanh(s / c) in every ring step (as
+    dilated_attention). sinks: None or a float32 (Hq,) tensor, one logit per query head of q
+    (differentiable), joining every row's denominator once: added after the last ring step
+    and the merge of the local patterns, never per step. Pass the same sinks on every rank
+    (a replicated parameter): each rank's gradient for it is its own rows' part, and their
+    sum over the ranks (what DDP's all-reduce gives) is the full-sequence gradient.
 
     Every rank must pass the same shapes, dtype, device type, flags, scale, patterns and
     layout: one small all-gather checks it before any transfer, and where ranks differ
@@ -176,16 +183,20 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
             q, k, v, ring.world, causal=causal, scale=scale, return_lse=return_lse, comm=comm, balance=balance,
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode, offsets=offsets,
             layout=layout, head_offset=head_offset, total_heads=total_heads)
+        softcap = check_softcap(softcap)
+        sinks = check_sinks(sinks, q.shape[2], q.device)
         signature = dict(zip(SIGNATURE, (
             tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, causal, scale,
             balance, comm, patterns, (mode, offsets) if dilated else None,
             None if layout is None else _layout_fingerprint(layout),
-            torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)), heads)))
+            torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)), heads,
+            softcap, sinks is not None)))
     except (TypeError, ValueError) as exc:
         error = exc
     ring.agree(signature, error, device=q.device if isinstance(q, torch.Tensor) else None)
     if q.shape[0] == 0 or q.shape[1] == 0:   # every rank agreed on these shapes: nothing to send
-        return empty_result(q, k, v, return_lse)
+        res = empty_result(q, k, v, return_lse or sinks is not None)
+        return _with_sinks(res, sinks, return_lse)
 
     use_triton = resolve_backend("auto", q.device) == "triton"
     Hq = q.shape[2]
@@ -195,16 +206,17 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
         table = head_table(Hq, patterns, mode, offsets, *heads)
         (loc_p, loc_t), (ring_p, ring_t) = _dilated_split(patterns, table, n_total, ring.world, balance)
         if any(o >= 0 for row in loc_t for o in row):
-            parts.append(dilated_attention_table(q, k, v, loc_p, loc_t, causal=causal, scale=scale))
+            parts.append(dilated_attention_table(q, k, v, loc_p, loc_t, causal=causal, scale=scale, softcap=softcap))
         if any(o >= 0 for row in ring_t for o in row):
-            mask = StepMask(MASK_DILATED, causal, q.device, patterns=ring_p, table=ring_t)
+            mask = StepMask(MASK_DILATED, causal, q.device, patterns=ring_p, table=ring_t, softcap=softcap)
             plan = RingPlan(ring, n_total, balance, mask, q.device, send_rows=_residue_rows(ring_p, ring_t))
             parts.append(_RingFn.apply(q, k, v, plan, scale, comm, use_triton))
     else:
         if layout is not None:
-            mask = StepMask(MASK_LAYOUT, causal, q.device, layout=layout.heads(heads[0], heads[0] + Hq))
+            mask = StepMask(MASK_LAYOUT, causal, q.device, layout=layout.heads(heads[0], heads[0] + Hq),
+                            softcap=softcap)
         else:
-            mask = StepMask(MASK_DENSE, causal, q.device)
+            mask = StepMask(MASK_DENSE, causal, q.device, softcap=softcap)
         plan = RingPlan(ring, n_total, balance, mask, q.device)
         parts.append(_RingFn.apply(q, k, v, plan, scale, comm, use_triton))
 
@@ -213,4 +225,12 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     else:   # local patterns and ring patterns: one softmax over both, by their lse
         out, lse = merge_partials([p[0].transpose(1, 2) for p in parts], [p[1] for p in parts])
         out = out.transpose(1, 2).to(q.dtype).contiguous()
-    return (out, lse) if return_lse else out
+    return _with_sinks((out, lse), sinks, return_lse)
+
+
+def _with_sinks(res, sinks, return_lse):
+    """The sinks joined once, to the merged (out, lse) of every step and part (add_sinks:
+    exact, differentiable in out, lse and sinks)."""
+    if sinks is not None:
+        res = add_sinks(*res, sinks)
+    return res if return_lse else res[0]
