@@ -42,8 +42,8 @@ def _oracle(case):
     sinks, cap = case_sinks(case), case.get("softcap")
     layout = case_layout(case)
     if layout is None:
-        oracle = lambda q, k, v, s: dilated_attention_naive(q, k, v, case["ws"], case["rs"], causal=case["causal"],  # noqa: E731
-                                                            softcap=cap, sinks=s)
+        oracle = lambda q, k, v, s: dilated_attention_naive(  # noqa: E731
+            q, k, v, case["ws"], case["rs"], causal=case["causal"], softcap=cap, sinks=s)
         counts = dilated_multiplicity(case["N"], case["ws"], case["rs"], case["Hq"], causal=case["causal"])
     else:
         oracle = lambda q, k, v, s: block_sparse_attention_naive(q, k, v, layout, causal=case["causal"],  # noqa: E731

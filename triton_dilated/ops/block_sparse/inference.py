@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.kvcache import cache_view, capacity, check_kvcache_args, decode_step
+from ..common.kvcache import cache_view, capacity, check_kvcache_args, decode_step, with_sinks
 from ..common.op_support import check_path, lazy_module
 from ..common.runtime import empty_result, last_dim_contiguous
 from ..common.validation import check_flags, check_qkv, check_scale
@@ -24,20 +24,21 @@ _decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports trito
 DECODE_FAMILIES = ("block_sparse_fwd",)
 
 
-def decode_layout(q, k, v, layout, lengths, *, causal, scale, path, block_table=None):
+def decode_layout(q, k, v, layout, lengths, *, causal, scale, path, block_table=None, softcap=None):
     """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
     q's device) valid rows of k, v (page pools with block_table), the layout (on q's device)
-    covering the cache's capacity."""
+    covering the cache's capacity. softcap: None or the cap c (scores s -> c * tanh(s / c))."""
     if path == "torch":
-        return block_sparse_decode(q, k, v, layout, lengths, causal=causal, scale=scale, block_table=block_table)
+        return block_sparse_decode(q, k, v, layout, lengths, causal=causal, scale=scale, block_table=block_table,
+                                   softcap=softcap)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     return _decode_kernels().block_sparse_decode_forward(q, k, v, layout, lengths, causal=causal, scale=scale,
-                                                         block_table=block_table)
+                                                         block_table=block_table, softcap=softcap)
 
 
 def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, layout,
                                         block_table=None, causal=True, scale=None, return_lse=False,
-                                        backend="auto", validate=False):
+                                        backend="auto", validate=False, softcap=None, sinks=None):
     """Block-sparse attention of a decode step against a KV cache, with no host sync.
 
     Args:
@@ -49,14 +50,16 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
             blocks per side) at absolute positions, laid out for (B|1, Hq|1); keep it on
             q's device (a copy per call otherwise). Each query reads the active blocks of
             its own layout row, cut at L_b.
-        causal (default True), scale, return_lse, backend: as block_sparse_attention.
+        causal (default True), scale, return_lse, backend, softcap, sinks: as
+            block_sparse_attention (the sinks join each row's denominator after the kernel).
 
     Returns out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq); rows with
     no active key: 0 and -inf. No gradient through the Triton path (ValueError). Under
     torch.compile: the custom op `triton_dilated::block_sparse_decode` (build the layout
     outside the compiled region).
     """
-    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate)
+    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, softcap=softcap,
+                       sinks=sinks)
     check_qkv(q, cache_view(k_cache, block_table, q.shape[0]), cache_view(v_cache, block_table, q.shape[0]),
               allow_shorter_q=True)
     if not isinstance(layout, BlockLayout):
@@ -69,16 +72,17 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     path, lengths = decode_step("block_sparse_attention_with_kvcache", q, k_cache, v_cache, k, v, cache_seqlens,
                                 block_table, validate, backend, DECODE_FAMILIES)
     if B == 0:
-        return empty_result(q, k_cache, v_cache, return_lse)
+        return with_sinks(empty_result(q, k_cache, v_cache, True), sinks, return_lse)
     if layout.kv_indices.device != q.device:
         layout = layout.to(q.device)
     if torch.compiler.is_compiling():
         out, lse = _block_sparse_decode(q, k_cache, v_cache, lengths, block_table, layout.kv_num_blocks,
-                                        layout.kv_indices, layout.block_size, causal, scale, path)
+                                        layout.kv_indices, layout.block_size, causal, scale, path,
+                                        float(softcap or 0.0))
     else:
         out, lse = decode_layout(q, k_cache, v_cache, layout, lengths, causal=causal, scale=scale, path=path,
-                                 block_table=block_table)
-    return (out, lse) if return_lse else out
+                                 block_table=block_table, softcap=softcap)
+    return with_sinks((out, lse), sinks, return_lse)
 
 
 class _RowLists:
@@ -93,14 +97,16 @@ class _RowLists:
 @torch.library.custom_op("triton_dilated::block_sparse_decode", mutates_args=())
 def _block_sparse_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
                          kv_num_blocks: Tensor, kv_indices: Tensor, block_size: int, causal: bool, scale: float,
-                         path: str) -> Tuple[Tensor, Tensor]:
-    """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq)."""
+                         path: str, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq).
+    softcap 0.0: no cap."""
     check_path(path)
     return decode_layout(q, k_cache, v_cache, _RowLists(kv_num_blocks, kv_indices, block_size), lengths,
-                         causal=causal, scale=scale, path=path, block_table=block_table)
+                         causal=causal, scale=scale, path=path, block_table=block_table, softcap=softcap or None)
 
 
 @_block_sparse_decode.register_fake
-def _(q, k_cache, v_cache, lengths, block_table, kv_num_blocks, kv_indices, block_size, causal, scale, path):
+def _(q, k_cache, v_cache, lengths, block_table, kv_num_blocks, kv_indices, block_size, causal, scale, path,
+      softcap=0.0):
     B, Nq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)

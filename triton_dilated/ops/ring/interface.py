@@ -21,7 +21,7 @@ import torch
 
 from ..block_sparse.layout import BlockLayout, valid_slots
 from ..common.first_order import first_order_backward
-from ..common.lse import add_sinks, merge_partials, softmax_delta
+from ..common.lse import merge_partials, softmax_delta, with_sinks
 from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
 from ..common.validation import check_choice, check_flags, check_qkv, check_scale, check_sinks, check_softcap
 from ..dilated.interface import dilated_attention_table
@@ -196,7 +196,7 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     ring.agree(signature, error, device=q.device if isinstance(q, torch.Tensor) else None)
     if q.shape[0] == 0 or q.shape[1] == 0:   # every rank agreed on these shapes: nothing to send
         res = empty_result(q, k, v, return_lse or sinks is not None)
-        return _with_sinks(res, sinks, return_lse)
+        return with_sinks(res, sinks, return_lse)
 
     use_triton = resolve_backend("auto", q.device) == "triton"
     Hq = q.shape[2]
@@ -225,12 +225,4 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     else:   # local patterns and ring patterns: one softmax over both, by their lse
         out, lse = merge_partials([p[0].transpose(1, 2) for p in parts], [p[1] for p in parts])
         out = out.transpose(1, 2).to(q.dtype).contiguous()
-    return _with_sinks((out, lse), sinks, return_lse)
-
-
-def _with_sinks(res, sinks, return_lse):
-    """The sinks joined once, to the merged (out, lse) of every step and part (add_sinks:
-    exact, differentiable in out, lse and sinks)."""
-    if sinks is not None:
-        res = add_sinks(*res, sinks)
-    return res if return_lse else res[0]
+    return with_sinks((out, lse), sinks, return_lse)   # once, after every step and part

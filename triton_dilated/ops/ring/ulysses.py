@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..block_sparse.interface import block_sparse_attention
-from ..common.lse import add_sinks
+from ..common.lse import with_sinks
 from ..common.runtime import empty_result
 from ..common.validation import check_choice, check_sinks, check_softcap
 from ..dilated.interface import dilated_attention
@@ -154,9 +154,7 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
     if verdict is not None:
         raise verdict
     if q.shape[0] == 0 or q.shape[1] == 0:   # every rank agreed on these shapes: nothing to send
-        res = empty_result(q, k, v, return_lse or sinks is not None)
-        res = res if sinks is None else add_sinks(*res, sinks)
-        return res if return_lse else res[0]
+        return with_sinks(empty_result(q, k, v, return_lse or sinks is not None), sinks, return_lse)
 
     if repeat > 1:
         k, v = (x.repeat_interleave(repeat, dim=2) for x in (k, v))
