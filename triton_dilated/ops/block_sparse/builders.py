@@ -64,6 +64,43 @@ def local(seq_len: int, block_size: int = 128, window: int = 1, causal: bool = F
     return _finish(rows[None, None], nb, block_size, causal)
 
 
+def sliding_window(seq_len: int, block_size: int = 128, window: int = 128, sinks: int = 0) -> BlockLayout:
+    """Exact sliding-window attention (gpt-oss, Mistral, Gemma sliding layers): query p sees
+    key p' iff p - window < p' <= p (the band of `window` keys ending at the query,
+    transformers' sliding_window_causal_mask_function), or p' < sinks and p' <= p (the first
+    `sinks` tokens always visible: StreamingLLM attention-sink tokens; not the learnable
+    sink logits of `sinks=` on the attention functions).
+
+    The layout's blocks are those the band or the sink tokens reach; the blocks wholly inside
+    it are computed without an element mask, the ones the band's edge cuts (and the diagonal)
+    evaluate the predicate per element (BlockLayout.window, kv_window). Causal by definition:
+    call the attention with causal=True (causal=False is a ValueError). Combine with other
+    layouts by `|` (their blocks are visible whole) and `&`. Cost per query block: about
+    window / block_size + 1 key blocks (+ ceil(sinks / block_size))."""
+    from ..common.window import WindowPredicate
+    nb, block_size = _num_blocks(seq_len, block_size)
+    pred = WindowPredicate(window, sinks)
+    window, sinks = pred
+    bs = block_size
+    r = torch.arange(nb)
+    band = -(-(window - 1) // bs) + 1          # key blocks a query block's band can touch
+    cand = r[:, None] - torch.arange(band)[None, :]
+    if sinks:
+        cand = torch.cat([cand, torch.arange(min(nb, -(-sinks // bs)))[None, :].expand(nb, -1)], dim=1)
+    rr = r[:, None].expand_as(cand)
+    lo_q, hi_q = rr * bs, rr * bs + bs - 1      # the query block's (nominal) positions
+    lo_k, hi_k = cand * bs, cand * bs + bs - 1
+    # active: some pair visible (band: keys (lo_q - window, hi_q]; sinks: keys < sinks, <= hi_q)
+    active = (cand >= 0) & (cand <= rr) & ((hi_k > lo_q - window) | (lo_k < sinks))
+    # whole: every pair visible: below the diagonal, and no key of the block in the gap of
+    # positions that are neither sink tokens nor within the band of the block's last query
+    gap_lo, gap_hi = sinks, hi_q - window
+    whole = (cand < rr) & ((gap_lo > gap_hi) | (hi_k < gap_lo) | (lo_k > gap_hi))
+    rr, cc, flags = rr[active], cand[active], ~whole[active]
+    zero = torch.zeros_like(rr)
+    return BlockLayout.from_pairs(zero, zero, rr, cc, (1, 1, nb), nb, block_size, window=pred, window_flags=flags)
+
+
 def causal(seq_len: int, block_size: int = 128) -> BlockLayout:
     """Every key block at or before the query block (dense causal attention)."""
     nb, block_size = _num_blocks(seq_len, block_size)

@@ -27,6 +27,7 @@ from ..common.runtime import empty_result, last_dim_contiguous, portable_compute
 from ..common.query_offset import run_with_query_offset
 from ..common.validation import (check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale,
                                  check_sinks, check_softcap)
+from ..common.window import check_window_causal
 from .inference import block_sparse_attention_with_kvcache, decode_layout
 from .layout import BlockLayout
 from .portable import block_sparse_attention_torch
@@ -43,6 +44,8 @@ def _check_args(q, k, v, layout, causal, scale, return_lse, *, packed=False, all
     if not packed and not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     check_flags(causal=causal, return_lse=return_lse)
+    if not packed:
+        check_window_causal(layout, causal)
     return check_scale(scale, q.shape[-1])
 
 
@@ -84,7 +87,10 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
             Cost: that of the layout rows of the query blocks holding the queries, forward
             and backward, both backends (memory: q, out and row statistics at full length).
         layout: a BlockLayout with ceil(N / block_size) blocks per side, laid out for
-            (B|1, Hq|1) (query heads).
+            (B|1, Hq|1) (query heads). A sliding-window layout (layouts.sliding_window, or a
+            union/intersection with one) is exact per element: key p' visible to query p iff
+            p - window < p' <= p or p' < its sink tokens, in its window blocks; it needs
+            causal=True.
         causal: also require key position <= query position (the diagonal block is masked
             per element).
         scale: default 1/sqrt(D).
@@ -211,10 +217,14 @@ def _packed(q, k, v, layout, cu_seqlens, **kw):
 @torch.library.custom_op("triton_dilated::block_sparse_fwd", mutates_args=())
 def _block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Tensor, kv_indices: Tensor,
                       q_num_blocks: Tensor, q_indices: Tensor, block_size: int, causal: bool, scale: float,
-                      need_lse: bool, path: str, softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, row_max, row_sum). softcap 0.0: no cap."""
+                      need_lse: bool, path: str, softcap: float = 0.0, window: int = 0, sink_tokens: int = 0,
+                      kv_window: Optional[Tensor] = None,
+                      q_window: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, row_max, row_sum). softcap 0.0: no cap; window 0: no sliding window (else
+    its predicate (window, sink_tokens) on the blocks kv_window / q_window flag)."""
     check_path(path)
-    layout = BlockLayout.from_canonical_lists(kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size)
+    layout = _op_layout(kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, window, sink_tokens,
+                        kv_window, q_window)
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         out, row_max, row_sum = _kernels().block_sparse_forward(q, k, v, layout, causal=causal, scale=scale,
@@ -226,9 +236,24 @@ def _block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Tensor, kv
     return fresh(out), fresh(lse), empty_stats(q), empty_stats(q)
 
 
+def _op_layout(kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, window, sink_tokens, kv_window,
+               q_window):
+    """The BlockLayout the custom ops' arguments describe (O(1): no validation)."""
+    return BlockLayout.from_canonical_lists(kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size,
+                                            window=(window, sink_tokens) if window else None,
+                                            kv_window=kv_window, q_window=q_window)
+
+
+def _op_window_args(layout):
+    """(window, sink_tokens, kv_window, q_window) of a layout, as the custom ops take them."""
+    if layout.window is None:
+        return 0, 0, None, None
+    return (*layout.window, *(x.to(layout.kv_indices.device) for x in (layout.kv_window, layout.q_window)))
+
+
 @_block_sparse_fwd.register_fake
 def _(q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, causal, scale, need_lse, path,
-      softcap=0.0):
+      softcap=0.0, window=0, sink_tokens=0, kv_window=None, q_window=None):
     B, N, Hq, D = q.shape
     stats = N if path == "triton" else 0
     return (q.new_empty((B, N, Hq, D)), q.new_empty((B, Hq, N), dtype=torch.float32),
@@ -239,9 +264,12 @@ def _(q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, c
 def _block_sparse_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                       row_max: Tensor, row_sum: Tensor, kv_num_blocks: Tensor, kv_indices: Tensor,
                       q_num_blocks: Tensor, q_indices: Tensor, block_size: int, causal: bool, scale: float,
-                      path: str, softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
+                      path: str, softcap: float = 0.0, window: int = 0, sink_tokens: int = 0,
+                      kv_window: Optional[Tensor] = None,
+                      q_window: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     check_path(path)
-    layout = BlockLayout.from_canonical_lists(kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size)
+    layout = _op_layout(kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, window, sink_tokens,
+                        kv_window, q_window)
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         dq, dk, dv = _kernels().block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout,
@@ -260,29 +288,30 @@ def _block_sparse_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, 
 
 @_block_sparse_bwd.register_fake
 def _(do, dlse, q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size,
-      causal, scale, path, softcap=0.0):
+      causal, scale, path, softcap=0.0, window=0, sink_tokens=0, kv_window=None, q_window=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _block_sparse_setup(ctx, inputs, output):
-    q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, causal, scale, need_lse, path, *cap = inputs
+    q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, causal, scale, need_lse, path, *rest = inputs
     out, _, row_max, row_sum = output
     ctx.need_lse = need_lse
     ctx.save_for_backward(q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices, q_num_blocks, q_indices)
     ctx.mark_non_differentiable(row_max, row_sum)
-    ctx.args = (block_size, causal, scale, path, cap[0] if cap else 0.0)
-    ctx.n_inputs = len(inputs)   # softcap (a default) may be left out
+    rest = list(rest) + [0.0, 0, 0, None, None][len(rest):]   # softcap, window, sink_tokens, flags (defaults)
+    ctx.args = (block_size, causal, scale, path, *rest)
+    ctx.n_inputs = len(inputs)   # the defaults may be left out
 
 
 def _block_sparse_backward(ctx, do, dlse, _dmax, _dsum):
     q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices, q_num_blocks, q_indices = ctx.saved_tensors
-    block_size, causal, scale, path, softcap = ctx.args
+    block_size, causal, scale, path, softcap, *window_args = ctx.args
     if do is None:
         do = torch.zeros_like(out)
     if not ctx.need_lse:
         dlse = None   # the caller never saw lse: its gradient is the materialised zero
     dq, dk, dv = _block_sparse_bwd(do, dlse, q, k, v, out, row_max, row_sum, kv_num_blocks, kv_indices,
-                                   q_num_blocks, q_indices, block_size, causal, scale, path, softcap)
+                                   q_num_blocks, q_indices, block_size, causal, scale, path, softcap, *window_args)
     return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
@@ -308,7 +337,7 @@ def block_sparse_attention_op(q, k, v, layout, *, causal=False, scale=None, retu
         lists = [x.to(q.device) for x in (layout.kv_num_blocks, layout.kv_indices, layout.q_num_blocks,
                                           layout.q_indices)]
         out, lse, _, _ = _block_sparse_fwd(q, k, v, *lists, layout.block_size, causal, scale, return_lse, path,
-                                           softcap or 0.0)
+                                           softcap or 0.0, *_op_window_args(layout.to(q.device)))
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out

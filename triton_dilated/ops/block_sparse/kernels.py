@@ -36,7 +36,7 @@ import triton.language as tl
 from ...configs import VARIANT_SWITCHES, select_config, switch_value
 from ..common.hardware import device_arch, padded_head_dim
 from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
-                              program_tile, softmax_grad_block, transposed_grad_step)
+                              program_tile, softmax_grad_block, transposed_grad_step, window_keep)
 from ..common.lse import softmax_delta
 from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
 
@@ -46,6 +46,23 @@ from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_devi
 # statistics ROW_MAX, ROW_SUM, DELTA (B, HQ, N) are contiguous and indexed from their shapes.
 # The block lists COUNT (LB, LH, rows) and INDEX (LB, LH, rows, WIDTH) are contiguous but for
 # their batch and head strides, 0 where one layout serves every batch or head.
+
+@triton.jit
+def _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, first_row, WINDOW: tl.constexpr):
+    """Sliding windows (WINDOW > 0): where a query block's window entries start in its
+    reordered key list (full, masked, then window blocks: _key_lists), and the first key any
+    row of the tile from first_row on can see in a window block (no sink tokens there)."""
+    return tl.load(KV_WIN + b * stride_cb + h * stride_ch + qblock), first_row - WINDOW + 1
+
+
+@triton.jit
+def _window_start(start, use_window, lowest, SINK_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where to start walking a masked key block: a window block whose keys are not sink
+    tokens from the sub-tile of the lowest key the tile's rows see (the keys before it would
+    be masked for every row)."""
+    skip = use_window & (start >= SINK_TOKENS)
+    return tl.where(skip, tl.maximum(start, (lowest // BLOCK_N) * BLOCK_N), start)
+
 
 @triton.jit
 def _key_list(KV_FULL, KV_END, KV_INDEX, b, h, qblock, stride_cb, stride_ch, stride_ib, stride_ih, WIDTH):
@@ -88,7 +105,8 @@ def _block_sparse_fwd_kernel(
         N, HQ, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-        TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+        TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, KV_WIN=None,
+        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -127,12 +145,17 @@ def _block_sparse_fwd_kernel(
                                         CAUSAL, False, BLOCK_N)
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, False, DOT_FP32, PRECISION,
                                             SOFTCAP=SOFTCAP)
-    # then the masked ones (the causal diagonal, the ragged last block): the end of the list
+    # then the masked ones (the causal diagonal, the ragged last block): the end of the list;
+    # with a sliding window (WINDOW > 0) the window blocks [n_win, n_end) last, predicate per element
+    if WINDOW > 0:
+        n_win, lowest = _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, tile * BLOCK_M, WINDOW)
     for j in range(n_full, n_end):
         start = tl.load(index_base + j) * BLOCK_SIZE
         end = tl.minimum(start + BLOCK_SIZE, N)
         if CAUSAL:
             end = tl.minimum(end, last_row + 1)     # keys after the tile's last row: skipped
+        if WINDOW > 0:
+            start = _window_start(start, j >= n_win, lowest, SINK_TOKENS, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
             if TMA:
                 k, v, mask = _tma_key_block(K_DESC, V_DESC, b, kvh, n0, end - n0, rows, row_ok, CAUSAL, True,
@@ -140,6 +163,9 @@ def _block_sparse_fwd_kernel(
             else:
                 k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
                                             d_ok, CAUSAL, True, BLOCK_N)
+            if WINDOW > 0:
+                mask = mask & (window_keep(rows[:, None], (n0 + tl.arange(0, BLOCK_N))[None, :], WINDOW,
+                                           SINK_TOKENS) | (j < n_win))
             acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, True, DOT_FP32, PRECISION,
                                                 SOFTCAP=SOFTCAP)
     out, row_max, row_sum = finalize(acc, m_i, l_i, q)                                  # [BLOCK_M, BLOCK_D]
@@ -161,7 +187,7 @@ def _block_sparse_bwd_dq_kernel(
         N, HQ, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-        SOFTCAP: tl.constexpr = 0.0):
+        SOFTCAP: tl.constexpr = 0.0, KV_WIN=None, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -196,14 +222,21 @@ def _block_sparse_bwd_dq_kernel(
         p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, False, DOT_FP32,
                                    PRECISION, SOFTCAP=SOFTCAP)                           # [BLOCK_M, BLOCK_N]
         dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+    if WINDOW > 0:   # the window blocks [n_win, n_end) last (as in the forward)
+        n_win, lowest = _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, tile * BLOCK_M, WINDOW)
     for j in range(n_full, n_end):       # masked blocks: the end of the list
         start = tl.load(index_base + j) * BLOCK_SIZE
         end = tl.minimum(start + BLOCK_SIZE, N)
         if CAUSAL:
             end = tl.minimum(end, last_row + 1)
+        if WINDOW > 0:
+            start = _window_start(start, j >= n_win, lowest, SINK_TOKENS, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
                                         d_ok, CAUSAL, True, BLOCK_N)
+            if WINDOW > 0:
+                mask = mask & (window_keep(rows[:, None], (n0 + tl.arange(0, BLOCK_N))[None, :], WINDOW,
+                                           SINK_TOKENS) | (j < n_win))
             p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, True, DOT_FP32,
                                        PRECISION, SOFTCAP=SOFTCAP)
             dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
@@ -215,12 +248,14 @@ def _block_sparse_bwd_dq_kernel(
 @triton.jit
 def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N, stride_qn, stride_don,
                sm_scale, d, d_ok, CAUSAL_MASK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-               PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+               PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr = 0,
+               SINK_TOKENS: tl.constexpr = 0):
     """Add the query rows [m0, m0 + BLOCK_N) to the key tile's (dk, dv) [BLOCK_M, BLOCK_D].
     Transposed scores: the key tile is the M dimension of every dot (S^T = K Q^T, dV += P^T dO,
     dP^T = V dO^T, dK += dS^T Q), so P^T and dS^T feed the next dots from registers and the
     query statistics broadcast along columns. Queries past N load as zero with empty
-    statistics (P = 0); CAUSAL_MASK also drops keys after the query."""
+    statistics (P = 0); CAUSAL_MASK also drops keys after the query; WINDOW > 0 applies the
+    sliding-window predicate (which includes the causal cut) instead."""
     qrows = m0 + tl.arange(0, BLOCK_N)                                                   # [BLOCK_N]
     q_ok = qrows < N
     qrows64 = qrows.to(tl.int64)
@@ -232,7 +267,9 @@ def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, sta
     row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, rows_st, q_ok)                 # [BLOCK_N]
     delta = tl.load(DELTA + rows_st, mask=q_ok, other=0.0)
     s_t = dot(k, qT, DOT_FP32, PRECISION) * sm_scale                                     # [BLOCK_M, BLOCK_N]
-    if CAUSAL_MASK:
+    if WINDOW > 0:
+        s_t = tl.where(window_keep(qrows[None, :], keys[:, None], WINDOW, SINK_TOKENS), s_t, float("-inf"))
+    elif CAUSAL_MASK:
         s_t = tl.where(keys[:, None] <= qrows[None, :], s_t, float("-inf"))
     return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_FP32, PRECISION, SOFTCAP)
 
@@ -246,7 +283,7 @@ def _block_sparse_bwd_dkdv_kernel(
         N, HKV, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-        SOFTCAP: tl.constexpr = 0.0):
+        SOFTCAP: tl.constexpr = 0.0, Q_WIN=None, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     # this program: BLOCK_M keys of one key/value head (the M dimension of every dot); walks
     # BLOCK_N query sub-tiles
     tile, b, kvh = program_tile(tl.cdiv(N, BLOCK_M), HKV)
@@ -282,10 +319,27 @@ def _block_sparse_bwd_dkdv_kernel(
         for m0 in range((first_key // BLOCK_N) * BLOCK_N, diag_end, BLOCK_N):
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
                                 stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_FP32, PRECISION, SOFTCAP)
-        for it in range(n_full * subs, count * subs):
+        if WINDOW > 0:   # sliding window: [n_full, n_win) unmasked, [n_win, count) the window blocks
+            n_win = tl.load(Q_WIN + lists)
+        else:
+            n_win = count
+        for it in range(n_full * subs, n_win * subs):
             m0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_N
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
                                 stride_qn, stride_don, sm_scale, d, d_ok, False, BLOCK_N, DOT_FP32, PRECISION, SOFTCAP)
+        if WINDOW > 0:
+            # a window block's queries from the tile's first key (earlier ones see none of its
+            # keys) to the last one the band reaches (all of them when a key is a sink token)
+            last_key = tl.minimum(first_key + BLOCK_M, N) - 1
+            reach = tl.where(first_key < SINK_TOKENS, N, last_key + WINDOW)
+            for j in range(n_win, count):
+                q0 = tl.load(index_base + j) * BLOCK_SIZE
+                lo = tl.maximum(q0, (first_key // BLOCK_N) * BLOCK_N)
+                hi = tl.minimum(tl.minimum(q0 + BLOCK_SIZE, N), reach)
+                for m0 in range(lo, hi, BLOCK_N):
+                    dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0,
+                                        N, stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_FP32,
+                                        PRECISION, SOFTCAP, WINDOW, SINK_TOKENS)
         stats += N   # the next head's rows
     DK += (b * N * HKV + kvh) * HEAD_DIM
     DV += (b * N * HKV + kvh) * HEAD_DIM
@@ -334,6 +388,52 @@ def _key_lists(layout, N, causal):
     return out[0], (out[1] if causal else layout.kv_num_blocks.contiguous())
 
 
+def _class_order(counts, indices, classes, n_cols, n_classes):
+    """Each list reordered by class, then ascending block index (padding last), and per list
+    where each class ends: (reordered indices int32 (like indices), [ends: int32 like counts]
+    for the classes 0 .. n_classes - 2). A sort on device: no host sync."""
+    width = indices.shape[-1]
+    valid = torch.arange(width, device=indices.device) < counts.unsqueeze(-1)
+    cls = torch.where(valid, classes, n_classes)
+    key, _ = torch.sort(cls.long() * n_cols + indices.long(), dim=-1)
+    ends = [(cls <= c).sum(-1, dtype=torch.int32).contiguous() for c in range(n_classes - 1)]
+    return (key % n_cols).to(torch.int32).contiguous(), ends
+
+
+def _window_key_lists(layout, N):
+    """Sliding window (causal): each query block's key list reordered as [0, full) blocks
+    without an element mask, [full, win) masked ones (the diagonal, the ragged last block),
+    [win, end) the window blocks (the predicate per element); blocks above the diagonal after
+    end. Returns (index, full, win, end)."""
+    n, bs = layout.n_kv_blocks, layout.block_size
+    r = torch.arange(layout.n_q_blocks, device=layout.kv_indices.device).view(1, 1, -1, 1)
+    c = layout.kv_indices
+    plain = torch.where(c < r, 0, torch.where(c == r, 1, 3))   # below, on, above the diagonal
+    if N % bs:
+        plain = torch.where((c == n - 1) & (plain == 0), 1, plain)
+    classes = torch.where(layout.kv_window, 2, plain)
+    index, (full, win, end) = _class_order(layout.kv_num_blocks, c, classes, n, 4)
+    return index, full, win, end
+
+
+def _window_query_lists(layout):
+    """Sliding window (causal): each key block's query list reordered as [0, skip) blocks
+    before it (nothing to do), [skip, full) the diagonal, [full, win) the unmasked blocks after
+    it, [win, count) the window blocks. Returns (index, skip, full, win)."""
+    c = torch.arange(layout.n_kv_blocks, device=layout.q_indices.device).view(1, 1, -1, 1)
+    r = layout.q_indices
+    classes = torch.where(layout.q_window, 3, torch.where(r < c, 0, torch.where(r == c, 1, 2)))
+    index, (skip, full, win) = _class_order(layout.q_num_blocks, r, classes, layout.n_q_blocks, 4)
+    return index, skip, full, win
+
+
+def _window_meta(layout):
+    """The sliding-window constexprs (none for other layouts: the kernels compile unchanged)."""
+    if layout.window is None:
+        return {}
+    return dict(WINDOW=layout.window.window, SINK_TOKENS=layout.window.sink_tokens)
+
+
 def _query_lists(layout, causal):
     """(skip, full) per key block: its query list is [0, skip) blocks before the keys
     (causal: nothing to do), [skip, full) the diagonal (masked), then the unmasked rest."""
@@ -368,6 +468,18 @@ def _kv_descriptors(k, v, block_n, block_d):
     return tuple(TensorDescriptor.from_tensor(t.permute(0, 2, 1, 3), [1, 1, block_n, block_d]) for t in (k, v))
 
 
+def _forward_lists(layout, N, causal, B, Hq):
+    """(index, full, end, keywords) of the forward and dQ kernels: the key lists (reordered for
+    a sliding window) and their strides, plus KV_WIN and the window constexprs."""
+    if layout.window is None:
+        _, index, lists = _block_lists(layout.kv_num_blocks, layout.kv_indices, B, Hq)
+        full, end = _key_lists(layout, N, causal)
+        return index, full, end, lists
+    index, full, win, end = _window_key_lists(layout, N)
+    _, index, lists = _block_lists(layout.kv_num_blocks, index, B, Hq)
+    return index, full, end, dict(lists, KV_WIN=win, **_window_meta(layout))
+
+
 def _tiles(cfg, block_size):
     bm, bn = min(cfg["BLOCK_M"], block_size), min(cfg["BLOCK_N"], block_size)
     return bm, bn
@@ -390,13 +502,12 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None, softcap
     out = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
     row_max = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     row_sum = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
-    _, index, lists = _block_lists(layout.kv_num_blocks, layout.kv_indices, B, Hq)
-    full, end = _key_lists(layout, N, causal)
+    index, full, end, window = _forward_lists(layout, N, causal, B, Hq)
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     _block_sparse_fwd_kernel[(triton.cdiv(N, bm) * B * Hq,)](
         Q=q, K=k, V=v, K_DESC=k_desc, V_DESC=v_desc, O=out, ROW_MAX=row_max, ROW_SUM=row_sum, KV_FULL=full,
-        KV_END=end, KV_INDEX=index,
-        **_strides(q=q, k=k, v=v), **lists, N=N, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
+        KV_END=end, KV_INDEX=index, **window,
+        **_strides(q=q, k=k, v=v), N=N, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
         DOT_FP32=dot_fp32, PRECISION=precision, TMA=bool(tma), WARP_SPEC=bool(warp_spec and tma),
         SOFTCAP=float(softcap or 0.0), num_warps=cfg.get("num_warps", 4),
@@ -430,15 +541,19 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
                   HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal,
                   DOT_FP32=dot_fp32, PRECISION=precision, SOFTCAP=float(softcap or 0.0))
     dq = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
-    _, index, lists = _block_lists(layout.kv_num_blocks, layout.kv_indices, B, Hq)
-    full, end = _key_lists(layout, N, causal)
+    index, full, end, lists = _forward_lists(layout, N, causal, B, Hq)
     _block_sparse_bwd_dq_kernel[(triton.cdiv(N, bm) * B * Hq,)](
         **common, DQ=dq, KV_FULL=full, KV_END=end, KV_INDEX=index, **lists, HQ=Hq, BLOCK_M=bm, BLOCK_N=bn,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     dk = torch.empty(B, N, Hkv, D, dtype=k.dtype, device=q.device)
     dv = torch.empty(B, N, Hkv, D, dtype=v.dtype, device=q.device)
-    counts, index, lists = _block_lists(layout.q_num_blocks, layout.q_indices, B, Hq)
-    skip, full = _query_lists(layout, causal)
+    if layout.window is None:
+        counts, index, lists = _block_lists(layout.q_num_blocks, layout.q_indices, B, Hq)
+        skip, full = _query_lists(layout, causal)
+    else:
+        index, skip, full, win = _window_query_lists(layout)
+        counts, index, lists = _block_lists(layout.q_num_blocks, index, B, Hq)
+        lists = dict(lists, Q_WIN=win, **_window_meta(layout))
     # key tiles of BLOCK_M keys, walking query sub-tiles of BLOCK_N
     km, qn = _tiles(kv_cfg, layout.block_size)
     _block_sparse_bwd_dkdv_kernel[(triton.cdiv(N, km) * B * Hkv,)](

@@ -6,27 +6,27 @@ from __future__ import annotations
 import torch
 
 from ..common.lse import add_sinks, masked_attention_with_lse
+from ..common.window import check_window_causal
 from ..common.validation import check_qkv, check_scale, check_sinks, check_softcap
 from .layout import BlockLayout
 
 
 def element_mask(layout: BlockLayout, seq_len: int, causal: bool) -> torch.Tensor:
-    """bool (B|1, H|1, N, N): the (query, key) pairs the layout computes."""
-    bs = layout.block_size
-    dense = layout.to_dense()
-    mask = dense.repeat_interleave(bs, dim=-2).repeat_interleave(bs, dim=-1)[..., :seq_len, :seq_len]
-    if causal:
-        mask = mask & torch.ones(seq_len, seq_len, dtype=torch.bool, device=mask.device).tril()
-    return mask
+    """bool (B|1, H|1, N, N): the (query, key) pairs the layout computes (its active blocks,
+    p' <= p when causal, and a sliding window's predicate in its window blocks:
+    BlockLayout.element_mask)."""
+    return layout.element_mask(seq_len, causal)
 
 
 def block_sparse_attention_naive(q, k, v, layout: BlockLayout, *, causal=False, scale=None, softcap=None,
                                  sinks=None):
     """Reference block-sparse attention in float64: (out (B, N, Hq, D), lse (B, Hq, N));
-    rows with no key give 0 and -inf. Differentiable. softcap: scores s -> softcap *
+    rows with no key give 0 and -inf. Differentiable. A sliding-window layout's predicate applies
+    in its window blocks (causal=True required). softcap: scores s -> softcap *
     tanh(s / softcap); sinks: (Hq,) logits (float32 or float64) joining each row's
     denominator (a row with no key then gets 0 and lse = its sink)."""
     check_qkv(q, k, v, allow_float64=True)
+    check_window_causal(layout, causal)
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q.shape[2], q.device, allow_float64=True)
     B, N, Hq, D = q.shape

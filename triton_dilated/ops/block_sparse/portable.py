@@ -1,6 +1,7 @@
 """Portable PyTorch block-sparse attention: each (batch, head, query block) row attends to
 its active key blocks, gathered into one batch, under a keep-mask (slots past the row's
-count, keys past N and, when causal, later keys), lse included (ops.common.lse: PyTorch's
+count, keys past N, when causal later keys, and a sliding window's predicate in its window
+blocks), lse included (ops.common.lse: PyTorch's
 fused CPU kernel on CPU, a chunked explicit float32 softmax elsewhere).
 
 Rows are bucketed by their number of active blocks (powers of two), and each bucket
@@ -15,6 +16,7 @@ import torch
 
 from ..common.first_order import first_order_inputs
 from ..common.lse import all_finite, attention_with_lse
+from ..common.window import window_keep
 
 GATHER_BUDGET = 1 << 25   # elements per chunk: gathered keys and values, the (bs x W*bs) mask and bias
 
@@ -47,6 +49,9 @@ def block_sparse_attention_torch(q, k, v, layout, *, causal: bool, scale: float,
     counts = layout.kv_num_blocks.to(device).long().expand(B, Hq, nb).reshape(-1)            # (B*Hq*nb,)
     index = layout.kv_indices.to(device).long()
     index = index.expand(B, Hq, nb, index.shape[-1]).reshape(B * Hq * nb, -1)
+    window = layout.window   # a sliding window: its predicate on the flagged slots
+    if window is not None:
+        flags = layout.kv_window.to(device).expand(B, Hq, nb, index.shape[-1]).reshape(B * Hq * nb, -1)
     group = Hq // Hkv
     offs = torch.arange(bs, device=device)
     finite = all_finite(q, k, v)   # else each chunk applies the NaN rule (ops.common.lse)
@@ -66,11 +71,16 @@ def block_sparse_attention_torch(q, k, v, layout, *, causal: bool, scale: float,
             kpos = (idx[:, :, None] * bs + offs).flatten(1)                    # (n, W*bs)
             slot_ok = torch.arange(width, device=device) < counts[r, None]
             keep = (slot_ok.repeat_interleave(bs, dim=1) & (kpos < Nk)).unsqueeze(1)   # (n, 1, W*bs)
+            qpos = (blk[:, None] * bs + offs)[:, :, None]                          # (n, bs, 1)
             if causal:
-                later_ok = kpos[:, None, :] <= (blk[:, None] * bs + offs)[:, :, None]   # (n, bs, W*bs)
+                later_ok = kpos[:, None, :] <= qpos                                # (n, bs, W*bs)
                 keep = later_ok.logical_and_(keep)
             elif bool(keep.all()):
                 keep = None
+            if window is not None:
+                in_window = flags[r, :width].repeat_interleave(bs, dim=1)[:, None, :]
+                win_ok = ~in_window | window_keep(qpos, kpos[:, None, :], *window)
+                keep = win_ok if keep is None else win_ok.logical_and_(keep)
             o, lse = attention_with_lse(qg[None], kg[None], vg[None], False, scale,
                                         keep=None if keep is None else keep[None], finite=finite, softcap=softcap)
             ids.append(r)

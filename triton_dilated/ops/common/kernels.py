@@ -97,6 +97,17 @@ def load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, r
 
 
 @triton.jit
+def window_keep(q_pos, k_pos, WINDOW: tl.constexpr, SINK_TOKENS: tl.constexpr):
+    """The sliding-window predicate of ops/common/window.py (one definition; this is its
+    Triton form): key k_pos visible to query q_pos iff k_pos <= q_pos and (k_pos > q_pos -
+    WINDOW or k_pos < SINK_TOKENS). Positions broadcast ([M, 1] against [1, N])."""
+    ok = k_pos > q_pos - WINDOW
+    if SINK_TOKENS > 0:
+        ok = ok | (k_pos < SINK_TOKENS)
+    return ok & (k_pos <= q_pos)
+
+
+@triton.jit
 def tanh(x, EXACT: tl.constexpr):
     """tanh of float32 x (tl.math has no tanh; libdevice's does not run in the interpreter):
     t = (1 - e) / (1 + e) with e = exp(-2|x|), sign restored: +-inf -> +-1, NaN -> NaN. Its
