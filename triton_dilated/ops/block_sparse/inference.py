@@ -64,6 +64,10 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
               allow_shorter_q=True)
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    if layout.window is not None:
+        raise ValueError(f"block_sparse_attention_with_kvcache: the decode kernels have no sliding-window predicate "
+                         f"yet, got a layout with {layout.window}; call block_sparse_attention(q, k, v, layout, "
+                         f"causal=True, cache_seqlens=...) (exact; its cost is the query blocks of q)")
     check_flags(causal=causal, return_lse=return_lse)
     scale = check_scale(scale, q.shape[-1])
     B, Hq = q.shape[0], q.shape[2]

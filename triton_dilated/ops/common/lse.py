@@ -52,13 +52,14 @@ def with_softcap_and_sinks(attend, q, k, v, *, return_lse, softcap, sinks):
     check_flags(return_lse=return_lse)
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q.shape[2], q.device)
-    return with_sinks(attend(return_lse or sinks is not None, softcap), sinks, return_lse)
+    res = attend(return_lse or sinks is not None, softcap)
+    return res if sinks is None else with_sinks(res, sinks, return_lse)
 
 
 def with_sinks(res, sinks, return_lse):
-    """res = (out, lse) with the sinks (None: none) joined once to each row's denominator
-    (add_sinks: device arithmetic, no host sync, differentiable); out alone without
-    return_lse. Where a result is merged from parts (ring steps, patterns), call it once on
+    """res = (out, lse) (a tuple, whatever return_lse) with the sinks (None: none) joined once
+    to each row's denominator (add_sinks: device arithmetic, no host sync, differentiable);
+    out alone without return_lse. Where a result is merged from parts (ring steps, patterns), call it once on
     the merged (out, lse), never per part."""
     if sinks is not None:
         res = add_sinks(*res, sinks)

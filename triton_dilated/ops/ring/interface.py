@@ -195,8 +195,7 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
         error = exc
     ring.agree(signature, error, device=q.device if isinstance(q, torch.Tensor) else None)
     if q.shape[0] == 0 or q.shape[1] == 0:   # every rank agreed on these shapes: nothing to send
-        res = empty_result(q, k, v, return_lse or sinks is not None)
-        return with_sinks(res, sinks, return_lse)
+        return with_sinks(empty_result(q, k, v, True), sinks, return_lse)
 
     use_triton = resolve_backend("auto", q.device) == "triton"
     Hq = q.shape[2]

@@ -154,7 +154,7 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
     if verdict is not None:
         raise verdict
     if q.shape[0] == 0 or q.shape[1] == 0:   # every rank agreed on these shapes: nothing to send
-        return with_sinks(empty_result(q, k, v, return_lse or sinks is not None), sinks, return_lse)
+        return with_sinks(empty_result(q, k, v, True), sinks, return_lse)
 
     if repeat > 1:
         k, v = (x.repeat_interleave(repeat, dim=2) for x in (k, v))
