@@ -63,7 +63,8 @@ VARIANTS = {"block_sparse_fwd_tma": ("block_sparse_fwd", {"TMA": 1}),
 SOFTCAP_AOT = 50.0
 VARIANTS.update({f"{name}_softcap": (name, {"SOFTCAP": SOFTCAP_AOT})
                  for name in ("dilated_fwd", "dilated_bwd_dq", "dilated_bwd_dkdv", "block_sparse_fwd",
-                              "block_sparse_bwd_dq")})
+                              "block_sparse_bwd_dq", "ring_step_fwd", "ring_step_bwd_dq", "ring_step_bwd_dkdv",
+                              "dilated_decode", "block_sparse_decode")})
 # the block-sparse backward launcher runs the capped dK/dV kernel with at most 2 pipeline stages
 # (ops/block_sparse/kernels.py, SOFTCAP_DKDV_STAGES); the defaults have 3
 VARIANTS["block_sparse_bwd_dkdv_softcap"] = ("block_sparse_bwd_dkdv", {"SOFTCAP": SOFTCAP_AOT, "num_stages": 2})
