@@ -35,10 +35,18 @@ functions read nothing on the host per layer; the mask functions read the paddin
 per forward. Left padding (batched `generate`) works with full caches: each row is attended as
 its own sequence from its first real token, so its result equals the unpadded one; with
 `DilatedCache` it is refused (the cache drops rows at positions counted from the batch's
-start, which are not segment boundaries of a padded row). Refused with a clear error:
-attention dropout > 0, non-causal modules, sliding windows, soft-capping, attention sinks,
-packed sequences (flash-attn's cu_seq_lens) and other mask overlays, 4-d masks, right
-padding. `output_attentions` gives None for the weights.
+start, which are not segment boundaries of a padded row).
+
+gpt-oss, Gemma 2, Mistral (issue 23): a layer whose module passes `sliding_window=w` runs
+block_sparse_attention on `layouts.sliding_window(n, block_size, w)` (exact: keys
+p - w < p' <= p; block size `window_block_size` in the config dict, default 64), the other
+layers the configured dilated patterns or block layout; the modules' `softcap` (Gemma 2) and
+`s_aux` sink logits (gpt-oss) pass through as softcap= and sinks=. The mask functions accept
+transformers' sliding-window causal mask (also from a sliding cache that dropped rows: a window
+is translation-invariant) and refuse it with a static cache.
+Refused with a clear error: attention dropout > 0, non-causal modules, packed sequences
+(flash-attn's cu_seq_lens) and other mask overlays, 4-d masks, right padding.
+`output_attentions` gives None for the weights.
 """
 from __future__ import annotations
 
