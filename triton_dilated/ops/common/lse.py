@@ -59,8 +59,8 @@ def with_softcap_and_sinks(attend, q, k, v, *, return_lse, softcap, sinks):
 def with_sinks(res, sinks, return_lse):
     """res = (out, lse) (a tuple, whatever return_lse) with the sinks (None: none) joined once
     to each row's denominator (add_sinks: device arithmetic, no host sync, differentiable);
-    out alone without return_lse. Where a result is merged from parts (ring steps, patterns), call it once on
-    the merged (out, lse), never per part."""
+    out alone without return_lse. Where a result is merged from parts (ring steps, patterns),
+    call it once on the merged (out, lse), never per part."""
     if sinks is not None:
         res = add_sinks(*res, sinks)
     return res if return_lse else res[0]
