@@ -23,8 +23,9 @@ def make_inputs(case, device="cpu"):
 
 
 def case_sinks(case):
-    """A case's sink logits, float32 (Hq,) (None without case["sinks"])."""
-    if not case.get("sinks"):
+    """A case's learnable sink logits, float32 (Hq,) (None without case["sink_logits"]; case["sinks"]
+    is a sliding window's sink tokens)."""
+    if not case.get("sink_logits"):
         return None
     return torch.randn(case["Hq"], generator=torch.Generator().manual_seed(7), dtype=torch.float64).float()
 
@@ -34,6 +35,10 @@ def case_layout(case):
     from triton_dilated import BlockLayout, layouts
     if case["kind"] == "layout":
         return layouts.bigbird(case["N"], case["bs"], 1, 1, 1, seed=1, num_heads=case["Hq"])
+    if case["kind"] == "window":   # a sliding window (issue 23), with a per-head random layout when "union"
+        lay = layouts.sliding_window(case["N"], case["bs"], case["window"], sinks=case["sinks"])
+        return lay | layouts.random(case["N"], case["bs"], 1, seed=2, num_heads=case["Hq"]) if case.get("union") \
+            else lay
     if case["kind"] == "dense":
         nb = -(-case["N"] // 16)
         return BlockLayout.from_dense(torch.ones(nb, nb, dtype=torch.bool), 16)
@@ -74,7 +79,7 @@ def run_case(case, rank, world):
     if case["kind"] == "dilated":
         kw.update(segment_lengths=case["ws"], dilation_rates=case["rs"], mode=case.get("mode", "longnet"),
                   offsets=case.get("offsets", "modulo"))
-    elif case["kind"] == "layout":
+    elif case["kind"] in ("layout", "window"):
         kw.update(layout=case_layout(case))
     sinks = case_sinks(case)
     if sinks is not None:   # the same logits on every rank (a replicated parameter)

@@ -257,6 +257,28 @@ def test_paged_decode_variants_compile_without_spills(tmp_path):
 
 
 @needs_ptxas
+def test_sliding_window_variants_compile_without_spills(tmp_path):
+    """The kernels with the sliding-window predicate compiled in (WINDOW 128, 4 sink tokens;
+    issue 23) at D = 128, where registers are tightest, sm90 and sm80: the block-sparse
+    forward, dQ and dK/dV and the ring step's dK/dV at the stages its launcher runs
+    (perf/aot/window-sm90-sm80-bf16-triton39.csv has every row)."""
+    out = tmp_path / "window.csv"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    kernels = ["block_sparse_fwd_window", "block_sparse_bwd_dq_window", "block_sparse_bwd_dkdv_window",
+               "ring_step_bwd_dkdv_window_d128"]
+    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", "90", "80", "--head-dims",
+                           "128", "--causal", "yes", "--kernels", *kernels, "--jobs", "2", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 8
+    bad = [f"{r['arch']} {r['kernel']}: {r['registers']} registers, spills {r['spill_stores']} B {r['error']}"
+           for r in rows if r["error"] or r["spill_stores"] != "0"]
+    assert not bad, "\n".join(bad)
+
+
+@needs_ptxas
 def test_block_sparse_forward_warp_specialized_on_sm100(tmp_path):
     """block_sparse_fwd_ws (WARP_SPEC = 1 on the sm100 default tiles, K/V by TMA): Triton
     splits the full-block loop into partitions beside the default one (TTGIR

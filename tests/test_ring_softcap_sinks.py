@@ -22,12 +22,12 @@ from reference import FLOOR, assert_rule, assert_rule_all, dense_reference
 from ring_worker import case_layout, case_sinks, loss_of, make_inputs
 from test_ring import run_world
 
-R = dict(B=1, N=48, D=8, sinks=True)
+R = dict(B=1, N=48, D=8, sink_logits=True)
 CASES = [
     dict(R, kind="dense", Hq=2, Hkv=1, causal=True, softcap=1.5),
     dict(R, kind="dilated", Hq=4, Hkv=2, causal=True, ws=[8, 48], rs=[1, 3], softcap=2.0),
     dict(R, kind="layout", N=96, Hq=2, Hkv=1, causal=True, bs=16, softcap=1.0, comm="allgather"),
-    dict(R, kind="dense", Hq=2, Hkv=2, causal=False, balance="zigzag", sinks=False, softcap=0.5),
+    dict(R, kind="dense", Hq=2, Hkv=2, causal=False, balance="zigzag", sink_logits=False, softcap=0.5),
     dict(R, fn="ulysses", kind="dense", Hq=6, Hkv=6, causal=True, softcap=1.5),
     dict(R, fn="ulysses", kind="dilated", Hq=6, Hkv=6, causal=True, ws=[8, 48], rs=[1, 3], softcap=2.0,
          backend="torch"),
@@ -88,10 +88,10 @@ def test_ring_and_ulysses_softcap_sinks_match_oracle(world_results):
                             [local(x, j) for j, x in enumerate(oracle[:5])],
                             [local(x, j) for j, x in enumerate(same[:5])],
                             floor=FLOOR[torch.float32], what=f"{what}rank {rank}: ")
-            assert ("dsinks" in got) == case["sinks"]
+            assert ("dsinks" in got) == case["sink_logits"]
         assert_rule(f"{what}loss", torch.tensor(results[0][1][i]["loss"]), torch.tensor(loss_oracle),
                     torch.tensor(loss_same), factor=2, floor=FLOOR[torch.float32])
-        if case["sinks"]:   # the ranks' parts of the sinks' gradient sum to the full-sequence gradient
+        if case["sink_logits"]:   # the ranks' parts of the sinks' gradient sum to the full-sequence gradient
             dsinks = sum(torch.from_numpy(payload[i]["dsinks"]) for _, payload in results.values())
             assert_rule(f"{what}dsinks", dsinks, oracle[5], same[5], factor=3, floor=FLOOR[torch.float32])
             assert dsinks.abs().min() > 0

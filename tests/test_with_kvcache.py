@@ -167,26 +167,24 @@ def test_with_kvcache_softcap_and_sinks_match_the_oracle(backend, variant):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sliding_window_layouts_on_the_decode_paths(backend):
-    """A sliding-window layout (layouts.sliding_window): the decode kernels have no window
-    predicate, so the front door's short-q calls take the exact query-offset path (each row
-    equals the oracle's, with softcap and sinks too) and the inference entry point refuses the
-    layout with a ValueError rather than attending whole blocks."""
+    """A sliding-window layout (layouts.sliding_window) with softcap and sinks on the decode
+    paths: the front door's short-q calls and the inference entry point equal the oracle's
+    rows (the decode kernels evaluate the window predicate in the window blocks)."""
     B, N, Hq, Hkv, D = 1, 48, 2, 1, 8
     q = seeded((B, N, Hq, D), torch.float32, 40, DEVICE)
     k, v = (seeded((B, N, Hkv, D), torch.float32, s, DEVICE) for s in (41, 42))
     sinks = seeded((Hq,), torch.float32, 43, DEVICE)
     lay = layouts.sliding_window(N, 16, 10).to(DEVICE)
+    kw = dict(softcap=1.5, sinks=sinks, return_lse=True, backend=backend)
     ref, ref_lse = block_sparse_attention_naive(q, k, v, lay, causal=True, softcap=1.5, sinks=sinks)
     with torch.no_grad():
         for nq in (1, 3):
-            out, lse = block_sparse_attention(q[:, -nq:], k, v, lay, causal=True, softcap=1.5, sinks=sinks,
-                                              return_lse=True, backend=backend)
-            torch.testing.assert_close(out.double(), ref[:, -nq:], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(lse.double(), ref_lse[..., -nq:], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="no sliding-window predicate"):
-        block_sparse_attention_with_kvcache(q[:, -1:], k, v, cache_seqlens=torch.tensor([N], dtype=torch.int32,
-                                                                                      device=DEVICE),
-                                            layout=lay, backend=backend)
+            for out, lse in (block_sparse_attention(q[:, -nq:], k, v, lay, causal=True, **kw),
+                             block_sparse_attention_with_kvcache(
+                                 q[:, -nq:], k, v, cache_seqlens=torch.tensor([N], dtype=torch.int32, device=DEVICE),
+                                 layout=lay, **kw)):
+                torch.testing.assert_close(out.double(), ref[:, -nq:], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(lse.double(), ref_lse[..., -nq:], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode,offsets", [("longnet", "blocked"), ("head_groups", "modulo")])

@@ -512,7 +512,10 @@ class BlockSparseAttention(nn.Module):
             if builder_input != "seq_len":
                 raise ValueError("builder_input applies to a builder callable, not to a fixed BlockLayout")
             self.block_size = layout.block_size
-            for name in ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices"):
+            self.window = layout.window   # a sliding window's predicate (its flags: buffers too)
+            names = ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices") + \
+                (() if layout.window is None else ("kv_window", "q_window"))
+            for name in names:
                 self.register_buffer(name, getattr(layout, name), persistent=False)
         elif callable(layout):
             self.builder = layout
@@ -524,8 +527,11 @@ class BlockSparseAttention(nn.Module):
         """The fixed layout (None with a builder)."""
         if self.builder is not None:
             return None
+        window = getattr(self, "window", None)
         return BlockLayout.from_canonical_lists(self.kv_num_blocks, self.kv_indices, self.q_num_blocks,
-                                                self.q_indices, self.block_size)
+                                                self.q_indices, self.block_size, window=window,
+                                                kv_window=self.kv_window if window else None,
+                                                q_window=self.q_window if window else None)
 
     def _built(self, q, k) -> BlockLayout:
         if self.builder_input == "qk":

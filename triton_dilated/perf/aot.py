@@ -68,6 +68,23 @@ VARIANTS.update({f"{name}_softcap": (name, {"SOFTCAP": SOFTCAP_AOT})
 # the block-sparse backward launcher runs the capped dK/dV kernel with at most 2 pipeline stages
 # (ops/block_sparse/kernels.py, SOFTCAP_DKDV_STAGES); the defaults have 3
 VARIANTS["block_sparse_bwd_dkdv_softcap"] = ("block_sparse_bwd_dkdv", {"SOFTCAP": SOFTCAP_AOT, "num_stages": 2})
+# sliding windows (issue 23): the kernels with the window predicate compiled in (WINDOW,
+# SINK_TOKENS constexprs; 0, the default rows, compiles the unchanged kernel; the *_WIN flag
+# pointers are then None). gpt-oss's window of 128 with 4 sink tokens (the sink branch is the
+# larger code). The ring step's rows are of a block layout (MASK_KIND 2), so *_layout rows
+# give the same kernels without the window to compare with.
+WINDOW_AOT = {"WINDOW": 128, "SINK_TOKENS": 4}
+WINDOW_POINTERS = {"KV_WIN": "i32", "Q_WIN": "i32"}   # the block-sparse lists' window starts
+VARIANTS.update({f"{name}_window": (name, dict(WINDOW_AOT))
+                 for name in ("block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv")})
+VARIANTS["block_sparse_decode_window"] = ("block_sparse_decode", dict(WINDOW_AOT))
+VARIANTS.update({f"{name}_{kind}": (name, {"MASK_KIND": 2, **(WINDOW_AOT if kind == "window" else {})})
+                 for name in ("ring_step_fwd", "ring_step_bwd_dq", "ring_step_bwd_dkdv", "ring_step_lists")
+                 for kind in ("layout", "window")})
+# the ring step's launcher runs a window's dK/dV with 1 pipeline stage above head dim 64
+# (step_kernels.py, WINDOW_DKDV_STAGES): *_window_d128 compiles it so (the D = 64 rows keep
+# the default stages)
+VARIANTS["ring_step_bwd_dkdv_window_d128"] = ("ring_step_bwd_dkdv", {"MASK_KIND": 2, **WINDOW_AOT, "num_stages": 1})
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
           "spill_stores", "spill_loads", "shared_bytes", "wgmma", "mma_sync", "cp_async", "cp_async_bulk",
           "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "tcgen05", "ws_partitions", "setmaxnreg",
@@ -115,6 +132,10 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
             constexprs.update(variant.aot_constexprs)
     if "PAGE_SIZE" in cfg:
         constexprs["PAGE_SIZE"] = cfg["PAGE_SIZE"]
+    constexprs.update(WINDOW=cfg.get("WINDOW", 0), SINK_TOKENS=cfg.get("SINK_TOKENS", 0))
+    if "MASK_KIND" in cfg:
+        constexprs["MASK_KIND"] = cfg["MASK_KIND"]
+    window = cfg.get("WINDOW", 0) > 0
     sig, given, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         a = p.name
@@ -126,6 +147,12 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
             if tma:
                 sig[a] = f"tensordesc<{dtype}[1, 1, {cfg['BLOCK_N']}, {padded_head_dim(D)}]>"
             else:
+                sig[a], given[a] = "constexpr", None
+        elif a in WINDOW_POINTERS and a not in spec.pointers:
+            if window:   # the window's flag pointer (the decode kernel's: int8 per list entry)
+                sig[a] = "*" + ("i8" if spec.name.endswith("decode") else WINDOW_POINTERS[a])
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            else:        # None, as the launchers pass it without a window
                 sig[a], given[a] = "constexpr", None
         elif a in spec.pointers:
             ty = spec.pointers[a]

@@ -2,7 +2,8 @@
 the key blocks of each query's layout row.
 
 A query at position p reads layout row p // block_size: the keys of its active key blocks
-that lie below the row's valid length L (and at or before p when causal). Cost per query:
+that lie below the row's valid length L (and at or before p when causal; in a sliding
+window's window blocks, those its predicate keeps). Cost per query:
 the row's active blocks times the block size, whatever the context length. The Triton
 decode kernel (decode_kernels.py) walks the same blocks.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..common.decode import attend_key_lists, query_positions
+from ..common.window import window_keep
 
 
 def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
@@ -32,6 +34,9 @@ def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
     key_ok = slot_ok & (key_pos < lengths.view(B, 1, 1, 1))
     if causal:
         key_ok &= key_pos <= pos.view(B, Nq, 1, 1)
+    if getattr(layout, "window", None) is not None:   # a sliding window's predicate in its window blocks
+        flags = layout.kv_window.to(device)[bi, hi, rows][..., :width].repeat_interleave(bs, dim=-1)
+        key_ok &= ~flags | window_keep(pos.view(B, Nq, 1, 1), key_pos, *layout.window)
     return torch.where(key_ok, key_pos, torch.zeros((), dtype=torch.long, device=device)), key_ok
 
 

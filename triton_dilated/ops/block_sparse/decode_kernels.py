@@ -4,9 +4,11 @@ One program per (batch row, query row, query head, split). The query at position
 layout row p // block_size; its key list is the row's active key blocks, each a run of
 consecutive keys cut at the row's length (and after p when causal). Split j walks the j-th
 equal share of the row's blocks; the splits merge in float32 (ops/common/decode_kernels.py).
+A sliding window (WINDOW > 0) cuts its window blocks to the keys its predicate keeps.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -27,7 +29,8 @@ def _block_sparse_decode_kernel(
         stride_cb, stride_ch, stride_ib, stride_ih, stride_ir, stride_btb, stride_kp, stride_vp,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_WIN=None, WINDOW: tl.constexpr = 0,
+        SINK_TOKENS: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D)
@@ -35,7 +38,8 @@ def _block_sparse_decode_kernel(
     bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb = 0 then)
     qblock = p // BLOCK_SIZE
     count = tl.load(KV_COUNT + b * stride_cb + h64 * stride_ch + qblock)
-    index_base = KV_INDEX + b * stride_ib + h64 * stride_ih + qblock.to(tl.int64) * stride_ir
+    index_off = b * stride_ib + h64 * stride_ih + qblock.to(tl.int64) * stride_ir
+    index_base = KV_INDEX + index_off
     per_split = tl.cdiv(count, NUM_SPLITS)
     j_lo = split * per_split
     j_hi = tl.minimum(j_lo + per_split, count)
@@ -48,6 +52,19 @@ def _block_sparse_decode_kernel(
         end = tl.minimum(start + BLOCK_SIZE, length)   # blocks past the length: nothing
         if CAUSAL:
             end = tl.minimum(end, p + 1)
+        if WINDOW > 0:
+            # a window block (flag set): the keys window_keep (ops/common/kernels.py) keeps, as
+            # two runs: the sink tokens [start, min(end, SINK_TOKENS)) below the band, then the
+            # band [p - WINDOW + 1, p]; both cut to the block
+            in_window = tl.load(KV_WIN + index_off + j) != 0
+            end = tl.where(in_window, tl.minimum(end, p + 1), end)
+            lo = tl.where(in_window, tl.maximum(start, p - WINDOW + 1), start)
+            if SINK_TOKENS > 0:
+                sink_end = tl.where(in_window, tl.minimum(tl.minimum(end, SINK_TOKENS), lo), start)
+                acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0,
+                                         sink_end - start, d_ok, sm_scale, bt, stride_kp, stride_vp, BLOCK_N,
+                                         PAGE_SIZE, SOFTCAP)
+            start = lo
         acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0, end - start,
                                  d_ok, sm_scale, bt, stride_kp, stride_vp, BLOCK_N, PAGE_SIZE, SOFTCAP)
     part = ((b * NUM_ROWS + row) * NUM_HEADS + h64) * NUM_SPLITS + split
@@ -72,6 +89,11 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, spli
     cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, cap, q.device, kernel="block_sparse_decode")
     counts = layout.kv_num_blocks.expand(B, Hq, layout.n_q_blocks)   # broadcast dims: zero strides
     index = layout.kv_indices.expand(B, Hq, *layout.kv_indices.shape[2:])
+    window = {}
+    if getattr(layout, "window", None) is not None:   # the flags read at the index's offsets
+        index = layout.kv_indices.contiguous().expand(B, Hq, *layout.kv_indices.shape[2:])
+        flags = layout.kv_window.contiguous().view(torch.int8).expand(index.shape)
+        window = dict(KV_WIN=flags, WINDOW=layout.window.window, SINK_TOKENS=layout.window.sink_tokens)
     longest = index.shape[-1] * bs
     splits = splits or num_splits(q.device, B * Nq * Hq, longest)
     out, lse, acc, part_m, part_l = decode_buffers(q, splits)
@@ -86,6 +108,6 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, spli
         bt.stride(0), k.stride(0), v.stride(0),
         Nq, Hq, Hq // Hkv, splits, scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=bs, CAUSAL=causal, BLOCK_N=min(cfg["BLOCK_N"], bs),
-        PAGE_SIZE=k.shape[1] if paged else 0, SOFTCAP=float(softcap or 0.0),
+        PAGE_SIZE=k.shape[1] if paged else 0, SOFTCAP=float(softcap or 0.0), **window,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return merge_splits(out, lse, acc, part_m, part_l, splits, num_warps=cfg.get("num_warps", 4))

@@ -16,6 +16,7 @@ from ..common.kvcache import cache_view, capacity, check_kvcache_args, decode_st
 from ..common.op_support import check_path, lazy_module
 from ..common.runtime import empty_result, last_dim_contiguous
 from ..common.validation import check_flags, check_qkv, check_scale
+from ..common.window import WindowPredicate, check_window_causal
 from .decode import block_sparse_decode
 from .layout import BlockLayout
 
@@ -49,7 +50,8 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
         layout: a BlockLayout covering the cache's capacity Nk (ceil(Nk / block_size)
             blocks per side) at absolute positions, laid out for (B|1, Hq|1); keep it on
             q's device (a copy per call otherwise). Each query reads the active blocks of
-            its own layout row, cut at L_b.
+            its own layout row, cut at L_b (a sliding window's predicate in its window blocks:
+            gpt-oss / Mistral sliding layers decode exactly).
         causal (default True), scale, return_lse, backend, softcap, sinks: as
             block_sparse_attention (the sinks join each row's denominator after the kernel).
 
@@ -64,11 +66,8 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
               allow_shorter_q=True)
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
-    if layout.window is not None:
-        raise ValueError(f"block_sparse_attention_with_kvcache: the decode kernels have no sliding-window predicate "
-                         f"yet, got a layout with {layout.window}; call block_sparse_attention(q, k, v, layout, "
-                         f"causal=True, cache_seqlens=...) (exact; its cost is the query blocks of q)")
     check_flags(causal=causal, return_lse=return_lse)
+    check_window_causal(layout, causal)
     scale = check_scale(scale, q.shape[-1])
     B, Hq = q.shape[0], q.shape[2]
     layout.check_seq_len(capacity(k_cache, block_table))
@@ -80,8 +79,9 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     if layout.kv_indices.device != q.device:
         layout = layout.to(q.device)
     if torch.compiler.is_compiling():
+        window = (0, 0, None) if layout.window is None else (*layout.window, layout.kv_window)
         out, lse = _block_sparse_decode(q, k_cache, v_cache, lengths, block_table, layout.kv_num_blocks,
-                                        layout.kv_indices, layout.block_size, causal, scale, path,
+                                        layout.kv_indices, layout.block_size, causal, scale, path, *window,
                                         float(softcap or 0.0))
     else:
         out, lse = decode_layout(q, k_cache, v_cache, layout, lengths, causal=causal, scale=scale, path=path,
@@ -93,24 +93,29 @@ class _RowLists:
     """What the decode paths read of a BlockLayout (inside the custom op: the forward lists
     only, without rebuilding the transposed ones)."""
 
-    def __init__(self, kv_num_blocks, kv_indices, block_size):
+    def __init__(self, kv_num_blocks, kv_indices, block_size, window=0, sink_tokens=0, kv_window=None):
         self.kv_num_blocks, self.kv_indices, self.block_size = kv_num_blocks, kv_indices, block_size
         self.n_q_blocks = kv_num_blocks.shape[-1]
+        self.window = WindowPredicate(window, sink_tokens) if window else None
+        self.kv_window = kv_window.bool() if window else None
 
 
 @torch.library.custom_op("triton_dilated::block_sparse_decode", mutates_args=())
 def _block_sparse_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
                          kv_num_blocks: Tensor, kv_indices: Tensor, block_size: int, causal: bool, scale: float,
-                         path: str, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+                         path: str, window: int = 0, sink_tokens: int = 0,
+                         kv_window: Optional[Tensor] = None, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
     """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq).
-    softcap 0.0: no cap."""
+    window 0: no sliding window (else its predicate on the blocks kv_window flags); softcap
+    0.0: no cap."""
     check_path(path)
-    return decode_layout(q, k_cache, v_cache, _RowLists(kv_num_blocks, kv_indices, block_size), lengths,
-                         causal=causal, scale=scale, path=path, block_table=block_table, softcap=softcap or None)
+    lists = _RowLists(kv_num_blocks, kv_indices, block_size, window, sink_tokens, kv_window)
+    return decode_layout(q, k_cache, v_cache, lists, lengths, causal=causal, scale=scale, path=path,
+                         block_table=block_table, softcap=softcap or None)
 
 
 @_block_sparse_decode.register_fake
 def _(q, k_cache, v_cache, lengths, block_table, kv_num_blocks, kv_indices, block_size, causal, scale, path,
-      softcap=0.0):
+      window=0, sink_tokens=0, kv_window=None, softcap=0.0):
     B, Nq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)

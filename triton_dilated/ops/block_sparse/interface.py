@@ -131,7 +131,7 @@ def _block_sparse_attention(q, k, v, layout, *, causal, scale, return_lse, backe
     B, N, Hq, D = q.shape
     if cache_seqlens is not None or k.shape[1] != N:
         if torch.compiler.is_compiling() and cu_seqlens is None and 0 < N <= DECODE_MAX_QUERIES and \
-                not needs_grad(q, k, v) and getattr(layout, "window", None) is None:
+                not needs_grad(q, k, v):
             # traced: the inference entry point (its custom op), without the value checks below
             # (they read the lengths on the host, which fullgraph tracing cannot)
             lens = cache_seqlens.to(q.device) if cache_seqlens is not None else \
@@ -142,9 +142,7 @@ def _block_sparse_attention(q, k, v, layout, *, causal, scale, return_lse, backe
         lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1], cu_seqlens)   # a host read, and checked
         layout.check_seq_len(k.shape[1])
         layout.check_heads(B, Hq)
-        # a sliding-window layout: the decode paths have no window predicate yet; the general
-        # path below is exact and costs only the query blocks holding the queries
-        path = decode_path(backend, q, k, v, CONFIG_FAMILIES[:1]) if layout.window is None else None
+        path = decode_path(backend, q, k, v, CONFIG_FAMILIES[:1])
         if path is not None:   # the decode step of block_sparse_attention_with_kvcache
             lens = torch.full((B,), k.shape[1], dtype=torch.int32, device=q.device) if cache_seqlens is None \
                 else cache_seqlens.to(q.device)

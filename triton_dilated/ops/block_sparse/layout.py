@@ -253,8 +253,8 @@ class BlockLayout:
     def element_mask(self, seq_len: int, causal: bool) -> torch.Tensor:
         """bool (B|1, H|1, N, N): the (query, key) pairs the layout computes at this N and
         causal flag (the window predicate applied in its blocks). O(N^2): tests, oracles."""
-        bs = self.block_size
-        expand = lambda x: x.repeat_interleave(bs, dim=-2).repeat_interleave(bs, dim=-1)[..., :seq_len, :seq_len]  # noqa: E731
+        bs, n = self.block_size, seq_len
+        expand = lambda x: x.repeat_interleave(bs, dim=-2).repeat_interleave(bs, dim=-1)[..., :n, :n]  # noqa: E731
         mask = expand(self.to_dense())
         pos = torch.arange(seq_len, device=mask.device)
         if causal:
@@ -292,7 +292,8 @@ class BlockLayout:
         if seq_len % self.block_size:
             free &= c != self.n_kv_blocks - 1
         free &= ~win            # window blocks: masked per element
-        partial = ~free & ((c <= r) if causal else torch.ones_like(free))   # window blocks never lie above the diagonal
+        # (window blocks never lie above the diagonal)
+        partial = ~free & ((c <= r) if causal else torch.ones_like(free))
         pick = lambda m: pack_pairs(b[m], h[m], r[m], c[m], self.kv_num_blocks.shape, self.n_kv_blocks)  # noqa: E731
         return pick(free), pick(partial)
 

@@ -24,6 +24,7 @@ from ..common.first_order import first_order_backward
 from ..common.lse import merge_partials, softmax_delta, with_sinks
 from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
 from ..common.validation import check_choice, check_flags, check_qkv, check_scale, check_sinks, check_softcap
+from ..common.window import check_window_causal
 from ..dilated.interface import dilated_attention_table
 from ..dilated.patterns import check_head_slice, check_patterns, fit_patterns, head_table
 from . import step_portable
@@ -115,10 +116,14 @@ SIGNATURE = ("q shape (B, N_local, Hq, D)", "k/v shape (B, N_local, Hkv, D)", "d
 
 
 def _layout_fingerprint(layout: BlockLayout) -> str:
-    """Block size, shape and a digest of the active blocks (canonical lists, O(active blocks))."""
+    """Block size, shape and a digest of the active blocks (canonical lists, O(active blocks)),
+    and of a sliding window's predicate and flags."""
     valid = valid_slots(layout.kv_num_blocks, layout.kv_indices.shape[3])
     h = hashlib.blake2b(digest_size=8)
-    for t in (layout.kv_num_blocks, layout.kv_indices[valid]):
+    parts = [layout.kv_num_blocks, layout.kv_indices[valid]]
+    if layout.window is not None:
+        parts += [torch.tensor(layout.window), layout.kv_window[valid]]
+    for t in parts:
         h.update(t.to(device="cpu", dtype=torch.int32).contiguous().numpy().tobytes())
     return f"BlockLayout {tuple(layout.shape)} blocks of {layout.block_size}, digest {h.hexdigest()}"
 
@@ -148,6 +153,7 @@ def check_sequence_parallel_args(q, k, v, shards: int, *, causal, scale, return_
     if layout is not None:
         layout.check_seq_len(n_total)
         layout.check_heads(B, heads[1])
+        check_window_causal(layout, causal)
     return dilated, scale, n_total, patterns, heads
 
 

@@ -2,7 +2,8 @@
 
 Mask kinds: MASK_DENSE; MASK_DILATED (the weight of a pair is how many of the head's
 patterns select it: p, p' in one segment, both with the head's residue; LongNet's multiset
-union); MASK_LAYOUT (a dense (n_blocks x n_blocks) block table looked up per element).
+union); MASK_LAYOUT (a dense (n_blocks x n_blocks) block table looked up per element; a sliding
+window's blocks hold 2 there, where its predicate (ops/common/window.py) decides per element).
 Causal multiplies in p' <= p. softcap (None or c > 0): scores s -> c * tanh(s / c) before the
 weight, in every step (the cap acts per score, so it commutes with the ring's merge).
 """
@@ -34,9 +35,17 @@ class StepMask:
         if kind == MASK_LAYOUT:
             self.layout = layout.to_dense().to(device=device, dtype=torch.int8)
             self.layout_block = layout.block_size
+            self.window = layout.window
+            if self.window is not None:   # 2: a window block (the predicate per element)
+                self.layout += layout.window_blocks_dense().to(device=device, dtype=torch.int8)
         else:
             self.layout = torch.zeros(1, 1, 1, 1, dtype=torch.int8, device=device)
             self.layout_block = 1
 
+    window = None   # the sliding window (WindowPredicate) of a MASK_LAYOUT, if any
+
     def kernel_meta(self):
-        return dict(MASK_KIND=self.kind, NUM_PATTERNS=self.num_patterns, CAUSAL=self.causal)
+        meta = dict(MASK_KIND=self.kind, NUM_PATTERNS=self.num_patterns, CAUSAL=self.causal)
+        if self.window is not None:
+            meta.update(WINDOW=self.window.window, SINK_TOKENS=self.window.sink_tokens)
+        return meta

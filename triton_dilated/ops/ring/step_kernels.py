@@ -22,7 +22,8 @@ import triton.language as tl
 
 from ...configs import select_config
 from ..common.hardware import padded_head_dim
-from ..common.kernels import LOG2E, dot, finalize, online_softmax_step, program_tile, softmax_grad_block, tanh
+from ..common.kernels import (LOG2E, dot, finalize, online_softmax_step, program_tile, softmax_grad_block, tanh,
+                              window_keep)
 from ..common.runtime import kernel_options, on_tensor_device, require_contiguous
 from . import mask as step_mask
 from .mask import StepMask
@@ -39,12 +40,14 @@ MASK_LAYOUT: tl.constexpr = tl.constexpr(step_mask.MASK_LAYOUT)
 
 @triton.jit
 def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYOUT_COLS, layout_block,
-                     MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr):
+                     MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
+                     WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     """ln(weight) of each (query, key) pair, -inf where it does not count, for query and key
     positions (and in-range flags) given as a column and a row: qpos [BLOCK_M, 1], kpos
     [1, BLOCK_N] give [BLOCK_M, BLOCK_N]; qpos [1, BLOCK_N], kpos [BLOCK_M, 1] the transpose
     (the dK/dV kernel's keys x queries). PAT_OFF and LAYOUT point at the head's offsets and
-    block table."""
+    block table. WINDOW > 0: a block-table entry of 2 is a sliding window's block, where
+    window_keep decides per element."""
     ok = q_ok & k_ok
     if CAUSAL:
         ok = ok & (kpos <= qpos)
@@ -67,6 +70,8 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYO
         kb = (kpos // layout_block).to(tl.int64)
         active = tl.load(LAYOUT + qb * LAYOUT_COLS + kb, mask=ok, other=0)
         ok = ok & (active != 0)
+        if WINDOW > 0:
+            ok = ok & ((active != 2) | window_keep(qpos, kpos, WINDOW, SINK_TOKENS))
     return tl.where(ok, 0.0, float("-inf"))
 
 
@@ -83,7 +88,7 @@ def _ring_tile_lists_kernel(
         Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, COUNT, INDEX, stride_lb, stride_lh, LAYOUT_COLS,
         NQ, NK, LH, layout_block,
         MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BY_KEY: tl.constexpr):
+        BLOCK_N: tl.constexpr, BY_KEY: tl.constexpr, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     """The active tiles of a step: for one query tile (BY_KEY: one key tile) of one (layout
     batch, head) row, the ascending tiles of the other side with a counted pair, written to
     INDEX (LB, LH, tiles, other tiles) with their number in COUNT (LB, LH, tiles)."""
@@ -104,7 +109,8 @@ def _ring_tile_lists_kernel(
             k_ok, kpos = _tile_positions(K_POS, t, NK, BLOCK_N)
         log_w = _pair_log_weight(qpos[:, None], kpos[None, :], q_ok[:, None], k_ok[None, :], PAT_W, PAT_R,
                                  PAT_OFF + h * NUM_PATTERNS, LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS,
-                                 layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)          # [BLOCK_M, BLOCK_N]
+                                 layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL,
+                                 WINDOW, SINK_TOKENS)                                    # [BLOCK_M, BLOCK_N]
         active = tl.max(log_w) > float("-inf")
         tl.store(INDEX + count, t, mask=active)
         count += active.to(tl.int32)
@@ -119,7 +125,8 @@ def _ring_step_fwd_kernel(
         NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-        PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+        PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0,
+        SOFTCAP: tl.constexpr = 0.0):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     Q += b * stride_qb + h * stride_qh
@@ -154,7 +161,7 @@ def _ring_step_fwd_kernel(
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                 # [BLOCK_N]
         log_w = _pair_log_weight(qpos[:, None], kpos[None, :], q_ok[:, None], k_ok[None, :], PAT_W, PAT_R, PAT_OFF,
                                  LAYOUT, LAYOUT_COLS, layout_block, MASK_KIND, NUM_PATTERNS,
-                                 CAUSAL)                                                 # [BLOCK_M, BLOCK_N]
+                                 CAUSAL, WINDOW, SINK_TOKENS)                            # [BLOCK_M, BLOCK_N]
         # K, V addressed here rather than offset before the loop: fewer registers
         cols64 = cols.to(tl.int64)
         k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
@@ -197,7 +204,8 @@ def _ring_step_bwd_dq_kernel(
         NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-        PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+        PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0,
+        SOFTCAP: tl.constexpr = 0.0):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -229,7 +237,8 @@ def _ring_step_bwd_dq_kernel(
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                   # [BLOCK_N]
         log_w = _pair_log_weight(qpos[:, None], kpos[None, :], q_ok[:, None], k_ok[None, :], PAT_W, PAT_R,
                                  PAT_OFF + h * NUM_PATTERNS, LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS,
-                                 layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL)            # [BLOCK_M, BLOCK_N]
+                                 layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL,
+                                 WINDOW, SINK_TOKENS)                                      # [BLOCK_M, BLOCK_N]
         # K, V addressed here rather than offset before the loop: fewer registers
         cols64 = cols.to(tl.int64)
         k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
@@ -252,7 +261,8 @@ def _ring_step_bwd_dkdv_kernel(
         NQ, NK, HKV, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-        PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+        PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0,
+        SOFTCAP: tl.constexpr = 0.0):
     # BLOCK_M: the key tile this program owns, the M dimension of every dot (S^T = K Q^T,
     # dV += P^T dO, dP^T = V dO^T, dK += dS^T Q: P^T and dS^T feed the next dot from
     # registers); BLOCK_N: the query tiles it walks (its lists are built with these tiles).
@@ -291,7 +301,7 @@ def _ring_step_bwd_dkdv_kernel(
             qpos = tl.load(Q_POS + rows, mask=q_ok, other=0)                               # [BLOCK_N]
             log_w = _pair_log_weight(qpos[None, :], kpos[:, None], q_ok[None, :], k_ok[:, None], PAT_W, PAT_R,
                                      pat_off, layout, LAYOUT_COLS, layout_block, MASK_KIND, NUM_PATTERNS,
-                                     CAUSAL)                                               # [BLOCK_M, BLOCK_N]
+                                     CAUSAL, WINDOW, SINK_TOKENS)                          # [BLOCK_M, BLOCK_N]
             rows64 = rows.to(tl.int64)
             qT = tl.load(q_base + rows64[None, :] * stride_qn + d[:, None], mask=d_ok[:, None] & q_ok[None, :],
                          other=0.0)                                                        # [BLOCK_D, BLOCK_N]
@@ -329,10 +339,18 @@ def _strides(**tensors):
     return {f"stride_{name}{axis}": t.stride(i) for name, t in tensors.items() for i, axis in enumerate("bnh")}
 
 
-def _config(q, name, config=None, kernel=None):
+# a sliding window's dK/dV above head dim 64: at most this many pipeline stages (perf aot, bf16,
+# perf/aot/window-sm90-sm80-bf16-triton39.csv: at D = 128 the window predicate made sm80's 64x64
+# w8 s3 spill 48 B and sm90's 128x32 w8 s2 20 B; with 1 stage neither spills)
+WINDOW_DKDV_STAGES = 1
+
+
+def _config(q, name, config=None, kernel=None, window=False):
     D = q.shape[-1]
     block_d = padded_head_dim(D)
     cfg = config or select_config(name, q.dtype, block_d, q.shape[1], q.device, kernel=kernel)
+    if window and not config and block_d > 64:
+        cfg = {**cfg, "num_stages": min(cfg.get("num_stages", 2), WINDOW_DKDV_STAGES)}
     dot_fp32, precision = kernel_options(q.dtype, q.device)
     return block_d, cfg, dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                               DOT_FP32=dot_fp32, PRECISION=precision, num_warps=cfg.get("num_warps", 4),
@@ -410,7 +428,8 @@ def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepM
     # one config for both kernels when given (or tuned); untuned, the dK/dV kernel has its own.
     # dQ: BLOCK_M query rows x BLOCK_N keys; dK/dV: BLOCK_M keys x BLOCK_N queries
     _, cfg, meta = _config(q, "ring_step_bwd", config)
-    _, kv_cfg, kv_meta = _config(q, "ring_step_bwd", config, kernel="ring_step_bwd_dkdv")
+    _, kv_cfg, kv_meta = _config(q, "ring_step_bwd", config, kernel="ring_step_bwd_dkdv",
+                                 window=mask.window is not None)
     common = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq),
                   **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
                   SOFTCAP=float(mask.softcap or 0.0))

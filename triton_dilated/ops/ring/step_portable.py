@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ..common.window import window_keep
 from ..dilated.naive import pattern_multiplicity
 from .mask import MASK_DILATED, MASK_LAYOUT
 
@@ -36,7 +37,10 @@ def pair_log_weight(q_pos, k_pos, mask, num_heads, batch):
     ok = (kp <= qp) if mask.causal else None
     if mask.kind == MASK_LAYOUT:
         bs = mask.layout_block
-        active = mask.layout[:, :, q_pos.long() // bs][:, :, :, k_pos.long() // bs].bool()
+        table = mask.layout[:, :, q_pos.long() // bs][:, :, :, k_pos.long() // bs]
+        active = table != 0
+        if mask.window is not None:   # 2: a sliding window's block, its predicate per element
+            active &= (table != 2) | window_keep(qp, kp, *mask.window)
         ok = active if ok is None else ok & active
     if ok is None:
         return None
