@@ -22,6 +22,14 @@ def make_inputs(case, device="cpu"):
     return mk(B, N, Hq, D), mk(B, N, Hkv, D), mk(B, N, Hkv, D), mk(B, N, Hq, D), mk(B, Hq, N)
 
 
+def case_sinks(case):
+    """A case's learnable sink logits, float32 (Hq,) (None without case["sink_logits"]; case["sinks"]
+    is a sliding window's sink tokens)."""
+    if not case.get("sink_logits"):
+        return None
+    return torch.randn(case["Hq"], generator=torch.Generator().manual_seed(7), dtype=torch.float64).float()
+
+
 def case_layout(case, n=None):
     """The BlockLayout of a "layout" case (every block for "dense"); None for "dilated". n: of
     a sequence of that length (a document's) instead of case["N"]."""
@@ -86,6 +94,12 @@ def run_case(case, rank, world):
         kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
         if case["kind"] == "layout":
             kw["layout"] = [case_layout(case, e - s) if e > s else None for s, e in zip(cu[:-1], cu[1:])]
+    sinks = case_sinks(case)
+    if sinks is not None:   # the same logits on every rank (a replicated parameter)
+        sinks.requires_grad_()
+        kw.update(sinks=sinks)
+    if case.get("softcap") is not None:
+        kw.update(softcap=case["softcap"])
     if case.get("fn") == "ulysses":
         del kw["comm"]
         out, lse = ulysses_attention(ql, kl, vl, backend=case.get("backend", "auto"), **kw)
@@ -96,11 +110,13 @@ def run_case(case, rank, world):
         out, lse = ring_attention(ql, kl, vl, **kw)
     gll = shard(gl.transpose(1, 2), rank, world, bal).transpose(1, 2)
     loss = loss_of(out, lse, loc(g), gll, case)
-    grads = torch.autograd.grad(loss, (ql, kl, vl))
+    grads = torch.autograd.grad(loss, (ql, kl, vl) + (() if sinks is None else (sinks,)))
     total = loss.detach().clone()
     dist.all_reduce(total)
     res = {name: x.detach().numpy() for name, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads))}
     res["loss"] = total.item()
+    if sinks is not None:   # this rank's part of the sinks' gradient
+        res["dsinks"] = grads[3].detach().numpy()
     res["max_kv_bytes_held"] = ring_mod.last_stats.get("max_kv_bytes_held", -1)
     return res
 

@@ -156,8 +156,9 @@ def test_dilated_decode_matches_the_definition(backend, data):
     splits = data.draw(st.sampled_from([None, 2, 3]))
     grad = backend == "torch" and data.draw(st.booleans())   # the portable gather path (forward checked here)
     seed = data.draw(st.integers(0, 1000))
+    softcap = data.draw(st.sampled_from([None, 0.75]))   # issue 23: the cap in the decode kernels / gathers
     q, k, v = cache_inputs(B, Nq, Nk, Hq, Hkv, D, lengths, seed)
-    kw = dict(causal=causal, mode=mode, offsets=offsets)
+    kw = dict(causal=causal, mode=mode, offsets=offsets, softcap=softcap)
     cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE) if ragged else None
     with paths("dilated", splits) as seen:
         out, lse = dilated_attention(q.requires_grad_(grad), k, v, ws, rs, return_lse=True, backend=backend,
@@ -287,6 +288,7 @@ def test_block_sparse_decode_matches_the_definition(backend, data):
     lengths = [data.draw(st.integers(Nq, Nk)) for _ in range(B)] if ragged else [Nk] * B
     splits = data.draw(st.sampled_from([None, 2, 3]))
     seed = data.draw(st.integers(0, 1000))
+    softcap = data.draw(st.sampled_from([None, 0.75]))   # issue 23: the cap in the decode kernels / gathers
     nb = -(-Nk // bs)
     per_batch = data.draw(st.booleans())
     per_head = data.draw(st.booleans())
@@ -299,13 +301,13 @@ def test_block_sparse_decode_matches_the_definition(backend, data):
     cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE) if ragged else None
     with paths("block_sparse", splits) as seen:
         out, lse = block_sparse_attention(q, k, v, lay, causal=causal, return_lse=True, backend=backend,
-                                          cache_seqlens=cache)
+                                          cache_seqlens=cache, softcap=softcap)
     assert seen == expected_paths(backend, "block_sparse")
     for b in range(B):   # the definition row by row (a per-batch layout's row b)
         lay_b = lay.prefix(nb, [b]) if lay.kv_num_blocks.shape[0] > 1 else lay
         check_forward(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], lengths[b:b + 1],
                       lambda q_, k_, v_, n, lay_b=lay_b: block_sparse_attention_naive(
-                          q_, k_, v_, lay_b.prefix(-(-n // bs)), causal=causal))
+                          q_, k_, v_, lay_b.prefix(-(-n // bs)), causal=causal, softcap=softcap))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -353,15 +353,43 @@ def test_sinks_validation(bad, exc, msg):
             call()
 
 
-def test_decode_path_refuses_softcap_and_modules_need_heads_for_sinks():
-    q, k, v = make_qkv(1, 16, 2, 1, 8, torch.float32, 0)
-    layout = layouts.local(16, 16, 1)
-    for call in (lambda: dilated_attention(q[:, -1:], k, v, [8], [1], softcap=5.0),
-                 lambda: block_sparse_attention(q[:, -1:], k, v, layout, softcap=5.0),
-                 lambda: dilated_attention(q, k, v, [8], [1], softcap=5.0,
-                                           cache_seqlens=torch.tensor([16], dtype=torch.int32))):
-        with pytest.raises(ValueError, match="softcap is not supported on the decode path yet"):
-            call()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softcap_on_the_decode_and_query_offset_paths(backend):
+    """Queries shorter than keys with softcap (and sinks): the decode path (Nq <= 16, forward)
+    and the general path (Nq = 20, and gradients: the padded full-length call; on the Triton
+    backend its planned query window) give the rows of the full-sequence oracle with the same
+    cap and sinks, forward and the gradients of q, k, v and the sinks."""
+    N, H, cap = 40, 2, 1.5
+    q, k, v = make_qkv(1, N, H, 1, 8, torch.float32, 30, q_scale=3.0)
+    sinks = make_sinks(H, 31)
+    layout = layouts.local(N, 16, 1)
+    calls = (lambda q_, k_, v_, s, **a: dilated_attention(q_, k_, v_, [16, 40], [1, 2], **a, sinks=s),
+             lambda q_, k_, v_, s, **a: block_sparse_attention(q_, k_, v_, layout, **a, sinks=s))
+    oracles = (lambda q_, k_, v_, s: dilated_attention_naive(q_, k_, v_, [16, 40], [1, 2], causal=True, softcap=cap,
+                                                             sinks=s),
+               lambda q_, k_, v_, s: block_sparse_attention_naive(q_, k_, v_, layout, causal=True, softcap=cap,
+                                                                  sinks=s))
+    for call, oracle in zip(calls, oracles):
+        ref_leaves = [x.double().requires_grad_() for x in (q, k, v, sinks)]
+        ref, ref_lse = oracle(*ref_leaves)
+        with torch.no_grad():   # the decode path, with and without cache_seqlens
+            out, lse = call(q[:, -1:], k, v, sinks, causal=True, softcap=cap, return_lse=True, backend=backend)
+            assert max_err(out, ref[:, -1:]) <= 1e-5 and max_err(lse, ref_lse[..., -1:]) <= 1e-5
+            out = call(q[:, -1:], k, v, sinks, causal=True, softcap=cap, backend=backend,
+                       cache_seqlens=torch.tensor([N], dtype=torch.int32, device=DEVICE))
+            assert max_err(out, ref[:, -1:]) <= 1e-5
+        leaves = [x.clone().requires_grad_() for x in (q[:, -20:], k, v, sinks)]
+        out, lse = call(*leaves, causal=True, softcap=cap, return_lse=True, backend=backend)
+        assert max_err(out, ref[:, -20:]) <= 1e-5 and max_err(lse, ref_lse[..., -20:]) <= 1e-5
+        g = seeded(out.shape, torch.float32, 32, DEVICE)
+        got = torch.autograd.grad((out * g).sum() + lse.sum(), leaves)
+        want = torch.autograd.grad((ref[:, -20:] * g.double()).sum() + ref_lse[..., -20:].sum(), ref_leaves)
+        want = (want[0][:, -20:], *want[1:])
+        for a, b in zip(got, want):
+            assert max_err(a, b) <= 1e-4 * max(1.0, b.abs().max().item())
+
+
+def test_modules_need_heads_for_sinks():
     with pytest.raises(ValueError, match="sinks=True needs num_heads"):
         DilatedAttention([8], [1], sinks=True)
     with pytest.raises(ValueError, match="softcap and sinks are not available with compat"):

@@ -111,6 +111,82 @@ def test_with_kvcache_matches_the_oracle(backend, variant, append):
         torch.testing.assert_close(legacy, (out, lse), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+def test_with_kvcache_softcap_and_sinks_match_the_oracle(backend, variant):
+    """softcap= and sinks= (issue 23) on a decode step: B = 2 rows at ragged lengths, GQA, Nq = 3
+    with one row appended, scores large enough that the cap bites; out and lse against the
+    oracle with the same cap and sinks (each row's prefix, the queries last); the training
+    front door (cache_seqlens) gives the same rows; on the portable path (differentiable) the
+    gradients of q, the cache and the sinks equal the oracle's."""
+    B, Nk, Hq, Hkv, D, Nq, cap = 2, 48, 4, 2, 8, 3, 1.5
+    before = [29, 47]
+    after = [n + 1 for n in before]
+    kc, vc = _cache(B, Nk, Hkv, D, before, seed=20)
+    q = seeded((B, Nq, Hq, D), torch.float32, 21, DEVICE, scale=3.0)
+    k_new, v_new = (seeded((B, 1, Hkv, D), torch.float32, s, DEVICE) for s in (22, 23))
+    sinks = seeded((Hq,), torch.float32, 24, DEVICE, scale=2.0)
+    lens = torch.tensor(before, dtype=torch.int32, device=DEVICE)
+    kw = dict(causal=True, softcap=cap, sinks=sinks)
+    if variant == "dilated":
+        fn = _dilated
+        oracle = lambda q_, k_, v_, n, s=sinks: dilated_attention_naive(  # noqa: E731
+            q_, k_, v_, WS, RS, **{**kw, "sinks": s})
+        front = lambda q_, k_, v_, **a: dilated_attention(q_, k_, v_, WS, RS, **a)  # noqa: E731
+    else:
+        lay = _layout(Nk, heads=Hq)
+        fn = _block_sparse(lay)
+        oracle = lambda q_, k_, v_, n, s=sinks: block_sparse_attention_naive(  # noqa: E731
+            q_, k_, v_, lay.prefix(-(-n // lay.block_size)), **{**kw, "sinks": s})
+        front = lambda q_, k_, v_, **a: block_sparse_attention(q_, k_, v_, lay, **a)  # noqa: E731
+    with torch.no_grad():
+        out, lse = fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, return_lse=True, backend=backend, **kw)
+        check_forward(out, lse, q, kc, vc, after, oracle)
+        legacy = front(q, kc, vc, cache_seqlens=lens + 1, return_lse=True, backend=backend, **kw)
+    torch.testing.assert_close(legacy, (out, lse), rtol=1e-6, atol=1e-6)
+    if backend != "torch":
+        return
+    leaves = [x.detach().clone().requires_grad_() for x in (q, kc, vc, sinks)]
+    g = seeded((B, Nq, Hq, D), torch.float32, 25, DEVICE)
+    out, lse = fn(*leaves[:3], cache_seqlens=lens + 1, return_lse=True, backend=backend,
+                  **{**kw, "sinks": leaves[3]})
+    got = torch.autograd.grad((out * g).sum() + lse.sum(), leaves)
+    ref_leaves = [x.detach().double().clone().requires_grad_() for x in (q, kc, vc, sinks)]
+    outs, lses = [], []
+    for b, n in enumerate(after):   # the queries last in each row's prefix
+        qf = torch.cat([ref_leaves[0].new_zeros((1, n - Nq, Hq, D)), ref_leaves[0][b:b + 1]], dim=1)
+        o, l_ = oracle(qf, ref_leaves[1][b:b + 1, :n], ref_leaves[2][b:b + 1, :n], n, ref_leaves[3])
+        outs.append(o[:, n - Nq:])
+        lses.append(l_[:, :, n - Nq:])
+    loss = (torch.cat(outs) * g.double()).sum() + torch.cat(lses).sum()
+    want = torch.autograd.grad(loss, ref_leaves)
+    for name, a, b in zip(("dq", "dk_cache", "dv_cache", "dsinks"), got, want):
+        torch.testing.assert_close(a.double().nan_to_num(), b.nan_to_num(), rtol=1e-4, atol=1e-5, msg=name)
+    assert want[3].abs().min() > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_layouts_on_the_decode_paths(backend):
+    """A sliding-window layout (layouts.sliding_window) with softcap and sinks on the decode
+    paths: the front door's short-q calls and the inference entry point equal the oracle's
+    rows (the decode kernels evaluate the window predicate in the window blocks)."""
+    B, N, Hq, Hkv, D = 1, 48, 2, 1, 8
+    q = seeded((B, N, Hq, D), torch.float32, 40, DEVICE)
+    k, v = (seeded((B, N, Hkv, D), torch.float32, s, DEVICE) for s in (41, 42))
+    sinks = seeded((Hq,), torch.float32, 43, DEVICE)
+    lay = layouts.sliding_window(N, 16, 10).to(DEVICE)
+    kw = dict(softcap=1.5, sinks=sinks, return_lse=True, backend=backend)
+    ref, ref_lse = block_sparse_attention_naive(q, k, v, lay, causal=True, softcap=1.5, sinks=sinks)
+    with torch.no_grad():
+        for nq in (1, 3):
+            for out, lse in (block_sparse_attention(q[:, -nq:], k, v, lay, causal=True, **kw),
+                             block_sparse_attention_with_kvcache(
+                                 q[:, -nq:], k, v, cache_seqlens=torch.tensor([N], dtype=torch.int32, device=DEVICE),
+                                 layout=lay, **kw)):
+                torch.testing.assert_close(out.double(), ref[:, -nq:], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(lse.double(), ref_lse[..., -nq:], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode,offsets", [("longnet", "blocked"), ("head_groups", "modulo")])
 def test_portable_patterns_path_every_head_layout(mode, offsets):
     """The sync-free portable gather (per pattern, the heads active at the query's residue)
@@ -225,6 +301,13 @@ def test_no_host_sync_between_the_call_and_the_kernel(backend, variant, paged):
     want = fn(q, kc2, vc2, k_new, v_new, cache_seqlens=lens, block_table=table, backend=backend, return_lse=True)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     torch.testing.assert_close((kc, vc), (kc2, vc2), rtol=0, atol=0, equal_nan=True)
+    # softcap= and sinks= (issue 23) stay sync-free: the cap in the kernel, the sinks joined on the device
+    extra = dict(softcap=2.0, sinks=seeded((Hq,), torch.float32, 6, DEVICE))
+    fn(q, kc2, vc2, cache_seqlens=lens + 2, block_table=table, backend=backend, **extra)   # warm-up
+    with no_host_sync():
+        out = fn(q, kc, vc, cache_seqlens=lens + 2, block_table=table, backend=backend, return_lse=True, **extra)
+    want = fn(q, kc2, vc2, cache_seqlens=lens + 2, block_table=table, backend=backend, return_lse=True, **extra)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
     if paged:
         return
     with pytest.raises(HostSync), no_host_sync():   # the guard fires on a host read

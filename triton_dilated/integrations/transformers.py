@@ -35,10 +35,18 @@ functions read nothing on the host per layer; the mask functions read the paddin
 per forward. Left padding (batched `generate`) works with full caches: each row is attended as
 its own sequence from its first real token, so its result equals the unpadded one; with
 `DilatedCache` it is refused (the cache drops rows at positions counted from the batch's
-start, which are not segment boundaries of a padded row). Refused with a clear error:
-attention dropout > 0, non-causal modules, sliding windows, soft-capping, attention sinks,
-packed sequences (flash-attn's cu_seq_lens) and other mask overlays, 4-d masks, right
-padding. `output_attentions` gives None for the weights.
+start, which are not segment boundaries of a padded row).
+
+gpt-oss, Gemma 2, Mistral (issue 23): a layer whose module passes `sliding_window=w` runs
+block_sparse_attention on `layouts.sliding_window(n, block_size, w)` (exact: keys
+p - w < p' <= p; block size `window_block_size` in the config dict, default 64), the other
+layers the configured dilated patterns or block layout; the modules' `softcap` (Gemma 2) and
+`s_aux` sink logits (gpt-oss) pass through as softcap= and sinks=. The mask functions accept
+transformers' sliding-window causal mask (also from a sliding cache that dropped rows: a window
+is translation-invariant) and refuse it with a static cache.
+Refused with a clear error: attention dropout > 0, non-causal modules, packed sequences
+(flash-attn's cu_seq_lens) and other mask overlays, 4-d masks, right padding.
+`output_attentions` gives None for the weights.
 """
 from __future__ import annotations
 
@@ -63,10 +71,10 @@ from ..ops.dilated.patterns import check_patterns
 DILATED = "triton_dilated"
 BLOCK_SPARSE = "triton_block_sparse"
 BUILDERS = ("local", "dilated", "global_tokens", "random", "bigbird", "hierarchical", "causal")
-_DILATED_KEYS = ("segment_lengths", "dilation_rates", "mode", "offsets", "backend")
-_UNSUPPORTED = {"sliding_window": "sliding-window attention", "softcap": "logit soft-capping",
-                "s_aux": "attention sinks", "cu_seq_lens_q": "packed sequences (cu_seq_lens)",
-                "cu_seq_lens_k": "packed sequences (cu_seq_lens)", "position_bias": "position biases"}
+_DILATED_KEYS = ("segment_lengths", "dilation_rates", "mode", "offsets", "backend", "window_block_size")
+_UNSUPPORTED = {"cu_seq_lens_q": "packed sequences (cu_seq_lens)", "cu_seq_lens_k": "packed sequences (cu_seq_lens)",
+                "position_bias": "position biases"}
+WINDOW_BLOCK_SIZE = 64   # the sliding layers' block size by default (gpt-oss's window of 128: 3 blocks a row)
 
 
 def register() -> None:
@@ -118,7 +126,7 @@ def block_sparse_spec(config) -> tuple[str, int, str]:
         raise ValueError("config.block_sparse_attention needs 'max_seq_len' (the longest sequence its layout covers) "
                          f"when the config has no max_position_embeddings; got {max_len!r}")
     backend = spec.get("backend", "auto")
-    kwargs = {k: v for k, v in spec.items() if k not in ("builder", "max_seq_len", "backend")}
+    kwargs = {k: v for k, v in spec.items() if k not in ("builder", "max_seq_len", "backend", "window_block_size")}
     return json.dumps({"builder": builder, **kwargs}, sort_keys=True), max_len, backend
 
 
@@ -149,6 +157,26 @@ def _layout(spec_json: str, max_len: int, seq_len: int, device: str):
     return lay.to(torch.device(device))
 
 
+def window_options(config, attr: str) -> tuple[int, str]:
+    """(block size, backend) of the sliding-window layers, from config.<attr> when the model
+    has it ("window_block_size", default WINDOW_BLOCK_SIZE; "backend"); a model whose layers
+    all slide (Mistral) needs no pattern dict."""
+    spec = getattr(config, attr, None) or {}
+    if not isinstance(spec, dict):
+        raise TypeError(f"config.{attr} must be a dict, got {type(spec).__name__}")
+    block = spec.get("window_block_size", WINDOW_BLOCK_SIZE)
+    if not isinstance(block, int) or isinstance(block, bool) or block < 16 or block & (block - 1):
+        raise ValueError(f"config.{attr}['window_block_size'] must be a power of two >= 16, got {block!r}")
+    return block, spec.get("backend", "auto")
+
+
+@functools.lru_cache(maxsize=64)
+def _window_layout(seq_len: int, block_size: int, window: int, device: str):
+    """layouts.sliding_window over seq_len keys: keys p - window < p' <= p, exactly the
+    model's sliding mask (transformers' sliding_window_causal_mask_function)."""
+    return layouts.sliding_window(seq_len, block_size, window).to(torch.device(device))
+
+
 # ----------------------------------------------------------------------------- attention functions
 
 def _config_of(module):
@@ -156,6 +184,35 @@ def _config_of(module):
     if config is None:
         raise ValueError("the attention module has no .config: the patterns are read from the model config")
     return config
+
+
+def _model_extras(impl, kwargs):
+    """What the model's attention module passed beyond q, k, v: (sliding window or None for a
+    full layer, softcap or None (Gemma 2), sink logits float32 (Hq,) or None (gpt-oss's s_aux,
+    kept in the model's dtype: cast here, its gradient flows back to the parameter))."""
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"{impl}: sliding_window must be a positive int or None, got {window!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1:
+            raise ValueError(f"{impl}: s_aux (attention sinks) must be a tensor (num_heads,), got "
+                             f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+        sinks = sinks.float()
+    return window, softcap, sinks
+
+
+def _sliding_call(module, window, scaling, extra, attr):
+    """call(q, k, v, lengths) of a sliding layer: block-sparse attention on the window layout of
+    the keys it gets. The window is translation-invariant, so the keys may start anywhere (a
+    sliding cache keeps only the last window - 1 rows): positions count from the first key."""
+    block, backend = window_options(_config_of(module), attr)
+
+    def call(q, k, v, lengths):
+        lay = _window_layout(k.shape[1], block, window, str(k.device))
+        # decode steps too: the front door's query-offset path is exact for window layouts
+        return block_sparse_attention(q, k, v, lay, causal=True, scale=scaling, backend=backend,
+                                      cache_seqlens=lengths, **extra)
+    return call
 
 
 def _check_call(impl, module, attention_mask, dropout, is_causal, kwargs):
@@ -246,10 +303,18 @@ def _decoding(q, k, v, lengths):
 def dilated_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                               is_causal=None, **kwargs):
     """transformers attention function "triton_dilated": query (B, H, Nq, D), key/value
-    (B, Hkv, Nk, D), the queries the last Nq positions; returns ((B, Nq, H, D), None)."""
+    (B, Hkv, Nk, D), the queries the last Nq positions; returns ((B, Nq, H, D), None). Full
+    layers run dilated attention with config.dilated_attention's patterns; sliding layers (the
+    model passes sliding_window) block-sparse attention on layouts.sliding_window; both take
+    the model's softcap and attention sinks (s_aux)."""
+    window, softcap, sinks = _model_extras(DILATED, kwargs)
+    extra = dict(softcap=softcap, sinks=sinks)
+    if window is not None:
+        call = _sliding_call(module, window, scaling, extra, "dilated_attention")
+        return _run(DILATED, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
     spec = dilated_spec(_config_of(module))
     pattern = dict(segment_lengths=spec["segment_lengths"], dilation_rates=spec["dilation_rates"], causal=True,
-                   scale=scaling, mode=spec["mode"], offsets=spec["offsets"], backend=spec["backend"])
+                   scale=scaling, mode=spec["mode"], offsets=spec["offsets"], backend=spec["backend"], **extra)
 
     def call(q, k, v, lengths):
         if _decoding(q, k, v, lengths):   # a static cache's decode step: no host sync
@@ -281,21 +346,56 @@ def _module_layout(module, seq_len: int, device):
 
 def block_sparse_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                    is_causal=None, **kwargs):
-    """transformers attention function "triton_block_sparse" (shapes as dilated_attention_forward)."""
+    """transformers attention function "triton_block_sparse" (shapes as dilated_attention_forward):
+    full layers on config.block_sparse_attention's layout, sliding layers on
+    layouts.sliding_window; both with the model's softcap and sinks."""
+    window, softcap, sinks = _model_extras(BLOCK_SPARSE, kwargs)
+    extra = dict(softcap=softcap, sinks=sinks)
+    if window is not None:
+        call = _sliding_call(module, window, scaling, extra, "block_sparse_attention")
+        return _run(BLOCK_SPARSE, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
+
     def call(q, k, v, lengths):
         lay, backend = _module_layout(module, k.shape[1], k.device)
         if _decoding(q, k, v, lengths):   # a static cache's decode step: no host sync
             return block_sparse_attention_with_kvcache(q, k, v, cache_seqlens=lengths, layout=lay, causal=True,
-                                                       scale=scaling, backend=backend)
+                                                       scale=scaling, backend=backend, **extra)
         return block_sparse_attention(q, k, v, lay, causal=True, scale=scaling, backend=backend,
-                                      cache_seqlens=lengths)
+                                      cache_seqlens=lengths, **extra)
 
     return _run(BLOCK_SPARSE, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
 
 
 # ----------------------------------------------------------------------------- mask functions
 
-def _padding_mask(impl, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, device):
+def _mask_window(impl, mask_function, local_size):
+    """None for transformers' causal mask function; the window w for its sliding-window causal
+    mask (keys p - w < p' <= p: the sliding layers, which the attention functions run on the
+    window layout), recognised by evaluating the mask function on probe positions around
+    the band's edges (its closure has no name to compare); any other mask function (packed
+    sequences, overlays, chunked attention) is a ValueError."""
+    if mask_function is causal_mask_function:
+        return None
+    name = getattr(mask_function, "__name__", type(mask_function).__name__)
+    if isinstance(local_size, int) and not isinstance(local_size, bool) and local_size >= 1:
+        w = local_size
+        q_idx = torch.tensor([0, 1, w - 1, w, w + 1, 2 * w + 1])
+        kv_idx = torch.unique((q_idx[:, None] + torch.tensor([-w - 1, -w, -w + 1, -1, 0, 1])).clamp_min(0))
+        want = (kv_idx[None, :] <= q_idx[:, None]) & (kv_idx[None, :] > q_idx[:, None] - w)
+        try:
+            got = mask_function(torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long), q_idx[:, None],
+                                kv_idx[None, :])
+            same = torch.equal(torch.as_tensor(got).cpu().expand_as(want).to(torch.bool), want)
+        except (IndexError, RuntimeError, TypeError):   # an overlay that reads tensors of its own
+            same = False
+        if same:
+            return w
+    raise ValueError(f"{impl} applies the causal mask, transformers' sliding-window causal mask and left padding "
+                     f"only; the model asked for the mask function {name} (packed sequences or another overlay)")
+
+
+def _padding_mask(impl, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, device,
+                  local_size=None):
     """What the attention functions take: None (no padding, a cache of exactly the rows seen),
     an int32 (B,) tensor of valid rows (a static cache, whose keys are its whole capacity:
     transformers passes its length as a device tensor q_offset), or the 2-d boolean padding
@@ -303,18 +403,18 @@ def _padding_mask(impl, batch_size, q_length, kv_length, q_offset, kv_offset, ma
     flash-attention's mask function). Called once per forward, outside the layers: the one
     host read it may make (is the batch padded?) is not repeated per layer, and none is made
     for a static cache without an attention mask."""
-    if mask_function is not causal_mask_function:
-        name = getattr(mask_function, "__name__", type(mask_function).__name__)
-        raise ValueError(f"{impl} applies the causal mask and left padding only; the model asked for the mask "
-                         f"function {name} (packed sequences, sliding windows or another overlay)")
+    sliding = _mask_window(impl, mask_function, local_size) is not None
     if attention_mask is not None and attention_mask.dim() != 2:
         return attention_mask          # our own output fed back (generate builds the mask first) or 4-d: refused later
     static = isinstance(q_offset, torch.Tensor)
+    if sliding and static:
+        raise ValueError(f"{impl}: sliding-window layers with a static cache (a rolling buffer) are not supported; "
+                         f"use DynamicCache")
     if attention_mask is not None and not bool(attention_mask.all()):
         if static:
             raise ValueError(f"{impl}: a padded batch (attention_mask with zeros) with a static cache is not "
                              f"supported; use DynamicCache for padded batches")
-        if kv_offset > 0:
+        if kv_offset > 0 and not sliding:   # a window is translation-invariant: a row may start anywhere
             raise ValueError(f"{impl}: a padded batch (attention_mask with zeros) with a cache that dropped its first "
                              f"{kv_offset} rows (DilatedCache): it drops rows at positions counted from the batch "
                              f"start, which are not segment boundaries of a padded row. Use DynamicCache or unpadded "
@@ -333,19 +433,20 @@ def dilated_attention_mask(batch_size, q_length=None, kv_length=None, q_offset=0
                            mask_function=causal_mask_function, attention_mask=None, **kwargs):
     """AttentionMaskInterface entry of "triton_dilated"."""
     return _padding_mask(DILATED, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-                         kwargs.get("device"))
+                         kwargs.get("device"), kwargs.get("local_size"))
 
 
 def block_sparse_attention_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
                                 mask_function=causal_mask_function, attention_mask=None, **kwargs):
     """AttentionMaskInterface entry of "triton_block_sparse": the layout is laid on absolute
-    positions, so the cache must hold every row."""
-    if kv_offset > 0:
+    positions, so the cache must hold every row (but for sliding-window layers, whose window is
+    translation-invariant: transformers' sliding caches keep the last window - 1 rows)."""
+    if kv_offset > 0 and _mask_window(BLOCK_SPARSE, mask_function, kwargs.get("local_size")) is None:
         raise ValueError(f"{BLOCK_SPARSE} needs the whole sequence in the cache (block layouts use absolute "
                          f"positions), got a cache that dropped its first {kv_offset} rows (DilatedCache or a "
                          f"sliding-window cache); use DynamicCache")
     return _padding_mask(BLOCK_SPARSE, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-                         attention_mask, kwargs.get("device"))
+                         attention_mask, kwargs.get("device"), kwargs.get("local_size"))
 
 
 # ----------------------------------------------------------------------------- the bounded cache

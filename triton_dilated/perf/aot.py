@@ -70,7 +70,8 @@ VARIANTS.update({f"{name}_{kind}{tail}": (name, {"KV_FP8": mode, **extra})
 SOFTCAP_AOT = 50.0
 VARIANTS.update({f"{name}_softcap": (name, {"SOFTCAP": SOFTCAP_AOT})
                  for name in ("dilated_fwd", "dilated_bwd_dq", "dilated_bwd_dkdv", "block_sparse_fwd",
-                              "block_sparse_bwd_dq")})
+                              "block_sparse_bwd_dq", "ring_step_fwd", "ring_step_bwd_dq", "ring_step_bwd_dkdv",
+                              "dilated_decode", "block_sparse_decode")})
 # packed documents in the ring (issue 22): the step kernels with the per-pair document compare (DOCS)
 VARIANTS.update({f"{name}_docs": (name, {"DOCS": 1})
                  for name in ("ring_step_fwd", "ring_step_bwd_dq", "ring_step_bwd_dkdv", "ring_step_lists")})

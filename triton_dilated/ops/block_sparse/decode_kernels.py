@@ -30,7 +30,7 @@ def _block_sparse_decode_kernel(
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, KV_WIN=None,
-        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
+        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D)
@@ -64,10 +64,10 @@ def _block_sparse_decode_kernel(
                 sink_end = tl.where(in_window, tl.minimum(tl.minimum(end, SINK_TOKENS), lo), start)
                 acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0,
                                          sink_end - start, d_ok, k_scale, bt, stride_kp, stride_vp, BLOCK_N,
-                                         PAGE_SIZE, KV_FP8)
+                                         PAGE_SIZE, KV_FP8, SOFTCAP)
             start = lo
         acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0, end - start,
-                                 d_ok, k_scale, bt, stride_kp, stride_vp, BLOCK_N, PAGE_SIZE, KV_FP8)
+                                 d_ok, k_scale, bt, stride_kp, stride_vp, BLOCK_N, PAGE_SIZE, KV_FP8, SOFTCAP)
     if KV_FP8 > 0:   # the values' descale, once per program (the splits merge linearly in acc)
         acc = acc * v_scale
     part = ((b * NUM_ROWS + row) * NUM_HEADS + h64) * NUM_SPLITS + split
@@ -77,13 +77,13 @@ def _block_sparse_decode_kernel(
 
 @on_tensor_device
 def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, splits=None, config=None,
-                                block_table=None, k_descale=None, v_descale=None):
+                                block_table=None, k_descale=None, v_descale=None, softcap=None):
     """Block-sparse attention of q (B, Nq, Hq, D), the last Nq positions of each row's
     lengths[b] (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with
     block_table (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv,
     D); the layout (on q's device) covers the capacity. k, v float8_e4m3fn (an FP8 cache):
-    k_descale, v_descale float32 (Hkv,) on q's device. Returns (out like q, lse float32
-    (B, Hq, Nq))."""
+    k_descale, v_descale float32 (Hkv,) on q's device; softcap: None or the cap c (scores
+    s -> c * tanh(s / c)). Returns (out like q, lse float32 (B, Hq, Nq))."""
     B, Nq, Hq, D = q.shape
     Hkv = k.shape[2]
     paged = block_table is not None
@@ -115,6 +115,6 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, spli
         bt.stride(0), k.stride(0), v.stride(0),
         Nq, Hq, Hq // Hkv, splits, scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=bs, CAUSAL=causal, BLOCK_N=min(cfg["BLOCK_N"], bs),
-        PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, **window,
+        PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, SOFTCAP=float(softcap or 0.0), **window,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return merge_splits(out, lse, acc, part_m, part_l, splits, num_warps=cfg.get("num_warps", 4))

@@ -12,7 +12,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.kvcache import FP8_DTYPE, cache_view, capacity, check_kvcache_args, decode_step, portable_descaled
+from ..common.kvcache import (FP8_DTYPE, cache_view, capacity, check_kvcache_args, decode_step,
+                              portable_descaled, with_sinks)
 from ..common.op_support import check_path, lazy_module
 from ..common.runtime import empty_result, last_dim_contiguous
 from ..common.validation import check_flags, check_qkv, check_scale
@@ -26,23 +27,25 @@ DECODE_FAMILIES = ("block_sparse_fwd",)
 
 
 def decode_layout(q, k, v, layout, lengths, *, causal, scale, path, block_table=None, k_descale=None,
-                  v_descale=None):
+                  v_descale=None, softcap=None):
     """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
     q's device) valid rows of k, v (page pools with block_table; float8_e4m3fn with k_descale,
-    v_descale), the layout (on q's device) covering the cache's capacity."""
+    v_descale), the layout (on q's device) covering the cache's capacity. softcap: None or the
+    cap c (scores s -> c * tanh(s / c))."""
     if path == "torch":
         return portable_descaled(lambda q_: block_sparse_decode(q_, k, v, layout, lengths, causal=causal, scale=scale,
-                                                                block_table=block_table),
+                                                                block_table=block_table, softcap=softcap),
                                  q, k_descale, v_descale, k.shape[2])
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     return _decode_kernels().block_sparse_decode_forward(q, k, v, layout, lengths, causal=causal, scale=scale,
                                                          block_table=block_table, k_descale=k_descale,
-                                                         v_descale=v_descale)
+                                                         v_descale=v_descale, softcap=softcap)
 
 
 def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, layout,
                                         block_table=None, causal=True, scale=None, return_lse=False,
-                                        backend="auto", validate=False, k_descale=None, v_descale=None):
+                                        backend="auto", validate=False, k_descale=None, v_descale=None,
+                                        softcap=None, sinks=None):
     """Block-sparse attention of a decode step against a KV cache, with no host sync.
 
     Args:
@@ -56,14 +59,16 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
             q's device (a copy per call otherwise). Each query reads the active blocks of
             its own layout row, cut at L_b (a sliding window's predicate in its window blocks:
             gpt-oss / Mistral sliding layers decode exactly).
-        causal (default True), scale, return_lse, backend: as block_sparse_attention.
+        causal (default True), scale, return_lse, backend, softcap, sinks: as
+            block_sparse_attention (the sinks join each row's denominator after the kernel).
 
     Returns out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq); rows with
     no active key: 0 and -inf. No gradient through the Triton path (ValueError). Under
     torch.compile: the custom op `triton_dilated::block_sparse_decode` (build the layout
     outside the compiled region).
     """
-    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale)
+    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,
+                       softcap=softcap, sinks=sinks)
     check_qkv(q, cache_view(k_cache, block_table, q.shape[0], q), cache_view(v_cache, block_table, q.shape[0], q),
               allow_shorter_q=True)
     if not isinstance(layout, BlockLayout):
@@ -77,18 +82,19 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     path, lengths = decode_step("block_sparse_attention_with_kvcache", q, k_cache, v_cache, k, v, cache_seqlens,
                                 block_table, validate, backend, DECODE_FAMILIES, k_descale, v_descale)
     if B == 0:
-        return empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), return_lse)
+        return with_sinks(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
+                          sinks, return_lse)
     if layout.kv_indices.device != q.device:
         layout = layout.to(q.device)
     if torch.compiler.is_compiling():
         window = (0, 0, None) if layout.window is None else (*layout.window, layout.kv_window)
         out, lse = _block_sparse_decode(q, k_cache, v_cache, lengths, block_table, layout.kv_num_blocks,
                                         layout.kv_indices, layout.block_size, causal, scale, path, k_descale,
-                                        v_descale, *window)
+                                        v_descale, *window, float(softcap or 0.0))
     else:
         out, lse = decode_layout(q, k_cache, v_cache, layout, lengths, causal=causal, scale=scale, path=path,
-                                 block_table=block_table, k_descale=k_descale, v_descale=v_descale)
-    return (out, lse) if return_lse else out
+                                 block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap)
+    return with_sinks((out, lse), sinks, return_lse)
 
 
 class _RowLists:
@@ -106,18 +112,19 @@ class _RowLists:
 def _block_sparse_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
                          kv_num_blocks: Tensor, kv_indices: Tensor, block_size: int, causal: bool, scale: float,
                          path: str, k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None,
-                         window: int = 0, sink_tokens: int = 0,
-                         kv_window: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                         window: int = 0, sink_tokens: int = 0, kv_window: Optional[Tensor] = None,
+                         softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
     """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq).
-    window 0: no sliding window (else its predicate on the blocks kv_window flags)."""
+    window 0: no sliding window (else its predicate on the blocks kv_window flags); softcap
+    0.0: no cap."""
     check_path(path)
     lists = _RowLists(kv_num_blocks, kv_indices, block_size, window, sink_tokens, kv_window)
     return decode_layout(q, k_cache, v_cache, lists, lengths, causal=causal, scale=scale, path=path,
-                         block_table=block_table, k_descale=k_descale, v_descale=v_descale)
+                         block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap or None)
 
 
 @_block_sparse_decode.register_fake
 def _(q, k_cache, v_cache, lengths, block_table, kv_num_blocks, kv_indices, block_size, causal, scale, path,
-      k_descale=None, v_descale=None, window=0, sink_tokens=0, kv_window=None):
+      k_descale=None, v_descale=None, window=0, sink_tokens=0, kv_window=None, softcap=0.0):
     B, Nq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)

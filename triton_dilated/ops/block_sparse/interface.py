@@ -108,8 +108,8 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
             The values are checked on the host (a device sync); for a decode step with none,
             use block_sparse_attention_with_kvcache.
         softcap: None, or a positive float c: scores s -> c * tanh(s / c) before the
-            softmax, gradients through the cap. Not on the decode path (q shorter than k, v,
-            or cache_seqlens) yet: a ValueError there.
+            softmax, gradients through the cap; also on the decode paths (q shorter than k,
+            v, or cache_seqlens).
         sinks: None, or a float32 tensor (Hq,) (differentiable): a per-head logit joining
             every row's softmax denominator, no value. lse then includes it: a row without
             keys gets 0 and lse = its head's sink.
@@ -120,7 +120,7 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
         lambda with_lse, cap: _block_sparse_attention(q, k, v, layout, causal=causal, scale=scale, return_lse=with_lse,
                                                       backend=backend, cu_seqlens=cu_seqlens,
                                                       cache_seqlens=cache_seqlens, softcap=cap),
-        q, k, v, return_lse=return_lse, softcap=softcap, sinks=sinks, cache_seqlens=cache_seqlens)
+        q, k, v, return_lse=return_lse, softcap=softcap, sinks=sinks)
 
 
 def _block_sparse_attention(q, k, v, layout, *, causal, scale, return_lse, backend, cu_seqlens, cache_seqlens,
@@ -137,7 +137,8 @@ def _block_sparse_attention(q, k, v, layout, *, causal, scale, return_lse, backe
             lens = cache_seqlens.to(q.device) if cache_seqlens is not None else \
                 torch.full((B,), k.shape[1], dtype=torch.int32, device=q.device)
             return block_sparse_attention_with_kvcache(q, k, v, cache_seqlens=lens, layout=layout, causal=causal,
-                                                       scale=scale, return_lse=return_lse, backend=backend)
+                                                       scale=scale, return_lse=return_lse, backend=backend,
+                                                       softcap=softcap)
         lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1], cu_seqlens)   # a host read, and checked
         layout.check_seq_len(k.shape[1])
         layout.check_heads(B, Hq)
@@ -146,7 +147,7 @@ def _block_sparse_attention(q, k, v, layout, *, causal, scale, return_lse, backe
             lens = torch.full((B,), k.shape[1], dtype=torch.int32, device=q.device) if cache_seqlens is None \
                 else cache_seqlens.to(q.device)
             lay = layout.to(q.device) if layout.kv_indices.device != q.device else layout
-            out, lse = decode_layout(q, k, v, lay, lens, causal=causal, scale=scale, path=path)
+            out, lse = decode_layout(q, k, v, lay, lens, causal=causal, scale=scale, path=path, softcap=softcap)
             return (out, lse) if return_lse else out
 
         def call(qq, kk, vv, rows, n):
@@ -158,7 +159,7 @@ def _block_sparse_attention(q, k, v, layout, *, causal, scale, return_lse, backe
             else:
                 lay = layout
             return block_sparse_attention(qq, kk, vv, lay, causal=causal, scale=scale, return_lse=True,
-                                          backend=backend)
+                                          backend=backend, softcap=softcap)
 
         out, lse = run_with_query_offset(call, q, k, v, lengths)
         return (out, lse) if return_lse else out

@@ -79,6 +79,12 @@ def nonfinite_to_nan(scores):
     return scores + scores * 0
 
 
+def cap_scores(scores, softcap):
+    """Soft-capped scores, s -> softcap * tanh(s / softcap) (None: unchanged). Call it after
+    nonfinite_to_nan: tanh would make an infinite score finite; a NaN stays NaN."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def mark_nonfinite(out, lse):
     """DESIGN §6: a row that read a non-finite query, key or value gives NaN out and NaN lse.
     Its scores were made NaN (nonfinite_to_nan), hence its lse; a non-finite value shows in
@@ -102,12 +108,13 @@ def softmax_lse(scores):
     return e / z_safe, lse.squeeze(-1)
 
 
-def attend_key_lists(q, k, v, key_pos, key_ok, scale: float, block_table=None):
+def attend_key_lists(q, k, v, key_pos, key_ok, scale: float, block_table=None, softcap=None):
     """Attention of each query row over its own list of keys.
 
     q: (B, Nq, Hq, D); k, v: (B, Nk, Hkv, D) (any strides); key_pos: long (B, Nq, Hq, K), the
     key positions each (query, head) reads, with key_ok (same shape) False on padding slots;
-    with block_table, k and v are page pools (cache_rows).
+    with block_table, k and v are page pools (cache_rows); softcap: scores s -> softcap *
+    tanh(s / softcap) (cap_scores).
     GQA: query head h reads key/value head h // (Hq // Hkv). Scores, softmax and sums in
     float32. Returns out (B, Nq, Hq, D) like q and lse float32 (B, Hq, Nq); a query with no
     key gets 0 and -inf. Differentiable (a key listed twice gets both gradients)."""
@@ -134,6 +141,7 @@ def attend_key_lists(q, k, v, key_pos, key_ok, scale: float, block_table=None):
         kg = cache_rows(k, b_idx[s:e], pos[s:e], h_idx[s:e], block_table).to(acc)     # (R, K, D)
         vg = cache_rows(v, b_idx[s:e], pos[s:e], h_idx[s:e], block_table).to(acc)
         scores = nonfinite_to_nan(torch.bmm(kg, qf[s:e].to(acc).unsqueeze(-1)).squeeze(-1) * scale)   # (R, K)
+        scores = cap_scores(scores, softcap)
         weights, lse = softmax_lse(scores.masked_fill(~ok[s:e], float("-inf")))
         out = torch.bmm(weights.unsqueeze(1), vg).squeeze(1)
         # a row with no key read its padding (any position): its output is 0 whatever that held

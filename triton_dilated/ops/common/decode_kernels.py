@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .hardware import device_arch, get_arch, padded_head_dim
-from .kernels import LOG2E
+from .kernels import LOG2E, tanh
 from .runtime import on_tensor_device
 
 MIN_KEYS_PER_SPLIT = 64
@@ -123,14 +123,17 @@ def kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8: tl.conste
 
 @triton.jit
 def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stride, t_lo, t_hi, d_ok, sm_scale,
-             BT, stride_kp, stride_vp, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr = 0):
+             BT, stride_kp, stride_vp, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr = 0,
+             SOFTCAP: tl.constexpr = 0.0):
     """Fold the keys start + stride*t, t in [t_lo, t_hi), into the running (acc (BLOCK_D,),
     max, denominator) of one query q (BLOCK_D,), all float32. Scores are in natural units;
     exp(s - m) is computed as exp2((s - m) * log2(e)). A max of -inf (nothing seen yet) is
     replaced by 0 before it is subtracted: no -inf - -inf. PAGE_SIZE > 0: a paged cache, key
     position n at row n % PAGE_SIZE of page BT[n // PAGE_SIZE] (BT: the batch row's block
     table; pages stride_kp / stride_vp apart; k_base, v_base without a batch offset). KV_FP8:
-    an FP8 cache (load_cache; sm_scale then carries k_descale, kv_descales)."""
+    an FP8 cache (load_cache; sm_scale then carries k_descale, kv_descales).
+    SOFTCAP > 0 (a constexpr; 0.0 compiles the uncapped kernel unchanged): scores
+    s -> SOFTCAP * tanh(s / SOFTCAP), float32 (kernels.tanh, exact form)."""
     for t0 in range(t_lo, t_hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         ok = t < t_hi
@@ -148,7 +151,10 @@ def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stri
         # s + s * 0 turns a score of +-Inf (an infinite key or query) into NaN, which then
         # reaches the denominator (a -inf score would read as "no key"); see store_result
         s = tl.sum(k * q[None, :], 1)
-        s = tl.where(ok, (s + s * 0.0) * sm_scale, float("-inf"))
+        s = (s + s * 0.0) * sm_scale
+        if SOFTCAP > 0:   # tanh keeps a NaN score NaN (NaN rule)
+            s = tanh(s * (1.0 / SOFTCAP), True) * SOFTCAP
+        s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2((s - m_safe) * LOG2E)

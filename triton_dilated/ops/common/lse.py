@@ -44,22 +44,26 @@ def merge_partials(outs, lses):
     return out, lse
 
 
-def with_softcap_and_sinks(attend, q, k, v, *, return_lse, softcap, sinks, cache_seqlens):
-    """The front doors' part of softcap= and sinks= (DESIGN §3): validated, softcap refused on
-    the decode path (not there yet), attend(return_lse, softcap) run (with its lse when sinks
-    need it) and the sinks added to its (out, lse)."""
+def with_softcap_and_sinks(attend, q, k, v, *, return_lse, softcap, sinks):
+    """The front doors' part of softcap= and sinks= (DESIGN §3): validated, attend(return_lse,
+    softcap) run (with its lse when sinks need it) and the sinks added to its (out, lse)."""
     from .validation import check_flags, check_qkv, check_sinks, check_softcap
     check_qkv(q, k, v, allow_shorter_q=True)
     check_flags(return_lse=return_lse)
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q.shape[2], q.device)
-    if softcap is not None and (cache_seqlens is not None or k.shape[1] != q.shape[1]):
-        raise ValueError("softcap is not supported on the decode path yet (q shorter than k, v, or cache_seqlens)")
     res = attend(return_lse or sinks is not None, softcap)
-    if sinks is None:
-        return res
-    out, lse = add_sinks(*res, sinks)
-    return (out, lse) if return_lse else out
+    return res if sinks is None else with_sinks(res, sinks, return_lse)
+
+
+def with_sinks(res, sinks, return_lse):
+    """res = (out, lse) (a tuple, whatever return_lse) with the sinks (None: none) joined once
+    to each row's denominator (add_sinks: device arithmetic, no host sync, differentiable);
+    out alone without return_lse. Where a result is merged from parts (ring steps, patterns),
+    call it once on the merged (out, lse), never per part."""
+    if sinks is not None:
+        res = add_sinks(*res, sinks)
+    return res if return_lse else res[0]
 
 
 def add_sinks(out, lse, sinks):

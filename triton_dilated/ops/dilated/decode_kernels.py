@@ -48,7 +48,7 @@ def _dilated_decode_kernel(
         stride_btb, stride_kp, stride_vp,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
+        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D)
@@ -76,7 +76,7 @@ def _dilated_decode_kernel(
         t_lo = tl.maximum(lo - first, 0)
         t_hi = tl.minimum(hi - first, count)
         acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, r, t_lo, t_hi,
-                                 d_ok, k_scale, bt, stride_kp, stride_vp, BLOCK_N, PAGE_SIZE, KV_FP8)
+                                 d_ok, k_scale, bt, stride_kp, stride_vp, BLOCK_N, PAGE_SIZE, KV_FP8, SOFTCAP)
         first += count
     if KV_FP8 > 0:   # the values' descale, once per program (the splits merge linearly in acc)
         acc = acc * v_scale
@@ -105,13 +105,14 @@ def _pattern_tables(patterns, table, device):
 
 @on_tensor_device
 def dilated_decode_forward(q, k, v, patterns, table, lengths, *, causal, scale, max_length=None, splits=None,
-                           config=None, block_table=None, k_descale=None, v_descale=None):
+                           config=None, block_table=None, k_descale=None, v_descale=None, softcap=None):
     """Dilated attention of q (B, Nq, Hq, D), the last Nq positions of each row's lengths[b]
     (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with block_table
     (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv, D). Returns
     (out like q, lse float32 (B, Hq, Nq)). `splits`: the number of splits per query (default:
     common.decode_kernels.num_splits); `max_length`: max(lengths) if known (else the capacity).
-    k, v float8_e4m3fn (an FP8 cache): k_descale, v_descale float32 (Hkv,) on q's device."""
+    k, v float8_e4m3fn (an FP8 cache): k_descale, v_descale float32 (Hkv,) on q's device;
+    softcap: None or the cap c (scores s -> c * tanh(s / c))."""
     B, Nq, Hq, D = q.shape
     Hkv = k.shape[2]
     paged = block_table is not None
@@ -135,6 +136,6 @@ def dilated_decode_forward(q, k, v, patterns, table, lengths, *, causal, scale, 
         bt.stride(0), k.stride(0), v.stride(0),
         Nq, Hq, Hq // Hkv, splits, scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, BLOCK_N=cfg["BLOCK_N"],
-        PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8,
+        PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, SOFTCAP=float(softcap or 0.0),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return merge_splits(out, lse, acc, part_m, part_l, splits, num_warps=cfg.get("num_warps", 4))

@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.kvcache import FP8_DTYPE, cache_view, check_kvcache_args, decode_step, portable_descaled
+from ..common.kvcache import FP8_DTYPE, cache_view, check_kvcache_args, decode_step, portable_descaled, with_sinks
 from ..common.op_support import check_path, lazy_module
 from ..common.runtime import empty_result, last_dim_contiguous
 from ..common.validation import check_flags, check_qkv, check_scale
@@ -41,24 +41,28 @@ def check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, of
 
 
 def decode_table(q, k, v, patterns, table, lengths, *, causal, scale, path, host_loop=False, block_table=None,
-                 k_descale=None, v_descale=None):
+                 k_descale=None, v_descale=None, softcap=None):
     """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
     q's device) valid rows of k, v (page pools with block_table; float8_e4m3fn with
     k_descale, v_descale): the Triton decode kernel or the portable decode (host_loop: its
-    strided-view CPU variant, which reads the lengths on the host; contiguous caches only)."""
+    strided-view CPU variant, which reads the lengths on the host; contiguous caches only).
+    softcap: None or the cap c (scores s -> c * tanh(s / c))."""
     if path == "torch":
         return portable_descaled(lambda q_: dilated_decode(q_, k, v, patterns, table, lengths, causal=causal,
-                                                           scale=scale, host_loop=host_loop, block_table=block_table),
+                                                           scale=scale, host_loop=host_loop, block_table=block_table,
+                                                           softcap=softcap),
                                  q, k_descale, v_descale, k.shape[2])
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     return _decode_kernels().dilated_decode_forward(q, k, v, patterns, table, lengths, causal=causal, scale=scale,
-                                                    block_table=block_table, k_descale=k_descale, v_descale=v_descale)
+                                                    block_table=block_table, k_descale=k_descale, v_descale=v_descale,
+                                                    softcap=softcap)
 
 
 def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
                                    segment_lengths, dilation_rates, causal=True, scale=None, mode="longnet",
                                    offsets="modulo", return_lse=False, backend="auto", validate=False,
-                                   head_offset=0, total_heads=None, k_descale=None, v_descale=None):
+                                   head_offset=0, total_heads=None, k_descale=None, v_descale=None, softcap=None,
+                                   sinks=None):
     """Dilated attention of a decode step against a KV cache, with no host sync (inference).
 
     Args:
@@ -85,7 +89,8 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
             saturated to +-448 (choose k_descale >= max|k| / 448, e.g. amax / 448 per head
             from a calibration pass). None (the default) for a 16/32-bit cache.
         segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse, backend,
-            head_offset, total_heads: as dilated_attention (causal defaults to True here).
+            head_offset, total_heads, softcap, sinks: as dilated_attention (causal defaults to
+            True here; the sinks join each row's denominator after the kernel, on the device).
         validate: check that every L_b lies in [Nq, Nk] (reads the lengths on the host: a
             device sync; for debugging). Without it values are not checked: a length out
             of range reads or writes outside the row (an index error or garbage).
@@ -99,7 +104,8 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     backend), so `torch.compile(fullgraph=True)` traces a decode step once for every value
     of cache_seqlens.
     """
-    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale)
+    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,
+                       softcap=softcap, sinks=sinks)
     B = q.shape[0]
     patterns, scale, heads = check_args(q, cache_view(k_cache, block_table, B, q),
                                         cache_view(v_cache, block_table, B, q),
@@ -109,16 +115,18 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     path, lengths = decode_step("dilated_attention_with_kvcache", q, k_cache, v_cache, k, v, cache_seqlens,
                                 block_table, validate, backend, DECODE_FAMILIES, k_descale, v_descale)
     if B == 0:
-        return empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), return_lse)
+        return with_sinks(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
+                          sinks, return_lse)
+    cap = float(softcap or 0.0)
     if torch.compiler.is_compiling():
         out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
                                    [r for _, r in patterns], causal, scale, mode, offsets, *heads, path, k_descale,
-                                   v_descale)
+                                   v_descale, cap)
     else:
         table = head_table(Hq, patterns, mode, offsets, *heads)
         out, lse = decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
-                                block_table=block_table, k_descale=k_descale, v_descale=v_descale)
-    return (out, lse) if return_lse else out
+                                block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap)
+    return with_sinks((out, lse), sinks, return_lse)
 
 
 # ----------------------------------------------------------------------------- custom op
@@ -130,17 +138,18 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
 def _dilated_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
                     segment_lengths: List[int], dilation_rates: List[int], causal: bool, scale: float, mode: str,
                     offsets: str, head_offset: int, total_heads: int, path: str, k_descale: Optional[Tensor] = None,
-                    v_descale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq)."""
+                    v_descale: Optional[Tensor] = None, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq).
+    softcap 0.0: no cap."""
     check_path(path)
     patterns = tuple(zip((int(w) for w in segment_lengths), (int(r) for r in dilation_rates)))
     table = head_table(q.shape[2], patterns, mode, offsets, head_offset, total_heads)
     return decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
-                        block_table=block_table, k_descale=k_descale, v_descale=v_descale)
+                        block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap or None)
 
 
 @_dilated_decode.register_fake
 def _(q, k_cache, v_cache, lengths, block_table, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-      head_offset, total_heads, path, k_descale=None, v_descale=None):
+      head_offset, total_heads, path, k_descale=None, v_descale=None, softcap=0.0):
     B, Nq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)

@@ -109,8 +109,8 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
             slice of the full call (Ulysses sequence parallelism computes one per rank).
             With GQA both must be multiples of Hq // Hkv.
         softcap: None, or a positive float c: every scaled score s becomes c * tanh(s / c)
-            before the softmax (Gemma 2), gradients through the cap. Not on the decode path
-            (q shorter than k, v, or cache_seqlens) yet: a ValueError there.
+            before the softmax (Gemma 2), gradients through the cap; also on the decode
+            paths (q shorter than k, v, or cache_seqlens).
         sinks: None, or a float32 tensor (Hq,) (differentiable): a per-head logit that joins
             every row's softmax denominator once (the joint denominator of all patterns)
             and contributes no value (gpt-oss). lse then includes it: a row without keys
@@ -125,7 +125,7 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
                                                  mode=mode, offsets=offsets, return_lse=with_lse, backend=backend,
                                                  cu_seqlens=cu_seqlens, cache_seqlens=cache_seqlens,
                                                  head_offset=head_offset, total_heads=total_heads, softcap=cap),
-        q, k, v, return_lse=return_lse, softcap=softcap, sinks=sinks, cache_seqlens=cache_seqlens)
+        q, k, v, return_lse=return_lse, softcap=softcap, sinks=sinks)
 
 
 def _dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal, scale, mode, offsets, return_lse,
@@ -146,7 +146,8 @@ def _dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal, scal
             return dilated_attention_with_kvcache(q, k, v, cache_seqlens=lens, segment_lengths=segment_lengths,
                                                   dilation_rates=dilation_rates, causal=causal, scale=scale,
                                                   mode=mode, offsets=offsets, return_lse=return_lse,
-                                                  backend=backend, head_offset=heads[0], total_heads=heads[1])
+                                                  backend=backend, head_offset=heads[0], total_heads=heads[1],
+                                                  softcap=softcap)
         lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1], cu_seqlens)   # a host read, and checked
         path = decode_path(backend, q, k, v, CONFIG_FAMILIES[:1])
         if path is not None:
@@ -156,12 +157,13 @@ def _dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal, scal
                 else cache_seqlens.to(q.device)
             host_loop = path == "torch" and q.device.type == "cpu" and not needs_grad(q, k, v)
             out, lse = decode_table(q, k, v, patterns, table, lens, causal=causal, scale=scale, path=path,
-                                    host_loop=host_loop)
+                                    host_loop=host_loop, softcap=softcap)
             return (out, lse) if return_lse else out
 
         def call(qq, kk, vv, rows, n):
             return _padded_call(qq, kk, vv, n - N, patterns, segment_lengths, dilation_rates, causal=causal,
-                                scale=scale, mode=mode, offsets=offsets, backend=backend, heads=heads)
+                                scale=scale, mode=mode, offsets=offsets, backend=backend, heads=heads,
+                                softcap=softcap)
 
         out, lse = run_with_query_offset(call, q, k, v, lengths)   # N = Nq: the rows kept
         return (out, lse) if return_lse else out
@@ -183,7 +185,7 @@ def _dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal, scal
 
 
 def _padded_call(q, k, v, first_query_row, patterns, segment_lengths, dilation_rates, *, causal, scale, mode,
-                 offsets, backend, heads=(0, None)):
+                 offsets, backend, heads=(0, None), softcap=None):
     """(out, lse) of the full-sequence call on q padded with first_query_row zero rows in
     front (common/query_offset.py), of which only the rows from first_query_row on are kept.
     The Triton path plans only the work those rows need (plan.QueryWindow): forward and dQ
@@ -195,10 +197,10 @@ def _padded_call(q, k, v, first_query_row, patterns, segment_lengths, dilation_r
         patterns = fit_patterns(patterns, N, heads[1] or Hq)
         return dilated_attention_table(q, k, v, patterns, head_table(Hq, patterns, mode, offsets, *heads),
                                        causal=causal, scale=scale, backend="triton",
-                                       doc_bounds=QueryWindow(None, first_query_row))
+                                       doc_bounds=QueryWindow(None, first_query_row), softcap=softcap)
     return dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
                              offsets=offsets, return_lse=True, backend=backend, head_offset=heads[0],
-                             total_heads=heads[1])
+                             total_heads=heads[1], softcap=softcap)
 
 
 def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse=True, backend="auto",

@@ -27,9 +27,10 @@ import torch
 
 from ..block_sparse.layout import BlockLayout, valid_slots
 from ..common.first_order import first_order_backward
-from ..common.lse import merge_partials, softmax_delta
+from ..common.lse import merge_partials, softmax_delta, with_sinks
 from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
-from ..common.validation import check_choice, check_cu_seqlens, check_flags, check_qkv, check_scale
+from ..common.validation import (check_choice, check_cu_seqlens, check_flags, check_qkv, check_scale, check_sinks,
+                                 check_softcap)
 from ..common.window import check_window_causal
 from ..dilated.interface import dilated_attention_table
 from ..dilated.patterns import check_head_slice, check_patterns, fit_patterns, head_table
@@ -118,7 +119,8 @@ def _residue_rows(patterns, table):
 # What every rank of the group must agree on (RingComm.agree), in this order.
 SIGNATURE = ("q shape (B, N_local, Hq, D)", "k/v shape (B, N_local, Hkv, D)", "dtype", "device type", "causal",
              "scale", "balance", "comm", "segment_lengths/dilation_rates", "mode/offsets", "layout",
-             "backward (grad mode, inputs requiring grad)", "heads (head_offset, total_heads)", "cu_seqlens")
+             "backward (grad mode, inputs requiring grad)", "heads (head_offset, total_heads)", "cu_seqlens",
+             "softcap", "sinks (given)")
 
 
 def _layout_fingerprint(layout: BlockLayout) -> str:
@@ -199,7 +201,7 @@ def _documents_fingerprint(per_doc) -> str:
 
 def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=None, layout=None, causal=False,
                    scale=None, mode="longnet", offsets="modulo", comm="p2p", balance="contiguous", return_lse=False,
-                   head_offset=0, total_heads=None, cu_seqlens=None):
+                   head_offset=0, total_heads=None, cu_seqlens=None, softcap=None, sinks=None):
     """Attention over a sequence sharded across the ranks of `group` (DESIGN §5).
 
     q, k, v: this rank's shard (B, N_local, H, D), as `shard(x, rank, world, balance)`
@@ -221,6 +223,12 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     balance: "contiguous", "zigzag", or a DocumentBalance (document_balance(cu_seqlens,
     world, ...)) that deals the positions so that the (query, key) pairs per rank are near
     even for any document lengths; shard and unshard take the same object.
+    softcap: None or c > 0: scores s -> c * tanh(s / c) in every ring step (as
+    dilated_attention). sinks: None or a float32 (Hq,) tensor, one logit per query head of q
+    (differentiable), joining every row's denominator once: added after the last ring step
+    and the merge of the local patterns, never per step. Pass the same sinks on every rank
+    (a replicated parameter): each rank's gradient for it is its own rows' part, and their
+    sum over the ranks (what DDP's all-reduce gives) is the full-sequence gradient.
 
     Every rank must pass the same shapes, dtype, device type, flags, scale, patterns and
     layout: one small all-gather checks it before any transfer, and where ranks differ
@@ -234,18 +242,20 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode, offsets=offsets,
             layout=layout, head_offset=head_offset, total_heads=total_heads, cu_seqlens=cu_seqlens)
         bounds, per_doc = check_documents(cu_seqlens, layout, balance, q.shape[0], n_total, heads[1])
+        softcap = check_softcap(softcap)
+        sinks = check_sinks(sinks, q.shape[2], q.device)
         signature = dict(zip(SIGNATURE, (
             tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, causal, scale,
             balance, comm, patterns, (mode, offsets) if dilated else None,
             None if layout is None else _layout_fingerprint(layout) if per_doc is None else
             _documents_fingerprint(per_doc),
             torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)), heads,
-            None if bounds is None else bounds_digest(bounds))))
+            None if bounds is None else bounds_digest(bounds), softcap, sinks is not None)))
     except (TypeError, ValueError) as exc:
         error = exc
     ring.agree(signature, error, device=q.device if isinstance(q, torch.Tensor) else None)
     if q.shape[0] == 0 or q.shape[1] == 0:   # every rank agreed on these shapes: nothing to send
-        return empty_result(q, k, v, return_lse)
+        return with_sinks(empty_result(q, k, v, True), sinks, return_lse)
 
     # the ring-step kernels' families: a GPU where their tiles do not fit (or spill: Volta/Turing
     # above D = 64) runs the portable step
@@ -256,21 +266,22 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     if bounds is not None:
         parts.append(_documents_ring(q, k, v, ring, n_total, balance, bounds, per_doc, dilated, patterns, heads,
                                      causal=causal, scale=scale, mode=mode, offsets=offsets, comm=comm,
-                                     use_triton=use_triton))
+                                     use_triton=use_triton, softcap=softcap))
     elif dilated:
         table = head_table(Hq, patterns, mode, offsets, *heads)
         (loc_p, loc_t), (ring_p, ring_t) = _dilated_split(patterns, table, n_total, ring.world, balance)
         if any(o >= 0 for row in loc_t for o in row):
-            parts.append(dilated_attention_table(q, k, v, loc_p, loc_t, causal=causal, scale=scale))
+            parts.append(dilated_attention_table(q, k, v, loc_p, loc_t, causal=causal, scale=scale, softcap=softcap))
         if any(o >= 0 for row in ring_t for o in row):
-            mask = StepMask(MASK_DILATED, causal, q.device, patterns=ring_p, table=ring_t)
+            mask = StepMask(MASK_DILATED, causal, q.device, patterns=ring_p, table=ring_t, softcap=softcap)
             plan = RingPlan(ring, n_total, balance, mask, q.device, send_rows=_residue_rows(ring_p, ring_t))
             parts.append(_RingFn.apply(q, k, v, plan, scale, comm, use_triton))
     else:
         if layout is not None:
-            mask = StepMask(MASK_LAYOUT, causal, q.device, layout=layout.heads(heads[0], heads[0] + Hq))
+            mask = StepMask(MASK_LAYOUT, causal, q.device, layout=layout.heads(heads[0], heads[0] + Hq),
+                            softcap=softcap)
         else:
-            mask = StepMask(MASK_DENSE, causal, q.device)
+            mask = StepMask(MASK_DENSE, causal, q.device, softcap=softcap)
         plan = RingPlan(ring, n_total, balance, mask, q.device)
         parts.append(_RingFn.apply(q, k, v, plan, scale, comm, use_triton))
 
@@ -279,26 +290,27 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     else:   # local patterns and ring patterns: one softmax over both, by their lse
         out, lse = merge_partials([p[0].transpose(1, 2) for p in parts], [p[1] for p in parts])
         out = out.transpose(1, 2).to(q.dtype).contiguous()
-    return (out, lse) if return_lse else out
+    return with_sinks((out, lse), sinks, return_lse)   # once, after every step and part
 
 
 def _documents_ring(q, k, v, ring, n_total, balance, bounds, per_doc, dilated, patterns, heads, *, causal, scale,
-                    mode, offsets, comm, use_triton):
+                    mode, offsets, comm, use_triton, softcap=None):
     """(out, lse) of ring_attention with packed documents (documents.py). One rank: the
     single-device call with the documents' bounds (the shard is the sequence)."""
     Hq = q.shape[2]
     if dilated:
         table = head_table(Hq, patterns, mode, offsets, *heads)
         if ring.world == 1:
-            return dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, doc_bounds=bounds)
-        mask = StepMask(MASK_DILATED, causal, q.device, patterns=patterns, table=table)
+            return dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, doc_bounds=bounds,
+                                           softcap=softcap)
+        mask = StepMask(MASK_DILATED, causal, q.device, patterns=patterns, table=table, softcap=softcap)
         plan = RingPlan(ring, n_total, balance, mask, q.device, send_rows=_residue_rows(patterns, table),
                         docs=DocPositions(bounds, q.device))
     elif per_doc is not None:
         lay = virtual_layout(per_doc, bounds, (heads[0], heads[0] + Hq))
-        mask = StepMask(MASK_LAYOUT, causal, q.device, layout=lay)
+        mask = StepMask(MASK_LAYOUT, causal, q.device, layout=lay, softcap=softcap)
         plan = RingPlan(ring, n_total, balance, mask, q.device, docs=DocPositions(bounds, q.device, lay.block_size))
     else:
-        mask = StepMask(MASK_DENSE, causal, q.device)
+        mask = StepMask(MASK_DENSE, causal, q.device, softcap=softcap)
         plan = RingPlan(ring, n_total, balance, mask, q.device, docs=DocPositions(bounds, q.device))
     return _RingFn.apply(q, k, v, plan, scale, comm, use_triton)

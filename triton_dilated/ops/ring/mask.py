@@ -4,7 +4,8 @@ Mask kinds: MASK_DENSE; MASK_DILATED (the weight of a pair is how many of the he
 patterns select it: p, p' in one segment, both with the head's residue; LongNet's multiset
 union); MASK_LAYOUT (a dense (n_blocks x n_blocks) block table looked up per element; a sliding
 window's blocks hold 2 there, where its predicate (ops/common/window.py) decides per element).
-Causal multiplies in p' <= p.
+Causal multiplies in p' <= p. softcap (None or c > 0): scores s -> c * tanh(s / c) before the
+weight, in every step (the cap acts per score, so it commutes with the ring's merge).
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ MASK_DENSE, MASK_DILATED, MASK_LAYOUT = 0, 1, 2
 
 class StepMask:
     """A step's mask: kind, causal, and the tables the kernels read (pattern widths, rates
-    and per-head offsets; the int8 block table)."""
+    and per-head offsets; the int8 block table) and the soft cap (None: none)."""
 
-    def __init__(self, kind, causal, device, patterns=None, table=None, layout=None):
+    def __init__(self, kind, causal, device, patterns=None, table=None, layout=None, softcap=None):
         self.kind, self.causal = kind, causal
+        self.softcap = softcap
         self.patterns, self.table = (tuple(patterns), tuple(table)) if kind == MASK_DILATED else ((), ())
         dummy_i32 = torch.zeros(1, dtype=torch.int32, device=device)
         self.num_patterns = len(patterns) if patterns else 1

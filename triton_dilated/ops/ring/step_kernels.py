@@ -7,7 +7,8 @@ Masks (MASK_KIND): 0 dense; 1 dilated (the weight of a pair is how many of the h
 patterns select it: p, p' in one segment, both with the head's residue; LongNet's
 multiset union); 2 block layout (a dense (n_blocks x n_blocks) table looked up per
 element). Causal multiplies in p' <= p. Weights enter the softmax as ln(weight) added to
-the score (-inf where 0); a key tile whose weights are all 0 is skipped.
+the score (-inf where 0), after the soft cap (SOFTCAP > 0: s -> c * tanh(s / c)); a key tile
+whose weights are all 0 is skipped.
 
 The step's partial (acc / l, its lse) is merged into the running (out, lse) by the
 max-guarded log-sum-exp, exact when either side is -inf: one read and one write of the
@@ -21,7 +22,8 @@ import triton.language as tl
 
 from ...configs import select_config
 from ..common.hardware import padded_head_dim
-from ..common.kernels import LOG2E, dot, finalize, online_softmax_step, program_tile, softmax_grad_block, window_keep
+from ..common.kernels import (LOG2E, dot, finalize, online_softmax_step, program_tile, softmax_grad_block, tanh,
+                              window_keep)
 from ..common.runtime import kernel_options, on_tensor_device, require_contiguous
 from . import mask as step_mask
 from .mask import StepMask
@@ -144,7 +146,7 @@ def _ring_step_fwd_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
+        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     Q += b * stride_qb + h * stride_qh
@@ -188,7 +190,7 @@ def _ring_step_fwd_kernel(
         v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)                       # [BLOCK_N, BLOCK_D]
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, q_ok[:, None], False, DOT_FP32,
-                                            PRECISION, log_w, True)
+                                            PRECISION, log_w, True, SOFTCAP=SOFTCAP)
     # merge (acc / l, lse_step) into the running (out, lse)
     # NaN rule: a NaN lse on either side makes the merged row NaN (w * NaN, log(NaN)); a
     # non-finite part (a NaN or Inf value was read) is found on the merged row, as w_step * part
@@ -224,7 +226,7 @@ def _ring_step_bwd_dq_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
+        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -266,7 +268,7 @@ def _ring_step_bwd_dq_kernel(
         v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)                         # [BLOCK_N, BLOCK_D]
         p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, q_ok[:, None], False,
-                                   DOT_FP32, PRECISION, log_w, True)
+                                   DOT_FP32, PRECISION, log_w, True, SOFTCAP=SOFTCAP)
         dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqn + d[None, :]
     tl.store(dq_ptrs, tl.load(dq_ptrs, mask=tile_mask, other=0.0) + dq * sm_scale, mask=tile_mask)
@@ -282,7 +284,7 @@ def _ring_step_bwd_dkdv_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
+        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     # BLOCK_M: the key tile this program owns, the M dimension of every dot (S^T = K Q^T,
     # dV += P^T dO, dP^T = V dO^T, dK += dS^T Q: P^T and dS^T feed the next dot from
     # registers); BLOCK_N: the query tiles it walks (its lists are built with these tiles).
@@ -337,11 +339,18 @@ def _ring_step_bwd_dkdv_kernel(
             row_max = tl.where(lse == float("-inf"), float("inf"), lse)   # the global lse: P = w exp(s - lse)
             delta = tl.load(DELTA + stats + rows, mask=q_ok, other=0.0)
             # softmax_grad_block transposed: the query statistics broadcast along columns
-            s_t = dot(k, qT, DOT_FP32, PRECISION) * sm_scale + log_w                      # [BLOCK_M, BLOCK_N]
+            s_t = dot(k, qT, DOT_FP32, PRECISION) * sm_scale                             # [BLOCK_M, BLOCK_N]
+            if SOFTCAP > 0:   # capped before the weight; dS^T through the cap (times 1 - tanh^2)
+                t_t = tanh(s_t * (1.0 / SOFTCAP), qT.dtype == tl.float32)
+                s_t = t_t * SOFTCAP
+                f_t = (1.0 - t_t * t_t).to(qT.dtype)   # kept in the inputs' dtype (as transposed_grad_step)
+            s_t = s_t + log_w
             p_t = tl.math.exp2((s_t - row_max[None, :]) * LOG2E)
             dv += dot(p_t.to(do.dtype), do, DOT_FP32, PRECISION)
             dp_t = dot(v, tl.trans(do), DOT_FP32, PRECISION)                               # [BLOCK_M, BLOCK_N]
             ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP > 0:
+                ds_t = ds_t * f_t.to(tl.float32)
             dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_FP32, PRECISION)
     # added in place by reductions (red.add): the old values never pass through registers (a
     # load-add-store spilled 48-84 B on sm90 at D = 128). This program alone writes these rows,
@@ -438,7 +447,8 @@ def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale, conf
     _ring_step_fwd_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
         Q=q, K=k, V=v, OUT=out, LSE=lse, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq), **docs,
         **_tile_lists(q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"], False, docs),
-        **_strides(q=q, k=k, v=v, o=out), NQ=NQ, NK=NK, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale, **meta)
+        **_strides(q=q, k=k, v=v, o=out), NQ=NQ, NK=NK, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
+        SOFTCAP=float(mask.softcap or 0.0), **meta)
 
 
 @on_tensor_device
@@ -460,7 +470,8 @@ def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepM
     docs = _doc_args(q_doc, k_doc)
     common = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq),
                   **docs,
-                  **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=scale)
+                  **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
+                  SOFTCAP=float(mask.softcap or 0.0))
     _ring_step_bwd_dq_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
         **common, **meta, DQ=dq, **_strides(dq=dq), HQ=Hq,
         **_tile_lists(q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"], False, docs))

@@ -72,11 +72,17 @@ def _unheads(x, G):
 
 
 def _scores(qh, kh, q_pos, k_pos, mask, scale, G, q_doc=None, k_doc=None):
-    """float32 scores plus ln(weight), (B, Hq, n, Nk), from _heads(q rows) and K as (B, Hkv, Nk, D)."""
+    """float32 scores, capped (mask.softcap: s -> c * tanh(s / c)), plus ln(weight), (B, Hq, n,
+    Nk), from _heads(q rows) and K as (B, Hkv, Nk, D); and tanh(s / c) (None without a cap),
+    whose 1 - tanh^2 the backward needs."""
     B, Hkv, Gn, _ = qh.shape
     s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale).view(B, Hkv * G, Gn // G, kh.shape[2])
+    t = None
+    if mask.softcap is not None:   # +-inf scores -> NaN first: tanh would make them finite (NaN rule)
+        t = s.add_(s * 0.0).div_(mask.softcap).tanh_()
+        s = t * mask.softcap
     log_w = pair_log_weight(q_pos, k_pos, mask, Hkv * G, B, q_doc, k_doc)
-    return s if log_w is None else s.add_(log_w)
+    return (s if log_w is None else s.add_(log_w)), t
 
 
 def _rows_of(q_doc, rows):
@@ -87,8 +93,8 @@ def step_forward(q, k, v, q_pos, k_pos, out, lse, mask, *, scale, q_doc=None, k_
     B, G = q.shape[0], q.shape[2] // k.shape[2]
     kh, vh = _heads(k, 1), _heads(v, 1)                                     # (B, Hkv, Nk, D)
     for rows in query_blocks(q, k.shape[1]):
-        s = _scores(_heads(q[:, rows], G), kh, q_pos[rows], k_pos, mask, scale, G, _rows_of(q_doc, rows),
-                    k_doc)                                                  # (B, Hq, n, Nk)
+        s, _ = _scores(_heads(q[:, rows], G), kh, q_pos[rows], k_pos, mask, scale, G, _rows_of(q_doc, rows),
+                       k_doc)                                               # (B, Hq, n, Nk)
         n = s.shape[2]
         lse_step = torch.logsumexp(s, dim=-1)                               # -inf rows stay -inf
         safe = torch.where(torch.isinf(lse_step), torch.zeros_like(lse_step), lse_step)
@@ -112,13 +118,15 @@ def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask, *, sc
     dkh, dvh = torch.zeros_like(kh), torch.zeros_like(vh)
     for rows in query_blocks(q, k.shape[1]):
         qh, doh = _heads(q[:, rows], G), _heads(do[:, rows], G)             # (B, Hkv, G n, D)
-        s = _scores(qh, kh, q_pos[rows], k_pos, mask, scale, G, _rows_of(q_doc, rows), k_doc)
+        s, t = _scores(qh, kh, q_pos[rows], k_pos, mask, scale, G, _rows_of(q_doc, rows), k_doc)
         n = s.shape[2]
         row_lse = lse[:, :, rows]
         row = torch.where(torch.isinf(row_lse), torch.full_like(row_lse, math.inf), row_lse)
         p = torch.exp_(s.sub_(row[..., None])).view(B, -1, G * n, s.shape[-1])   # empty rows: exp(-inf) = 0
         dp = torch.matmul(doh, vh.transpose(-1, -2))
         ds = p * dp.sub_(delta[:, :, rows].reshape(B, -1, G * n, 1))
+        if t is not None:   # through the cap: d(c * tanh(s / c)) / ds = 1 - tanh^2
+            ds.mul_((1.0 - t * t).view(B, -1, G * n, t.shape[-1]))
         dq[:, rows] += _unheads(torch.matmul(ds, kh), G) * scale
         dkh.add_(torch.matmul(ds.transpose(-1, -2), qh), alpha=scale)
         dvh.add_(torch.matmul(p.transpose(-1, -2), doh))
