@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import functools
 
-from transformers import AttentionInterface
-
-from . import transformers as td_hf
+from . import transformers as td_hf   # the one module that imports transformers
 
 IMPLEMENTATIONS = {td_hf.DILATED: td_hf.dilated_attention_forward,
                    td_hf.BLOCK_SPARSE: td_hf.block_sparse_attention_forward}
@@ -68,6 +66,6 @@ def register_ulysses(model_or_path, sequence_parallel_size: int, micro_batch_siz
                          f"{core_attn_implementation!r}")
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     td_hf.register()
-    AttentionInterface.register(core_attn_implementation, head_sliced(IMPLEMENTATIONS[core_attn_implementation]))
+    td_hf.AttentionInterface.register(core_attn_implementation, head_sliced(IMPLEMENTATIONS[core_attn_implementation]))
     return UlyssesSPAttentionHF.register_with_transformers(model_or_path, core_attn_implementation,
                                                            sequence_parallel_size, micro_batch_size, **kwargs)

@@ -261,7 +261,8 @@ def run_ring(world_sizes=None, seqlen=None, variants=VARIANTS, comms=SCHEMES, de
             for i, rec in enumerate(per_rank[0]):
                 recs = [r[i] for r in per_rank]
                 errs = [r["error"] for r in recs if "error" in r]
-                label = f"P={P} {rec['variant']} {rec['comm']} {rec['mode']}" + (" (CPU, gloo)" if device == "cpu" else "")
+                label = f"P={P} {rec['variant']} {rec['comm']} {rec['mode']}" + \
+                    (" (CPU, gloo)" if device == "cpu" else "")
                 if errs:
                     log(f"{label}: skipped ({errs[0]})")
                     continue
