@@ -74,11 +74,16 @@ def run_case(case):
     return res
 
 
+def _same(a, b):
+    if not torch.equal(a, b):
+        raise ValueError("a DeviceMesh as group gave another result than its process group")
+
+
 def errors(world):
     """The error each bad call raises (type and message), in order."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from triton_dilated import ring_attention, sequence_parallel_attention
+    from triton_dilated import ring_attention, sequence_parallel_attention, ulysses_attention
     if world == 2:
         mesh, cp = mesh_of((2,), ("ring",)), mesh_of((2,), ("cp",))
     else:
@@ -103,6 +108,9 @@ def errors(world):
             lambda: sequence_parallel_attention(d(x, m=cp), d(x, m=cp), d(x, m=cp)),      # 8 unnamed: scheme?
             lambda: sequence_parallel_attention(q, q, q, scheme="usp"),                   # 9 one dim, usp
             lambda: sequence_parallel_attention(q, q, q, scheme="star"),                  # 10 bad scheme
+            lambda: _same(ring_attention(x, x, x, group=mesh, causal=True),               # 11 a 1-D mesh as group
+                          ring_attention(x, x, x, group=mesh.get_group(), causal=True)),
+            lambda: _same(ulysses_attention(x, x, x, group=mesh), ulysses_attention(x, x, x, group=mesh.get_group())),
         ]
     else:
         calls += [
