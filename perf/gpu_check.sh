@@ -7,9 +7,9 @@
 #                                         interpreter, no GPU needed (tests/test_gpu_check.py)
 #
 # The most valuable numbers first; each stage under its own `timeout`, writing its rows as it
-# goes (a failing or slow stage never stops the next). Stage limits add up to 455 s (+ 5 s
+# goes (a failing or slow stage never stops the next). Stage limits add up to 440 s (+ 5 s
 # each to kill a stage that ignores SIGTERM); with the GPU check before (30 + 5 s at most) and
-# the result tables after (20 + 5 s) even a run where everything hits its limit takes 9 min 15 s.
+# the result tables after (20 + 5 s) even a run where everything hits its limit takes 9 minutes.
 #   1. smoke (25 s)      nvidia-smi (clocks, power), python/python3, a C compiler, Python.h and
 #                        one tiny Triton kernel launched and checked (perf/gpu_smoke.py): if
 #                        Triton cannot launch, every later number is void: stop (exit 3)
@@ -25,7 +25,7 @@
 #                        (perf/config_ab.py -> config_ab.csv)
 #   5. flex (75 s)       block-sparse vs FlexAttention (compiled) and dense at 16K, ~90% sparsity
 #                        (perf/block_sparse_vs_flex.py -> block_sparse_vs_flex.csv)
-#   6. ringstep (40 s)   issue 4's one-GPU ring check, and issue 22's Ulysses overhead on a world of 1
+#   6. ringstep (25 s)   issue 4's one-GPU ring check, and issue 22's Ulysses overhead on a world of 1
 #                        against the local call (perf/ring_step_vs_dense.py -> ring_step_vs_dense.txt)
 #   6b. decode (20 s)    one decode step (bf16, H = 16, D = 128) at 4K, 32K, 256K and 1M tokens of
 #                        context: dilated (Triton decode kernel) vs dense SDPA on the same cache
@@ -142,7 +142,7 @@ stage key 85 "$PY" perf/gpu_key_rows.py --out "$OUT/key_rows.csv" "${KEY_ARGS[@]
 stage breakdown 40 "$PY" perf/kernel_breakdown.py --out "$OUT/kernel_breakdown.csv" "${BREAKDOWN_ARGS[@]}"
 stage configs 90 "$PY" perf/config_ab.py --out "$OUT/config_ab.csv" "${CONFIG_ARGS[@]}"
 stage flex 75 "$PY" perf/block_sparse_vs_flex.py --out "$OUT/block_sparse_vs_flex.csv" "${FLEX_ARGS[@]}"
-stage ringstep 40 bash -c '"$1" perf/ring_step_vs_dense.py "${@:2}" > "$0/ring_step_vs_dense.txt" 2>&1; rc=$?;
+stage ringstep 25 bash -c '"$1" perf/ring_step_vs_dense.py "${@:2}" > "$0/ring_step_vs_dense.txt" 2>&1; rc=$?;
   cat "$0/ring_step_vs_dense.txt"; exit $rc' "$OUT" "$PY" "${RING_ARGS[@]}"
 stage decode 20 "$PY" -m triton_dilated.perf decode --out "$OUT/decode.csv" --memory-contexts --max-call-seconds 5 \
   "${DECODE_ARGS[@]}"
