@@ -1,7 +1,7 @@
 """Engine integrations (issue 22 item 6) on gloo CPU worlds of 2 spawned processes.
 
 DeepSpeed ALST Ulysses (the `deepspeed` extra, not in `dev`: skipped where deepspeed is not
-installed; see pyproject.toml for the install and test times): a tiny random Llama with
+installed; pyproject.toml has the install and test times): a tiny random Llama with
 attn_implementation="triton_dilated", its attention wrapped by DeepSpeed's own
 UlyssesSPAttentionHF (integrations.deepspeed.register_ulysses), batches sharded by DeepSpeed's
 UlyssesSPDataLoaderAdapter, trained with SGD: every step's loss equals the one-process run
