@@ -25,7 +25,8 @@
 #                        (perf/config_ab.py -> config_ab.csv)
 #   5. flex (75 s)       block-sparse vs FlexAttention (compiled) and dense at 16K, ~90% sparsity
 #                        (perf/block_sparse_vs_flex.py -> block_sparse_vs_flex.csv)
-#   6. ringstep (25 s)   issue 4's one-GPU ring check (perf/ring_step_vs_dense.py -> ring_step_vs_dense.txt)
+#   6. ringstep (25 s)   issue 4's one-GPU ring check, and issue 22's Ulysses overhead on a world of 1
+#                        against the local call (perf/ring_step_vs_dense.py -> ring_step_vs_dense.txt)
 #   6b. decode (30 s)    one decode step (bf16, H = 16, D = 128) at 4K, 32K, 256K and 1M tokens of
 #                        context, batch 1 and 8: dilated (Triton decode kernel) vs dense SDPA on the
 #                        same cache; the serving step (append + attend, dilated_attention_with_kvcache)
@@ -78,7 +79,7 @@ if [ "$DRY" = 1 ]; then
   BREAKDOWN_ARGS=("${SHAPE[@]}" --iters 1)
   CONFIG_ARGS=("${SHAPE[@]}" --quick --causal yes --fwd-configs 16,16,4,1 --bwd-configs 16,16,4,1)
   FLEX_ARGS=("${SHAPE[@]}" --block-size 32 --quick)
-  RING_ARGS=("${SHAPE[@]}" --worlds 2)
+  RING_ARGS=("${SHAPE[@]}" --worlds 2 --ulysses-backend torch)
   DECODE_ARGS=(--contexts 128 --batch 1 2 --heads 1 --head-dim 16 --dtype float32 --budget 0.05
                --providers dilated dilated_kvcache dilated_kvcache_paged_fp8 dilated_kvcache_graph sdpa_dense)
   TEST_ARGS=(tests/test_perf.py -k "plan_cli")

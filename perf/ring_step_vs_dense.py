@@ -4,6 +4,12 @@ block step kernel folds P key/value shards into the running (out, lse) one call 
 keys, and dense SDPA (FlashAttention on a GPU) on the same work. Target: P steps cost at
 most 5% more than the single call. Medians; every provider measured in the same run.
 
+Then issue 22's one-GPU Ulysses check: ulysses_attention over a world of 1 (a one-process
+gloo group: with one rank the all-to-alls move nothing, they are the reshapes and copies
+around an identity, and the rank-agreement check returns at once) against the plain local
+call it wraps (dilated_attention, LongNet patterns at N), forward and
+forward+backward, interleaved rounds: the paired ratio is the Ulysses wrapper's overhead.
+
     python perf/ring_step_vs_dense.py                 # GPU: N=16384, H=16, D=128, bf16, P=2,4,8
     TRITON_INTERPRET=1 python perf/ring_step_vs_dense.py --seqlen 256 --heads 2 --head-dim 32 \\
         --dtype float32 --worlds 2     # CPU smoke run (interpreter: timings mean nothing)
@@ -11,13 +17,14 @@ most 5% more than the single call. Medians; every provider measured in the same 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from triton_dilated.ops.ring.mask import MASK_DENSE, StepMask
 from triton_dilated.ops.ring.step_kernels import step_forward
-from triton_dilated.perf.timing import Timing, median_ms
+from triton_dilated.perf.timing import Timing, interleaved, median_ms, paired_ratio
 
 
 def main():
@@ -28,6 +35,8 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="default: %(default)s")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8], help="ring sizes P (default: %(default)s)")
+    p.add_argument("--ulysses-backend", default="auto", choices=("auto", "triton", "torch"),
+                   help="the Ulysses check's local calls (default: %(default)s; the CPU dry run: torch)")
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
@@ -60,6 +69,53 @@ def main():
             assert err < 1e-2, f"P={world}: steps differ from one call by {err}"
             t = median_ms(lambda: steps(world), dev.type, timing)
             print(f"{str(causal):>6} {world:>3} {t:9.3f} {one:9.3f} {sdpa:8.3f} {t / one:10.3f}")
+    ulysses_overhead(q, k, v, scale, dev, timing, args.ulysses_backend)
+
+
+def ulysses_overhead(q, k, v, scale, dev, timing, backend):
+    """ulysses_attention on a world of 1 against the local call it makes (module docstring)."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    from triton_dilated import dilated_attention, ulysses_attention
+    from triton_dilated.ops.dilated.spec import longnet_patterns
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tempfile.mkdtemp(), 'rendezvous')}",
+                                rank=0, world_size=1)
+    N = q.shape[1]
+    print(f"\nUlysses on one device (world 1: the all-to-alls move nothing), causal; paired ratio of interleaved "
+          f"rounds [IQR %]")
+    print(f"{'pattern':>8} {'pass':>8} {'ulysses':>9} {'local':>9} {'ulysses/local':>14}")
+    # the LongNet patterns only (the key stage's kernels, already compiled), a short budget:
+    # the stage has 25 s on the GPU
+    timing = replace(timing, budget_s=min(timing.budget_s, 0.2), max_reps=min(timing.max_reps, 20), min_reps=3)
+    for name, (ws, rs) in (("dilated", tuple(zip(*longnet_patterns(N)))),):
+        kw = dict(causal=True, scale=scale, backend=backend)
+        for mode in ("fwd", "fwd_bwd"):
+            x = [t.detach().requires_grad_(mode == "fwd_bwd") for t in (q, k, v)]
+            do = torch.randn_like(q)
+
+            def run(fn):
+                def call():
+                    if mode == "fwd":
+                        with torch.no_grad():
+                            fn()
+                    else:
+                        torch.autograd.grad(fn(), x, do)
+                return call
+            uly = run(lambda: ulysses_attention(*x, segment_lengths=list(ws), dilation_rates=list(rs), **kw))
+            loc = run(lambda: dilated_attention(*x, list(ws), list(rs), **kw))
+            with torch.no_grad():
+                a, b = ulysses_attention(q, k, v, segment_lengths=list(ws),
+                                         dilation_rates=list(rs), **kw), dilated_attention(q, k, v, ws, rs, **kw)
+            assert torch.equal(a, b), f"{name}: ulysses over one rank differs from the local call"
+            times = interleaved({"ulysses": uly, "local": loc}, dev.type, timing)
+            ratio, iqr = paired_ratio(times["ulysses"], times["local"])
+            med = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
+            print(f"{name:>8} {mode:>8} {med['ulysses']:9.3f} {med['local']:9.3f} {ratio:9.3f} [{iqr:.0f}%]")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -96,7 +96,10 @@ def test_dry_run_runs_every_stage_in_order_and_each_writes_its_rows(tmp_path):
     assert {"triton", "flex", "sdpa_dense"} <= {r["provider"] for r in flex}
     assert {"local", "bigbird"} == {r["variant"] for r in flex}
 
-    assert "steps/one" in (out / "ring_step_vs_dense.txt").read_text()
+    ring = (out / "ring_step_vs_dense.txt").read_text()
+    assert "steps/one" in ring and "ulysses/local" in ring
+    assert {("dilated", m) for m in ("fwd", "fwd_bwd")} <= {
+        tuple(line.split()[:2]) for line in ring.splitlines()}
     decode = _rows(out / "decode.csv")
     timed = {(r["provider"], r["B"]) for r in decode if r["metric"] == "ms" and r["value"]}
     assert {(p, b) for p in ("dilated", "dilated_kvcache", "dilated_kvcache_paged_fp8", "sdpa_dense")

@@ -717,3 +717,17 @@ def test_plot_without_arguments_leaves_the_committed_results_alone(tmp_path, mon
     assert written and all(pathlib.Path(p).resolve().parent == tmp_path / "perf" / "out" for p in written)
     assert "ring-cpu-ring.png" in {pathlib.Path(p).name for p in written}
     assert {p.name: p.stat().st_mtime_ns for p in committed.iterdir()} == before
+
+
+def test_ring_schemes_say_when_they_cannot_run():
+    """perf ring's Ulysses and 2-D rows: which world sizes each scheme takes; CPU tables say
+    what their timings are."""
+    skip = perf_ring.scheme_skip
+    assert skip("ulysses", 4, 4, 4096, "zigzag") is None and skip("usp", 4, 4, 4096, "zigzag") is None
+    assert "heads to split over 3 ranks" in skip("ulysses", 3, 4, 4096, "contiguous")
+    assert "at least 4" in skip("usp", 2, 4, 4096, "zigzag") and "multiple of 2" in skip("usp", 5, 10, 4000, "zigzag")
+    assert "split over its 2 Ulysses ranks" in skip("usp", 4, 3, 4096, "zigzag")
+    assert "not a multiple of 8" in skip("p2p", 4, 4, 100, "zigzag")
+    row = results.make_row(op="ring_attention", variant="dense", provider="usp_2x2", mode="fwd", world_size=4,
+                           metric="ms", value=1.0, device="cpu")
+    assert perf_ring.ring_table([row]).startswith("CPU timings: gloo processes")

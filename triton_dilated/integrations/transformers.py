@@ -294,6 +294,32 @@ def _left_padded(impl, call, q, k, v, mask):
     return torch.cat(parts).index_select(0, inverse) if inverse is not None else parts[0]
 
 
+def _head_slice(impl, module, query, kwargs) -> tuple[int, int | None]:
+    """(head_offset, total_heads) of a call: from the keywords head_offset/total_heads (a
+    caller running on a head slice passes them: integrations.deepspeed's Ulysses), else the
+    full head set. A call holding fewer query heads than the model config without them is
+    refused: dilated offsets and per-head layouts follow the global head index, which the
+    slice alone does not tell."""
+    offset, total = kwargs.pop("head_offset", None), kwargs.pop("total_heads", None)
+    if offset is not None:
+        return offset, total
+    config_heads = getattr(_config_of(module), "num_attention_heads", None)
+    if isinstance(config_heads, int) and query.shape[1] != config_heads:
+        raise ValueError(f"{impl}: the call holds {query.shape[1]} of the model's {config_heads} query heads (heads "
+                         f"split over ranks: sequence parallelism by heads or tensor parallelism), and the pattern "
+                         f"depends on the global head index: pass head_offset= (and total_heads=); for DeepSpeed "
+                         f"Ulysses use triton_dilated.integrations.deepspeed.register_ulysses")
+    return 0, None
+
+
+def _slice_sinks(sinks, head_offset: int, total_heads, num_heads: int):
+    """The model's per-head sink logits for a call on a head slice (total_heads given): its
+    heads' entries."""
+    if sinks is None or total_heads is None:
+        return sinks
+    return sinks[head_offset:head_offset + num_heads]
+
+
 def _decoding(q, k, v, lengths):
     """Whether a call is a decode step for the inference entry points: a static cache's
     lengths, up to 16 query rows, no gradient."""
@@ -306,15 +332,20 @@ def dilated_attention_forward(module, query, key, value, attention_mask, dropout
     (B, Hkv, Nk, D), the queries the last Nq positions; returns ((B, Nq, H, D), None). Full
     layers run dilated attention with config.dilated_attention's patterns; sliding layers (the
     model passes sliding_window) block-sparse attention on layouts.sliding_window; both take
-    the model's softcap and attention sinks (s_aux)."""
+    the model's softcap and attention sinks (s_aux). Keywords head_offset/total_heads: the
+    call holds query heads [head_offset, head_offset + H) of total_heads (a head slice, as
+    under DeepSpeed Ulysses: integrations.deepspeed)."""
     window, softcap, sinks = _model_extras(DILATED, kwargs)
-    extra = dict(softcap=softcap, sinks=sinks)
+    head_offset, total_heads = _head_slice(DILATED, module, query, kwargs)
+    extra = dict(softcap=softcap, sinks=_slice_sinks(sinks, head_offset, total_heads, query.shape[1]))
     if window is not None:
         call = _sliding_call(module, window, scaling, extra, "dilated_attention")
         return _run(DILATED, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
     spec = dilated_spec(_config_of(module))
+    head_offset, total_heads = _head_slice(DILATED, module, query, kwargs)
     pattern = dict(segment_lengths=spec["segment_lengths"], dilation_rates=spec["dilation_rates"], causal=True,
-                   scale=scaling, mode=spec["mode"], offsets=spec["offsets"], backend=spec["backend"], **extra)
+                   scale=scaling, mode=spec["mode"], offsets=spec["offsets"], backend=spec["backend"],
+                   head_offset=head_offset, total_heads=total_heads, **extra)
 
     def call(q, k, v, lengths):
         if _decoding(q, k, v, lengths):   # a static cache's decode step: no host sync
@@ -350,13 +381,16 @@ def block_sparse_attention_forward(module, query, key, value, attention_mask, dr
     full layers on config.block_sparse_attention's layout, sliding layers on
     layouts.sliding_window; both with the model's softcap and sinks."""
     window, softcap, sinks = _model_extras(BLOCK_SPARSE, kwargs)
-    extra = dict(softcap=softcap, sinks=sinks)
+    first, total = _head_slice(BLOCK_SPARSE, module, query, kwargs)
+    extra = dict(softcap=softcap, sinks=_slice_sinks(sinks, first, total, query.shape[1]))
     if window is not None:
         call = _sliding_call(module, window, scaling, extra, "block_sparse_attention")
         return _run(BLOCK_SPARSE, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
 
     def call(q, k, v, lengths):
         lay, backend = _module_layout(module, k.shape[1], k.device)
+        if total is not None:   # a head slice: its rows of a per-head layout (one head row: itself)
+            lay = lay.heads(first, first + q.shape[2])
         if _decoding(q, k, v, lengths):   # a static cache's decode step: no host sync
             return block_sparse_attention_with_kvcache(q, k, v, cache_seqlens=lengths, layout=lay, causal=True,
                                                        scale=scaling, backend=backend, **extra)

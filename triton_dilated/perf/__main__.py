@@ -6,7 +6,7 @@
                                           lengths that fit this machine; GPU: the Triton
                                           kernels, CPU: the portable backend
   python -m triton_dilated.perf tune      autotune the kernel configs, rewrite configs/<arch>.json
-  python -m triton_dilated.perf ring      ring attention: time and per-rank memory vs world size
+  python -m triton_dilated.perf ring      ring, Ulysses, 2-D: time and per-rank memory vs world size
   python -m triton_dilated.perf layouts   time the block-layout builders at N = 1M tokens
   python -m triton_dilated.perf plot      PNG plots from result CSVs
   python -m triton_dilated.perf table     print the summary table of a result CSV
@@ -82,7 +82,7 @@ def _parser():
                    help="time at most this many candidates per kernel (default: all that fit the arch)")
     p.add_argument("--no-causal", action="store_true", help="tune the non-causal kernels (default: causal)")
 
-    p = command("ring", "ring attention: time and per-rank memory vs world size")
+    p = command("ring", "ring, Ulysses and 2-D attention: time and per-rank memory vs world size")
     p.add_argument("--out", default="perf/out/ring.csv", help="CSV to write (default: %(default)s)")
     p.add_argument("--world-sizes", type=int, nargs="+", metavar="P",
                    help="default: 1 2 4 8 up to the GPU count; CPU: 1 2 4")
@@ -91,8 +91,10 @@ def _parser():
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when a GPU is visible, else cpu")
     p.add_argument("--variants", nargs="+", choices=("dense", "dilated"), default=["dense", "dilated"],
                    help="default: %(default)s")
-    p.add_argument("--comms", nargs="+", choices=("p2p", "allgather"), default=["p2p", "allgather"],
-                   help="default: %(default)s")
+    p.add_argument("--comms", nargs="+", choices=("p2p", "allgather", "ulysses", "usp"),
+                   default=["p2p", "allgather", "ulysses", "usp"],
+                   help="ring p2p/all-gather, Ulysses (heads over the ranks), usp (2-D: Ulysses groups of 2 x a "
+                        "p2p ring, P >= 4) (default: %(default)s)")
     p.add_argument("--balance", choices=("contiguous", "zigzag"), default="zigzag",
                    help="how the sequence is split over ranks (default: %(default)s)")
     p.add_argument("--no-causal", action="store_true", help="non-causal attention (default: causal)")

@@ -1,5 +1,6 @@
 """`python -m triton_dilated.perf ring`: time and per-rank memory of ring attention against
-the world size P (DESIGN §5, §11).
+the world size P (DESIGN §5, §11), beside Ulysses (ulysses_attention over the world) and 2-D
+sequence parallelism (Ulysses groups of 2 x a p2p ring, P >= 4) as further "comms".
 
 For each P, P processes are spawned (NCCL, one GPU per rank, where the machine has P GPUs;
 gloo on the CPU otherwise), each holding a random shard (B, N/P, H, D) of a sequence of
@@ -30,6 +31,10 @@ from ..ops.ring.spec import SPEC as RING_SPEC
 from .results import CsvSink, make_row, provenance, sig
 
 COMMS = ("p2p", "allgather")
+# sequence-parallel schemes beside the ring's two comms (--comms takes all four): Ulysses over
+# the world, and 2-D (USP): Ulysses groups of USP_U consecutive ranks x a p2p ring over them
+SCHEMES = COMMS + ("ulysses", "usp")
+USP_U = 2
 VARIANTS = ("dense", "dilated")
 
 
@@ -76,9 +81,41 @@ def _reset_peak_rss():
         return False
 
 
+def scheme_skip(comm, world, heads, seqlen, balance):
+    """Why a scheme cannot run at this world size (None: it can)."""
+    parts = 2 if balance == "zigzag" else 1
+    if comm == "ulysses" and heads % world:
+        return f"ulysses needs the {heads} heads to split over {world} ranks"
+    if comm == "usp":
+        if world < 2 * USP_U or world % USP_U:
+            return f"usp (Ulysses {USP_U} x ring) needs a world of at least {2 * USP_U}, a multiple of {USP_U}"
+        if heads % USP_U:
+            return f"usp needs the {heads} heads to split over its {USP_U} Ulysses ranks"
+    if seqlen % (world * parts):
+        return f"N={seqlen} is not a multiple of {world * parts}"
+    return None
+
+
+def _attention_calls(world, rank, comms):
+    """{comm: fn(q, k, v, **kw)}: ring_attention with comm, ulysses_attention, or the 2-D
+    grid (every rank creates every group, in the same order)."""
+    import torch.distributed as dist
+
+    from triton_dilated import ring_attention, ulysses_attention
+    calls = {c: (lambda q, k, v, c=c, **kw: ring_attention(q, k, v, comm=c, **kw)) for c in COMMS if c in comms}
+    if "ulysses" in comms:
+        calls["ulysses"] = lambda q, k, v, **kw: ulysses_attention(q, k, v, **kw)
+    if "usp" in comms and world >= 2 * USP_U and world % USP_U == 0:
+        uly = [dist.new_group(list(range(r * USP_U, (r + 1) * USP_U))) for r in range(world // USP_U)]
+        rings = [dist.new_group(list(range(u, world, USP_U))) for u in range(USP_U)]
+        grid = dict(group=uly[rank // USP_U], ring_group=rings[rank % USP_U])
+        calls["usp"] = lambda q, k, v, **kw: ulysses_attention(q, k, v, **grid, **kw)
+    return calls
+
+
 def _ring_worker(rank, world, init_file, spec, out_dir):
     import torch.distributed as dist
-    ring_attention = load_ring()
+    load_ring()
     use_cuda = spec["device"] == "cuda"
     if use_cuda:
         torch.cuda.set_device(rank)
@@ -91,6 +128,7 @@ def _ring_worker(rank, world, init_file, spec, out_dir):
     gen = torch.Generator(device=device).manual_seed(1234 + rank)
     mk = lambda: torch.randn(B, N // world, H, D, generator=gen, device=device).to(dtype)  # noqa: E731
     results = []
+    calls = _attention_calls(world, rank, spec["comms"])
     try:
         for variant in spec["variants"]:
             kw = dict(causal=spec["causal"], balance=spec["balance"])
@@ -98,6 +136,9 @@ def _ring_worker(rank, world, init_file, spec, out_dir):
                 ws, rs = _patterns(N)
                 kw.update(segment_lengths=list(ws), dilation_rates=list(rs))
             for comm in spec["comms"]:
+                if scheme_skip(comm, world, H, N, spec["balance"]):
+                    continue
+                attention = calls[comm]
                 for mode in ("fwd", "fwd_bwd"):
                     q, k, v = (mk().requires_grad_(mode == "fwd_bwd") for _ in range(3))
                     grad = torch.randn_like(q)
@@ -105,9 +146,9 @@ def _ring_worker(rank, world, init_file, spec, out_dir):
                     def call():
                         if mode == "fwd":
                             with torch.no_grad():
-                                ring_attention(q, k, v, comm=comm, **kw)
+                                attention(q, k, v, **kw)
                         else:
-                            out = ring_attention(q, k, v, comm=comm, **kw)
+                            out = attention(q, k, v, **kw)
                             torch.autograd.grad(out, (q, k, v), grad)
                         if use_cuda:
                             torch.cuda.synchronize()
@@ -169,7 +210,7 @@ def default_world_sizes(device):
     return [1, 2, 4]
 
 
-def run_ring(world_sizes=None, seqlen=None, variants=VARIANTS, comms=COMMS, device=None, causal=True,
+def run_ring(world_sizes=None, seqlen=None, variants=VARIANTS, comms=SCHEMES, device=None, causal=True,
              balance="zigzag", heads=None, head_dim=None, out=None, timeout_s=300.0, quick=False, log=print):
     """The world-size sweep; returns the rows (streamed to `out` too). Raises RingUnavailable
     when ring attention cannot be imported."""
@@ -213,10 +254,15 @@ def run_ring(world_sizes=None, seqlen=None, variants=VARIANTS, comms=COMMS, devi
             except Exception as exc:
                 log(f"P={P}: failed ({type(exc).__name__}: {exc})")
                 continue
+            for comm in comms:
+                why = scheme_skip(comm, P, H, N, balance)
+                if why:
+                    log(f"P={P} {comm}: skipped ({why})")
             for i, rec in enumerate(per_rank[0]):
                 recs = [r[i] for r in per_rank]
                 errs = [r["error"] for r in recs if "error" in r]
-                label = f"P={P} {rec['variant']} {rec['comm']} {rec['mode']}"
+                label = f"P={P} {rec['variant']} {rec['comm']} {rec['mode']}" + \
+                    (" (CPU, gloo)" if device == "cpu" else "")
                 if errs:
                     log(f"{label}: skipped ({errs[0]})")
                     continue
@@ -228,7 +274,9 @@ def run_ring(world_sizes=None, seqlen=None, variants=VARIANTS, comms=COMMS, devi
                 for m in ("peak_mem_mib", "peak_rss_mib"):
                     if m in rec:
                         metrics.append((m, max(r[m] for r in recs)))
-                base = dict(op="ring_attention", variant=rec["variant"], provider=f"ring_{rec['comm']}",
+                provider = {"ulysses": "ulysses", "usp": f"usp_{USP_U}x{P // USP_U}"}.get(rec["comm"],
+                                                                                      f"ring_{rec['comm']}")
+                base = dict(op="ring_attention", variant=rec["variant"], provider=provider,
                             **{"pass": rec["mode"]}, B=1, N=N, H=H, Hkv=H, D=D, dtype=dtype, causal=causal,
                             attn_mode="longnet" if ws else "", segment_lengths="/".join(map(str, ws)),
                             dilation_rates="/".join(map(str, rs)), layout=f"balance={balance}", world_size=P,
@@ -249,7 +297,9 @@ def ring_table(rows) -> str:
         return "no ring results"
     mem = {(r["variant"], r["provider"], r["pass"], r["world_size"]): r["value"] for r in rows
            if r["metric"] in ("peak_mem_mib", "peak_rss_mib")}
-    lines = [f"{'variant':8} {'comm':14} {'pass':8} {'P':>3} {'ms':>10} {'MiB/rank':>9}"]
+    cpu = any(r.get("device") == "cpu" for r in ms)
+    lines = ["CPU timings: gloo processes sharing the machine's cores, not GPU interconnects"] if cpu else []
+    lines.append(f"{'variant':8} {'comm':14} {'pass':8} {'P':>3} {'ms':>10} {'MiB/rank':>9}")
     for r in sorted(ms, key=lambda r: (r["variant"], r["provider"], r["pass"], int(r["world_size"]))):
         m = mem.get((r["variant"], r["provider"], r["pass"], r["world_size"]), math.nan)
         lines.append(f"{r['variant']:8} {r['provider']:14} {r['pass']:8} {r['world_size']:>3} {float(r['value']):>10.3f} "

@@ -52,11 +52,24 @@ class Transfer:
         return self.tensors
 
 
+def _mesh_group(group, who: str):
+    """A 1-D DeviceMesh stands for its process group (group= and ring_group= take either)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"{who}: a DeviceMesh given as a group must have one dimension, got "
+                             f"{group.ndim} ({group.mesh_dim_names}): pass mesh[name], or a 2-D mesh to "
+                             f"sequence_parallel_attention(..., mesh=)")
+        return group.get_group()
+    return group
+
+
 class RingComm:
     def __init__(self, group=None, who: str = "ring_attention"):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{who} needs an initialised torch.distributed process group: call "
                                "torch.distributed.init_process_group(...) first (or pass group=)")
+        group = _mesh_group(group, who)
         self.group, self.who = group, who
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)

@@ -143,6 +143,9 @@ def check_sequence_parallel_args(q, k, v, shards: int, *, causal, scale, return_
     they agree (q, k, v: this rank's shard of a sequence cut into `shards`). Returns
     (dilated, scale, the full length, the fitted patterns or None, (head_offset, total_heads)).
     With cu_seqlens the layout (a per-document form) is checked by check_documents."""
+    if any(type(x).__name__ == "DTensor" for x in (q, k, v)):
+        raise TypeError("q, k, v must be this rank's local shards (torch.Tensor), got a DTensor: pass DTensors to "
+                        "sequence_parallel_attention, which takes their mesh and placements")
     check_qkv(q, k, v)
     check_choice("comm", comm, COMMS)
     if not isinstance(balance, DocumentBalance):
@@ -205,7 +208,8 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     """Attention over a sequence sharded across the ranks of `group` (DESIGN §5).
 
     q, k, v: this rank's shard (B, N_local, H, D), as `shard(x, rank, world, balance)`
-    returns it. Dense attention by default; dilated with segment_lengths/dilation_rates
+    returns it (DTensors: sequence_parallel_attention). group: a process group or a 1-D
+    DeviceMesh. Dense attention by default; dilated with segment_lengths/dilation_rates
     (mode, offsets as in dilated_attention); block-sparse with a BlockLayout over the full
     sequence. comm: "p2p" (ring, O(N/P) memory) or "allgather". Returns this rank's shard
     of the full-sequence result (and its lse, float32 (B, Hq, N_local)).

@@ -103,7 +103,8 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
     """Attention over a sequence sharded across the ranks of `group`, by heads (Ulysses).
 
     q, k, v: this rank's sequence shard (B, N_local, H, D), as `shard(x, rank, world,
-    balance)` gives it. Hq must be a multiple of the world size P; Hkv a multiple of P, or
+    balance)` gives it (DTensors: sequence_parallel_attention; group, ring_group: process
+    groups or 1-D DeviceMeshes). Hq must be a multiple of the world size P; Hkv a multiple of P, or
     a divisor of it (each key/value head is then repeated P / Hkv times, DeepSpeed ALST's
     rule). Dense attention by default; dilated with segment_lengths/dilation_rates (mode,
     offsets as in dilated_attention); block-sparse with a BlockLayout over the full
