@@ -312,12 +312,15 @@ def _head_slice(impl, module, query, kwargs) -> tuple[int, int | None]:
     return 0, None
 
 
-def _slice_sinks(sinks, head_offset: int, total_heads, num_heads: int):
-    """The model's per-head sink logits for a call on a head slice (total_heads given): its
-    heads' entries."""
-    if sinks is None or total_heads is None:
-        return sinks
-    return sinks[head_offset:head_offset + num_heads]
+def _extras_and_heads(impl, module, query, kwargs):
+    """(sliding window or None, dict(softcap, sinks) for the call's heads, head_offset,
+    total_heads) of an attention call: the model's extras (_model_extras) and its head slice
+    (_head_slice); on a head slice, the sink logits of its heads only."""
+    window, softcap, sinks = _model_extras(impl, kwargs)
+    head_offset, total_heads = _head_slice(impl, module, query, kwargs)
+    if sinks is not None and total_heads is not None:
+        sinks = sinks[head_offset:head_offset + query.shape[1]]
+    return window, dict(softcap=softcap, sinks=sinks), head_offset, total_heads
 
 
 def _decoding(q, k, v, lengths):
@@ -335,14 +338,11 @@ def dilated_attention_forward(module, query, key, value, attention_mask, dropout
     the model's softcap and attention sinks (s_aux). Keywords head_offset/total_heads: the
     call holds query heads [head_offset, head_offset + H) of total_heads (a head slice, as
     under DeepSpeed Ulysses: integrations.deepspeed)."""
-    window, softcap, sinks = _model_extras(DILATED, kwargs)
-    head_offset, total_heads = _head_slice(DILATED, module, query, kwargs)
-    extra = dict(softcap=softcap, sinks=_slice_sinks(sinks, head_offset, total_heads, query.shape[1]))
+    window, extra, head_offset, total_heads = _extras_and_heads(DILATED, module, query, kwargs)
     if window is not None:
         call = _sliding_call(module, window, scaling, extra, "dilated_attention")
         return _run(DILATED, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
     spec = dilated_spec(_config_of(module))
-    head_offset, total_heads = _head_slice(DILATED, module, query, kwargs)
     pattern = dict(segment_lengths=spec["segment_lengths"], dilation_rates=spec["dilation_rates"], causal=True,
                    scale=scaling, mode=spec["mode"], offsets=spec["offsets"], backend=spec["backend"],
                    head_offset=head_offset, total_heads=total_heads, **extra)
@@ -380,9 +380,7 @@ def block_sparse_attention_forward(module, query, key, value, attention_mask, dr
     """transformers attention function "triton_block_sparse" (shapes as dilated_attention_forward):
     full layers on config.block_sparse_attention's layout, sliding layers on
     layouts.sliding_window; both with the model's softcap and sinks."""
-    window, softcap, sinks = _model_extras(BLOCK_SPARSE, kwargs)
-    first, total = _head_slice(BLOCK_SPARSE, module, query, kwargs)
-    extra = dict(softcap=softcap, sinks=_slice_sinks(sinks, first, total, query.shape[1]))
+    window, extra, first, total = _extras_and_heads(BLOCK_SPARSE, module, query, kwargs)
     if window is not None:
         call = _sliding_call(module, window, scaling, extra, "block_sparse_attention")
         return _run(BLOCK_SPARSE, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
