@@ -317,9 +317,16 @@ def test_decode_sweep_rows_and_table(tmp_path):
                              out=str(out), memory_contexts=[40, 64, 1000], memory_dtype=torch.float32, device="cpu",
                              quiet=True)
     written = results.read_csv([str(out)])
-    assert len(written) == len(rows) == 2 * len(decode.PROVIDERS) + 3 * 3   # ms per context and provider; memory
+    # ms per context and provider; the FP8/paged serving steps' error against the contiguous
+    # cache; host time per call of the four serving steps; memory
+    serving = ("dilated_kvcache", "dilated_kvcache_paged", "dilated_kvcache_fp8", "dilated_kvcache_paged_fp8")
+    assert len(written) == len(rows) == 2 * len(decode.PROVIDERS) + 2 * 3 + 2 * len(serving) + 3 * 3
     ms = {(r["N"], r["provider"]): r["value"] for r in written if r["metric"] == "ms"}
-    assert set(ms) == {(n, p) for n in (64, 128) for p in decode.PROVIDERS} and all(v > 0 for v in ms.values())
+    assert set(ms) == {(n, p) for n in (64, 128) for p in decode.PROVIDERS}
+    # the CUDA-graph step is a skipped row on a CPU; every other provider is timed
+    assert all(v > 0 for (n, p), v in ms.items() if p != "dilated_kvcache_graph")
+    assert {(r["N"], r["provider"]) for r in written if r["metric"] == "host_ms"} == {
+        (n, p) for n in (64, 128) for p in serving}
     mem = {(r["N"], r["provider"], r["metric"]): r for r in written if r["metric"].startswith("cache_")}
     row_mib = 1 * 8 * 4 * 2 / 2 ** 20
     assert mem[(1000, "full_cache", "cache_mib")]["value"] == pytest.approx(1000 * row_mib)
@@ -333,7 +340,8 @@ def test_decode_sweep_rows_and_table(tmp_path):
                              device="cpu", quiet=True)
     flags = {(r["N"], r["provider"]): r["flags"] for r in rows}
     assert all(flags[(64, p)].startswith("single call") and flags[(128, p)].startswith("skipped")
-               for p in decode.PROVIDERS)
+               for p in decode.PROVIDERS if p != "dilated_kvcache_graph")
+    assert all(flags[(n, "dilated_kvcache_graph")] == "skipped: CUDA graphs need a GPU (CPU run)" for n in (64, 128))
     assert "skipped" in decode.decode_table(rows)
     assert main(["decode", "--contexts", "32", "--heads", "2", "--head-dim", "8", "--memory-contexts",
                  "--budget", "0", "--out", str(tmp_path / "cli.csv")]) == 0
