@@ -302,6 +302,25 @@ def test_sliding_window_variants_compile_without_spills(tmp_path):
 
 
 @needs_ptxas
+def test_volta_turing_backward_at_d128_in_registers(tmp_path):
+    """sm70/sm75 (FMA-loop dots): with the head-dim contractions in 64-wide pieces (DOT_PIECES)
+    the D = 128 backward defaults fit in registers; the two that spilled most without them
+    (sm70 ring-step dK/dV 124 B, sm75 block-sparse dQ 12 B; perf/aot/sm75-sm70-fma-w8-triton39.csv)
+    compile without a spill and without a tensor-core instruction."""
+    out = tmp_path / "fma.csv"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", "70", "75", "--head-dims",
+                           "128", "--causal", "no", "--kernels", "ring_step_bwd_dkdv", "block_sparse_bwd_dq",
+                           "--jobs", "2", "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4
+    bad = [r for r in rows if r["error"] or r["spill_stores"] != "0" or int(r["mma_sync"]) or int(r["wgmma"])]
+    assert not bad, bad
+
+
+@needs_ptxas
 def test_block_sparse_forward_warp_specialized_on_sm100(tmp_path):
     """block_sparse_fwd_ws (WARP_SPEC = 1 on the sm100 default tiles, K/V by TMA): Triton
     splits the full-block loop into partitions beside the default one (TTGIR

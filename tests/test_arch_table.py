@@ -79,8 +79,8 @@ def test_default_configs_follow_the_facts(name):
     64 rows each) only with warpgroup MMAs (sm90, sm100), the per-warp tiles chosen on sm80
     everywhere else (sm120 and AMD included, whatever their capability), each shrunk to the
     arch's shared memory; on the 99 KiB mma.sync archs, MID_SMEM_DEFAULTS where the sm80
-    tile spills there, on AMD CDNA_DEFAULTS. Every 16-bit default fits it (the smallest tile
-    where none does)."""
+    tile spills there, on AMD CDNA_DEFAULTS. Every 16-bit default fits it (a smallest tile,
+    16x16 with one stage, where none does)."""
     arch = fake_arch(name)
     family_rule = ARCH_TABLE["sm90" if arch.mma in hardware.WARPGROUP_MMA else "sm80"]
     like = Arch("rule", arch.capability, arch.shared_memory, 1, "reference",
@@ -101,8 +101,8 @@ def test_default_configs_follow_the_facts(name):
                         assert cfg == table[(own, band)], (name, family, kernel, d)
                     else:
                         assert cfg == configs.default_config(family, d, like, dtype, kernel), (name, family, kernel, d)
-                    assert configs.config_fits(family, cfg, d, arch, dtype) or cfg == configs.make_config(16, 16, 4, 1), \
-                        (name, family, kernel, d, cfg)
+                    smallest = cfg["BLOCK_M"] == cfg["BLOCK_N"] == 16 and cfg["num_stages"] == 1
+                    assert configs.config_fits(family, cfg, d, arch, dtype) or smallest, (name, family, kernel, d, cfg)
                     if not arch.warpgroup_mma:
                         assert not (cfg["BLOCK_M"] >= 128 and family.endswith("_fwd") and kernel is None), (name, cfg)
 
@@ -159,33 +159,33 @@ def test_rocm_device_picks_the_compiled_spill_free_config(monkeypatch, clear_arc
     assert seen == {(k, dt, d, c) for k in KERNELS for dt in ("bf16", "fp16") for d in ("64", "128") for c in "01"}
 
 
-FMA_DEFAULTS_CSV = "perf/aot/sm75-sm70-defaults-fp16-triton39.csv"
-# Volta/Turing kernels at D = 128 that spill on every tile tried (FMA dots hold their operands
-# in registers; configs.FMA_DEFAULTS, configs.FMA_SPILLING): the documented list, which may only
-# shrink; backend="auto" does not run them
-FMA_SPILLS_D128 = {"dilated_bwd_dq", "dilated_bwd_dkdv", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv",
-                   "ring_step_bwd_dq", "ring_step_bwd_dkdv"}
+FMA_DEFAULTS_CSV = "perf/aot/sm75-sm70-defaults-{}-triton39.csv"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["sm75", "sm70"])
-def test_volta_turing_defaults_are_the_compiled_ones(name):
+def test_volta_turing_defaults_are_the_compiled_ones(name, dtype):
     """On sm70/sm75 Triton 3.9 compiles every dot to FMA loops (no mma.sync in the committed
-    compile): the 16-bit default of each kernel is the config compiled there, without spills
-    at D = 64 and in the forward kernels at D = 128 (the backward ones: FMA_SPILLS_D128)."""
+    compile), with the head-dim contractions in 64-wide pieces (DOT_PIECES): the 16-bit
+    default of each kernel is the config compiled there, without spills at D <= 128, causal
+    and not; at D = 256 only the dK/dV kernels spill (configs.FMA_SPILLING: "auto" runs the
+    portable backward there)."""
     import csv
     import pathlib
 
     from triton_dilated.perf.aot import KERNELS
     arch = fake_arch(name)
-    with open(pathlib.Path(__file__).resolve().parents[1] / FMA_DEFAULTS_CSV) as f:
-        rows = [r for r in csv.DictReader(f) if r["arch"] == name]
-    assert {(r["kernel"], r["D"]) for r in rows} == {(k, d) for k in KERNELS for d in ("64", "128", "256")}
+    label = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    with open(pathlib.Path(__file__).resolve().parents[1] / FMA_DEFAULTS_CSV.format(label)) as f:
+        rows = [r for r in csv.DictReader(f) if r["arch"] == name and r["dtype"] == label]
+    assert {(r["kernel"], r["D"], r["causal"]) for r in rows} == {
+        (k, d, c) for k in KERNELS for d in ("64", "128", "256") for c in "01"}
     for r in rows:
-        cfg = configs.default_config(KERNELS[r["kernel"]].family, int(r["D"]), arch, torch.float16, r["kernel"])
+        cfg = configs.default_config(KERNELS[r["kernel"]].family, int(r["D"]), arch, dtype, r["kernel"])
         assert cfg == {k: int(r[k]) for k in configs.CONFIG_FIELDS}, (r["kernel"], r["D"], cfg)
         assert not r["error"] and r["mma_sync"] == "0" and int(r["shared_bytes"]) <= arch.shared_memory, r
-        if r["D"] == "64" or (r["D"] == "128" and r["kernel"] not in FMA_SPILLS_D128):
-            assert r["spill_stores"] == "0", (r["kernel"], r["D"], r["spill_stores"])
+        if r["D"] != "256" or not r["kernel"].endswith("_dkdv"):
+            assert r["spill_stores"] == "0", (r["kernel"], r["D"], r["causal"], r["spill_stores"])
 
 
 SM100_DEFAULTS_CSV = "perf/aot/sm100-defaults-bf16-triton39.csv"
@@ -215,22 +215,23 @@ def test_sm100_defaults_are_the_compiled_spill_free_ones(monkeypatch, clear_arch
 
 @pytest.mark.parametrize("name, major, minor, smem", [("sm75", 7, 5, 64 * 1024), ("sm70", 7, 0, 96 * 1024)])
 def test_volta_turing_auto_never_runs_a_spilling_default(monkeypatch, clear_arch_cache, name, major, minor, smem):
-    """Where the committed compiles list spills (FMA_SPILLS_D128: the backward kernels at
-    D = 128 on sm70/sm75), backend="auto" takes the portable path; at D = 64 (no spill) and
-    for the forward alone it keeps the Triton kernels; backend="triton" still runs them."""
+    """Where the committed compiles spill (the dK/dV kernels at D = 256 on sm70/sm75:
+    configs.FMA_SPILLING), backend="auto" takes the portable path for the backward; at
+    D <= 128 (no spill since the dots run in pieces) and for the forward alone it keeps the
+    Triton kernels; backend="triton" runs them."""
     from triton_dilated.ops.block_sparse.interface import CONFIG_FAMILIES as BS_FAMILIES
     from triton_dilated.ops.common.runtime import resolve_backend
     from triton_dilated.ops.dilated.interface import CONFIG_FAMILIES as DILATED_FAMILIES
-    from triton_dilated.perf.aot import KERNELS
     _fake_device(monkeypatch, None, major=major, minor=minor, shared_memory_per_block_optin=smem)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
     cuda = torch.device("cuda", 0)
-    assert {(KERNELS[k].family, 128) for k in FMA_SPILLS_D128} <= configs.FMA_SPILLING
+    assert configs.FMA_SPILLING == {(f, 256) for f in ("dilated_bwd", "block_sparse_bwd", "ring_step_bwd")}
     for families in (DILATED_FAMILIES, BS_FAMILIES, ("ring_step_fwd", "ring_step_bwd")):
-        assert resolve_backend("auto", cuda, families, 128, torch.float16) == "torch"
-        assert resolve_backend("auto", cuda, families, 64, torch.float16) == "triton"
-        assert resolve_backend("triton", cuda, families, 128, torch.float16) == "triton"
-    assert resolve_backend("auto", cuda, ("dilated_fwd",), 128, torch.float16) == "triton"
+        assert resolve_backend("auto", cuda, families, 256, torch.float16) == "torch"
+        for D in (64, 128):
+            assert resolve_backend("auto", cuda, families, D, torch.float16) == "triton"
+            assert resolve_backend("triton", cuda, families, D, torch.float16) == "triton"
+    assert resolve_backend("auto", cuda, ("dilated_fwd",), 256, torch.float16) == "triton"
 
 
 ALL_ARCHS_CSV = "perf/aot/all-archs-defaults-bf16-triton39.csv"
@@ -240,8 +241,7 @@ def test_every_arch_compiles_its_defaults_without_spills_at_d128():
     """Issue 20's bar, on the committed compile of every arch in ARCH_TABLE (bf16, D = 64 and
     128, causal and not; perf/aot/all-archs-defaults-bf16-triton39.csv, assembled from the
     per-arch `perf aot` runs, each row the config default_config picks today): no compile
-    error, no spill (Volta/Turing's backward at D = 128 excepted: FMA_SPILLS_D128, which
-    backend="auto" does not run), shared memory / LDS within the arch's limit, and the arch's
+    error, no spill, shared memory / LDS within the arch's limit, and the arch's
     tensor-core instructions in every tile kernel (none on the FMA archs). D = 256: compiles."""
     import csv
     import pathlib
@@ -258,8 +258,7 @@ def test_every_arch_compiles_its_defaults_without_spills_at_d128():
         seen.add((r["arch"], r["kernel"], r["D"], r["causal"]))
         if r["D"] == "256":
             continue
-        if not (arch.mma == "fma" and r["D"] == "128" and r["kernel"] in FMA_SPILLS_D128):
-            assert int(r["spill_stores"] or 0) == 0, (r["arch"], r["kernel"], r["D"], r["causal"], r["spill_stores"])
+        assert int(r["spill_stores"] or 0) == 0, (r["arch"], r["kernel"], r["D"], r["causal"], r["spill_stores"])
         tensor_core = {"fma": None, "mma.sync": ("mma_sync",), "wgmma": ("wgmma", "mma_sync"),
                        "tcgen05": ("tcgen05", "mma_sync"), "mfma": ("mfma",)}[arch.mma]
         if tensor_core is None:

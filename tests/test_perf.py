@@ -246,8 +246,8 @@ def test_dispatch_takes_the_portable_path_where_no_tile_fits(monkeypatch):
     need = ("dilated_fwd", "dilated_bwd")
     arch["now"] = Arch("sm75", (7, 5), 64 * 1024, 40, "fake")
     assert runtime.resolve_backend("auto", dev, need, 256, torch.float16) == "torch"
-    # D = 128 fits, but every Turing backward tile spills there (configs.FMA_SPILLING): portable
-    assert runtime.resolve_backend("auto", dev, need, 128, torch.float16) == "torch"
+    # D = 128 fits, and no Turing default spills there (the dots in pieces: configs.FMA_SPILLING)
+    assert runtime.resolve_backend("auto", dev, need, 128, torch.float16) == "triton"
     assert runtime.resolve_backend("triton", dev, need, 128, torch.float16) == "triton"
     assert runtime.resolve_backend("auto", dev, need, 64, torch.float16) == "triton"
     assert runtime.resolve_backend("auto", dev, need, 64, torch.float32) == "torch"

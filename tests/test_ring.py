@@ -149,13 +149,14 @@ def test_shard_rejects_indivisible_lengths():
         shard(torch.randn(1, 10, 2), 0, 2, "striped")
 
 
-def check_step_kernel_against_oracle(kind, causal, config=None, shards=(slice(48, 72), slice(0, 24), slice(24, 48))):
+def check_step_kernel_against_oracle(kind, causal, config=None, shards=(slice(48, 72), slice(0, 24), slice(24, 48)),
+                                     D=16):
     """The ring-local-block kernels, shard by shard on one process (interpreter on CPU,
     compiled on CUDA): merged steps equal the float64 oracle, forward and backward (the
-    backward with `config`, if given, for both its kernels)."""
+    backward with `config`, if given, for both its kernels), at head dim D."""
     dev = torch.device(DEVICE)
     g = torch.Generator().manual_seed(0)
-    B, N, Hq, Hkv, D = 1, 72, 4, 2, 16
+    B, N, Hq, Hkv = 1, 72, 4, 2
     q, k, v, do = (torch.randn(B, N, h, D, generator=g).to(dev) for h in (Hq, Hkv, Hkv, Hq))
     pats, lay = ((8, 1), (24, 2), (72, 3)), layouts.bigbird(N, 16, 1, 1, 1, seed=0, num_heads=Hq)
     table = head_offsets(Hq, pats, "longnet", "modulo")

@@ -298,16 +298,18 @@ CDNA_DEFAULTS = {
 # forward 32x32 w4 at D = 64 (221-247 registers), 16x32 w4 at D = 128 (219-254; 32x32 spills
 # 1.3 KB); dQ 32x32 w8 at D = 64 (222-244; 32x32 w4 spills 0.4-0.9 KB), 16x32 w8 at D = 128 (the
 # least with 4 warps: 268-528 B); dK/dV 16x16 w4 at D = 64. One stage: no cp.async to pipeline.
-# D = 128 backward: 16x16 tiles with 8 warps (perf/aot/sm75-sm70-fma-w8-triton39.csv), at the
-# 255-register edge: 0 spills in most of the 48 compiles (sm70/sm75, fp16/bf16, causal or not),
-# 8-112 B in a few, which ones depending on arch and dtype (4 warps spilled 0.3-1.5 KB in every
-# kernel, 2 warps more, 16 warps cap the registers at 128 and spill 0.1-0.6 KB). So "auto"
-# leaves the backward at D = 128 to the portable path there (FMA_SPILLING); these tiles are
-# what backend="triton" runs. The ring step's dK/dV at D = 64 in bf16 spills 12 B with 4 warps:
-# 8 warps (128 registers, no spill).
-_FMA_FWD = {64: make_config(32, 32, 4, 1), 128: make_config(16, 32, 4, 1), 256: make_config(16, 16, 4, 1)}
-_FMA_DQ = {64: make_config(32, 32, 8, 1), 128: make_config(16, 16, 8, 1), 256: make_config(16, 16, 4, 1)}
-_FMA_DKDV = {64: make_config(16, 16, 4, 1), 128: make_config(16, 16, 8, 1), 256: make_config(16, 16, 4, 1)}
+# D = 128 backward: 16x16 tiles with 8 warps. Before the dots ran in pieces these sat at the
+# 255-register edge and spilled 8-124 B in a few of 48 compiles (perf/aot/sm75-sm70-fma-w8-triton39.csv):
+# the FMA dot holds a whole row of each operand per thread, 256 values at D = 128. With
+# DOT_MODE = DOT_PIECES (runtime.dot_mode: head-dim contractions in 64-wide pieces) they need
+# 168-238 registers and none spills (perf/aot/sm75-dot-pieces-candidates-fp16-triton39.csv, 90
+# compiles); at D = 256 16x16 w8 is the one candidate without spills in the forward and dQ
+# kernels (170-176 registers; w4 spills 24-116 B), and the least-spilling dK/dV (72-320 B, w4:
+# 0.8-2 KB). The ring step's dK/dV at D = 64 in bf16 spills 12 B with 4 warps: 8 warps (128
+# registers, no spill).
+_FMA_FWD = {64: make_config(32, 32, 4, 1), 128: make_config(16, 32, 4, 1), 256: make_config(16, 16, 8, 1)}
+_FMA_DQ = {64: make_config(32, 32, 8, 1), 128: make_config(16, 16, 8, 1), 256: make_config(16, 16, 8, 1)}
+_FMA_DKDV = {64: make_config(16, 16, 4, 1), 128: make_config(16, 16, 8, 1), 256: make_config(16, 16, 8, 1)}
 FMA_DEFAULTS = {
     **{(family, band): cfg for family in ("dilated_fwd", "block_sparse_fwd", "ring_step_fwd")
        for band, cfg in _FMA_FWD.items()},
@@ -598,12 +600,11 @@ def select_config(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen:
 
 
 # Volta and Turing (Arch.mma == "fma"): the families whose default tiles spill at a head dim
-# band: the backward above D = 64, at the register limit on every tile tried at D = 128 and
-# spilling 2-12 KB at D = 256 (FMA_DEFAULTS;
-# Triton's FMA dots hold whole operand rows of length D in registers). "auto" takes the portable
-# path there, whose matmuls and SDPA run on the tensor cores Triton 3.9 does not use before
-# sm80; backend="triton" still runs the kernels (correct, spilling up to 112 B).
-FMA_SPILLING = {(family, band) for family in ("dilated_bwd", "block_sparse_bwd", "ring_step_bwd") for band in (128, 256)}
+# band: the backward at D = 256, whose dK/dV kernels spill 72-320 B even with the dots in
+# pieces (FMA_DEFAULTS). "auto" takes the portable path there, whose matmuls and SDPA run on
+# the tensor cores Triton 3.9 does not use before sm80; backend="triton" still runs the
+# kernels. At D <= 128 no default spills there (the backward did at D = 128 before DOT_PIECES).
+FMA_SPILLING = {(family, 256) for family in ("dilated_bwd", "block_sparse_bwd", "ring_step_bwd")}
 
 
 def kernels_spill_free(families, head_dim: int, device: torch.device) -> bool:

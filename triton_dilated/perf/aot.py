@@ -127,14 +127,15 @@ def fp_fusion_note() -> str:
             f"triton {triton.__version__}'s default (Triton 3.10 changes it); set it to 1 or 0 to choose")
 
 
-def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool = False):
+def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool = False, mma: str = ""):
     """(signature, constexprs, attrs) for triton.compile, read off the kernel's parameters
     and its KernelSpec (pointer element types, odd strides). Parameters named *_DESC are
     tensor descriptors of (B, H, N, D) views with [1, 1, BLOCK_N, BLOCK_D] boxes where the
-    config has TMA = 1, else None (constexpr)."""
+    config has TMA = 1, else None (constexpr). `mma`: the arch's ArchFacts.mma (its DOT_MODE)."""
+    from ..ops.common.runtime import dot_mode
     tma = cfg.get("TMA", 0)
     constexprs = dict(HEAD_DIM=D, BLOCK_D=padded_head_dim(D), CAUSAL=causal,
-                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=False,
+                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_MODE=dot_mode(mma),
                       PRECISION=_precision(dtype, amd), TMA=bool(tma), WARP_SPEC=bool(cfg.get("WARP_SPEC", 0)),
                       SOFTCAP=float(cfg.get("SOFTCAP", 0.0)))
     for variant in SPECS:
@@ -279,7 +280,8 @@ def compile_one(job) -> dict:
         fn = spec.load()
         if not hasattr(fn, "params"):
             raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): unset it to compile them")
-        sig, constexprs, attrs = _signature(spec, fn, dtype, D, causal, cfg, amd)
+        mma = arch_facts(arch_label(arch)).mma
+        sig, constexprs, attrs = _signature(spec, fn, dtype, D, causal, cfg, amd, mma)
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         target = GPUTarget("hip", arch, 64) if amd else GPUTarget("cuda", arch, 32)
         compiled = triton.compile(src, target=target,

@@ -106,7 +106,7 @@ def _block_sparse_fwd_kernel(
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         N, HQ, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
         TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, KV_WIN=None,
         WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
@@ -145,7 +145,7 @@ def _block_sparse_fwd_kernel(
         else:
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, BLOCK_N, rows, row_ok, d_ok,
                                         CAUSAL, False, BLOCK_N)
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, False, DOT_FP32, PRECISION,
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, False, DOT_MODE, PRECISION,
                                             SOFTCAP=SOFTCAP)
     # then the masked ones (the causal diagonal, the ragged last block): the end of the list;
     # with a sliding window (WINDOW > 0) the window blocks [n_win, n_end) last, predicate per element
@@ -168,7 +168,7 @@ def _block_sparse_fwd_kernel(
             if WINDOW > 0:
                 mask = mask & (window_keep(rows[:, None], (n0 + tl.arange(0, BLOCK_N))[None, :], WINDOW,
                                            SINK_TOKENS) | (j < n_win))
-            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, True, DOT_FP32, PRECISION,
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, True, DOT_MODE, PRECISION,
                                                 SOFTCAP=SOFTCAP)
     out, row_max, row_sum = finalize(acc, m_i, l_i, q)                                  # [BLOCK_M, BLOCK_D]
     O += (b * N * HQ + h) * HEAD_DIM
@@ -188,7 +188,7 @@ def _block_sparse_bwd_dq_kernel(
         stride_dob, stride_don, stride_doh,
         N, HQ, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
         SOFTCAP: tl.constexpr = 0.0, KV_WIN=None, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
@@ -221,9 +221,9 @@ def _block_sparse_bwd_dq_kernel(
         n0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_N
         k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, BLOCK_N, rows, row_ok, d_ok,
                                     CAUSAL, False, BLOCK_N)
-        p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, False, DOT_FP32,
+        p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, False, DOT_MODE,
                                    PRECISION, SOFTCAP=SOFTCAP)                           # [BLOCK_M, BLOCK_N]
-        dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+        dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
     if WINDOW > 0:   # the window blocks [n_win, n_end) last (as in the forward)
         n_win, lowest = _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, tile * BLOCK_M, WINDOW)
     for j in range(n_full, n_end):       # masked blocks: the end of the list
@@ -239,9 +239,9 @@ def _block_sparse_bwd_dq_kernel(
             if WINDOW > 0:
                 mask = mask & (window_keep(rows[:, None], (n0 + tl.arange(0, BLOCK_N))[None, :], WINDOW,
                                            SINK_TOKENS) | (j < n_win))
-            p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, True, DOT_FP32,
+            p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, True, DOT_MODE,
                                        PRECISION, SOFTCAP=SOFTCAP)
-            dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+            dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
     DQ += bnhd_offset(b, h, N, HQ, HEAD_DIM)
     tl.store(DQ + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=tile_mask)
@@ -249,7 +249,7 @@ def _block_sparse_bwd_dq_kernel(
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N, stride_qn, stride_don,
-               sm_scale, d, d_ok, CAUSAL_MASK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+               sm_scale, d, d_ok, CAUSAL_MASK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
                PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr = 0,
                SINK_TOKENS: tl.constexpr = 0):
     """Add the query rows [m0, m0 + BLOCK_N) to the key tile's (dk, dv) [BLOCK_M, BLOCK_D].
@@ -268,12 +268,12 @@ def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, sta
     rows_st = stats + qrows   # into ROW_MAX, ROW_SUM, DELTA
     row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, rows_st, q_ok)                 # [BLOCK_N]
     delta = tl.load(DELTA + rows_st, mask=q_ok, other=0.0)
-    s_t = dot(k, qT, DOT_FP32, PRECISION) * sm_scale                                     # [BLOCK_M, BLOCK_N]
+    s_t = dot(k, qT, DOT_MODE, PRECISION) * sm_scale                                     # [BLOCK_M, BLOCK_N]
     if WINDOW > 0:
         s_t = tl.where(window_keep(qrows[None, :], keys[:, None], WINDOW, SINK_TOKENS), s_t, float("-inf"))
     elif CAUSAL_MASK:
         s_t = tl.where(keys[:, None] <= qrows[None, :], s_t, float("-inf"))
-    return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_FP32, PRECISION, SOFTCAP)
+    return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_MODE, PRECISION, SOFTCAP)
 
 
 @triton.jit
@@ -284,7 +284,7 @@ def _block_sparse_bwd_dkdv_kernel(
         stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
         N, HKV, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
         SOFTCAP: tl.constexpr = 0.0, Q_WIN=None, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     # this program: BLOCK_M keys of one key/value head (the M dimension of every dot); walks
     # BLOCK_N query sub-tiles
@@ -320,7 +320,7 @@ def _block_sparse_bwd_dkdv_kernel(
         diag_end = tl.where(n_full > n_skip, tl.minimum(kblock * BLOCK_SIZE + BLOCK_SIZE, N), 0)
         for m0 in range((first_key // BLOCK_N) * BLOCK_N, diag_end, BLOCK_N):
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
-                                stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_FP32, PRECISION, SOFTCAP)
+                                stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_MODE, PRECISION, SOFTCAP)
         if WINDOW > 0:   # sliding window: [n_full, n_win) unmasked, [n_win, count) the window blocks
             n_win = tl.load(Q_WIN + lists)
         else:
@@ -328,7 +328,7 @@ def _block_sparse_bwd_dkdv_kernel(
         for it in range(n_full * subs, n_win * subs):
             m0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_N
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
-                                stride_qn, stride_don, sm_scale, d, d_ok, False, BLOCK_N, DOT_FP32, PRECISION, SOFTCAP)
+                                stride_qn, stride_don, sm_scale, d, d_ok, False, BLOCK_N, DOT_MODE, PRECISION, SOFTCAP)
         if WINDOW > 0:
             # a window block's queries from the tile's first key (earlier ones see none of its
             # keys) to the last one the band reaches (all of them when a key is a sink token)
@@ -340,7 +340,7 @@ def _block_sparse_bwd_dkdv_kernel(
                 hi = tl.minimum(tl.minimum(q0 + BLOCK_SIZE, N), reach)
                 for m0 in range(lo, hi, BLOCK_N):
                     dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0,
-                                        N, stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_FP32,
+                                        N, stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_MODE,
                                         PRECISION, SOFTCAP, WINDOW, SINK_TOKENS)
         stats += N   # the next head's rows
     DK += (b * N * HKV + kvh) * HEAD_DIM
@@ -506,13 +506,13 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None, softcap
     row_max = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     row_sum = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     index, full, end, window = _forward_lists(layout, N, causal, B, Hq)
-    dot_fp32, precision = kernel_options(q.dtype, q.device)
+    dot_mode, precision = kernel_options(q.dtype, q.device)
     _block_sparse_fwd_kernel[(triton.cdiv(N, bm) * B * Hq,)](
         Q=q, K=k, V=v, K_DESC=k_desc, V_DESC=v_desc, O=out, ROW_MAX=row_max, ROW_SUM=row_sum, KV_FULL=full,
         KV_END=end, KV_INDEX=index, **window,
         **_strides(q=q, k=k, v=v), N=N, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
-        DOT_FP32=dot_fp32, PRECISION=precision, TMA=bool(tma), WARP_SPEC=bool(warp_spec and tma),
+        DOT_MODE=dot_mode, PRECISION=precision, TMA=bool(tma), WARP_SPEC=bool(warp_spec and tma),
         SOFTCAP=float(softcap or 0.0), num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2))
     return out, row_max, row_sum
@@ -538,11 +538,11 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
         require_contiguous("block_sparse_backward", name, t, (B, Hq, N))
     do = last_dim_contiguous(do)
     delta = softmax_delta(do, out, dlse)
-    dot_fp32, precision = kernel_options(q.dtype, q.device)
+    dot_mode, precision = kernel_options(q.dtype, q.device)
     common = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
                   **_strides(q=q, k=k, v=v, do=do), N=N, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
                   HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal,
-                  DOT_FP32=dot_fp32, PRECISION=precision, SOFTCAP=float(softcap or 0.0))
+                  DOT_MODE=dot_mode, PRECISION=precision, SOFTCAP=float(softcap or 0.0))
     dq = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
     index, full, end, lists = _forward_lists(layout, N, causal, B, Hq)
     _block_sparse_bwd_dq_kernel[(triton.cdiv(N, bm) * B * Hq,)](

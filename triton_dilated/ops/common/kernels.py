@@ -62,11 +62,37 @@ def bnhd_offset(b, h, N, H, D: tl.constexpr):
 
 
 @triton.jit
-def dot(a, b, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    # DOT_FP32: the interpreter computes bf16 tl.dot wrongly, so it multiplies in float32.
-    if DOT_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
-    return tl.dot(a, b, input_precision=PRECISION)
+def dot(a, b, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr):
+    # DOT_MODE (runtime.dot_mode): 0 tl.dot as it is; 1 in float32 (the interpreter computes
+    # bf16 tl.dot wrongly); 2 (sm70, sm75) contractions longer than 64 as a sum of 64-wide
+    # pieces. Triton's FMA-loop dot there holds a whole row of a and column of b in each
+    # thread's registers: at D = 128 that is 256 values before anything else, and the
+    # backward kernels spilled; pieces of 64 end that (perf/aot/sm75-sm70-dot-pieces-triton39.csv).
+    if DOT_MODE == 1:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+    elif DOT_MODE == 2 and a.shape[1] > 128:
+        a0, a1 = _halves(a)
+        b0, b1 = _halves(tl.trans(b))
+        out = _dot_halves(a0, tl.trans(b0), PRECISION) + _dot_halves(a1, tl.trans(b1), PRECISION)
+    elif DOT_MODE == 2 and a.shape[1] > 64:
+        out = _dot_halves(a, b, PRECISION)
+    else:
+        out = tl.dot(a, b, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
+def _halves(x):
+    """x [M, K] as its even and odd columns, two [M, K / 2]."""
+    return tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+
+
+@triton.jit
+def _dot_halves(a, b, PRECISION: tl.constexpr):
+    """a @ b as two dots over half the contraction each (even and odd k), in float32."""
+    a0, a1 = _halves(a)
+    b0, b1 = _halves(tl.trans(b))
+    return tl.dot(a1, tl.trans(b1), tl.dot(a0, tl.trans(b0), input_precision=PRECISION), input_precision=PRECISION)
 
 
 @triton.jit
@@ -127,7 +153,7 @@ def tanh(x, EXACT: tl.constexpr):
 
 @triton.jit
 def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
-                        HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                        HAS_MASK: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
                         log_weight=0.0, HAS_WEIGHT: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0):
     """Fold one key block (k, v: (BLOCK_N, BLOCK_D)) into the running (acc, m, l) of the
     query tile q (BLOCK_M, BLOCK_D). `mask` (BLOCK_M, BLOCK_N) keeps pairs when HAS_MASK.
@@ -137,7 +163,7 @@ def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
     s -> SOFTCAP * tanh(s / SOFTCAP) before the mask and the weight.
     m is in natural units for float32 q, in log2 units for 16-bit q (module docstring);
     `finalize` gives the natural row max either way."""
-    qk = dot(q, tl.trans(k), DOT_FP32, PRECISION)
+    qk = dot(q, tl.trans(k), DOT_MODE, PRECISION)
     qk = qk + qk * 0.0     # +-Inf (an infinite key or query) -> NaN, never a dropped -inf
     if q.dtype == tl.float32:   # exact form
         s = qk * sm_scale
@@ -183,7 +209,7 @@ def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
             p = tl.math.exp2(qk * scale2 - m_safe[:, None])      # one FMA per score
         alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_FP32, PRECISION)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_MODE, PRECISION)
     return acc, m_new, l_i
 
 
@@ -217,14 +243,14 @@ def load_row_stats(M, L, offs, mask):
 
 @triton.jit
 def softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
-                       HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                       HAS_MASK: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
                        log_weight=0.0, HAS_WEIGHT: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0):
     """Recompute P for a (query block, key block) from the saved row statistics and return
     (p, ds), both (BLOCK_M, BLOCK_N) float32, with ds = P * (dO.V - delta), where delta
     already includes the gradient on lse (delta = rowsum(dO*O) - dlse). HAS_WEIGHT, SOFTCAP:
     as in online_softmax_step; with SOFTCAP, ds is the gradient of the uncapped scaled score
     (times 1 - tanh^2, the cap's derivative)."""
-    s = dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale
+    s = dot(q, tl.trans(k), DOT_MODE, PRECISION) * sm_scale
     if SOFTCAP > 0:
         t = tanh(s * (1.0 / SOFTCAP), k.dtype == tl.float32)
         s = t * SOFTCAP
@@ -234,7 +260,7 @@ def softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
     if HAS_WEIGHT:
         s = s + log_weight
     p = tl.math.exp2((s - row_max[:, None]) * LOG2E - row_log2l[:, None])
-    dp = dot(do, tl.trans(v), DOT_FP32, PRECISION)
+    dp = dot(do, tl.trans(v), DOT_MODE, PRECISION)
     ds = p * (dp - delta[:, None])
     if SOFTCAP > 0:
         ds = ds * f.to(tl.float32)
@@ -242,7 +268,7 @@ def softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
 
 
 @triton.jit
-def transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_FP32: tl.constexpr,
+def transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_MODE: tl.constexpr,
                          PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     """softmax_grad_block seen from a key tile, added to its (dk, dv) [BLOCK_M, BLOCK_D]: the
     key tile is the M dimension of every dot (S^T = K Q^T, dV += P^T dO, dP^T = V dO^T,
@@ -260,10 +286,10 @@ def transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_
         f_t = (1.0 - t_t * t_t).to(qT.dtype)
     # P^T from the saved (max, log2 denominator) of each query (load_row_stats)
     p_t = tl.math.exp2((s_t - row_max[None, :]) * LOG2E - row_log2l[None, :])
-    dv += dot(p_t.to(do.dtype), do, DOT_FP32, PRECISION)
-    dp_t = dot(v, tl.trans(do), DOT_FP32, PRECISION)                                  # [BLOCK_M, BLOCK_N]
+    dv += dot(p_t.to(do.dtype), do, DOT_MODE, PRECISION)
+    dp_t = dot(v, tl.trans(do), DOT_MODE, PRECISION)                                  # [BLOCK_M, BLOCK_N]
     ds_t = p_t * (dp_t - delta[None, :])
     if SOFTCAP > 0:
         ds_t = ds_t * f_t.to(tl.float32)
-    dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_FP32, PRECISION)
+    dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_MODE, PRECISION)
     return dk, dv

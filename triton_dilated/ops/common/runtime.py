@@ -55,9 +55,9 @@ def resolve_backend(backend: str, device: torch.device, families=(), head_dim: i
                     dtype: torch.dtype = torch.float16) -> str:
     """Map `backend` to "triton" or "torch" for tensors on `device` (DESIGN §7). With
     config `families`, a GPU where none of their tiles fits shared memory at `head_dim`
-    takes the portable path ("auto") or is an error ("triton"); one where every tile of a kernel
-    spills registers (Volta/Turing, the backward at D = 128: configs.kernels_spill_free) takes the
-    portable path under "auto"."""
+    takes the portable path ("auto") or is an error ("triton"); one where the default tiles of a
+    kernel spill registers (Volta/Turing, the backward at D = 256: configs.kernels_spill_free)
+    takes the portable path under "auto"."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend == "torch":
@@ -70,7 +70,7 @@ def resolve_backend(backend: str, device: torch.device, families=(), head_dim: i
                              f"{dtype} on {torch.cuda.get_device_name(device)} (no tile fits its shared memory, or "
                              "float32 without TF32 tensor cores); use backend='auto' or 'torch' (the portable path)")
         if backend == "auto" and families and not kernels_spill_free(families, head_dim, device):
-            return "torch"     # Volta/Turing: the backward at D = 128 spills (configs)
+            return "torch"     # Volta/Turing: the backward at D = 256 spills (configs)
         return "triton"
     if backend == "auto":
         return "torch"
@@ -123,13 +123,28 @@ def dot_precision(float32: bool, vendor: str = "nvidia") -> str:
     return "tf32x3" if float32 else "tf32"
 
 
+# The kernels' DOT_MODE constexpr (common/kernels.py dot): how tl.dot runs.
+DOT_NATIVE = 0   # tl.dot on the inputs as they are
+DOT_FP32 = 1     # in float32: the interpreter computes bf16 tl.dot wrongly
+DOT_PIECES = 2   # contractions longer than 64 in 64-wide pieces: archs whose Triton dots are FMA loops
+
+
+def dot_mode(mma: str) -> int:
+    """DOT_MODE for an arch whose tensor-core family (ArchFacts.mma) is `mma`: "fma" (sm70,
+    sm75) gets DOT_PIECES, the interpreter DOT_FP32, every other arch DOT_NATIVE."""
+    if mma == "interpreter":
+        return DOT_FP32
+    return DOT_PIECES if mma == "fma" else DOT_NATIVE
+
+
 def kernel_options(dtype, device):
-    """(DOT_FP32, PRECISION) for the kernels: under the interpreter multiply in float32 (its
-    bf16 tl.dot is wrong); PRECISION: dot_precision for the device's vendor."""
+    """(DOT_MODE, PRECISION) for the kernels: dot_mode of the device's arch (under the
+    interpreter multiply in float32); PRECISION: dot_precision for the device's vendor."""
     if device.type != "cuda":
-        return True, dot_precision(dtype == torch.float32)
+        return DOT_FP32, dot_precision(dtype == torch.float32)
     from .hardware import device_arch
-    return False, dot_precision(dtype == torch.float32, device_arch(device).vendor)
+    arch = device_arch(device)
+    return dot_mode(arch.mma), dot_precision(dtype == torch.float32, arch.vendor)
 
 
 def last_dim_contiguous(x):

@@ -175,7 +175,7 @@ def _dilated_fwd_kernel(
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
         FLAT_LOOP: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     b, h, kvh, T, doc_start, doc_end, first_row, rows, row_ok, last_row = _item_tile(ITEMS, NUM_ITEMS, HEAD_GROUP,
                                                                                     BLOCK_M)
@@ -200,14 +200,14 @@ def _dilated_fwd_kernel(
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                         key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
             acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
-                                                False, DOT_FP32, PRECISION, SOFTCAP=SOFTCAP)
+                                                False, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)
         for j in range(n_masked):
             key0, r, t0, key_end = _run_at(j, masked_runs, BLOCK_N)
             row_active = row_ok & ((rows - key0) % r == 0)   # the rows of the block's pattern
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                         key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
             acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
-                                                True, DOT_FP32, PRECISION, SOFTCAP=SOFTCAP)
+                                                True, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)
     else:   # per pattern: an unmasked and a masked loop each
         for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
             o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
@@ -219,12 +219,12 @@ def _dilated_fwd_kernel(
                     k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                                 key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
                     acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
-                                                        False, DOT_FP32, PRECISION, SOFTCAP=SOFTCAP)
+                                                        False, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)
                 for t0 in range(full_end, key_end, BLOCK_N):
                     k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                                 key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
                     acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
-                                                        True, DOT_FP32, PRECISION, SOFTCAP=SOFTCAP)
+                                                        True, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)
     out, row_max, row_sum = finalize(acc, m_i, l_i, q)                                  # [BLOCK_M, BLOCK_D]
     O += (b * N * HQ + h) * HEAD_DIM
     tl.store(O + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], out.to(O.dtype.element_ty), mask=tile_mask)
@@ -242,7 +242,7 @@ def _dilated_bwd_dq_kernel(
         stride_dob, stride_don, stride_doh,
         N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
         FLAT_LOOP: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     b, h, kvh, T, doc_start, doc_end, first_row, rows, row_ok, last_row = _item_tile(ITEMS, NUM_ITEMS, HEAD_GROUP,
                                                                                     BLOCK_M)
@@ -270,16 +270,16 @@ def _dilated_bwd_dq_kernel(
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                         key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
             p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
-                                       False, DOT_FP32, PRECISION, SOFTCAP=SOFTCAP)   # [BLOCK_M, BLOCK_N]
-            dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+                                       False, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)   # [BLOCK_M, BLOCK_N]
+            dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
         for j in range(n_masked):
             key0, r, t0, key_end = _run_at(j, masked_runs, BLOCK_N)
             row_active = row_ok & ((rows - key0) % r == 0)
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                         key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
             p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
-                                       True, DOT_FP32, PRECISION, SOFTCAP=SOFTCAP)
-            dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+                                       True, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)
+            dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
     else:
         for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
             o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
@@ -291,14 +291,14 @@ def _dilated_bwd_dq_kernel(
                     k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                                 key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
                     p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
-                                               False, DOT_FP32, PRECISION, SOFTCAP=SOFTCAP)   # [BLOCK_M, BLOCK_N]
-                    dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+                                               False, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)   # [BLOCK_M, BLOCK_N]
+                    dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
                 for t0 in range(full_end, key_end, BLOCK_N):
                     k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                                 key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
                     p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
-                                               True, DOT_FP32, PRECISION, SOFTCAP=SOFTCAP)
-                    dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+                                               True, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)
+                    dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
     DQ += b * N * (HQ * HEAD_DIM) + h * HEAD_DIM
     tl.store(DQ + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=tile_mask)
@@ -311,7 +311,7 @@ def _dilated_bwd_dkdv_kernel(
         stride_dob, stride_don, stride_doh,
         N, HKV, NUM_ITEMS, HEAD_GROUP, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
         SOFTCAP: tl.constexpr = 0.0):
     # BLOCK_M: the key tile this program owns (the M dimension of every dot); BLOCK_N: the
     # query blocks it walks.
@@ -360,15 +360,15 @@ def _dilated_bwd_dkdv_kernel(
                 for t0 in range(q_begin, full_lo, BLOCK_N):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d, d_ok, stride_qn, stride_don,
-                                         sm_scale, CAUSAL, True, DOT_FP32, PRECISION, SOFTCAP)
+                                         sm_scale, CAUSAL, True, DOT_MODE, PRECISION, SOFTCAP)
                 for t0 in range(full_lo, full_hi, BLOCK_N):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d, d_ok, stride_qn, stride_don,
-                                         sm_scale, CAUSAL, False, DOT_FP32, PRECISION, SOFTCAP)
+                                         sm_scale, CAUSAL, False, DOT_MODE, PRECISION, SOFTCAP)
                 for t0 in range(full_hi, n_q, BLOCK_N):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d, d_ok, stride_qn, stride_don,
-                                         sm_scale, CAUSAL, True, DOT_FP32, PRECISION, SOFTCAP)
+                                         sm_scale, CAUSAL, True, DOT_MODE, PRECISION, SOFTCAP)
     DK += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
     DV += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
     tl.store(DK + keys64[:, None] * (HKV * HEAD_DIM) + d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
@@ -379,7 +379,7 @@ def _dilated_bwd_dkdv_kernel(
 @triton.jit
 def _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t, query0, r, n_q, keys, key_active,
                 d, d_ok, stride_qn, stride_don, sm_scale, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+                DOT_MODE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """Add one block of dilated queries (positions query0 + r*t) to the key tile's dK, dV
     [BLOCK_M, BLOCK_D]; q_head, do_head point at the head's row 0, stats is the head's
     offset into ROW_MAX, ROW_SUM, DELTA. Transposed scores: the key tile is the M
@@ -395,13 +395,13 @@ def _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t
                  other=0.0)                                                           # [BLOCK_N, BLOCK_D]
     row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats + qpos, q_ok)         # [BLOCK_N]
     delta = tl.load(DELTA + stats + qpos, mask=q_ok, other=0.0)
-    s_t = dot(k, qT, DOT_FP32, PRECISION) * sm_scale                                  # [BLOCK_M, BLOCK_N]
+    s_t = dot(k, qT, DOT_MODE, PRECISION) * sm_scale                                  # [BLOCK_M, BLOCK_N]
     if HAS_MASK:
         mask = key_active[:, None] & q_ok[None, :]
         if CAUSAL:
             mask = mask & (keys[:, None] <= qpos[None, :])
         s_t = tl.where(mask, s_t, float("-inf"))
-    return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_FP32, PRECISION, SOFTCAP)
+    return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_MODE, PRECISION, SOFTCAP)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -444,12 +444,12 @@ def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None, doc
     row_sum = alloc(B, Hq, N, dtype=torch.float32, device=q.device)
     if items.shape[0] == 0:
         return out, row_max, row_sum
-    dot_fp32, precision = kernel_options(q.dtype, q.device)
+    dot_mode, precision = kernel_options(q.dtype, q.device)
     _dilated_fwd_kernel[(items.shape[0] * B,)](
         Q=q, K=k, V=v, O=out, ROW_MAX=row_max, ROW_SUM=row_sum, ITEMS=items, PAT_W=pat_w, PAT_R=pat_r, PAT_OFF=pat_off,
         **_strides(q=q, k=k, v=v), N=N, HQ=Hq, NUM_ITEMS=items.shape[0], HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_FP32=dot_fp32, PRECISION=precision,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_MODE=dot_mode, PRECISION=precision,
         FLAT_LOOP=switch_value("dilated_fwd", cfg, "FLAT_LOOP"), SOFTCAP=float(softcap or 0.0),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return out, row_max, row_sum
@@ -469,8 +469,8 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
         require_contiguous("dilated_backward", name, t, (B, Hq, N))
     do = last_dim_contiguous(do)
     delta = softmax_delta(do, out, dlse)
-    dot_fp32, precision = kernel_options(q.dtype, q.device)
-    common = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, DOT_FP32=dot_fp32,
+    dot_mode, precision = kernel_options(q.dtype, q.device)
+    common = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, DOT_MODE=dot_mode,
                   PRECISION=precision, SOFTCAP=float(softcap or 0.0))
     inputs = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
                   **_strides(q=q, k=k, v=v, do=do), N=N, HEAD_GROUP=Hq // Hkv, sm_scale=scale)

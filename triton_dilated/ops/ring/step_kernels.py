@@ -144,7 +144,7 @@ def _ring_step_fwd_kernel(
         stride_ob, stride_on, stride_oh, stride_lb, stride_lh, LAYOUT_COLS, stride_tb, stride_th, TILE_WIDTH,
         NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
-        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
         WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
@@ -189,7 +189,7 @@ def _ring_step_fwd_kernel(
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)                       # [BLOCK_N, BLOCK_D]
         v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)                       # [BLOCK_N, BLOCK_D]
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, q_ok[:, None], False, DOT_FP32,
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, q_ok[:, None], False, DOT_MODE,
                                             PRECISION, log_w, True, SOFTCAP=SOFTCAP)
     # merge (acc / l, lse_step) into the running (out, lse)
     # NaN rule: a NaN lse on either side makes the merged row NaN (w * NaN, log(NaN)); a
@@ -224,7 +224,7 @@ def _ring_step_bwd_dq_kernel(
         stride_tb, stride_th, TILE_WIDTH,
         NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
-        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
         WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
@@ -268,8 +268,8 @@ def _ring_step_bwd_dq_kernel(
         v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)                         # [BLOCK_N, BLOCK_D]
         p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, q_ok[:, None], False,
-                                   DOT_FP32, PRECISION, log_w, True, SOFTCAP=SOFTCAP)
-        dq += dot(ds.to(k.dtype), k, DOT_FP32, PRECISION)
+                                   DOT_MODE, PRECISION, log_w, True, SOFTCAP=SOFTCAP)
+        dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqn + d[None, :]
     tl.store(dq_ptrs, tl.load(dq_ptrs, mask=tile_mask, other=0.0) + dq * sm_scale, mask=tile_mask)
 
@@ -282,7 +282,7 @@ def _ring_step_bwd_dkdv_kernel(
         stride_lb, stride_lh, LAYOUT_COLS, stride_tb, stride_th, TILE_WIDTH,
         NQ, NK, HKV, HEAD_GROUP, sm_scale, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
-        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
         WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     # BLOCK_M: the key tile this program owns, the M dimension of every dot (S^T = K Q^T,
@@ -339,19 +339,19 @@ def _ring_step_bwd_dkdv_kernel(
             row_max = tl.where(lse == float("-inf"), float("inf"), lse)   # the global lse: P = w exp(s - lse)
             delta = tl.load(DELTA + stats + rows, mask=q_ok, other=0.0)
             # softmax_grad_block transposed: the query statistics broadcast along columns
-            s_t = dot(k, qT, DOT_FP32, PRECISION) * sm_scale                             # [BLOCK_M, BLOCK_N]
+            s_t = dot(k, qT, DOT_MODE, PRECISION) * sm_scale                             # [BLOCK_M, BLOCK_N]
             if SOFTCAP > 0:   # capped before the weight; dS^T through the cap (times 1 - tanh^2)
                 t_t = tanh(s_t * (1.0 / SOFTCAP), qT.dtype == tl.float32)
                 s_t = t_t * SOFTCAP
                 f_t = (1.0 - t_t * t_t).to(qT.dtype)   # kept in the inputs' dtype (as transposed_grad_step)
             s_t = s_t + log_w
             p_t = tl.math.exp2((s_t - row_max[None, :]) * LOG2E)
-            dv += dot(p_t.to(do.dtype), do, DOT_FP32, PRECISION)
-            dp_t = dot(v, tl.trans(do), DOT_FP32, PRECISION)                               # [BLOCK_M, BLOCK_N]
+            dv += dot(p_t.to(do.dtype), do, DOT_MODE, PRECISION)
+            dp_t = dot(v, tl.trans(do), DOT_MODE, PRECISION)                               # [BLOCK_M, BLOCK_N]
             ds_t = p_t * (dp_t - delta[None, :])
             if SOFTCAP > 0:
                 ds_t = ds_t * f_t.to(tl.float32)
-            dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_FP32, PRECISION)
+            dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_MODE, PRECISION)
     # added in place by reductions (red.add): the old values never pass through registers (a
     # load-add-store spilled 48-84 B on sm90 at D = 128). This program alone writes these rows,
     # so each sum is old + new, as a load and store would give, but for float32 reductions in
@@ -379,9 +379,9 @@ def _config(q, name, config=None, kernel=None, window=False):
     cfg = config or select_config(name, q.dtype, block_d, q.shape[1], q.device, kernel=kernel)
     if window and not config and block_d > 64:
         cfg = {**cfg, "num_stages": min(cfg.get("num_stages", 2), WINDOW_DKDV_STAGES)}
-    dot_fp32, precision = kernel_options(q.dtype, q.device)
+    dot_mode, precision = kernel_options(q.dtype, q.device)
     return block_d, cfg, dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                              DOT_FP32=dot_fp32, PRECISION=precision, num_warps=cfg.get("num_warps", 4),
+                              DOT_MODE=dot_mode, PRECISION=precision, num_warps=cfg.get("num_warps", 4),
                               num_stages=cfg.get("num_stages", 2))
 
 
