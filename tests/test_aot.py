@@ -235,20 +235,25 @@ def test_block_sparse_forward_tma_variant_on_sm90(tmp_path):
     assert not bad, "\n".join(bad)
 
 
+def _aot_rows(out, *args, timeout=900):
+    """Run `python -m triton_dilated.perf aot *args --out out` compiled (TRITON_INTERPRET
+    unset); its CSV rows (the run must succeed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", *args, "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(out) as f:
+        return list(csv.DictReader(f))
+
+
 @needs_ptxas
 def test_paged_decode_variants_compile_without_spills(tmp_path):
     """The decode kernels on a paged cache (PAGE_SIZE = 16: each key's page read from the
     block table) compile for sm90 and sm80 at their launchers' default tiles, D = 128,
     without a register spill (an unaligned page stride had made every load scalar: 255
     registers and spills)."""
-    out = tmp_path / "paged.csv"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", "90", "80", "--head-dims",
-                           "128", "--causal", "yes", "--kernels", "dilated_decode_paged", "block_sparse_decode_paged",
-                           "--jobs", "1", "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    with open(out) as f:
-        rows = list(csv.DictReader(f))
+    rows = _aot_rows(tmp_path / "paged.csv", "--arch", "90", "80", "--head-dims", "128", "--causal", "yes",
+                     "--kernels", "dilated_decode_paged", "block_sparse_decode_paged", "--jobs", "1")
     assert len(rows) == 4
     bad = [f"{r['arch']} {r['kernel']} {r['BLOCK_N']} w{r['num_warps']}: {r['registers']} registers, spills "
            f"{r['spill_stores']} B {r['error']}" for r in rows
@@ -262,17 +267,11 @@ def test_fp8_decode_variants_compile_without_spills(tmp_path):
     on sm90 through Triton's fp8e4nv conversion (KV_FP8 = 1), contiguous and paged; on sm80,
     where Triton has no fp8e4nv, from the cache's bytes (KV_FP8 = 2, paged): no register spill
     (perf/aot/decode-fp8-bf16-triton39.csv: 96-128 registers on sm90, 124-125 on sm80)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     rows = []
     for arch, kernels in (("90", ["dilated_decode_fp8", "block_sparse_decode_fp8_paged"]),
                           ("80", ["dilated_decode_fp8_bytes_paged", "block_sparse_decode_fp8_bytes_paged"])):
-        out = tmp_path / f"fp8-{arch}.csv"
-        proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", arch, "--head-dims", "128",
-                               "--causal", "yes", "--kernels", *kernels, "--out", str(out)], env=env,
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        with open(out) as f:
-            rows += list(csv.DictReader(f))
+        rows += _aot_rows(tmp_path / f"fp8-{arch}.csv", "--arch", arch, "--head-dims", "128", "--causal", "yes",
+                          "--kernels", *kernels)
     assert len(rows) == 4
     bad = [f"{r['arch']} {r['kernel']}: {r['registers']} registers, spills {r['spill_stores']} B {r['error']}"
            for r in rows if r["error"] or r["spill_stores"] != "0"]
@@ -285,16 +284,10 @@ def test_sliding_window_variants_compile_without_spills(tmp_path):
     issue 23) at D = 128, where registers are tightest, sm90 and sm80: the block-sparse
     forward, dQ and dK/dV and the ring step's dK/dV at the stages its launcher runs
     (perf/aot/window-sm90-sm80-bf16-triton39.csv has every row)."""
-    out = tmp_path / "window.csv"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     kernels = ["block_sparse_fwd_window", "block_sparse_bwd_dq_window", "block_sparse_bwd_dkdv_window",
                "ring_step_bwd_dkdv_window_d128"]
-    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", "90", "80", "--head-dims",
-                           "128", "--causal", "yes", "--kernels", *kernels, "--jobs", "2", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    with open(out) as f:
-        rows = list(csv.DictReader(f))
+    rows = _aot_rows(tmp_path / "window.csv", "--arch", "90", "80", "--head-dims", "128", "--causal", "yes",
+                     "--kernels", *kernels, "--jobs", "2")
     assert len(rows) == 8
     bad = [f"{r['arch']} {r['kernel']}: {r['registers']} registers, spills {r['spill_stores']} B {r['error']}"
            for r in rows if r["error"] or r["spill_stores"] != "0"]
@@ -307,14 +300,8 @@ def test_volta_turing_backward_at_d128_in_registers(tmp_path):
     the D = 128 backward defaults fit in registers; the two that spilled most without them
     (sm70 ring-step dK/dV 124 B, sm75 block-sparse dQ 12 B; perf/aot/sm75-sm70-fma-w8-triton39.csv)
     compile without a spill and without a tensor-core instruction."""
-    out = tmp_path / "fma.csv"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", "70", "75", "--head-dims",
-                           "128", "--causal", "no", "--kernels", "ring_step_bwd_dkdv", "block_sparse_bwd_dq",
-                           "--jobs", "2", "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    with open(out) as f:
-        rows = list(csv.DictReader(f))
+    rows = _aot_rows(tmp_path / "fma.csv", "--arch", "70", "75", "--head-dims", "128", "--causal", "no",
+                     "--kernels", "ring_step_bwd_dkdv", "block_sparse_bwd_dq", "--jobs", "2")
     assert len(rows) == 4
     bad = [r for r in rows if r["error"] or r["spill_stores"] != "0" or int(r["mma_sync"]) or int(r["wgmma"])]
     assert not bad, bad
@@ -326,14 +313,8 @@ def test_block_sparse_forward_warp_specialized_on_sm100(tmp_path):
     splits the full-block loop into partitions beside the default one (TTGIR
     ttg.warp_specialize), each warp group with its register budget (setmaxnreg in the PTX),
     on tcgen05 MMAs and TMA copies, with no register spill, at D = 64 and 128 (causal)."""
-    out = tmp_path / "ws.csv"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", "aot", "--arch", "100", "--head-dims", "64",
-                           "128", "--causal", "yes", "--kernels", "block_sparse_fwd_ws", "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    with open(out) as f:
-        rows = list(csv.DictReader(f))
+    rows = _aot_rows(tmp_path / "ws.csv", "--arch", "100", "--head-dims", "64", "128", "--causal", "yes",
+                     "--kernels", "block_sparse_fwd_ws")
     assert {r["D"] for r in rows} == {"64", "128"}
     bad = [r for r in rows if r["error"] or not (int(r["ws_partitions"]) >= 2 and int(r["setmaxnreg"]) > 0
                                                  and int(r["tcgen05"]) > 0 and int(r["cp_async_bulk"]) > 0

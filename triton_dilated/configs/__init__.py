@@ -303,11 +303,14 @@ CDNA_DEFAULTS = {
 # the FMA dot holds a whole row of each operand per thread, 256 values at D = 128. With
 # DOT_MODE = DOT_PIECES (runtime.dot_mode: head-dim contractions in 64-wide pieces) they need
 # 168-238 registers and none spills (perf/aot/sm75-dot-pieces-candidates-fp16-triton39.csv, 90
-# compiles); at D = 256 16x16 w8 is the one candidate without spills in the forward and dQ
-# kernels (170-176 registers; w4 spills 24-116 B), and the least-spilling dK/dV (72-320 B, w4:
-# 0.8-2 KB). The ring step's dK/dV at D = 64 in bf16 spills 12 B with 4 warps: 8 warps (128
-# registers, no spill).
-_FMA_FWD = {64: make_config(32, 32, 4, 1), 128: make_config(16, 32, 4, 1), 256: make_config(16, 16, 8, 1)}
+# compiles; sm70: perf/aot/sm70-dot-pieces-candidates-bf16-triton39.csv, 96). The pieces cost
+# the forward at D = 128 a few registers: 16x32 w4 spilled 4-8 B on sm70, so 16x32 w8 (214-246
+# registers, no spill on either arch). At D = 256 16x16 w8 is the least-spilling candidate in
+# every kernel: none in the forward and dQ kernels on sm75 (170-176 registers; w4 spills 24-116
+# B) and on sm70 but its block-sparse ones (forward 8 B causal, dQ 28-48 B), 4-460 B in the
+# dK/dV kernels (w4: 0.8-2 KB). The ring step's dK/dV at D = 64 in bf16 spills 12 B with 4
+# warps: 8 warps (128 registers, no spill).
+_FMA_FWD = {64: make_config(32, 32, 4, 1), 128: make_config(16, 32, 8, 1), 256: make_config(16, 16, 8, 1)}
 _FMA_DQ = {64: make_config(32, 32, 8, 1), 128: make_config(16, 16, 8, 1), 256: make_config(16, 16, 8, 1)}
 _FMA_DKDV = {64: make_config(16, 16, 4, 1), 128: make_config(16, 16, 8, 1), 256: make_config(16, 16, 8, 1)}
 FMA_DEFAULTS = {
@@ -600,8 +603,8 @@ def select_config(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen:
 
 
 # Volta and Turing (Arch.mma == "fma"): the families whose default tiles spill at a head dim
-# band: the backward at D = 256, whose dK/dV kernels spill 72-320 B even with the dots in
-# pieces (FMA_DEFAULTS). "auto" takes the portable path there, whose matmuls and SDPA run on
+# band: the backward at D = 256, whose dK/dV kernels spill 4-460 B even with the dots in
+# pieces (FMA_DEFAULTS; sm70's block-sparse dQ 28-48 B). "auto" takes the portable path there, whose matmuls and SDPA run on
 # the tensor cores Triton 3.9 does not use before sm80; backend="triton" still runs the
 # kernels. At D <= 128 no default spills there (the backward did at D = 128 before DOT_PIECES).
 FMA_SPILLING = {(family, 256) for family in ("dilated_bwd", "block_sparse_bwd", "ring_step_bwd")}
