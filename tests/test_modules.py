@@ -81,6 +81,36 @@ def test_mhda_computation_gqa(device):
     assert torch.allclose(out, m.out_proj(m.norm(att)), atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mhda_softcap_sinks_and_documents(device, backend):
+    """softcap=, sinks= and forward's cu_seqlens= reach dilated_attention: forward ==
+    projections -> dilated_attention(softcap, sinks, cu_seqlens) -> sub-LayerNorm -> out_proj,
+    the sinks (attention.sinks, (num_heads,) float32) get a gradient, and a packed document's
+    rows equal the module on that document alone."""
+    m = mhda(num_kv_heads=2, softcap=5.0, sinks=True, backend=backend, device=device)
+    with torch.no_grad():
+        m.attention.sinks.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    assert m.attention.sinks.shape == (4,) and m.attention.sinks.device.type == torch.device(device).type
+    assert "attention.sinks" in m.state_dict() and "softcap=5.0" in repr(m) and "sinks=4" in repr(m)
+    x = seeded((1, 40, 32), torch.float32, 0, device) * 4
+    cu = torch.tensor([0, 24, 40], dtype=torch.int32, device=device)
+    out, _ = m(x, x, x, is_causal=True, cu_seqlens=cu)
+    q = m.q_proj(x).unflatten(-1, (4, 8))
+    k, v = m.k_proj(x).unflatten(-1, (2, 8)), m.v_proj(x).unflatten(-1, (2, 8))
+    att = dilated_attention(q, k, v, [8, 16], [1, 2], causal=True, backend=backend, softcap=5.0,
+                            sinks=m.attention.sinks, cu_seqlens=cu).flatten(-2)
+    assert torch.allclose(out, m.out_proj(m.norm(att)), atol=1e-5)
+    alone, _ = m(x[:, 24:], x[:, 24:], x[:, 24:], is_causal=True)
+    assert torch.allclose(out[:, 24:], alone, atol=1e-5)
+    out.sum().backward()
+    assert m.attention.sinks.grad is not None and m.attention.sinks.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="softcap and sinks are not available with compat"):
+        mhda(compat="dilated-attention-pytorch", sinks=True)
+    plain = mhda(compat="dilated-attention-pytorch")
+    with pytest.raises(ValueError, match="cu_seqlens is not available with compat"):
+        plain(x.cpu(), x.cpu(), x.cpu(), cu_seqlens=cu.cpu())
+
+
 def test_mhda_causal_ignores_future(device):
     m = mhda(device=device).eval()
     x = seeded((1, 32, 32), torch.float32, 0, device)
@@ -198,17 +228,24 @@ def test_mhda_group_without_ring_attention(monkeypatch):
         m(x, x, x)
 
 
-def _sequence_parallel_worker(rank, world, init_file, queue, scheme):
+# softcap, sinks and packed documents (cu_seqlens over the full sequence) through the ring / Ulysses
+EXTRAS = {"plain": ({}, None), "softcap-sinks-docs": (dict(softcap=5.0, sinks=True), [0, 12, 32])}
+
+
+def _sequence_parallel_worker(rank, world, init_file, queue, scheme, extras):
     try:
         from triton_dilated import shard
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         torch.manual_seed(0)
-        m = mhda(num_kv_heads=2, group=dist.group.WORLD, backend="auto", sequence_parallel=scheme)
+        kw, cu = EXTRAS[extras]
+        m = mhda(num_kv_heads=2, group=dist.group.WORLD, backend="auto", sequence_parallel=scheme, **kw)
+        _set_sinks(m)
         x = seeded((1, 32, 32), torch.float32, 1)
         g = seeded((1, 32, 32), torch.float32, 2)
         xl = shard(x, rank, world).clone().requires_grad_()
-        out, _ = m(xl, xl, xl, is_causal=True)
+        cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+        out, _ = m(xl, xl, xl, is_causal=True, cu_seqlens=cu)
         (out * shard(g, rank, world)).sum().backward()
         grads = [p.grad.clone() for p in m.parameters()]
         for gr in grads:
@@ -221,15 +258,23 @@ def _sequence_parallel_worker(rank, world, init_file, queue, scheme):
         queue.put((rank, "error", traceback.format_exc()))
 
 
+def _set_sinks(m):
+    if m.attention.sinks is not None:
+        with torch.no_grad():
+            m.attention.sinks.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+
+
+@pytest.mark.parametrize("extras", list(EXTRAS))
 @pytest.mark.parametrize("scheme", ["ring", "ulysses"])
-def test_mhda_sequence_parallel_matches_single_device(scheme):
+def test_mhda_sequence_parallel_matches_single_device(scheme, extras):
     """group=: two gloo ranks, each with half the sequence, give the single-device result
-    (outputs, input gradients, all-reduced parameter gradients), through the ring or Ulysses."""
+    (outputs, input gradients, all-reduced parameter gradients, the sinks' included), through
+    the ring or Ulysses; also with softcap, sinks and packed documents."""
     world = 2
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "rendezvous")
-    procs = [ctx.Process(target=_sequence_parallel_worker, args=(r, world, init_file, queue, scheme))
+    procs = [ctx.Process(target=_sequence_parallel_worker, args=(r, world, init_file, queue, scheme, extras))
              for r in range(world)]
     # the children run the portable ring (the ring kernels under the interpreter are
     # tested in test_ring.py; this test is about the module's plumbing)
@@ -255,9 +300,11 @@ def test_mhda_sequence_parallel_matches_single_device(scheme):
             if p.is_alive():
                 p.kill()
     torch.manual_seed(0)
-    ref = mhda(num_kv_heads=2)
+    kw, cu = EXTRAS[extras]
+    ref = mhda(num_kv_heads=2, **kw)
+    _set_sinks(ref)
     x = seeded((1, 32, 32), torch.float32, 1).requires_grad_()
-    out, _ = ref(x, x, x, is_causal=True)
+    out, _ = ref(x, x, x, is_causal=True, cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32))
     (out * seeded((1, 32, 32), torch.float32, 2)).sum().backward()
     for rank in range(world):
         sl = slice(rank * 16, (rank + 1) * 16)

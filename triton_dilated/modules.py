@@ -93,14 +93,14 @@ def _check_backend(backend):
     return check_choice("backend", backend, BACKENDS)
 
 
-def _sink_parameter(sinks, num_heads):
+def _sink_parameter(sinks, num_heads, device=None):
     """sinks=True: one learnable sink logit per query head (float32, zero-initialised: a
-    sink of 0 first adds exp(0) = 1 to each row's denominator); False: None."""
+    sink of 0 first adds exp(0) = 1 to each row's denominator; on `device`); False: None."""
     if not check_bool("sinks", sinks):
         return None
     if num_heads is None:
         raise ValueError("sinks=True needs num_heads (the query heads, one sink logit each)")
-    return nn.Parameter(torch.zeros(check_int("num_heads", num_heads, 1), dtype=torch.float32))
+    return nn.Parameter(torch.zeros(check_int("num_heads", num_heads, 1), dtype=torch.float32, device=device))
 
 
 def _sinks_arg(param):
@@ -213,17 +213,20 @@ class DilatedAttention(nn.Module):
             (num_heads,), zero-initialised) joins every row's softmax denominator; needs
             num_heads. False (default): no sinks, and the module has no parameters.
         num_heads: the query heads (with sinks=True; forward's query must have them).
+        device: of the sinks parameter.
 
-    forward(query, key, value, causal=None, return_lse=False, *, is_causal=None): query
-    (B, N, Hq, D), key/value (B, N, Hkv, D) with Hq % Hkv == 0; returns out like query, or
-    (out, lse). `is_causal` is dilated-attention-pytorch's name for `causal`.
+    forward(query, key, value, causal=None, return_lse=False, *, is_causal=None,
+    cu_seqlens=None): query (B, N, Hq, D), key/value (B, N, Hkv, D) with Hq % Hkv == 0;
+    returns out like query, or (out, lse). `is_causal` is dilated-attention-pytorch's name
+    for `causal`; cu_seqlens: packed documents (B == 1), as for `dilated_attention`.
     """
 
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
                  softmax_scale: Optional[float] = None, attention_dropout: float = 0.0, op=None, *,
                  causal: bool = False, mode: Optional[str] = None, offsets: str = "modulo",
                  scale: Optional[float] = None, backend: str = "auto", compat: Optional[str] = None,
-                 softcap: Optional[float] = None, sinks: bool = False, num_heads: Optional[int] = None):
+                 softcap: Optional[float] = None, sinks: bool = False, num_heads: Optional[int] = None,
+                 device: Optional[Union[torch.device, str]] = None):
         super().__init__()
         _ignore_op(op, "DilatedAttention")
         if softmax_scale is not None and scale is not None:
@@ -244,24 +247,30 @@ class DilatedAttention(nn.Module):
         self.scale = scale
         self.backend = _check_backend(backend)
         self.softcap = check_softcap(softcap)
-        self.sinks = _sink_parameter(sinks, num_heads)
+        self.sinks = _sink_parameter(sinks, num_heads, device)
         if self.compat is not None and (self.softcap is not None or self.sinks is not None):
             raise ValueError(f"softcap and sinks are not available with compat={self.compat!r} (that library has "
                              f"neither)")
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, causal: Optional[bool] = None,
-                return_lse: bool = False, *, is_causal: Optional[bool] = None):
+                return_lse: bool = False, *, is_causal: Optional[bool] = None, cu_seqlens: Optional[Tensor] = None):
         if is_causal is not None:
             if causal is not None:
                 raise ValueError("give causal or is_causal (the same argument), not both")
             causal = check_bool("is_causal", is_causal)
         causal = self.causal if causal is None else causal
         if self.compat is not None:
+            if cu_seqlens is not None:
+                raise ValueError(f"cu_seqlens is not available with compat={self.compat!r} (that library's "
+                                 f"normalisation sums over the whole sequence, not per document)")
             return self._compat_forward(query, key, value, causal, return_lse)
+        extra = {}
         fn = dilated_attention_op if _compiling() else dilated_attention
+        if cu_seqlens is not None:   # packed documents: the eager function (its document bounds are read on the host)
+            fn, extra = dilated_attention, {"cu_seqlens": cu_seqlens}
         return fn(query, key, value, self.segment_lengths, self.dilation_rates, causal=causal, scale=self.scale,
                   mode=self.mode, offsets=self.offsets, return_lse=return_lse, backend=self.backend,
-                  softcap=self.softcap, sinks=_sinks_arg(self.sinks))
+                  softcap=self.softcap, sinks=_sinks_arg(self.sinks), **extra)
 
     def _compat_forward(self, query, key, value, causal, return_lse):
         """dilated-attention-pytorch's DilatedAttention: per head group g of m,
@@ -328,10 +337,16 @@ class MultiheadDilatedAttention(nn.Module):
         sequence_parallel: with a group, "ring" (ring_attention, default) or "ulysses"
             (ulysses_attention: heads over the ranks by all-to-all; num_heads a multiple
             of the world size).
+        softcap: None, or the score cap c (s -> c * tanh(s / c), Gemma 2's attention cap).
+        sinks: True: a learnable sink logit per query head (`self.attention.sinks`, an
+            nn.Parameter (num_heads,), zero-initialised; gpt-oss's sinks) joins every row's
+            softmax denominator. Neither with compat (that library has neither).
 
-    forward(query, key, value, is_causal=False) on (B, N, embed_dim) tensors (self-
-    attention layout: key and value have the length of query) returns (out, None), out
-    (B, N, embed_dim).
+    forward(query, key, value, is_causal=False, *, cu_seqlens=None) on (B, N, embed_dim)
+    tensors (self-attention layout: key and value have the length of query) returns (out,
+    None), out (B, N, embed_dim). cu_seqlens: packed documents (B == 1; int32 boundaries
+    over the whole sequence, 0 first and N last, as for `dilated_attention`; with a group,
+    over the full sequence, as for `ring_attention`): no position attends across a boundary.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dilation_rates: Sequence[int], segment_lengths: Sequence[int],
@@ -340,7 +355,8 @@ class MultiheadDilatedAttention(nn.Module):
                  dtype: Optional[torch.dtype] = None, op=None, *, num_kv_heads: Optional[int] = None,
                  mode: Optional[str] = None, offsets: str = "modulo", scale: Optional[float] = None,
                  backend: str = "auto", group=None, comm: str = "p2p", balance: str = "contiguous",
-                 compat: Optional[str] = None, sequence_parallel: str = "ring"):
+                 compat: Optional[str] = None, sequence_parallel: str = "ring", softcap: Optional[float] = None,
+                 sinks: bool = False):
         super().__init__()
         _ignore_op(op, "MultiheadDilatedAttention")
         embed_dim = check_int("embed_dim", embed_dim, 1)
@@ -392,7 +408,9 @@ class MultiheadDilatedAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.attention = DilatedAttention([w for w, _ in patterns], [r for _, r in patterns], mode=mode,
-                                          offsets=offsets, scale=scale, backend=backend, compat=compat)
+                                          offsets=offsets, scale=scale, backend=backend, compat=compat,
+                                          softcap=softcap, sinks=sinks, num_heads=num_heads,
+                                          device=device)
         self.norm: Optional[nn.LayerNorm] = (nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory)
                                              if layer_norm else None)
         self.dropout = nn.Dropout(dropout)
@@ -423,16 +441,17 @@ class MultiheadDilatedAttention(nn.Module):
                              f"and key positions), got {tuple(query.shape)}, {tuple(key.shape)}, "
                              f"{tuple(value.shape)}")
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, is_causal: bool = False):
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, is_causal: bool = False, *,
+                cu_seqlens: Optional[Tensor] = None):
         self._check_inputs(query, key, value)
         check_bool("is_causal", is_causal)
         q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.group is None:
-            x = self.attention(q, k, v, causal=is_causal)
+            x = self.attention(q, k, v, causal=is_causal, cu_seqlens=cu_seqlens)
         else:
-            x = self._ring(q, k, v, is_causal)
+            x = self._ring(q, k, v, is_causal, cu_seqlens)
         x = x.flatten(-2)
         # MAGNETO sub-LayerNorm before the output projection (unlike nn.MultiheadAttention)
         if self.norm is not None:
@@ -440,15 +459,14 @@ class MultiheadDilatedAttention(nn.Module):
         x = self.out_proj(self.dropout(x))
         return x, None
 
-    def _ring(self, q, k, v, is_causal):
+    def _ring(self, q, k, v, is_causal, cu_seqlens):
         att = self.attention
+        common = dict(group=self.group, segment_lengths=att.segment_lengths, dilation_rates=att.dilation_rates,
+                      causal=is_causal, scale=att.scale, mode=att.mode, offsets=att.offsets, balance=self.balance,
+                      cu_seqlens=cu_seqlens, softcap=att.softcap, sinks=_sinks_arg(att.sinks))
         if self.sequence_parallel == "ulysses":
-            return ulysses_attention(q, k, v, group=self.group, segment_lengths=att.segment_lengths,
-                                     dilation_rates=att.dilation_rates, causal=is_causal, scale=att.scale,
-                                     mode=att.mode, offsets=att.offsets, balance=self.balance)
-        return ring_attention(q, k, v, group=self.group, segment_lengths=att.segment_lengths,
-                              dilation_rates=att.dilation_rates, causal=is_causal, scale=att.scale, mode=att.mode,
-                              offsets=att.offsets, comm=self.comm, balance=self.balance)
+            return ulysses_attention(q, k, v, **common)
+        return ring_attention(q, k, v, comm=self.comm, **common)
 
     def extra_repr(self) -> str:
         extra = f", group={self.group!r}, comm={self.comm!r}, balance={self.balance!r}, " \
@@ -456,7 +474,7 @@ class MultiheadDilatedAttention(nn.Module):
         if self.attention.compat is not None:
             extra += f", compat={self.attention.compat!r}"
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"dropout={self.dropout.p}{extra}")
+                f"dropout={self.dropout.p}{extra}{_extras_repr(self.attention)}")
 
 
 # ----------------------------------------------------------------------------- block-sparse
