@@ -222,7 +222,8 @@ def test_default_configs_fit_the_arch(capability, smem_kib):
                     assert (dtype == torch.float32 and pre_ampere
                             or d == 256 and bwd and (dtype == torch.float32 and smem_kib <= 99
                                                      or capability == (7, 5))), (kernel, dtype, d, cfg)
-                    assert cfg == {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+                    # the smallest tile (8 warps: sm70/sm75's D = 256 default, configs.FMA_DEFAULTS)
+                    assert cfg in ({"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": w, "num_stages": 1} for w in (4, 8))
 
 
 def test_select_config_without_tuned_entries_uses_the_default(monkeypatch):
