@@ -604,9 +604,10 @@ def select_config(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen:
 
 # Volta and Turing (Arch.mma == "fma"): the families whose default tiles spill at a head dim
 # band: the backward at D = 256, whose dK/dV kernels spill 4-460 B even with the dots in
-# pieces (FMA_DEFAULTS; sm70's block-sparse dQ 28-48 B). "auto" takes the portable path there, whose matmuls and SDPA run on
-# the tensor cores Triton 3.9 does not use before sm80; backend="triton" still runs the
-# kernels. At D <= 128 no default spills there (the backward did at D = 128 before DOT_PIECES).
+# pieces (FMA_DEFAULTS; sm70's block-sparse dQ 28-48 B). "auto" takes the portable path
+# there, whose matmuls and SDPA run on the tensor cores Triton 3.9 does not use before sm80;
+# backend="triton" still runs the kernels. At D <= 128 no default spills there (the backward
+# did at D = 128 before DOT_PIECES).
 FMA_SPILLING = {(family, 256) for family in ("dilated_bwd", "block_sparse_bwd", "ring_step_bwd")}
 
 

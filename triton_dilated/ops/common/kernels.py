@@ -67,7 +67,7 @@ def dot(a, b, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr):
     # bf16 tl.dot wrongly); 2 (sm70, sm75) contractions longer than 64 as a sum of 64-wide
     # pieces. Triton's FMA-loop dot there holds a whole row of a and column of b in each
     # thread's registers: at D = 128 that is 256 values before anything else, and the
-    # backward kernels spilled; pieces of 64 end that (perf/aot/sm75-sm70-dot-pieces-triton39.csv).
+    # backward kernels spilled; pieces of 64 end that (perf/aot/sm75-dot-pieces-candidates-fp16-triton39.csv).
     if DOT_MODE == 1:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
     elif DOT_MODE == 2 and a.shape[1] > 128:
