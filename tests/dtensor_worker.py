@@ -10,7 +10,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ring_worker import case_layout, loss_of, make_inputs
+from ring_worker import case_layout, errors_of, loss_of, make_inputs
 
 _MESHES: dict = {}
 
@@ -118,14 +118,7 @@ def errors(world):
             lambda: ring_attention(x, x, x, group=mesh),                                  # 9 2-D mesh as group
             lambda: sequence_parallel_attention(x, x, x, mesh=mesh, scheme="ring"),       # 10 two dims, ring
         ]
-    errs = []
-    for call in calls:
-        try:
-            call()
-            errs.append(None)
-        except (ValueError, TypeError) as exc:
-            errs.append(f"{type(exc).__name__}: {exc}")
-    return errs
+    return errors_of(calls)
 
 
 def worker(rank, world, init_file, cases, queue):

@@ -235,6 +235,12 @@ def test_block_sparse_forward_tma_variant_on_sm90(tmp_path):
     assert not bad, "\n".join(bad)
 
 
+def _spill_report(rows):
+    """One line per row that failed to compile or spilled registers ("" when none did)."""
+    return "\n".join(f"{r['arch']} {r['kernel']}: {r['registers']} registers, spills {r['spill_stores']} B "
+                     f"{r['error']}" for r in rows if r["error"] or r["spill_stores"] != "0")
+
+
 def _aot_rows(out, *args, timeout=900):
     """Run `python -m triton_dilated.perf aot *args --out out` compiled (TRITON_INTERPRET
     unset); its CSV rows (the run must succeed)."""
@@ -273,9 +279,8 @@ def test_fp8_decode_variants_compile_without_spills(tmp_path):
         rows += _aot_rows(tmp_path / f"fp8-{arch}.csv", "--arch", arch, "--head-dims", "128", "--causal", "yes",
                           "--kernels", *kernels)
     assert len(rows) == 4
-    bad = [f"{r['arch']} {r['kernel']}: {r['registers']} registers, spills {r['spill_stores']} B {r['error']}"
-           for r in rows if r["error"] or r["spill_stores"] != "0"]
-    assert not bad, "\n".join(bad)
+    report = _spill_report(rows)
+    assert not report, report
 
 
 @needs_ptxas
@@ -289,9 +294,8 @@ def test_sliding_window_variants_compile_without_spills(tmp_path):
     rows = _aot_rows(tmp_path / "window.csv", "--arch", "90", "80", "--head-dims", "128", "--causal", "yes",
                      "--kernels", *kernels, "--jobs", "2")
     assert len(rows) == 8
-    bad = [f"{r['arch']} {r['kernel']}: {r['registers']} registers, spills {r['spill_stores']} B {r['error']}"
-           for r in rows if r["error"] or r["spill_stores"] != "0"]
-    assert not bad, "\n".join(bad)
+    report = _spill_report(rows)
+    assert not report, report
 
 
 @needs_ptxas

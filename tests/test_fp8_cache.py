@@ -28,7 +28,7 @@ from triton_dilated import (PagedDilatedKVCache, block_sparse_attention_naive, b
 from triton_dilated.ops.block_sparse import decode_kernels as bs_kernels
 from triton_dilated.ops.common.kvcache import FP8_MAX, quantise_fp8
 from triton_dilated.ops.dilated import decode_kernels as dl_kernels
-from conftest import DEVICE
+from conftest import DEVICE, capture_cuda_graph
 from reference import seeded
 from test_decode import check_forward
 from test_with_kvcache import HostSync, _paged, _unpage, no_host_sync
@@ -421,14 +421,7 @@ def test_fp8_decode_step_captures_in_a_cuda_graph(variant):
         return fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, block_table=table, k_descale=kd, v_descale=vd,
                   backend="triton", return_lse=True)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_cuda_graph(step)
     for before in ([5, 200], [131, 17], [254, 0]):
         lens.copy_(torch.tensor(before, dtype=torch.int32))
         kc_eager, vc_eager = pool_k.clone(), pool_v.clone()

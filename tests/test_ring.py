@@ -178,6 +178,14 @@ def check_step_kernel_against_oracle(kind, causal, config=None, shards=(slice(48
     ref = reference(oracle, torch.float64)
     same = reference(lambda q, k, v: dense_reference(q, k, v, counts), torch.float32)
 
+    got = run_step_shards(step_forward, step_backward, q, k, v, do, mask, shards, config=config)
+    assert_rule_all(got, ref, same, floor=FLOOR[torch.float32])
+
+
+def run_step_shards(step_forward, step_backward, q, k, v, do, mask, shards, **backward_kw):
+    """The ring step over the key shards `shards` of the whole sequence, in that order, on one
+    process: the merged (out, lse), then dq and each shard's dk, dv (gradients of sum(out * do))."""
+    (B, N, Hq, D), Hkv, dev = q.shape, k.shape[2], q.device
     pos = torch.arange(N, dtype=torch.int32, device=dev)
     out = torch.zeros(B, N, Hq, D, device=dev)
     lse = torch.full((B, Hq, N), float("-inf"), device=dev)
@@ -189,9 +197,9 @@ def check_step_kernel_against_oracle(kind, causal, config=None, shards=(slice(48
     for s in shards:
         dks, dvs = dk[:, s].clone(), dv[:, s].clone()
         step_backward(q, k[:, s], v[:, s], do, lse, delta, pos, pos[s].contiguous(), dq, dks, dvs, mask,
-                      scale=D ** -0.5, config=config)
+                      scale=D ** -0.5, **backward_kw)
         dk[:, s], dv[:, s] = dks, dvs
-    assert_rule_all((out, lse, dq, dk, dv), ref, same, floor=FLOOR[torch.float32])
+    return out, lse, dq, dk, dv
 
 
 @pytest.mark.parametrize("kind", [MASK_DENSE, MASK_DILATED, MASK_LAYOUT])

@@ -20,7 +20,7 @@ from triton_dilated.ops.ring.mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, 
 from conftest import DEVICE
 from reference import FLOOR, assert_rule, assert_rule_all, dense_reference
 from ring_worker import case_layout, case_sinks, loss_of, make_inputs
-from test_ring import run_world
+from test_ring import run_step_shards, run_world
 
 R = dict(B=1, N=48, D=8, sink_logits=True)
 CASES = [
@@ -132,17 +132,5 @@ def test_step_with_softcap_against_oracle(kind, backend):
     same = reference(lambda q, k, v: dense_reference(q, k, v, counts, softcap=cap), torch.float32)
 
     shards = (slice(32, 64), slice(0, 16), slice(16, 32))
-    pos = torch.arange(N, dtype=torch.int32, device=dev)
-    out = torch.zeros(B, N, Hq, D, device=dev)
-    lse = torch.full((B, Hq, N), float("-inf"), device=dev)
-    for s in shards:
-        step_forward(q, k[:, s], v[:, s], pos, pos[s].contiguous(), out, lse, mask, scale=D ** -0.5)
-    delta = (do * out).sum(-1).transpose(1, 2).contiguous()
-    dq = torch.zeros(B, N, Hq, D, device=dev)
-    dk, dv = torch.zeros(B, N, Hkv, D, device=dev), torch.zeros(B, N, Hkv, D, device=dev)
-    for s in shards:
-        dks, dvs = dk[:, s].clone(), dv[:, s].clone()
-        step_backward(q, k[:, s], v[:, s], do, lse, delta, pos, pos[s].contiguous(), dq, dks, dvs, mask,
-                      scale=D ** -0.5)
-        dk[:, s], dv[:, s] = dks, dvs
-    assert_rule_all([x.cpu() for x in (out, lse, dq, dk, dv)], ref, same, floor=FLOOR[torch.float32])
+    got = run_step_shards(step_forward, step_backward, q, k, v, do, mask, shards)
+    assert_rule_all([x.cpu() for x in got], ref, same, floor=FLOOR[torch.float32])

@@ -153,23 +153,31 @@ def test_backward_matches_the_portable_path():
     assert any(g.abs().sum() > 0 for n, g in g_p.items() if "q_proj" in n)
 
 
+def check_left_padding(model, a, b, new_tokens):
+    """Prompts a and b (1, n) in one batch, b left-padded to a's length: the logits at the real
+    positions and the greedy tokens (DynamicCache) equal those of each prompt alone. Returns
+    (ids, mask, generate kwargs) of the batch."""
+    pad = a.shape[1] - b.shape[1]
+    ids = torch.cat([a, torch.cat([torch.zeros(1, pad, dtype=torch.long), b], dim=1)])
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    with torch.no_grad():
+        batch = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(batch[0], model(a).logits[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(batch[1, pad:], model(b).logits[0], rtol=1e-5, atol=1e-5)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(out[0], _generate(model, a, new_tokens)[0])
+    assert torch.equal(out[1, pad:], _generate(model, b, new_tokens)[0])
+    return ids, mask, kw
+
+
 def test_left_padding_equals_each_row_alone():
     """A left-padded batch: logits at the real positions and greedy tokens (DynamicCache) equal
     those of each prompt alone; DilatedCache refuses padded batches."""
     spec = {"segment_lengths": [4, 8], "dilation_rates": [1, 2], "backend": "torch"}
     model = _model("triton_dilated", dilated_attention=spec)
-    a, b = _ids((1, 9), seed=2), _ids((1, 5), seed=3)
-    ids = torch.cat([a, torch.cat([torch.zeros(1, 4, dtype=torch.long), b], dim=1)])
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        batch = model(ids, attention_mask=mask).logits
-        torch.testing.assert_close(batch[0], model(a).logits[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(batch[1, 4:], model(b).logits[0], rtol=1e-5, atol=1e-5)
-    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
-    out = model.generate(ids, attention_mask=mask, **kw)
-    assert torch.equal(out[0], _generate(model, a, 10)[0])
-    assert torch.equal(out[1, 4:], _generate(model, b, 10)[0])
+    ids, mask, kw = check_left_padding(model, _ids((1, 9), seed=2), _ids((1, 5), seed=3), 10)
     with pytest.raises(ValueError, match="padded batch"):
         model.generate(ids, attention_mask=mask, **{CACHE: td_hf.DilatedCache(model.config)}, **kw)
     right = torch.ones_like(ids)

@@ -22,6 +22,7 @@ from transformers.masking_utils import (and_masks, causal_mask_function, chunked
 
 from triton_dilated.integrations import transformers as td_hf  # noqa: E402
 from reference import FLOOR, assert_rule  # noqa: E402
+from test_transformers import check_left_padding  # noqa: E402
 
 VOCAB, WINDOW = 64, 8
 KINDS = ["gpt_oss", "gemma2", "mistral"]
@@ -153,18 +154,7 @@ def test_left_padding_equals_each_row_alone():
     greedy tokens (DynamicCache: its sliding layer drops rows, the padding among them, past the
     window) equal those of each prompt alone."""
     ours, _, _ = _models("gpt_oss", "triton_dilated")
-    a, b = _ids((1, 9), seed=5), _ids((1, 5), seed=6)
-    ids = torch.cat([a, torch.cat([torch.zeros(1, 4, dtype=torch.long), b], dim=1)])
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        batch = ours(ids, attention_mask=mask).logits
-        torch.testing.assert_close(batch[0], ours(a).logits[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(batch[1, 4:], ours(b).logits[0], rtol=1e-5, atol=1e-5)
-    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-    out = ours.generate(ids, attention_mask=mask, **kw)
-    assert torch.equal(out[0], ours.generate(a, attention_mask=torch.ones_like(a), **kw)[0])
-    assert torch.equal(out[1, 4:], ours.generate(b, attention_mask=torch.ones_like(b), **kw)[0])
+    check_left_padding(ours, _ids((1, 9), seed=5), _ids((1, 5), seed=6), 12)
 
 
 def test_mask_functions_take_sliding_windows_and_refuse_other_overlays():

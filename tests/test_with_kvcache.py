@@ -25,7 +25,7 @@ from triton_dilated import (block_sparse_attention, block_sparse_attention_naive
 from triton_dilated.ops.block_sparse import decode_kernels as bs_kernels, inference as bs_inference
 from triton_dilated.ops.common import decode_kernels as common_kernels
 from triton_dilated.ops.dilated import decode_kernels as dl_kernels, inference as dl_inference
-from conftest import DEVICE
+from conftest import DEVICE, capture_cuda_graph
 from reference import seeded
 from test_decode import check_forward
 
@@ -523,14 +523,7 @@ def test_decode_step_captures_in_a_cuda_graph(variant, paged):
     def step():
         return fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, block_table=table, backend="triton", return_lse=True)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):   # warm-up: compiles the kernels, builds the cached tables
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_cuda_graph(step)
     for before in ([5, 200], [131, 17], [254, 0]):
         lens.copy_(torch.tensor(before, dtype=torch.int32))
         kc_eager, vc_eager = kc.clone(), vc.clone()
