@@ -322,6 +322,48 @@ def compile_one(job) -> dict:
     return row
 
 
+def scalar_one_errors(arch: int = 90, dtypes=("bf16", "fp32"), head_dim: int = 128) -> list[str]:
+    """Triton's front end (Python AST -> TTIR, no ptxas) over every kernel and variant with
+    each integer scalar argument passed as the constexpr 1, as Triton specializes an int
+    argument equal to 1 at launch (N = 1, H = 1, a stride of 1). The interpreter never
+    specializes, so `N.to(...)` on such an argument passes the CPU tests and fails to compile
+    on a GPU ('int' object has no attribute 'to'). All of them at 1 at once covers each alone
+    (being a constexpr only takes methods away). Returns "<kernel> <dtype>: <error>" lines."""
+    import triton
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+
+    from ..configs import make_config
+    target = GPUTarget("cuda", arch, 32)
+    backend = triton.compiler.make_backend(target)
+    options = backend.parse_options({"num_warps": 4, "num_stages": 2})
+    errors = []
+    for name in [*KERNELS, *VARIANTS]:
+        base, extra = VARIANTS.get(name, (name, {}))
+        spec = KERNELS[base]
+        fn = spec.load()
+        if not hasattr(fn, "params"):
+            raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): unset it to compile them")
+        for dtype in dtypes:
+            cfg = {**make_config(64, 32, 4, 2), **extra}
+            sig, given, attrs = _signature(spec, fn, dtype, head_dim, True, cfg, False, arch_facts(f"sm{arch}").mma)
+            for i, p in enumerate(fn.params):
+                if sig.get(p.name) == "i32":
+                    sig[p.name], given[p.name] = "constexpr", 1
+                    attrs.pop((i,), None)
+            src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=given, attrs=attrs)
+            context = ir.context()
+            ir.load_dialects(context)
+            backend.load_dialects(context)
+            try:
+                src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                            context)
+            except Exception as exc:  # noqa: BLE001  (collected, reported by the caller)
+                text = " | ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+                errors.append(f"{name} {dtype}: {type(exc).__name__}: {text[-600:]}")
+    return errors
+
+
 def _summary(row: dict) -> str:
     """One compile, for the progress log: registers, spills, shared memory, the MMA family's
     instruction count, pipelining."""

@@ -57,8 +57,9 @@ def bnhd_offset(b, h, N, H, D: tl.constexpr):
     """int64 offset of (batch b, head h) in a contiguous (B, N, H, D) tensor; row n is a
     further n * H * D."""
     # N zero-extended (a length, so the same value): the backward kernels also widen N for
-    # their row statistics, and sharing that widened N kept it live across the main loop
-    return b * N.to(tl.uint32).to(tl.int64) * (H * D) + h * D
+    # their row statistics, and sharing that widened N kept it live across the main loop.
+    # tl.cast, not N.to: Triton passes an integer argument equal to 1 as a constexpr (N = 1)
+    return b * tl.cast(tl.cast(N, tl.uint32), tl.int64) * (H * D) + h * D
 
 
 @triton.jit
