@@ -102,6 +102,27 @@ def test_good_entries_are_kept_beside_bad_ones(table_text, monkeypatch):
     assert got == configs.default_config("dilated_fwd", 64, configs.fake_arch("sm90"), torch.bfloat16)
 
 
+def test_dkdv_kernel_takes_an_entry_of_its_own(table_text, monkeypatch):
+    """A family entry tunes the family's dQ kernel; its dK/dV kernel (other tiles: keys x
+    queries) takes an entry under its own name (configs.TUNED_KERNELS), else its default.
+    A dK/dV entry is checked like a family's, without the family's switches."""
+    dq, dkdv = dict(GOOD, BLOCK_M=64, num_stages=2), dict(GOOD, BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    key = "bfloat16/d128/n32768"
+    table, caught = table_text(json.dumps({"arch": "sm90", "kernels": {
+        "dilated_bwd": {key: dq}, "dilated_bwd_dkdv": {key: dkdv, "bfloat16/d64/n8192": dict(dkdv, FLAT_LOOP=0)},
+        "block_sparse_bwd_dkdv": {key: dkdv}}}))
+    assert table["kernels"]["dilated_bwd_dkdv"] == {key: dkdv}
+    assert len(caught) == 1 and "unknown key 'FLAT_LOOP'" in caught[0], caught
+    monkeypatch.setattr(configs, "device_arch", lambda device: configs.fake_arch("sm90"))
+    cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
+    assert configs.select_config("dilated_bwd", bf16, 128, 32768, cuda) == dq
+    assert configs.select_config("dilated_bwd", bf16, 128, 1 << 16, cuda, kernel="dilated_bwd_dkdv") == dkdv
+    assert configs.select_config("block_sparse_bwd", bf16, 128, 4096, cuda, kernel="block_sparse_bwd_dkdv") == dkdv
+    # no entry of its own: the kernel's default, not the family's entry
+    assert configs.select_config("ring_step_bwd", bf16, 128, 4096, cuda, kernel="ring_step_bwd_dkdv") == \
+        configs.default_config("ring_step_bwd", 128, configs.fake_arch("sm90"), bf16, "ring_step_bwd_dkdv")
+
+
 def test_shipped_tables_pass():
     folder = os.path.dirname(configs.__file__)
     names = [f[:-5] for f in os.listdir(folder) if f.endswith(".json")]

@@ -469,14 +469,23 @@ def _known_families() -> set:
     return {family for spec in SPECS for family in spec.families}
 
 
+# The kernels a tuned table may hold an entry of their own for, beside the families: the
+# dK/dV kernels, whose tiles (keys x queries, transposed dots) are not their family's dQ
+# tiles, so a family entry leaves them on KERNEL_DEFAULTS. -> the family (its switches,
+# none of which they take, and its shared-memory rule).
+TUNED_KERNELS = {"dilated_bwd_dkdv": "dilated_bwd", "block_sparse_bwd_dkdv": "block_sparse_bwd",
+                 "ring_step_bwd_dkdv": "ring_step_bwd"}
+
+
 def entry_problems(family: str, key: str, config, arch_name: str) -> list[str]:
     """Why a tuned entry (kernels[family][key] = config) cannot be used, as messages ([] when
     it can): an unknown family or malformed key "<dtype>/d<D>/n<bucket>", a config that is not
     a dict of ints with exactly CONFIG_FIELDS and the family's switches, tiles that are not
     powers of two in TILE_RANGE, warps or stages Triton would refuse, a switch value the
     family does not have, or (for a known arch) a shared-memory estimate over the arch's."""
-    if family not in _known_families():
-        return [f"unknown kernel family {family!r} (known: {', '.join(sorted(_known_families()))})"]
+    known = _known_families() | set(TUNED_KERNELS)
+    if family not in known:
+        return [f"unknown kernel family {family!r} (known: {', '.join(sorted(known))})"]
     parts = key.split("/") if isinstance(key, str) else []
     ok_key = (len(parts) == 3 and parts[0] in _DTYPES and parts[1][:1] == "d" and parts[1][1:].isdigit()
               and parts[2][:1] == "n" and parts[2][1:].isdigit())
@@ -484,7 +493,7 @@ def entry_problems(family: str, key: str, config, arch_name: str) -> list[str]:
         return [f"key {key!r} is not \"<dtype>/d<head dim>/n<bucket>\" (e.g. \"bfloat16/d128/n8192\")"]
     if not isinstance(config, dict):
         return [f"must be an object of {', '.join(CONFIG_FIELDS)}, got {type(config).__name__}"]
-    switches = VARIANT_SWITCHES.get(family, {})
+    switches = {} if family in TUNED_KERNELS else VARIANT_SWITCHES.get(family, {})
     problems = [f"unknown key {name!r}" for name in config if name not in CONFIG_FIELDS and name not in switches]
     problems += [f"missing {name}" for name in CONFIG_FIELDS if name not in config]
     for name, value in config.items():
@@ -511,7 +520,7 @@ def entry_problems(family: str, key: str, config, arch_name: str) -> list[str]:
     except ValueError:
         return []   # an arch the table does not know: no limit to check against
     head_dim, dtype = int(parts[1][1:]), _DTYPES[parts[0]]
-    if not config_fits(family, config, head_dim, arch, dtype):
+    if not config_fits(TUNED_KERNELS.get(family, family), config, head_dim, arch, dtype):
         problems.append(f"needs more shared memory than {arch_name}'s {arch.shared_memory // 1024} KiB per block "
                         f"(estimate)")
     return problems
@@ -592,10 +601,15 @@ def select_config(family: str, dtype: torch.dtype, head_dim_padded: int, seqlen:
     entry of configs/<arch>.json (one for every kernel of the family), else default_config.
     A kernel with a KERNEL_DEFAULTS entry (the dilated, block-sparse and ring step dK/dV, the
     decode kernels) keeps its own default: `perf tune` times each family's first kernel, so a
-    tuned family entry says nothing about them."""
+    tuned family entry says nothing about them; a dK/dV kernel takes an entry under its own
+    name (TUNED_KERNELS) where the table has one."""
     if device.type != "cuda":
         return dict(INTERPRETER_CONFIG)
     arch = device_arch(device)
+    if kernel in TUNED_KERNELS:
+        cfg, _ = tuned_entry(kernel, dtype, head_dim_padded, seqlen, arch.name)
+        if cfg is not None:
+            return cfg
     if kernel in KERNEL_DEFAULTS:
         return default_config(family, head_dim_padded, arch, dtype, kernel)
     cfg, _ = tuned_entry(family, dtype, head_dim_padded, seqlen, arch.name)

@@ -23,7 +23,7 @@ from ..common.decode import DECODE_MAX_QUERIES, decode_path
 from ..common.first_order import first_order_backward, needs_grad
 from ..common.lse import add_sinks, lse_from_stats, with_softcap_and_sinks
 from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
-from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
+from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype
 from ..common.query_offset import run_with_query_offset
 from ..common.validation import (check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale,
                                  check_sinks, check_softcap)
@@ -166,7 +166,7 @@ def _block_sparse_attention(q, k, v, layout, *, causal, scale, return_lse, backe
     if cu_seqlens is not None:
         return _packed(q, k, v, layout, cu_seqlens, causal=causal, scale=scale, return_lse=return_lse,
                        backend=backend, softcap=softcap)
-    path = resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype)
+    path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype)
     # under torch.compile: the custom op (either path). It traces without a graph break; the
     # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
     if torch.compiler.is_compiling():
@@ -346,7 +346,7 @@ def block_sparse_attention_op(q, k, v, layout, *, causal=False, scale=None, retu
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q.shape[2], q.device)
     B, N, Hq, D = q.shape
-    path = resolve_path(backend, str(q.device))
+    path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype)
     if B == 0 or N == 0:
         out, lse = empty_result(q, k, v, True)
     else:

@@ -321,9 +321,12 @@ class BlockLayout:
                                                 q_window=pick(self.q_window))
 
     def to(self, device) -> "BlockLayout":
-        out = object.__new__(BlockLayout)
-        out.__dict__.update({k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
-        return out
+        """The same layout with its lists on `device` (traceable by torch.compile: no __dict__)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return BlockLayout.from_canonical_lists(move(self.kv_num_blocks), move(self.kv_indices),
+                                                move(self.q_num_blocks), move(self.q_indices), self.block_size,
+                                                window=self.window, kv_window=move(self.kv_window),
+                                                q_window=move(self.q_window))
 
     # ------------------------------------------------------------------ algebra
     def _check_compatible(self, other):

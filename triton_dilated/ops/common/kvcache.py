@@ -26,7 +26,6 @@ import torch
 
 from .first_order import needs_grad
 from .op_support import resolve_path
-from .runtime import resolve_backend
 from .lse import with_sinks  # noqa: F401 (the inference entry points import it from here)
 from .validation import check_bool, check_lengths_tensor, check_sinks, check_softcap
 
@@ -206,14 +205,10 @@ def append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_desca
 def decode_step(what: str, q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, backend, families,
                 k_descale=None, v_descale=None):
     """What both inference entry points do after checking their own arguments: pick the path
-    (under torch.compile the requested one, resolved inside the custom op; else resolved
-    here), refuse gradients on the Triton path (its decode kernel has no backward), run the
+    (op_support.resolve_path: the same eager and under torch.compile), refuse gradients on the Triton path (its decode kernel has no backward), run the
     value checks when asked and append k, v (quantised into an FP8 cache). Returns (path,
     the lengths after the append)."""
-    if torch.compiler.is_compiling():
-        path = resolve_path(backend, str(q.device))
-    else:
-        path = resolve_backend(backend, q.device, families, q.shape[-1], q.dtype)
+    path = resolve_path(backend, str(q.device), families, q.shape[-1], q.dtype)
     if path == "triton" and needs_grad(q, k_cache, v_cache, *(x for x in (k, v) if x is not None)):
         raise ValueError(f"{what}: the Triton decode kernel has no backward; call it under torch.no_grad() "
                          f"(inference), or use {what.removesuffix('_with_kvcache')} for gradients")

@@ -31,16 +31,26 @@ def check_path(path: str) -> None:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
 
 
-def resolve_path(backend: str, device: str) -> str:
+def resolve_path(backend: str, device: str, families=(), head_dim=0, dtype: torch.dtype = torch.float16) -> str:
     """resolve_backend, evaluated once at trace time under torch.compile (it reads the
-    environment and asks whether triton imports: facts that do not change in a process)."""
-    return resolve_backend(backend, torch.device(device))
+    environment, whether triton imports and the GPU's config tables: facts that do not change
+    in a process), so eager and compiled calls take the same path. `head_dim`: q.shape[-1];
+    under dynamic shapes a symbolic head dim cannot be passed to a constant function, and the
+    kernels' fit checks (which only refuse head dims over 128 on pre-Ampere GPUs) are skipped."""
+    if not isinstance(head_dim, int):
+        families, head_dim = (), 0
+    return _constant_path(backend, device, tuple(families), head_dim, dtype)
 
 
-# = torch.compiler.assume_constant_result(resolve_path), which only sets this flag but
-# imports torch._dynamo (~3 s) to do it. Should the flag ever stop working, dynamo traces
-# resolve_backend instead (it can; it only warns about the lru_cache inside).
-resolve_path._dynamo_marked_constant = True
+def _constant_path(backend: str, device: str, families: tuple, head_dim: int, dtype: torch.dtype) -> str:
+    return resolve_backend(backend, torch.device(device), families, head_dim, dtype)
+
+
+# = torch.compiler.assume_constant_result(_constant_path), which only sets this flag but
+# imports torch._dynamo (~3 s) to do it: dynamo calls it at trace time with constant
+# arguments instead of tracing into it (the config tables are read with importlib.resources,
+# which dynamo cannot trace). Should the flag ever stop working, dynamo traces it.
+_constant_path._dynamo_marked_constant = True
 
 
 def empty_stats(q: Tensor) -> Tensor:

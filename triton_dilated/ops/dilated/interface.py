@@ -167,7 +167,7 @@ def _dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal, scal
 
         out, lse = run_with_query_offset(call, q, k, v, lengths)   # N = Nq: the rows kept
         return (out, lse) if return_lse else out
-    path = resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype)
+    path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype)
     doc_bounds = check_cu_seqlens(cu_seqlens, B, N)
     # under torch.compile: the custom op (either path). It traces without a graph break; the
     # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
@@ -340,7 +340,7 @@ def dilated_attention_op(q, k, v, segment_lengths, dilation_rates, *, causal=Fal
                                          return_lse, head_offset=head_offset, total_heads=total_heads)
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q.shape[2], q.device)
-    path = resolve_path(backend, str(q.device))
+    path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, q.shape[-1], q.dtype)
     need_lse = return_lse or sinks is not None
     if q.shape[0] == 0 or q.shape[1] == 0:
         out, lse = empty_result(q, k, v, True)
