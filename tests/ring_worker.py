@@ -94,6 +94,8 @@ def run_case(case, rank, world):
         kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
         if case["kind"] == "layout":
             kw["layout"] = [case_layout(case, e - s) if e > s else None for s, e in zip(cu[:-1], cu[1:])]
+        elif case["kind"] == "window":   # a builder, called with each document's length
+            kw["layout"] = lambda n: case_layout(case, n)
     sinks = case_sinks(case)
     if sinks is not None:   # the same logits on every rank (a replicated parameter)
         sinks.requires_grad_()

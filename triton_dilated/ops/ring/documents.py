@@ -32,7 +32,7 @@ import hashlib
 import torch
 
 from ..block_sparse.interface import document_layouts
-from ..block_sparse.layout import BlockLayout
+from ..block_sparse.layout import BlockLayout, join_windows
 from ..common.validation import check_cu_seqlens, check_int, check_int_list
 from ..dilated.patterns import check_patterns, fit_patterns, head_offsets
 
@@ -77,23 +77,43 @@ class DocPositions:
 
 def virtual_layout(per_doc, bounds, heads) -> BlockLayout:
     """The block-diagonal layout of the virtual sequence (module docstring): document d's
-    layout (query heads [heads[0], heads[1]) of it) on its diagonal block. One block size."""
+    layout (query heads [heads[0], heads[1]) of it) on its diagonal block. One block size.
+
+    Sliding windows: the documents' predicate (join_windows: one for all) and their window
+    blocks go along. The band (p - window < p' <= p) depends only on p - p', which virtual
+    positions keep within a document; sink tokens (p' < sinks) are positions from a
+    document's start, which the virtual sequence moves for every document after the first:
+    with two or more documents they are a ValueError rather than a wrong mask."""
     sizes = {lay.block_size for lay in per_doc if lay is not None}
     if len(sizes) > 1:
         raise ValueError(f"the documents' layouts must share one block size in ring_attention, got {sorted(sizes)}")
     bs = sizes.pop() if sizes else 16
-    parts = [lay.heads(*heads).to_dense()[:1] if lay is not None else None for lay in per_doc]   # B == 1
-    n_heads = max([p.shape[1] for p in parts if p is not None], default=1)
-    total = sum(p.shape[2] for p in parts if p is not None)
+    window = None
+    for lay in per_doc:
+        if lay is not None:
+            window = join_windows(window, lay.window, "ring_attention over the documents' layouts")
+    if window is not None and window.sink_tokens and sum(lay is not None for lay in per_doc) > 1:
+        raise ValueError(f"ring_attention with cu_seqlens and a sliding window with sink tokens "
+                         f"({window!r}): the ring's documents cannot place sink tokens per document yet; use "
+                         f"sinks=0 in the window, one document, or block_sparse_attention(..., cu_seqlens=) on one "
+                         f"device")
+    picked = [lay.heads(*heads) if lay is not None else None for lay in per_doc]
+    parts = [(lay.to_dense()[:1], lay.window_blocks_dense()[:1]) for lay in picked if lay is not None]   # B == 1
+    n_heads = max([p.shape[1] for p, _ in parts], default=1)
+    total = sum(p.shape[2] for p, _ in parts)
     table = torch.zeros(1, n_heads, max(total, 1), max(total, 1), dtype=torch.bool)
+    flags = torch.zeros_like(table)
     at = 0
-    for p in parts:
-        if p is None:
-            continue
+    for p, f in parts:
         n = p.shape[2]
         table[:, :, at:at + n, at:at + n] = p.cpu().bool()
+        flags[:, :, at:at + n, at:at + n] = f.cpu().bool()
         at += n
-    return BlockLayout.from_dense(table, bs)
+    if window is None:
+        return BlockLayout.from_dense(table, bs)
+    b, h, r, c = table.nonzero(as_tuple=True)
+    return BlockLayout.from_pairs(b, h, r, c, table.shape[:3], table.shape[3], bs, window=window,
+                                  window_flags=flags[b, h, r, c])
 
 
 # ----------------------------------------------------------------------------- balance
