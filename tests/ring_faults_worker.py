@@ -25,18 +25,22 @@ def inputs(rank, world, *, B, N, Hq, Hkv, D, dtype, seed=0, requires_grad=True):
 
 
 def _mismatch(rank, world, spec):
-    """ring_attention with BASE shapes and kwargs, except that rank 1 uses spec's overrides.
-    Returns ("ok", None) or (exception type name, message)."""
-    from triton_dilated import ring_attention
-    shape = dict(BASE, **(spec.get("shape", {}) if rank == 1 else {}))
+    """ring_attention (ulysses_attention with spec["fn"] == "ulysses") with BASE shapes (and
+    spec's "shape_all") and kwargs, except that rank 1 uses spec's overrides. Returns ("ok",
+    None) or (exception type name, message). kw "sinks_value": sink logits of that value."""
+    from triton_dilated import ring_attention, ulysses_attention
+    shape = dict(BASE, **spec.get("shape_all", {}), **(spec.get("shape", {}) if rank == 1 else {}))
     kw = dict(spec.get("kw", {}), **(spec.get("kw1", {}) if rank == 1 else {}))
+    sinks_value = kw.pop("sinks_value", None)
+    if sinks_value is not None:
+        kw["sinks"] = torch.full((shape["Hq"],), float(sinks_value))
     window = kw.pop("layout_window", None)
     if window is not None:   # a local layout: blocks of 16, `window` blocks either side
         from triton_dilated import layouts
         kw["layout"] = layouts.local(BASE["N"], 16, window)
     q, k, v = inputs(rank, world, **shape, requires_grad=not (spec.get("no_grad_on_1") and rank == 1))
     try:
-        out = ring_attention(q, k, v, **kw)
+        out = (ulysses_attention if spec.get("fn") == "ulysses" else ring_attention)(q, k, v, **kw)
     except Exception as exc:
         return type(exc).__name__, str(exc)
     return "ok", tuple(out.shape)

@@ -120,7 +120,17 @@ def _residue_rows(patterns, table):
 SIGNATURE = ("q shape (B, N_local, Hq, D)", "k/v shape (B, N_local, Hkv, D)", "dtype", "device type", "causal",
              "scale", "balance", "comm", "segment_lengths/dilation_rates", "mode/offsets", "layout",
              "backward (grad mode, inputs requiring grad)", "heads (head_offset, total_heads)", "cu_seqlens",
-             "softcap", "sinks (given)")
+             "softcap", "sinks")
+
+
+def sinks_fingerprint(sinks) -> str | None:
+    """None, or the sink logits' count and a digest of their values: ranks whose sinks differ
+    would each join their own to their rows (one host read of Hq floats per call)."""
+    if sinks is None:
+        return None
+    h = hashlib.blake2b(sinks.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes(),
+                        digest_size=8)
+    return f"{sinks.numel()} sink logits, digest {h.hexdigest()}"
 
 
 def _layout_fingerprint(layout: BlockLayout) -> str:
@@ -254,7 +264,7 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
             None if layout is None else _layout_fingerprint(layout) if per_doc is None else
             _documents_fingerprint(per_doc),
             torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)), heads,
-            None if bounds is None else bounds_digest(bounds), softcap, sinks is not None)))
+            None if bounds is None else bounds_digest(bounds), softcap, sinks_fingerprint(sinks))))
     except (TypeError, ValueError) as exc:
         error = exc
     ring.agree(signature, error, device=q.device if isinstance(q, torch.Tensor) else None)

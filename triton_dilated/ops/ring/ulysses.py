@@ -33,7 +33,7 @@ from ..dilated.interface import dilated_attention
 from .comm import RingComm
 from .documents import bounds_digest
 from .interface import _documents_fingerprint, _layout_fingerprint, check_documents, check_sequence_parallel_args, \
-    ring_attention
+    ring_attention, sinks_fingerprint
 from .shard import BALANCES, shard, unshard
 
 
@@ -77,7 +77,7 @@ class _HeadsToSeq(torch.autograd.Function):
 SIGNATURE = ("q shape (B, N_local, Hq, D)", "k/v shape (B, N_local, Hkv, D)", "dtype", "device type", "causal",
              "scale", "balance", "segment_lengths/dilation_rates", "mode/offsets", "layout", "backend",
              "backward (grad mode, inputs requiring grad)", "ring (world size, comm)", "cu_seqlens", "softcap",
-             "sinks (given)")
+             "sinks")
 
 
 def check_ulysses_heads(num_heads: int, num_kv_heads: int, world: int) -> int:
@@ -156,7 +156,7 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
             _documents_fingerprint(per_doc), backend,
             torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
             (ring_world, comm) if rcomm is not None else None, None if bounds is None else bounds_digest(bounds),
-            softcap, sinks is not None)))
+            softcap, sinks_fingerprint(sinks))))
     except (TypeError, ValueError) as exc:
         error = exc
     device = q.device if isinstance(q, torch.Tensor) else None
