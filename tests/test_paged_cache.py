@@ -123,3 +123,42 @@ def test_admission_eviction_and_errors():
         step.attend(q, k, v)
     with pytest.raises(ValueError, match="page_size must be a positive int"):
         PagedDilatedKVCache(WS, RS, num_pages=3, page_size=0, num_kv_heads=HKV, head_dim=D)
+
+
+def test_stale_steps_and_second_begins_are_refused():
+    """Hardening round 3: a step kept past evict() wrote into a page that belonged to another
+    sequence by then, and two begin()s of one sequence counted its length twice with one row
+    written. Now the stale step raises without touching the pool, a second begin raises until
+    the first step ends or is cancelled, and a float64 pool is refused."""
+    cache = PagedDilatedKVCache(WS, RS, num_pages=4, page_size=PAGE, num_kv_heads=HKV, head_dim=D, device=DEVICE)
+    q, k, v = _token(1)
+    cache.admit("a")
+    stale = cache.begin(["a"])
+    cache.evict("a")
+    cache.admit("b")
+    step = cache.begin(["b"])
+    assert step.block_table[0, 0] == stale.block_table[0, 0]    # b holds a's page now
+    step.attend(q, k, v, backend="torch")
+    step.end()
+    before = [p.clone() for p in cache.k_pools + cache.v_pools]
+    for call in (lambda: stale.attend(q, 2 * k, 2 * v, backend="torch"), stale.end):
+        with pytest.raises(ValueError, match="'a' was evicted after this step began"):
+            call()
+    assert all(torch.equal(p, b) for p, b in zip(cache.k_pools + cache.v_pools, before))
+    cache.admit("a")      # admitted again: the old step stays stale
+    with pytest.raises(ValueError, match="was evicted"):
+        stale.attend(q, k, v, backend="torch")
+
+    first = cache.begin(["b"])
+    with pytest.raises(ValueError, match="'b' has a step in progress"):
+        cache.begin(["a", "b"])
+    assert cache.seen["b"] == 1
+    first.cancel()
+    assert cache.seen["b"] == 1
+    again = cache.begin(["a", "b"])
+    again.attend(torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v]), backend="torch")
+    again.end()
+    assert cache.seen == {"b": 2, "a": 1}
+
+    with pytest.raises(TypeError, match="dtype must be one of float16, bfloat16, float32, float8_e4m3fn.*float64"):
+        PagedDilatedKVCache(WS, RS, num_pages=4, page_size=PAGE, num_kv_heads=HKV, head_dim=D, dtype=torch.float64)

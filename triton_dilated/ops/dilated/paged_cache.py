@@ -26,21 +26,35 @@ from .cache import decode_rows_bound, window_start
 from .inference import dilated_attention_with_kvcache
 from .patterns import check_patterns
 
+POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+
 
 class PagedStep:
     """One decode step of some sequences: the block table int32 (B, pages) and the lengths
-    before the step int32 (B,) on the device, for every layer."""
+    before the step int32 (B,) on the device, for every layer. It holds each sequence's
+    admission (a sequence evicted, and maybe admitted again, since `begin` makes the step
+    stale: its pages may belong to another sequence now) and is the sequences' only open
+    step until `end` or `cancel`."""
 
     def __init__(self, cache, seq_ids, num_new, block_table, cache_seqlens):
         self.cache, self.seq_ids, self.num_new = cache, list(seq_ids), num_new
         self.block_table, self.cache_seqlens = block_table, cache_seqlens
+        self.admissions = [cache.admission[s] for s in self.seq_ids]
         self.done = False
+
+    def _check_current(self, what: str) -> None:
+        """Host-side checks only (Python ints): no device sync."""
+        if self.done:
+            raise ValueError(f"{what}: this PagedStep has ended; call cache.begin for the next step")
+        for s, admission in zip(self.seq_ids, self.admissions):
+            if self.cache.admission.get(s) != admission:
+                raise ValueError(f"{what}: sequence {s!r} was evicted after this step began (its pages may hold "
+                                 f"another sequence now); call cache.begin again")
 
     def attend(self, q, k_new, v_new, layer: int = 0, **kwargs):
         """dilated_attention_with_kvcache of q (B, Nq, Hq, D) for this step's sequences, k_new,
         v_new (B, num_new, Hkv, D) written into the pool of `layer` first."""
-        if self.done:
-            raise ValueError("this PagedStep has ended; call cache.begin for the next step")
+        self._check_current("PagedStep.attend")
         c = self.cache
         descales = {} if c.k_descale is None else dict(k_descale=c.k_descale[layer], v_descale=c.v_descale[layer])
         return dilated_attention_with_kvcache(q, c.k_pools[layer], c.v_pools[layer], k_new, v_new,
@@ -51,9 +65,22 @@ class PagedStep:
     def end(self) -> None:
         """The step's tokens are written (every layer): advance the sequences."""
         if not self.done:
+            self._check_current("PagedStep.end")
             for s in self.seq_ids:
                 self.cache.seen[s] += self.num_new
-            self.done = True
+            self._close()
+
+    def cancel(self) -> None:
+        """Drop the step without advancing its sequences (rows it wrote are written again by
+        the next step); its pages stay with the sequences."""
+        if not self.done:
+            self._close()
+
+    def _close(self) -> None:
+        for s in self.seq_ids:
+            if self.cache.open_steps.get(s) is self:
+                del self.cache.open_steps[s]
+        self.done = True
 
 
 class PagedDilatedKVCache:
@@ -71,6 +98,9 @@ class PagedDilatedKVCache:
     `pages_held(seq)`, `free_pages` and `rows_bound` (the most rows a sequence keeps) describe
     the memory. A step needs pages for its new tokens: the pool running out raises.
 
+    One step per sequence at a time: `begin` for a sequence whose step has not ended (or been
+    cancelled) raises, and so does a step used after one of its sequences was evicted.
+
     FP8 pools: dtype=torch.float8_e4m3fn with k_descale, v_descale, float32 (num_kv_heads,)
     (every layer) or (num_layers, num_kv_heads), one scale per layer and key/value head
     (dilated_attention_with_kvcache's meaning: stored value times descale; new rows, given in
@@ -80,6 +110,9 @@ class PagedDilatedKVCache:
     def __init__(self, segment_lengths, dilation_rates, *, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype=torch.float32, device="cpu", num_layers: int = 1, mode: str = "longnet",
                  offsets: str = "modulo", k_descale=None, v_descale=None):
+        if dtype not in POOL_DTYPES:
+            raise TypeError(f"dtype must be one of {', '.join(str(d).removeprefix('torch.') for d in POOL_DTYPES)} "
+                            f"(the attention's dtypes, or an FP8 pool), got {dtype}")
         patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
         self.segment_lengths = [w for w, _ in patterns]
         self.dilation_rates = [r for _, r in patterns]
@@ -100,6 +133,9 @@ class PagedDilatedKVCache:
         self.pages: dict = {}    # sequence -> physical pages, logical page j holding rows base + j*page_size ...
         self.base: dict = {}     # sequence -> position of its first kept row
         self.seen: dict = {}     # sequence -> tokens written
+        self.admission: dict = {}    # sequence -> a number unique to this admission (stale steps)
+        self.open_steps: dict = {}   # sequence -> its PagedStep not yet ended
+        self._admissions = 0
 
     def _descales(self, dtype, num_layers, num_kv_heads, k_descale, v_descale):
         """(k, v) descales float32 (num_layers, Hkv) on the pools' device for an FP8 pool, else
@@ -132,12 +168,15 @@ class PagedDilatedKVCache:
         if seq in self.pages:
             raise ValueError(f"sequence {seq!r} is already admitted")
         self.pages[seq], self.base[seq], self.seen[seq] = [], 0, 0
+        self._admissions += 1
+        self.admission[seq] = self._admissions
 
     def evict(self, seq) -> None:
         """Drop a sequence; its pages go back to the pool."""
         self._known(seq)
         self.free += reversed(self.pages.pop(seq))
-        del self.base[seq], self.seen[seq]
+        del self.base[seq], self.seen[seq], self.admission[seq]
+        self.open_steps.pop(seq, None)   # that step is stale now (PagedStep checks its admissions)
 
     def _known(self, seq):
         if seq not in self.pages:
@@ -153,6 +192,9 @@ class PagedDilatedKVCache:
             raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
         for s in seq_ids:
             self._known(s)
+            if s in self.open_steps:
+                raise ValueError(f"sequence {s!r} has a step in progress: call end() on it (its tokens are written) "
+                                 f"or cancel() before the next begin")
         for s in seq_ids:   # the first query of the step sits at seen[s]: nothing before its window is read
             keep_from = window_start(self.seen[s], self.segment_lengths) // self.step * self.step
             drop = (keep_from - self.base[s]) // self.page_size
@@ -170,11 +212,17 @@ class PagedDilatedKVCache:
         table = [self.pages[s] + [self.pages[s][0]] * (width - len(self.pages[s])) for s in seq_ids]
         block_table = torch.tensor(table, dtype=torch.int32).to(self.device)
         lengths = torch.tensor([self.seen[s] - self.base[s] for s in seq_ids], dtype=torch.int32).to(self.device)
-        return PagedStep(self, seq_ids, num_new, block_table, lengths)
+        step = PagedStep(self, seq_ids, num_new, block_table, lengths)
+        self.open_steps.update(dict.fromkeys(seq_ids, step))
+        return step
 
     def attend(self, seq_ids, q, k_new, v_new, **kwargs):
         """One step of a one-layer cache: begin, attend, end."""
         step = self.begin(seq_ids, k_new.shape[1])
-        out = step.attend(q, k_new, v_new, 0, **kwargs)
+        try:
+            out = step.attend(q, k_new, v_new, 0, **kwargs)
+        except BaseException:
+            step.cancel()
+            raise
         step.end()
         return out
