@@ -113,6 +113,51 @@ def test_with_kvcache_matches_the_oracle(backend, variant, append):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+def test_rows_holding_fewer_keys_than_queries(backend, variant):
+    """Hardening round 3: a row with L < Nq keys (after the append) puts its first Nq - L
+    queries before position 0 (aligned to the bottom right, FlashAttention's rule). They read
+    no key, causal or not (out 0, lse -inf; ops/dilated/decode.py); the other queries are the
+    row's positions 0 .. L - 1 and equal the oracle over its L keys. Before, the portable
+    dilated path gave errors of 0.84 (B = 3) or an IndexError (B = 1) and the Triton kernels
+    read before the row (non-causal) and floor/truncate disagreed on p < 0. (The training
+    doors refuse such rows: their cache_seqlens must lie in [Nq, Nk].)"""
+    Nk, Hq, Hkv, D = 32, 4, 2, 8
+    for before, append, Nq in (([9, 2, 5], 0, 3), ([2], 0, 3), ([0], 0, 3), ([0, 1, 7], 1, 3), ([0, 4], 0, 1)):
+        B, after = len(before), [n + append for n in before]
+        kc, vc = _cache(B, Nk, Hkv, D, before, seed=20)
+        q = seeded((B, Nq, Hq, D), torch.float32, 21, DEVICE)
+        k_new = seeded((B, append, Hkv, D), torch.float32, 22, DEVICE) if append else None
+        v_new = seeded((B, append, Hkv, D), torch.float32, 23, DEVICE) if append else None
+        kc0, vc0 = kc.clone(), vc.clone()
+        lens = torch.tensor(before, dtype=torch.int32, device=DEVICE)
+        for causal in (True, False):
+            kc.copy_(kc0)
+            vc.copy_(vc0)
+            if variant == "dilated":
+                fn, oracle = _dilated, _dilated_oracle(causal)
+            else:
+                lay = _layout(Nk, heads=Hq)
+                fn, oracle = _block_sparse(lay), _block_sparse_oracle(lay, causal)
+            out, lse = fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, causal=causal, return_lse=True,
+                          backend=backend)
+            want_out, want_lse = torch.zeros_like(out, dtype=torch.float64), torch.full_like(lse, float("-inf"),
+                                                                                              dtype=torch.float64)
+            for b, n in enumerate(after):
+                m = min(n, Nq)   # the queries at positions n - m .. n - 1 >= 0
+                if m == 0:
+                    continue
+                qf = torch.cat([q.new_zeros(1, n - m, Hq, D), q[b:b + 1, Nq - m:]], 1).double()
+                o, l_ = oracle(qf, kc[b:b + 1, :n].double(), vc[b:b + 1, :n].double(), n)
+                want_out[b, Nq - m:], want_lse[b, :, Nq - m:] = o[0, n - m:], l_[0, :, n - m:]
+            what = f"{variant} {backend} lengths {after} causal={causal}"
+            torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5, msg=what)
+            torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5, msg=what)
+            for b, n in enumerate(after):   # the queries before position 0: exactly 0 and -inf
+                assert (out[b, :max(0, Nq - n)] == 0).all() and torch.isneginf(lse[b, :, :max(0, Nq - n)]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
 def test_with_kvcache_softcap_and_sinks_match_the_oracle(backend, variant):
     """softcap= and sinks= (issue 23) on a decode step: B = 2 rows at ragged lengths, GQA, Nq = 3
     with one row appended, scores large enough that the cap bites; out and lse against the

@@ -23,7 +23,8 @@ def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
     B, Nq = pos.shape
     bs = layout.block_size
     lb, lh = layout.kv_num_blocks.shape[:2]
-    rows = (pos // bs).view(B, Nq, 1).expand(B, Nq, num_heads)
+    # a query before the first key (pos < 0: ops/dilated/decode.py) reads nothing
+    rows = (pos.clamp(min=0) // bs).view(B, Nq, 1).expand(B, Nq, num_heads)
     bi = torch.arange(B, device=device).view(B, 1, 1) % lb
     hi = torch.arange(num_heads, device=device).view(1, 1, num_heads) % lh
     counts = layout.kv_num_blocks.to(device).long()[bi, hi, rows]                 # (B, Nq, Hq)
@@ -31,7 +32,7 @@ def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
     blocks = layout.kv_indices.to(device).long()[bi, hi, rows][..., :width]       # (B, Nq, Hq, W)
     key_pos = (blocks[..., None] * bs + torch.arange(bs, device=device)).flatten(-2)
     slot_ok = (torch.arange(width, device=device) < counts[..., None]).repeat_interleave(bs, dim=-1)
-    key_ok = slot_ok & (key_pos < lengths.view(B, 1, 1, 1))
+    key_ok = slot_ok & (key_pos < lengths.view(B, 1, 1, 1)) & (pos >= 0).view(B, Nq, 1, 1)
     if causal:
         key_ok &= key_pos <= pos.view(B, Nq, 1, 1)
     if getattr(layout, "window", None) is not None:   # a sliding window's predicate in its window blocks

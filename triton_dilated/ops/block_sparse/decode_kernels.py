@@ -37,8 +37,10 @@ def _block_sparse_decode_kernel(
 
     bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb = 0 then)
     k_scale, v_scale = kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8)   # FP8 cache: descales
-    qblock = p // BLOCK_SIZE
-    count = tl.load(KV_COUNT + b * stride_cb + h64 * stride_ch + qblock)
+    # a query before the first key (p < 0: ops/dilated/decode.py) reads nothing; p is clamped
+    # before // (which truncates towards zero on a GPU and floors in the interpreter)
+    qblock = tl.maximum(p, 0) // BLOCK_SIZE
+    count = tl.load(KV_COUNT + b * stride_cb + h64 * stride_ch + qblock, mask=p >= 0, other=0)
     index_off = b * stride_ib + h64 * stride_ih + qblock.to(tl.int64) * stride_ir
     index_base = KV_INDEX + index_off
     per_split = tl.cdiv(count, NUM_SPLITS)

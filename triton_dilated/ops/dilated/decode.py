@@ -17,6 +17,13 @@ inference entry point, dilated_attention_with_kvcache, on every device; differen
 only for CPU tensors without gradients on the host-synchronising training front door,
 where it is 3-5x faster than copying the keys out first (a gather moves every key it reads
 once more; LongNet schedule, H = 16, D = 128, 2-core CPU).
+
+A row holding fewer keys than queries (L < Nq) puts its first queries before position 0
+(queries aligned to the bottom right, as FlashAttention's KV-cache call): such a query
+reads no key, causal or not (out 0, lse -inf). Under causal that is FlashAttention's rule;
+without it FlashAttention's dense query sees every key, but a dilated or block-sparse mask
+row is a function of the position, and the segment (or layout block) of a position below
+0 holds no key. Every path (both variants, portable and Triton) follows this.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ def pattern_runs(pos, lengths, w: int, r: int, offsets, causal: bool):
     o = offsets.view(1, 1, -1)
     seg = p // w * w
     seg_end = torch.minimum(seg + w, lengths.view(-1, 1, 1))
-    active = (o >= 0) & ((p - seg) % r == o)
+    active = (o >= 0) & ((p - seg) % r == o) & (p >= 0)   # before the first key: nothing (module docstring)
     count = (seg_end - seg - o + r - 1).div(r, rounding_mode="floor").clamp(min=0)
     if causal:   # an active query is key number (p - s - o) / r of its own run
         count = torch.minimum(count, (p - seg - o).div(r, rounding_mode="floor") + 1)
@@ -109,14 +116,16 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, causal: bool, scale:
         if causal:   # the query is key number (p - s - c) / r of its own run
             count = torch.minimum(count, (p - seg - c).div(r, rounding_mode="floor") + 1)
         t = torch.arange(T, device=device)
-        ok = t < count                                                    # (B, Nq, T)
-        kpos = torch.where(ok, seg + c + r * t, p)
+        ok = (t < count) & (p >= 0)                                       # (B, Nq, T)
+        kpos = torch.where(ok, seg + c + r * t, p.clamp(min=0))
         heads = heads_of[c.squeeze(-1)]                                   # (B, Nq, M)
         kvh = heads.clamp(max=Hq - 1) // group
         M = heads.shape[-1]
         DECODE_STATS["key_rows"] += B * Nq * M * T
         kg = cache_rows(k, b_idx, kpos[:, :, None, :], kvh[..., None], block_table).to(acc)   # (B, Nq, M, T, D)
         vg = cache_rows(v, b_idx, kpos[:, :, None, :], kvh[..., None], block_table).to(acc)
+        before = (p < 0)[..., None, None]   # a query before position 0 has no row to point at: zeros
+        kg, vg = kg.masked_fill(before, 0), vg.masked_fill(before, 0)
         qg = q_ext.gather(2, heads[..., None].expand(B, Nq, M, D))        # (B, Nq, M, D)
         s_ = cap_scores(nonfinite_to_nan(torch.matmul(kg, qg[..., None]).squeeze(-1) * scale), softcap)
         s_ = s_.masked_fill(~ok[:, :, None, :], float("-inf"))

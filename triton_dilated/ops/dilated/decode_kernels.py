@@ -29,11 +29,13 @@ CONFIG_FAMILY = "dilated_fwd"   # the family; tiles and warps: configs.KERNEL_DE
 @triton.jit
 def _pattern_run(p, length, w, r, o, CAUSAL: tl.constexpr):
     """(start, count) of the keys start + r*t, t < count, that the query at p reads through
-    pattern (w, r) at offset o (-1: unused); count 0 when the query is inactive. All
-    operands of // and % are non-negative where the result is used."""
-    seg = (p // w) * w
+    pattern (w, r) at offset o (-1: unused); count 0 when the query is inactive, and for a
+    query before the first key (p < 0: a row shorter than its queries; decode.py). p is
+    clamped to 0 first: Triton's // and % truncate towards zero on a GPU (the interpreter
+    floors), so no negative operand reaches them."""
+    seg = (tl.maximum(p, 0) // w) * w
     seg_end = tl.minimum(seg + w, length)
-    active = (o >= 0) & ((p - seg) % r == o)
+    active = (o >= 0) & ((tl.maximum(p, 0) - seg) % r == o) & (p >= 0)
     count = tl.maximum((seg_end - seg - o + r - 1) // r, 0)
     if CAUSAL:   # an active query is key (p - s - o) / r of its own run
         count = tl.minimum(count, (p - seg - o) // r + 1)
