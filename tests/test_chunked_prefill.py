@@ -242,7 +242,7 @@ def test_block_sparse_chunked_call_runs_only_the_chunk_blocks(monkeypatch, backe
     first = (Nk - Nq) // bs                      # the block holding the first kept row
     counts = used.kv_num_blocks.expand(B, H, -1)
     assert (counts[..., :first] == 0).all()
-    assert torch.equal(counts[..., first:], lay.kv_num_blocks.expand(B, H, -1)[..., first:])
+    assert torch.equal(counts[..., first:], lay.kv_num_blocks.to(counts.device).expand(B, H, -1)[..., first:])
     _, _, qr, _ = used.pairs()
     assert (qr >= first).all()
     # the transposed (dK/dV) lists hold only the chunk's query blocks

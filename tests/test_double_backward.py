@@ -64,6 +64,7 @@ def ring_results():
 
 
 @pytest.mark.parametrize("comm", ["p2p", "allgather"])
+@pytest.mark.gloo
 def test_ring_double_backward_raises_on_every_rank(ring_results, comm):
     assert sorted(ring_results) == [0, 1], ring_results
     for rank, (status, payload) in ring_results.items():

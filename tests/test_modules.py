@@ -342,7 +342,7 @@ def test_block_sparse_module_fixed_layout(device, backend):
     expected = block_sparse_attention(q, k, k, layout, causal=True, scale=0.4, backend=backend)
     assert torch.equal(m(q, k, k), expected)
     assert m.state_dict() == {}                       # configuration, not state
-    assert m.kv_indices.device == q.device and torch.equal(m.layout.to_dense(), layout.to_dense())
+    assert m.kv_indices.device == q.device and torch.equal(m.layout.to_dense(), layout.to_dense().to(q.device))
     out, lse = m(q, k, k, causal=False, return_lse=True)
     assert torch.equal(lse, block_sparse_attention(q, k, k, layout, scale=0.4, backend=backend, return_lse=True)[1])
 

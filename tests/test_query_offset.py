@@ -38,8 +38,8 @@ def _check(fn, oracle, q, k, v, lengths, dtype):
     floor = FLOOR[dtype]
     assert_rule("out", out.float(), ref_out, same_out.float(), factor=2, floor=floor)
     assert_rule("lse", lse.float(), ref_lse, same_lse.float(), factor=2, floor=floor)
-    g_out = seeded(out.shape, torch.float64, 7)
-    g_lse = seeded(lse.shape, torch.float64, 8) * torch.isfinite(ref_lse)
+    g_out = seeded(out.shape, torch.float64, 7, out.device)
+    g_lse = seeded(lse.shape, torch.float64, 8, lse.device) * torch.isfinite(ref_lse)
     grads = torch.autograd.grad((out.double() * g_out).sum() + (torch.nan_to_num(lse.double(), neginf=0) * g_lse)
                                 .sum(), (q, k, v))
     qd, kd, vd = (x.detach().double().requires_grad_(True) for x in (q, k, v))

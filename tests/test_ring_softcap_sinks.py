@@ -69,6 +69,7 @@ def world_results(request):
     return world, cases, run_world(world, cases)
 
 
+@pytest.mark.gloo
 def test_ring_and_ulysses_softcap_sinks_match_oracle(world_results):
     world, cases, results = world_results
     assert sorted(results) == list(range(world))

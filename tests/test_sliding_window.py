@@ -252,9 +252,11 @@ def test_kernels_with_small_tiles(config, windows):
     n, bs = 100, 64
     cfg = dict(config, num_warps=4, num_stages=1)
     for window, sinks in windows:
-        lay = layouts.sliding_window(n, bs, window, sinks=sinks) | layouts.global_tokens(n, bs, 1, causal=True)
         c = dict(N=n, Hq=2, Hkv=1, D=16, dtype=torch.float32, seed=window)
         q, k, v = qkv_of(c)
+        # the kernels take the layout's lists on q's device (the public functions move it there)
+        lay = (layouts.sliding_window(n, bs, window, sinks=sinks)
+               | layouts.global_tokens(n, bs, 1, causal=True)).to(q.device)
         out, m, s = kernels.block_sparse_forward(q, k, v, lay, causal=True, scale=0.25, config=cfg)
         ref_q, ref_k, ref_v = (x.double().requires_grad_() for x in (q, k, v))
         o64, l64 = block_sparse_attention_naive(ref_q, ref_k, ref_v, lay, causal=True, scale=0.25)
@@ -314,14 +316,15 @@ def test_decode_applies_the_window(backend, splits, monkeypatch):
     k = torch.cat([k, seeded(k.shape, torch.float32, 4, DEVICE)])
     v = torch.cat([v, seeded(v.shape, torch.float32, 5, DEVICE)])
     lens = [96, 61]
+    cache_seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)   # on q's device, as the entry point asks
     cases = ((5, 0, None), (1, 33, None)) if splits == 1 else \
         ((40, 4, None), (9, 1, layouts.global_tokens(N, bs, 1, causal=True)))
     for window, sinks, other in cases:
         lay = make_layout(N, bs, window, sinks, other)
         nq = 3
         qq = torch.stack([q[b, L - nq:L] for b, L in enumerate(lens)])
-        out, lse = block_sparse_attention_with_kvcache(qq, k, v, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
-                                                       layout=lay, return_lse=True, backend=backend)
+        out, lse = block_sparse_attention_with_kvcache(qq, k, v, cache_seqlens=cache_seqlens, layout=lay,
+                                                       return_lse=True, backend=backend)
         for b, L in enumerate(lens):
             o64, l64 = block_sparse_attention_naive(q[b:b + 1, :L], k[b:b + 1, :L], v[b:b + 1, :L],
                                                     lay.prefix(math.ceil(L / bs)), causal=True)
@@ -338,8 +341,8 @@ def test_decode_half_precision_and_gradients(backend):
     c = dict(N=N, Hq=2, Hkv=1, D=16, dtype=torch.float16, seed=21)
     q, k, v = qkv_of(c)
     qq = q[:, -2:].contiguous()
-    out = block_sparse_attention_with_kvcache(qq, k, v, cache_seqlens=torch.tensor([N], dtype=torch.int32),
-                                              layout=lay, backend=backend)
+    cache_seqlens = torch.tensor([N], dtype=torch.int32, device=DEVICE)   # on q's device, as the entry point asks
+    out = block_sparse_attention_with_kvcache(qq, k, v, cache_seqlens=cache_seqlens, layout=lay, backend=backend)
     o64, _ = block_sparse_attention_naive(q.double(), k.double(), v.double(), lay, causal=True)
     assert max_err(out, o64[:, -2:]) < 2e-3
     c["dtype"] = torch.float32
@@ -399,6 +402,7 @@ RING_CASES = [
 ]
 
 
+@pytest.mark.gloo
 def test_ring_attention_on_a_world_of_two():
     """ring_attention(layout=sliding_window(...)) on 2 gloo processes (p2p and all-gather,
     contiguous and zigzag shards, a union with a per-head random layout) and ulysses_attention

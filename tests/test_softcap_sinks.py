@@ -192,7 +192,7 @@ def test_block_sparse_matches_oracle(backend, data):
 def _straight_through_oracle(q, k, v, ws, rs, softcap, causal):
     """The capped forward with the cap's derivative dropped (what a backward without the
     factor 1 - tanh^2 computes): dense float64 attention over the dilated multiplicities."""
-    counts = dilated_multiplicity(q.shape[1], ws, rs, q.shape[2], causal=causal)
+    counts = dilated_multiplicity(q.shape[1], ws, rs, q.shape[2], causal=causal).to(q.device)
     B, N, Hq, D = q.shape
     s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(Hq // k.shape[2], dim=2)) * D ** -0.5
     s = s + (torch.tanh(s / softcap) * softcap - s).detach()
@@ -229,7 +229,7 @@ def test_cap_bites_and_backward_takes_its_derivative(backend, causal, variant):
     assert max_err(ref[0], uncapped) > 0.1                              # ... and changes the result
     if variant == "dilated":   # without the factor: far from the oracle, for dq and dk
         gen = torch.Generator().manual_seed(5)
-        g = torch.randn(qkv[0].shape, generator=gen, dtype=torch.float64).float().double()
+        g = torch.randn(qkv[0].shape, generator=gen, dtype=torch.float64).float().double().to(DEVICE)
         grads = []
         for f, dt in ((fns[0], None), (fns[1], torch.float64),
                       (lambda q, k, v: (_straight_through_oracle(q, k, v, ws, rs, cap, causal), None), torch.float64)):

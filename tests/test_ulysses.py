@@ -45,6 +45,7 @@ def world_results(request):
     return world, cases, run_world(world, cases)
 
 
+@pytest.mark.gloo
 def test_ulysses_matches_oracle(world_results):
     """The ring test's comparison (test_ring.test_ring_matches_oracle) on Ulysses results."""
     compare_with_oracle(world_results)
@@ -63,6 +64,7 @@ USP_CASES = [
 ]
 
 
+@pytest.mark.gloo
 def test_usp_2x2_matches_oracle():
     """Against the oracle; and per-rank memory of the ring dimension stays O(N/P): with
     comm="p2p" a rank holds at most 3 key/value shards of the ring (own, in use, in flight)
