@@ -577,3 +577,65 @@ def test_decode_step_captures_in_a_cuda_graph(variant, paged):
                   return_lse=True)
         torch.testing.assert_close(captured, want, rtol=0, atol=0)
         torch.testing.assert_close((kc, vc), (kc_eager, vc_eager), rtol=0, atol=0, equal_nan=True)
+
+
+_BAD_PAGES = r'''
+import os, sys
+if sys.argv[1] == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from triton_dilated import BlockLayout, block_sparse_attention_with_kvcache, dilated_attention_with_kvcache
+device = sys.argv[1]
+g = torch.Generator().manual_seed(0)
+pool_k, pool_v = (torch.randn(10, 4, 2, 8, generator=g).to(device) for _ in range(2))
+q = torch.randn(1, 1, 2, 8, generator=g).to(device)
+lens = torch.tensor([12], dtype=torch.int32, device=device)
+# the keys on pages 3 and 7 (positions 0-3, 8-11); the middle page's keys are not read
+keys, values = torch.cat([pool_k[3], pool_k[7]]), torch.cat([pool_v[3], pool_v[7]])
+scores = torch.einsum("hd,nhd->hn", q[0, 0].double(), keys.double()) * 8 ** -0.5
+want_lse = torch.logsumexp(scores, -1)
+want = torch.einsum("hn,nhd->hd", torch.softmax(scores, -1), values.double())
+dense = BlockLayout.from_dense(torch.ones(1, 1, dtype=torch.bool), 16).to(device)
+calls = {
+    "dilated": lambda bt, be: dilated_attention_with_kvcache(
+        q, pool_k, pool_v, cache_seqlens=lens, block_table=bt, segment_lengths=[16], dilation_rates=[1],
+        return_lse=True, backend=be, validate=False),
+    "block_sparse": lambda bt, be: block_sparse_attention_with_kvcache(
+        q, pool_k, pool_v, cache_seqlens=lens, block_table=bt, layout=dense, return_lse=True, backend=be,
+        validate=False)}
+for bad in (1000000, -5):
+    bt = torch.tensor([[3, bad, 7]], dtype=torch.int32, device=device)
+    for name, call in calls.items():
+        for backend in ("triton", "torch"):
+            out, lse = call(bt, backend)
+            err = max(float((out[0, 0].double() - want).abs().max()), float((lse[0, :, 0].double() - want_lse).abs().max()))
+            assert err < 1e-5, (bad, name, backend, err)
+# an append at a negative length writes nothing (contiguous and paged); the queries before
+# position 0 read nothing
+for backend in ("triton", "torch"):
+    for paged in (False, True):
+        kc, vc = (pool_k.clone(), pool_v.clone()) if paged else (pool_k[:2].clone(), pool_v[:2].clone())
+        k0, v0 = kc.clone(), vc.clone()
+        bt = torch.tensor([[0, 1, 2]], dtype=torch.int32, device=device) if paged else None
+        new = torch.randn(1, 1, 2, 8, generator=g).to(device)
+        out, lse = dilated_attention_with_kvcache(
+            q, kc[:1] if not paged else kc, vc[:1] if not paged else vc, new, new,
+            cache_seqlens=torch.tensor([-2], dtype=torch.int32, device=device), block_table=bt,
+            segment_lengths=[16], dilation_rates=[1], return_lse=True, backend=backend, validate=False)
+        assert torch.equal(kc, k0) and torch.equal(vc, v0), (backend, paged, "the cache changed")
+        assert (out == 0).all() and torch.isneginf(lse).all(), (backend, paged)
+print("ok")
+'''
+
+
+def test_page_ids_outside_the_pool_read_nothing():
+    """Hardening round 3: a block table holding a page id outside the pool (1000000: signal
+    11 in the Triton paged decode; -5: garbage), validate=False, in a fresh process so a crash
+    fails the test: the keys on that page are not read (masked) on both variants and backends,
+    equal to the attention over the other pages' keys. An append at a negative length writes
+    nothing (it wrote into the cache's last row)."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _BAD_PAGES, DEVICE], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.returncode, proc.stdout[-2000:],
+                                                                         proc.stderr[-3000:])

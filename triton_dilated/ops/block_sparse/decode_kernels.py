@@ -26,7 +26,7 @@ def _block_sparse_decode_kernel(
         Q, K, V, O, LSE, ACC, PART_M, PART_L, LENS, KV_COUNT, KV_INDEX, BLOCK_TABLE, K_DESCALE, V_DESCALE,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-        stride_cb, stride_ch, stride_ib, stride_ih, stride_ir, stride_btb, stride_kp, stride_vp,
+        stride_cb, stride_ch, stride_ib, stride_ih, stride_ir, stride_btb, stride_kp, stride_vp, NUM_PAGES,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, KV_WIN=None,
@@ -65,11 +65,12 @@ def _block_sparse_decode_kernel(
             if SINK_TOKENS > 0:
                 sink_end = tl.where(in_window, tl.minimum(tl.minimum(end, SINK_TOKENS), lo), start)
                 acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0,
-                                         sink_end - start, d_ok, k_scale, bt, stride_kp, stride_vp, BLOCK_N,
-                                         PAGE_SIZE, KV_FP8, SOFTCAP)
+                                         sink_end - start, d_ok, k_scale, bt, stride_kp, stride_vp, NUM_PAGES,
+                                         BLOCK_N, PAGE_SIZE, KV_FP8, SOFTCAP)
             start = lo
         acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0, end - start,
-                                 d_ok, k_scale, bt, stride_kp, stride_vp, BLOCK_N, PAGE_SIZE, KV_FP8, SOFTCAP)
+                                 d_ok, k_scale, bt, stride_kp, stride_vp, NUM_PAGES, BLOCK_N, PAGE_SIZE, KV_FP8,
+                                 SOFTCAP)
     if KV_FP8 > 0:   # the values' descale, once per program (the splits merge linearly in acc)
         acc = acc * v_scale
     part = ((b * NUM_ROWS + row) * NUM_HEADS + h64) * NUM_SPLITS + split
@@ -114,7 +115,7 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, spli
         0 if paged else v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         counts.stride(0), counts.stride(1), index.stride(0), index.stride(1), index.stride(2),
-        bt.stride(0), k.stride(0), v.stride(0),
+        bt.stride(0), k.stride(0), v.stride(0), k.shape[0] if paged else 0,
         Nq, Hq, Hq // Hkv, splits, scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=bs, CAUSAL=causal, BLOCK_N=min(cfg["BLOCK_N"], bs),
         PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, SOFTCAP=float(softcap or 0.0), **window,

@@ -66,11 +66,20 @@ def cache_rows(x, b, n, h, block_table=None):
     """Rows of a KV cache as gather_rows reads them: x[b, n, h] for a contiguous cache x
     (B, N, H, D); for a paged cache x (num_pages, page_size, H, D) with block_table int32
     (B, max_pages), position n of row b lives in page block_table[b, n // page_size], row
-    n % page_size."""
+    n % page_size. A page id outside the pool is clamped into it (page_ok says which keys
+    those are: the callers mask them)."""
     if block_table is None:
         return gather_rows(x, b, n, h)
     page_size = x.shape[1]
-    return gather_rows(x, block_table[b, n // page_size].long(), n % page_size, h)
+    return gather_rows(x, block_table[b, n // page_size].long().clamp(0, x.shape[0] - 1), n % page_size, h)
+
+
+def page_ok(block_table, b, n, num_pages: int, page_size: int):
+    """bool, broadcast of b and n: whether position n of row b lies on a page of the pool
+    ([0, num_pages)). A scheduler's bad block table (validate=False) must not read outside the
+    pool: such keys count as masked, as in the Triton kernels (common/decode_kernels.fold_run)."""
+    page = block_table[b, n // page_size]
+    return (page >= 0) & (page < num_pages)
 
 
 def nonfinite_to_nan(scores):
@@ -129,6 +138,8 @@ def attend_key_lists(q, k, v, key_pos, key_ok, scale: float, block_table=None, s
     h_idx = (torch.arange(Hq, device=q.device) // group).view(1, 1, Hq).expand(B, Nq, Hq).reshape(rows, 1)
     qf = q.reshape(rows, D)
     ok = key_ok.reshape(rows, K)
+    if block_table is not None:   # keys on pages outside the pool: masked
+        ok = ok & page_ok(block_table, b_idx, key_pos.reshape(rows, K), k.shape[0], k.shape[1])
     # padding slots point at a key the row reads (its first), so whatever a padded position
     # holds (NaN included) spreads nowhere: their scores become -inf, their weights 0
     pos = key_pos.reshape(rows, K)

@@ -123,14 +123,16 @@ def kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8: tl.conste
 
 @triton.jit
 def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stride, t_lo, t_hi, d_ok, sm_scale,
-             BT, stride_kp, stride_vp, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr = 0,
-             SOFTCAP: tl.constexpr = 0.0):
+             BT, stride_kp, stride_vp, NUM_PAGES, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+             KV_FP8: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     """Fold the keys start + stride*t, t in [t_lo, t_hi), into the running (acc (BLOCK_D,),
     max, denominator) of one query q (BLOCK_D,), all float32. Scores are in natural units;
     exp(s - m) is computed as exp2((s - m) * log2(e)). A max of -inf (nothing seen yet) is
     replaced by 0 before it is subtracted: no -inf - -inf. PAGE_SIZE > 0: a paged cache, key
     position n at row n % PAGE_SIZE of page BT[n // PAGE_SIZE] (BT: the batch row's block
-    table; pages stride_kp / stride_vp apart; k_base, v_base without a batch offset). KV_FP8:
+    table; pages stride_kp / stride_vp apart; k_base, v_base without a batch offset); a key
+    whose page id lies outside [0, NUM_PAGES) (a scheduler's bad block table, validate=False)
+    is not read: it counts as masked. KV_FP8:
     an FP8 cache (load_cache; sm_scale then carries k_descale, kv_descales).
     SOFTCAP > 0 (a constexpr; 0.0 compiles the uncapped kernel unchanged): scores
     s -> SOFTCAP * tanh(s / SOFTCAP), float32 (kernels.tanh, exact form)."""
@@ -141,6 +143,8 @@ def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stri
         tile_ok = ok[:, None] & d_ok[None, :]
         if PAGE_SIZE > 0:
             page = tl.load(BT + kpos // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+            ok = ok & (page >= 0) & (page < NUM_PAGES)
+            tile_ok = ok[:, None] & d_ok[None, :]
             k_off = page * stride_kp + (kpos % PAGE_SIZE) * stride_kn
             v_off = page * stride_vp + (kpos % PAGE_SIZE) * stride_vn
         else:

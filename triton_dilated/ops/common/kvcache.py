@@ -184,22 +184,36 @@ def quantise_fp8(x, descale):
 
 def append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_descale=None, v_descale=None):
     """Write k, v (B, Nnew, Hkv, D) into k_cache, v_cache at rows cache_seqlens[b] + j (through
-    block_table for a page pool), in place, without a host sync (one index_put_ per cache; rows
-    past the cache are an index error, checked by torch on the device); into an FP8 cache
-    quantised with the descales (quantise_fp8). Returns the lengths after the append:
-    cache_seqlens + Nnew."""
+    block_table for a page pool), in place, without a host sync (one index_put_ per cache);
+    into an FP8 cache quantised with the descales (quantise_fp8). Returns the lengths after the
+    append: cache_seqlens + Nnew.
+
+    A batch row whose rows do not lie in [0, capacity), or (paged) whose pages do not lie in
+    the pool, writes nothing (validate=False lets such a row through; an index past the cache
+    would stop a CUDA context, a negative one wrote into the cache's last rows): its rows are
+    aimed at rows 0.. of the cache (page ids clamped into the pool) and given their own
+    values back."""
     if k is None:
         return cache_seqlens
     if k_cache.dtype == FP8_DTYPE:
         k, v = quantise_fp8(k, k_descale), quantise_fp8(v, v_descale)
-    rows = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=k_cache.device)
-    batch = torch.arange(k.shape[0], device=k_cache.device)[:, None]
+    n, device = k.shape[1], k_cache.device
+    cap = capacity(k_cache, block_table)
+    start = cache_seqlens.long()
+    ok = (start >= 0) & (start + n <= cap)                                  # (B,)
+    rows = (torch.where(ok, start, 0)[:, None] + torch.arange(n, device=device)).clamp(max=cap - 1)
+    batch = torch.arange(k.shape[0], device=device)[:, None]
     if block_table is not None:
-        page_size = k_cache.shape[1]
-        batch, rows = block_table[batch, rows // page_size].long(), rows % page_size
-    k_cache[batch, rows] = k
-    v_cache[batch, rows] = v
-    return cache_seqlens + k.shape[1]
+        num_pages, page_size = k_cache.shape[:2]
+        pages = block_table[batch, rows // page_size].long()
+        ok = ok & ((pages >= 0) & (pages < num_pages)).all(dim=1)
+        batch, rows = pages.clamp(0, num_pages - 1), rows % page_size
+    keep = ok.view(-1, 1, 1, 1)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        bits = cache.view(torch.uint8) if cache.dtype == FP8_DTYPE else cache   # torch.where has no float8
+        new = new.view(torch.uint8) if cache.dtype == FP8_DTYPE else new
+        bits[batch, rows] = torch.where(keep, new, bits[batch, rows])
+    return cache_seqlens + n
 
 
 def decode_step(what: str, q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, backend, families,

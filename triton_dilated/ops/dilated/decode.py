@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from ..common.decode import (DECODE_STATS, cache_rows, cap_scores, mark_nonfinite, nonfinite_to_nan,
+from ..common.decode import (DECODE_STATS, cache_rows, cap_scores, mark_nonfinite, nonfinite_to_nan, page_ok,
                              query_positions, softmax_lse)
 
 
@@ -124,8 +124,13 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, causal: bool, scale:
         DECODE_STATS["key_rows"] += B * Nq * M * T
         kg = cache_rows(k, b_idx, kpos[:, :, None, :], kvh[..., None], block_table).to(acc)   # (B, Nq, M, T, D)
         vg = cache_rows(v, b_idx, kpos[:, :, None, :], kvh[..., None], block_table).to(acc)
-        before = (p < 0)[..., None, None]   # a query before position 0 has no row to point at: zeros
-        kg, vg = kg.masked_fill(before, 0), vg.masked_fill(before, 0)
+        # a query before position 0 has no row to point at, a key on a page outside the pool
+        # (block_table) is not read: zeros there, and the key masked
+        unread = (p < 0).expand(B, Nq, T)
+        if block_table is not None:
+            fine = page_ok(block_table, b_idx[..., 0], kpos, k.shape[0], k.shape[1])
+            ok, unread = ok & fine, unread | ~fine
+        kg, vg = kg.masked_fill(unread[:, :, None, :, None], 0), vg.masked_fill(unread[:, :, None, :, None], 0)
         qg = q_ext.gather(2, heads[..., None].expand(B, Nq, M, D))        # (B, Nq, M, D)
         s_ = cap_scores(nonfinite_to_nan(torch.matmul(kg, qg[..., None]).squeeze(-1) * scale), softcap)
         s_ = s_.masked_fill(~ok[:, :, None, :], float("-inf"))

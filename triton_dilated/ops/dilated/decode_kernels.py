@@ -47,7 +47,7 @@ def _dilated_decode_kernel(
         Q, K, V, O, LSE, ACC, PART_M, PART_L, LENS, PAT_W, PAT_R, PAT_OFF, BLOCK_TABLE, K_DESCALE, V_DESCALE,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-        stride_btb, stride_kp, stride_vp,
+        stride_btb, stride_kp, stride_vp, NUM_PAGES,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
@@ -78,7 +78,8 @@ def _dilated_decode_kernel(
         t_lo = tl.maximum(lo - first, 0)
         t_hi = tl.minimum(hi - first, count)
         acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, r, t_lo, t_hi,
-                                 d_ok, k_scale, bt, stride_kp, stride_vp, BLOCK_N, PAGE_SIZE, KV_FP8, SOFTCAP)
+                                 d_ok, k_scale, bt, stride_kp, stride_vp, NUM_PAGES, BLOCK_N, PAGE_SIZE, KV_FP8,
+                                 SOFTCAP)
         first += count
     if KV_FP8 > 0:   # the values' descale, once per program (the splits merge linearly in acc)
         acc = acc * v_scale
@@ -135,7 +136,7 @@ def dilated_decode_forward(q, k, v, patterns, table, lengths, *, causal, scale, 
         q.stride(0), q.stride(1), q.stride(2), 0 if paged else k.stride(0), k.stride(1), k.stride(2),
         0 if paged else v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        bt.stride(0), k.stride(0), v.stride(0),
+        bt.stride(0), k.stride(0), v.stride(0), k.shape[0] if paged else 0,
         Nq, Hq, Hq // Hkv, splits, scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, BLOCK_N=cfg["BLOCK_N"],
         PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, SOFTCAP=float(softcap or 0.0),
