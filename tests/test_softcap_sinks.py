@@ -310,6 +310,43 @@ def test_minus_inf_sinks_change_nothing():
     assert all(not torch.isnan(g).any() for g in grads) and (grads[3] == 0).all()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_plus_inf_sinks_take_the_whole_weight(backend):
+    """Hardening round 3: sinks=+inf gave NaN in every out and lse element (inf - inf in the
+    combine). The limit: the sink takes the whole weight, out 0 and lse +inf for that head
+    (rows with keys or without), no NaN anywhere, gradients included; the other heads equal
+    a call where that head's sink is finite. Training doors and serve doors, both variants."""
+    from triton_dilated import block_sparse_attention_with_kvcache, dilated_attention_with_kvcache
+    N, H = 24, 2
+    layout = BlockLayout.from_dense(torch.tensor([[True, False], [False, False]]), 16).to(DEVICE)   # 16.. empty
+    q, k, v = (x.requires_grad_() for x in make_qkv(1, N, H, 1, 8, torch.float32, 11))
+    sinks = torch.tensor([float("inf"), 0.25], device=DEVICE, requires_grad=True)
+    finite_sinks = torch.tensor([3.0, 0.25], device=DEVICE)
+    lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    calls = {
+        "dilated": lambda s: dilated_attention(q, k, v, [8, 24], [1, 2], causal=True, sinks=s, return_lse=True,
+                                               backend=backend),
+        "block_sparse": lambda s: block_sparse_attention(q, k, v, layout, causal=True, sinks=s, return_lse=True,
+                                                         backend=backend),
+        "dilated serve": lambda s: dilated_attention_with_kvcache(
+            q[:, :2].detach(), k.detach(), v.detach(), cache_seqlens=lens, segment_lengths=[8, 24],
+            dilation_rates=[1, 2], sinks=s.detach(), return_lse=True, backend=backend),
+        "block_sparse serve": lambda s: block_sparse_attention_with_kvcache(
+            q[:, :2].detach(), k.detach(), v.detach(), cache_seqlens=lens, layout=layout, sinks=s.detach(),
+            return_lse=True, backend=backend),
+    }
+    for name, call in calls.items():
+        out, lse = call(sinks)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any(), name
+        assert (out[:, :, 0] == 0).all() and (lse[:, 0] == float("inf")).all(), name
+        ref_out, ref_lse = call(finite_sinks)
+        torch.testing.assert_close(out[:, :, 1], ref_out[:, :, 1], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(lse[:, 1], ref_lse[:, 1], rtol=0, atol=0, msg=name)
+        if out.requires_grad:
+            grads = torch.autograd.grad(out.sum() + finite(lse).sum(), (q, k, v, sinks))
+            assert all(not torch.isnan(g).any() for g in grads), name
+
+
 # ----------------------------------------------------------------------------- validation
 
 BAD_CAPS = [(True, ValueError), (False, ValueError), (0, ValueError), (0.0, ValueError), (-1.5, ValueError),

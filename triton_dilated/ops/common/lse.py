@@ -22,10 +22,15 @@ from .first_order import needs_grad
 def safe_lse_weights(lses: torch.Tensor, dim: int = 0):
     """Return (weights, lse) for lses stacked on `dim`: weights sum to 1 where lse is finite,
     are all zero where every lse is -inf (an empty row), and carry no NaN in any gradient.
-    A NaN lse (a part that read NaN) makes the row's weights and lse NaN (DESIGN §6)."""
+    A NaN lse (a part that read NaN) makes the row's weights and lse NaN (DESIGN §6). A part
+    of +inf (a sink logit of +inf) takes the whole weight, shared with any other +inf part,
+    and the lse is +inf: the limit, where inf - inf would give NaN."""
     m = lses.detach().amax(dim=dim, keepdim=True)          # NaN when any part is NaN
     m = m.masked_fill(m == float("-inf"), 0.0)
-    e = torch.exp(lses - m)
+    top = m == float("inf")
+    shifted = torch.where(top, torch.where(lses == float("inf"), 0.0, float("-inf")).to(lses.dtype),
+                          lses - m.masked_fill(top, 0.0))
+    e = torch.exp(shifted)
     z = e.sum(dim=dim, keepdim=True)
     empty = z == 0                                          # NaN is not empty
     z_safe = z.masked_fill(empty, 1.0)
