@@ -82,7 +82,8 @@ def test_builder_is_transformers_window_exactly(bs):
         dense, flagged = lay.to_dense()[0, 0], lay.window_blocks_dense()[0, 0]
         assert torch.equal(dense, full.any(3).any(1)), (n, window, sinks)
         assert torch.equal(dense & ~flagged, full.all(3).all(1)), (n, window, sinks)
-        assert lay.window == WindowPredicate(window, sinks) and (window, sinks) == tuple(lay.window)
+        # past the padded length a window or sink count is clamped to it (the same mask)
+        assert lay.window == WindowPredicate(min(window, nb * bs), min(sinks, nb * bs)), (n, window, sinks)
 
 
 def test_window_of_one_and_huge_windows():
@@ -457,3 +458,25 @@ def test_compiled_decode_step_keeps_the_window():
         lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
         torch.testing.assert_close(compiled(q, kc, vc, lens), step(q, kc, vc, lens), rtol=1e-6, atol=1e-6)
     assert counter.frame_count == 1
+
+
+def test_huge_windows_and_sink_counts_are_clamped():
+    """Hardening round 3: sliding_window(40, 16, 10**8) took 1 GB and 2 s (10**12: an
+    allocation of 500 GB failed), and sink counts >= 2^31 broke the Triton kernels (int32
+    positions). A window or sink count past the sequence means the same as its length: the
+    builder clamps both (constant time and memory, the same mask), and a WindowPredicate built
+    by hand refuses values >= 2^31 by name."""
+    import time
+    start = time.perf_counter()
+    huge = [layouts.sliding_window(40, 16, w, sinks=s) for w, s in ((10 ** 8, 0), (10 ** 12, 2 ** 40), (7, 2 ** 33))]
+    assert time.perf_counter() - start < 1.0
+    same = [layouts.sliding_window(40, 16, w, sinks=s) for w, s in ((48, 0), (48, 48), (7, 48))]
+    for a, b in zip(huge, same):
+        assert a.window == b.window and torch.equal(a.element_mask(40, True), b.element_mask(40, True))
+    q, k, v = (seeded((1, 40, 2, 8), torch.float32, s, DEVICE) for s in range(3))
+    got = block_sparse_attention(q, k, v, huge[2].to(DEVICE), causal=True, backend="triton")
+    want = block_sparse_attention(q, k, v, huge[2].to(DEVICE), causal=True, backend="torch")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for w, s, name in ((2 ** 31, 0, "window"), (5, 2 ** 31, "sinks")):
+        with pytest.raises(ValueError, match=f"{name} must be below 2\\^31"):
+            WindowPredicate(w, s)

@@ -76,10 +76,12 @@ def sliding_window(seq_len: int, block_size: int = 128, window: int = 128, sinks
     evaluate the predicate per element (BlockLayout.window, kv_window). Causal by definition:
     call the attention with causal=True (causal=False is a ValueError). Combine with other
     layouts by `|` (their blocks are visible whole) and `&`. Cost per query block: about
-    window / block_size + 1 key blocks (+ ceil(sinks / block_size))."""
+    window / block_size + 1 key blocks (+ ceil(sinks / block_size)). A window or sink count past
+    seq_len means the same as seq_len and is clamped to it (constant time and memory)."""
     from ..common.window import WindowPredicate
     nb, block_size = _num_blocks(seq_len, block_size)
-    pred = WindowPredicate(window, sinks)
+    pred = WindowPredicate(min(check_int("window", window, 1), nb * block_size),
+                           min(check_int("sinks", sinks, 0), nb * block_size))
     window, sinks = pred
     bs = block_size
     r = torch.arange(nb)

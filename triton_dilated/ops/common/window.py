@@ -25,12 +25,18 @@ from .validation import check_int
 
 
 class WindowPredicate(tuple):
-    """(window, sink_tokens): window >= 1 keys of the causal band, sink_tokens >= 0."""
+    """(window, sink_tokens): window >= 1 keys of the causal band, sink_tokens >= 0, both below
+    2^31 (the kernels compare them with int32 positions; a window or sink count beyond the
+    sequence means the same as the sequence's length: layouts.sliding_window clamps them)."""
     __slots__ = ()
 
     def __new__(cls, window, sink_tokens=0):
         window = check_int("window", window, 1)
         sink_tokens = check_int("sinks", sink_tokens, 0)
+        for name, value in (("window", window), ("sinks", sink_tokens)):
+            if value >= 2 ** 31:
+                raise ValueError(f"{name} must be below 2^31 (positions are int32 in the kernels; any value past the "
+                                 f"sequence's length means the same as that length), got {value}")
         return super().__new__(cls, (window, sink_tokens))
 
     @property
