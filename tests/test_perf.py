@@ -564,11 +564,13 @@ def test_plan_cli_rejects_bad_arguments(args, message, capsys):
 
 def test_a_tuned_family_entry_leaves_kernels_with_their_own_default(monkeypatch):
     """perf tune times a family's first kernel; the dK/dV and decode kernels keep their
-    KERNEL_DEFAULTS entry (a spill-free tile of their own) whatever the family's tuned entry."""
+    KERNEL_DEFAULTS entry (a spill-free tile of their own) whatever the family's tuned entry
+    (a table with family entries only; a dK/dV entry of its own: test_tuned_configs)."""
     fake = Arch("sm90", (9, 0), 227 * 1024, 132, "fake H100")
     tuned = configs.make_config(32, 32, 4, 1)
     monkeypatch.setattr(configs, "device_arch", lambda device: fake)
-    monkeypatch.setattr(configs, "tuned_entry", lambda *args: (dict(tuned), "sm90.json"))
+    monkeypatch.setattr(configs, "tuned_entry", lambda name, *args: (None, "fallback") if name in configs.TUNED_KERNELS
+                        else (dict(tuned), "sm90.json"))
     cuda = torch.device("cuda")
     assert configs.select_config("dilated_bwd", torch.bfloat16, 128, 32768, cuda) == tuned
     for family, kernel in (("dilated_bwd", "dilated_bwd_dkdv"), ("block_sparse_bwd", "block_sparse_bwd_dkdv"),

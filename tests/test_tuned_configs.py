@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 
 import pytest
@@ -150,7 +151,19 @@ def test_tune_writes_atomically(tmp_path, monkeypatch):
     assert path.read_text() == before and sorted(os.listdir(tmp_path)) == ["sm90.json"]
 
 
-def test_tune_starts_over_on_a_broken_file(tmp_path):
-    (tmp_path / "sm90.json").write_text('{"arch": "sm90", "kernels": {"dilated_fwd": {"bfloat16/d')
-    with pytest.warns(UserWarning, match="not valid JSON; *|not valid JSON"):
-        assert tune.load_table("sm90", str(tmp_path)) == {}
+@pytest.mark.parametrize("text, why", [
+    ('{"arch": "sm90", "kernels": {"dilated_fwd": {"bfloat16/d', "not valid JSON"),
+    ("[1, 2]", "must be a JSON object (a table), got list"),
+    ('{"arch": "sm80", "kernels": {}}', "is the table of 'sm80', not of this GPU's arch 'sm90'"),
+    (_entry(dict(GOOD, BLOCK_M=48)), "BLOCK_M must be a power of two"),
+])
+def test_tune_refuses_a_broken_out_file(tmp_path, text, why):
+    """Hardening round 3 (open since round 2): `perf tune --out DIR` took a corrupt DIR/<arch>.json
+    with a warning at most and overwrote it; now it stops first, naming the file and why, and
+    the file is left as it was. A whole file is read as before."""
+    (tmp_path / "sm90.json").write_text(text)
+    with pytest.raises(RuntimeError, match=f"sm90.json: .*{re.escape(why)}.*would overwrite it"):
+        tune.load_table("sm90", str(tmp_path))
+    assert (tmp_path / "sm90.json").read_text() == text
+    (tmp_path / "sm90.json").write_text(_entry(GOOD))
+    assert tune.load_table("sm90", str(tmp_path))["kernels"] == {"dilated_fwd": {"bfloat16/d128/n8192": GOOD}}

@@ -92,12 +92,22 @@ def _agrees(ref, got) -> bool:
 
 
 def load_table(arch_name: str, out_dir: str | None) -> dict:
-    """The current table for this arch: out_dir/<arch>.json if present, else the package's;
-    what cannot be used (unparseable, or entries validate_table drops, with one warning
-    naming the file) is left out, so the tune run rewrites it."""
-    path = os.path.join(out_dir, f"{arch_name}.json") if out_dir else None
-    if not (path and os.path.exists(path)):
-        path = resources.files("triton_dilated.configs").joinpath(f"{arch_name}.json")
+    """The current table for this arch: out_dir/<arch>.json if present, else the package's.
+
+    The user's own file (--out) must be whole: one that is not valid JSON, not a table, made
+    for another arch or holding entries validate_table would drop is refused (RuntimeError
+    naming the file and why; the tune run would otherwise overwrite it, and what it held is
+    lost). The package's table is the library's: what cannot be used is left out with one
+    warning naming it, and the run rewrites it."""
+    own = os.path.join(out_dir, f"{arch_name}.json") if out_dir else None
+    path = own if own and os.path.exists(own) else resources.files("triton_dilated.configs").joinpath(
+        f"{arch_name}.json")
+    strict = path is own
+
+    def refuse(why: str):
+        raise RuntimeError(f"tuned configs {path}: {why}; the tune run would overwrite it. Fix or move the file "
+                           f"(or choose another --out)")
+
     try:
         text = path.read_text() if hasattr(path, "read_text") else open(path).read()
     except (FileNotFoundError, ModuleNotFoundError):
@@ -105,9 +115,22 @@ def load_table(arch_name: str, out_dir: str | None) -> dict:
     try:
         table = json.loads(text)
     except json.JSONDecodeError as exc:
+        if strict:
+            refuse(f"not valid JSON ({exc})")
         warnings.warn(f"tuned configs {path}: not valid JSON ({exc}); starting a new table", UserWarning, stacklevel=2)
         return {}
-    return validate_table(table, str(path), arch_name)
+    if not strict:
+        return validate_table(table, str(path), arch_name)
+    if not isinstance(table, dict):
+        refuse(f"must be a JSON object (a table), got {type(table).__name__}")
+    if table.get("arch", arch_name) != arch_name:
+        refuse(f"is the table of {table.get('arch')!r}, not of this GPU's arch {arch_name!r}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = validate_table(table, str(path), arch_name)
+    if caught:
+        refuse("unusable entries: " + str(caught[0].message).split("serve them): ", 1)[-1])
+    return kept
 
 
 def config_path(arch_name: str, out_dir: str | None) -> str:
