@@ -65,10 +65,11 @@ VARIANTS.update({f"{name}_{kind}{tail}": (name, {"KV_FP8": mode, **extra})
                  for name in ("dilated_decode", "block_sparse_decode")
                  for kind, mode in (("fp8", 1), ("fp8_bytes", 2))
                  for tail, extra in (("", {}), ("_paged", {"PAGE_SIZE": 16}))})
-# softcap= (issue 23): the kernels with the score cap compiled in (SOFTCAP, a constexpr; 0.0, the
-# default rows, is the uncapped kernel); 50.0 is Gemma 2's attention cap
-SOFTCAP_AOT = 50.0
-VARIANTS.update({f"{name}_softcap": (name, {"SOFTCAP": SOFTCAP_AOT})
+# softcap= (issue 23): the kernels with the score cap (HAS_SOFTCAP; the cap itself, `softcap`, is a
+# run-time float32 argument: one compile serves every cap; the default rows are the uncapped kernels,
+# softcap None)
+SOFTCAP_AOT = {"HAS_SOFTCAP": True}
+VARIANTS.update({f"{name}_softcap": (name, dict(SOFTCAP_AOT))
                  for name in ("dilated_fwd", "dilated_bwd_dq", "dilated_bwd_dkdv", "block_sparse_fwd",
                               "block_sparse_bwd_dq", "ring_step_fwd", "ring_step_bwd_dq", "ring_step_bwd_dkdv",
                               "dilated_decode", "block_sparse_decode")})
@@ -77,7 +78,7 @@ VARIANTS.update({f"{name}_docs": (name, {"DOCS": 1})
                  for name in ("ring_step_fwd", "ring_step_bwd_dq", "ring_step_bwd_dkdv", "ring_step_lists")})
 # the block-sparse backward launcher runs the capped dK/dV kernel with at most 2 pipeline stages
 # (ops/block_sparse/kernels.py, SOFTCAP_DKDV_STAGES); the defaults have 3
-VARIANTS["block_sparse_bwd_dkdv_softcap"] = ("block_sparse_bwd_dkdv", {"SOFTCAP": SOFTCAP_AOT, "num_stages": 2})
+VARIANTS["block_sparse_bwd_dkdv_softcap"] = ("block_sparse_bwd_dkdv", {**SOFTCAP_AOT, "num_stages": 2})
 # sliding windows (issue 23): the kernels with the window predicate compiled in (WINDOW,
 # SINK_TOKENS constexprs; 0, the default rows, compiles the unchanged kernel; the *_WIN flag
 # pointers are then None). gpt-oss's window of 128 with 4 sink tokens (the sink branch is the
@@ -137,7 +138,7 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
     constexprs = dict(HEAD_DIM=D, BLOCK_D=padded_head_dim(D), CAUSAL=causal,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_MODE=dot_mode(mma),
                       PRECISION=_precision(dtype, amd), TMA=bool(tma), WARP_SPEC=bool(cfg.get("WARP_SPEC", 0)),
-                      SOFTCAP=float(cfg.get("SOFTCAP", 0.0)))
+                      HAS_SOFTCAP=bool(cfg.get("HAS_SOFTCAP", False)))
     for variant in SPECS:
         if spec in variant.kernels:
             constexprs.update(variant.aot_constexprs)
@@ -160,6 +161,11 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
         elif a.endswith("_DESC"):
             if tma:
                 sig[a] = f"tensordesc<{dtype}[1, 1, {cfg['BLOCK_N']}, {padded_head_dim(D)}]>"
+            else:
+                sig[a], given[a] = "constexpr", None
+        elif a == "softcap":   # the cap, a float32 where HAS_SOFTCAP, else None as the launchers pass it
+            if constexprs["HAS_SOFTCAP"]:
+                sig[a] = "fp32"
             else:
                 sig[a], given[a] = "constexpr", None
         elif a in WINDOW_POINTERS and a not in spec.pointers:

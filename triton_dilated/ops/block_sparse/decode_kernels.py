@@ -16,7 +16,8 @@ from ...configs import select_config
 from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, fp8_mode, fp8_operands,
                                      kernel_lengths, kv_descales, merge_splits, num_splits, store_result)
 from ..common.hardware import padded_head_dim
-from ..common.runtime import on_tensor_device
+from ..common.kernels import softcap_terms
+from ..common.runtime import on_tensor_device, softcap_args
 
 CONFIG_FAMILY = "block_sparse_fwd"   # the family; tiles and warps: configs.KERNEL_DEFAULTS (not tuned)
 
@@ -27,16 +28,17 @@ def _block_sparse_decode_kernel(
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
         stride_cb, stride_ch, stride_ib, stride_ih, stride_ir, stride_btb, stride_kp, stride_vp, NUM_PAGES,
-        NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale,
+        NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, KV_WIN=None,
-        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
+        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        KV_WIN=None, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D)
 
     bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb = 0 then)
     k_scale, v_scale = kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8)   # FP8 cache: descales
+    cap = softcap_terms(softcap, HAS_SOFTCAP)
     # a query before the first key (p < 0: ops/dilated/decode.py) reads nothing; p is clamped
     # before // (which truncates towards zero on a GPU and floors in the interpreter)
     qblock = tl.maximum(p, 0) // BLOCK_SIZE
@@ -66,11 +68,11 @@ def _block_sparse_decode_kernel(
                 sink_end = tl.where(in_window, tl.minimum(tl.minimum(end, SINK_TOKENS), lo), start)
                 acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0,
                                          sink_end - start, d_ok, k_scale, bt, stride_kp, stride_vp, NUM_PAGES,
-                                         BLOCK_N, PAGE_SIZE, KV_FP8, SOFTCAP)
+                                         BLOCK_N, PAGE_SIZE, KV_FP8, cap, HAS_SOFTCAP)
             start = lo
         acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0, end - start,
                                  d_ok, k_scale, bt, stride_kp, stride_vp, NUM_PAGES, BLOCK_N, PAGE_SIZE, KV_FP8,
-                                 SOFTCAP)
+                                 cap, HAS_SOFTCAP)
     if KV_FP8 > 0:   # the values' descale, once per program (the splits merge linearly in acc)
         acc = acc * v_scale
     part = ((b * NUM_ROWS + row) * NUM_HEADS + h64) * NUM_SPLITS + split
@@ -118,6 +120,6 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, spli
         bt.stride(0), k.stride(0), v.stride(0), k.shape[0] if paged else 0,
         Nq, Hq, Hq // Hkv, splits, scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=bs, CAUSAL=causal, BLOCK_N=min(cfg["BLOCK_N"], bs),
-        PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, SOFTCAP=float(softcap or 0.0), **window,
+        PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, **softcap_args(softcap), **window,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return merge_splits(out, lse, acc, part_m, part_l, splits, num_warps=cfg.get("num_warps", 4))

@@ -36,9 +36,10 @@ import triton.language as tl
 from ...configs import VARIANT_SWITCHES, select_config, switch_value
 from ..common.hardware import device_arch, padded_head_dim
 from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
-                              program_tile, softmax_grad_block, transposed_grad_step, window_keep)
+                              program_tile, softcap_terms, softmax_grad_block, transposed_grad_step, window_keep)
 from ..common.lse import softmax_delta
-from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
+from ..common.runtime import (kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous,
+                              softcap_args)
 from ..common.window import check_window_causal
 
 
@@ -104,12 +105,13 @@ def _block_sparse_fwd_kernel(
         Q, K, V, K_DESC, V_DESC, O, ROW_MAX, ROW_SUM, KV_FULL, KV_END, KV_INDEX,
         stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        N, HQ, HEAD_GROUP, sm_scale,
+        N, HQ, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, KV_WIN=None,
+        TMA: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, KV_WIN=None,
         WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
+    cap = softcap_terms(softcap, HAS_SOFTCAP)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
@@ -146,7 +148,7 @@ def _block_sparse_fwd_kernel(
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, BLOCK_N, rows, row_ok, d_ok,
                                         CAUSAL, False, BLOCK_N)
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, False, DOT_MODE, PRECISION,
-                                            SOFTCAP=SOFTCAP)
+                                            cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
     # then the masked ones (the causal diagonal, the ragged last block): the end of the list;
     # with a sliding window (WINDOW > 0) the window blocks [n_win, n_end) last, predicate per element
     if WINDOW > 0:
@@ -169,7 +171,7 @@ def _block_sparse_fwd_kernel(
                 mask = mask & (window_keep(rows[:, None], (n0 + tl.arange(0, BLOCK_N))[None, :], WINDOW,
                                            SINK_TOKENS) | (j < n_win))
             acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, True, DOT_MODE, PRECISION,
-                                                SOFTCAP=SOFTCAP)
+                                                cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
     out, row_max, row_sum = finalize(acc, m_i, l_i, q)                                  # [BLOCK_M, BLOCK_D]
     O += (b * N * HQ + h) * HEAD_DIM
     tl.store(O + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], out.to(O.dtype.element_ty),
@@ -186,11 +188,12 @@ def _block_sparse_bwd_dq_kernel(
         stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh,
-        N, HQ, HEAD_GROUP, sm_scale,
+        N, HQ, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        SOFTCAP: tl.constexpr = 0.0, KV_WIN=None, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
+        HAS_SOFTCAP: tl.constexpr, KV_WIN=None, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
+    cap = softcap_terms(softcap, HAS_SOFTCAP)
     kvh = h // HEAD_GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
@@ -222,7 +225,7 @@ def _block_sparse_bwd_dq_kernel(
         k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, BLOCK_N, rows, row_ok, d_ok,
                                     CAUSAL, False, BLOCK_N)
         p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, False, DOT_MODE,
-                                   PRECISION, SOFTCAP=SOFTCAP)                           # [BLOCK_M, BLOCK_N]
+                                   PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)          # [BLOCK_M, BLOCK_N]
         dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
     if WINDOW > 0:   # the window blocks [n_win, n_end) last (as in the forward)
         n_win, lowest = _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, tile * BLOCK_M, WINDOW)
@@ -240,7 +243,7 @@ def _block_sparse_bwd_dq_kernel(
                 mask = mask & (window_keep(rows[:, None], (n0 + tl.arange(0, BLOCK_N))[None, :], WINDOW,
                                            SINK_TOKENS) | (j < n_win))
             p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, True, DOT_MODE,
-                                       PRECISION, SOFTCAP=SOFTCAP)
+                                       PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
             dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
     DQ += bnhd_offset(b, h, N, HQ, HEAD_DIM)
     tl.store(DQ + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
@@ -250,7 +253,7 @@ def _block_sparse_bwd_dq_kernel(
 @triton.jit
 def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N, stride_qn, stride_don,
                sm_scale, d, d_ok, CAUSAL_MASK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
-               PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr = 0,
+               PRECISION: tl.constexpr, cap, HAS_SOFTCAP: tl.constexpr, WINDOW: tl.constexpr = 0,
                SINK_TOKENS: tl.constexpr = 0):
     """Add the query rows [m0, m0 + BLOCK_N) to the key tile's (dk, dv) [BLOCK_M, BLOCK_D].
     Transposed scores: the key tile is the M dimension of every dot (S^T = K Q^T, dV += P^T dO,
@@ -273,7 +276,8 @@ def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, sta
         s_t = tl.where(window_keep(qrows[None, :], keys[:, None], WINDOW, SINK_TOKENS), s_t, float("-inf"))
     elif CAUSAL_MASK:
         s_t = tl.where(keys[:, None] <= qrows[None, :], s_t, float("-inf"))
-    return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_MODE, PRECISION, SOFTCAP)
+    return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_MODE, PRECISION, cap,
+                                HAS_SOFTCAP)
 
 
 @triton.jit
@@ -282,13 +286,14 @@ def _block_sparse_bwd_dkdv_kernel(
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh,
         stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
-        N, HKV, HEAD_GROUP, sm_scale,
+        N, HKV, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        SOFTCAP: tl.constexpr = 0.0, Q_WIN=None, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
+        HAS_SOFTCAP: tl.constexpr, Q_WIN=None, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
     # this program: BLOCK_M keys of one key/value head (the M dimension of every dot); walks
     # BLOCK_N query sub-tiles
     tile, b, kvh = program_tile(tl.cdiv(N, BLOCK_M), HKV)
+    cap = softcap_terms(softcap, HAS_SOFTCAP)
     keys = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     key_ok = keys < N
     kblock = (tile * BLOCK_M) // BLOCK_SIZE
@@ -320,7 +325,8 @@ def _block_sparse_bwd_dkdv_kernel(
         diag_end = tl.where(n_full > n_skip, tl.minimum(kblock * BLOCK_SIZE + BLOCK_SIZE, N), 0)
         for m0 in range((first_key // BLOCK_N) * BLOCK_N, diag_end, BLOCK_N):
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
-                                stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_MODE, PRECISION, SOFTCAP)
+                                stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_MODE, PRECISION, cap,
+                                HAS_SOFTCAP)
         if WINDOW > 0:   # sliding window: [n_full, n_win) unmasked, [n_win, count) the window blocks
             n_win = tl.load(Q_WIN + lists)
         else:
@@ -328,7 +334,8 @@ def _block_sparse_bwd_dkdv_kernel(
         for it in range(n_full * subs, n_win * subs):
             m0 = tl.load(index_base + it // subs) * BLOCK_SIZE + (it % subs) * BLOCK_N
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
-                                stride_qn, stride_don, sm_scale, d, d_ok, False, BLOCK_N, DOT_MODE, PRECISION, SOFTCAP)
+                                stride_qn, stride_don, sm_scale, d, d_ok, False, BLOCK_N, DOT_MODE, PRECISION, cap,
+                                HAS_SOFTCAP)
         if WINDOW > 0:
             # a window block's queries from the tile's first key (earlier ones see none of its
             # keys) to the last one the band reaches (all of them when a key is a sink token)
@@ -341,7 +348,7 @@ def _block_sparse_bwd_dkdv_kernel(
                 for m0 in range(lo, hi, BLOCK_N):
                     dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0,
                                         N, stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_MODE,
-                                        PRECISION, SOFTCAP, WINDOW, SINK_TOKENS)
+                                        PRECISION, cap, HAS_SOFTCAP, WINDOW, SINK_TOKENS)
         stats += N   # the next head's rows
     DK += (b * N * HKV + kvh) * HEAD_DIM
     DV += (b * N * HKV + kvh) * HEAD_DIM
@@ -513,7 +520,7 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None, softcap
         **_strides(q=q, k=k, v=v), N=N, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
         DOT_MODE=dot_mode, PRECISION=precision, TMA=bool(tma), WARP_SPEC=bool(warp_spec and tma),
-        SOFTCAP=float(softcap or 0.0), num_warps=cfg.get("num_warps", 4),
+        **softcap_args(softcap), num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2))
     return out, row_max, row_sum
 
@@ -542,7 +549,7 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
     common = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
                   **_strides(q=q, k=k, v=v, do=do), N=N, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
                   HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal,
-                  DOT_MODE=dot_mode, PRECISION=precision, SOFTCAP=float(softcap or 0.0))
+                  DOT_MODE=dot_mode, PRECISION=precision, **softcap_args(softcap))
     dq = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
     index, full, end, lists = _forward_lists(layout, N, causal, B, Hq)
     _block_sparse_bwd_dq_kernel[(triton.cdiv(N, bm) * B * Hq,)](

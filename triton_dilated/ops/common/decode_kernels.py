@@ -124,7 +124,7 @@ def kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8: tl.conste
 @triton.jit
 def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stride, t_lo, t_hi, d_ok, sm_scale,
              BT, stride_kp, stride_vp, NUM_PAGES, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-             KV_FP8: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
+             KV_FP8: tl.constexpr = 0, cap=None, HAS_SOFTCAP: tl.constexpr = False):
     """Fold the keys start + stride*t, t in [t_lo, t_hi), into the running (acc (BLOCK_D,),
     max, denominator) of one query q (BLOCK_D,), all float32. Scores are in natural units;
     exp(s - m) is computed as exp2((s - m) * log2(e)). A max of -inf (nothing seen yet) is
@@ -134,8 +134,8 @@ def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stri
     whose page id lies outside [0, NUM_PAGES) (a scheduler's bad block table, validate=False)
     is not read: it counts as masked. KV_FP8:
     an FP8 cache (load_cache; sm_scale then carries k_descale, kv_descales).
-    SOFTCAP > 0 (a constexpr; 0.0 compiles the uncapped kernel unchanged): scores
-    s -> SOFTCAP * tanh(s / SOFTCAP), float32 (kernels.tanh, exact form)."""
+    HAS_SOFTCAP (without it the uncapped kernel compiles unchanged): scores s -> c * tanh(s / c),
+    float32 (kernels.tanh, exact form), with `cap` = kernels.softcap_terms(c)."""
     for t0 in range(t_lo, t_hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         ok = t < t_hi
@@ -156,8 +156,9 @@ def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stri
         # reaches the denominator (a -inf score would read as "no key"); see store_result
         s = tl.sum(k * q[None, :], 1)
         s = (s + s * 0.0) * sm_scale
-        if SOFTCAP > 0:   # tanh keeps a NaN score NaN (NaN rule)
-            s = tanh(s * (1.0 / SOFTCAP), True) * SOFTCAP
+        if HAS_SOFTCAP:   # tanh keeps a NaN score NaN (NaN rule)
+            c, inv_c, _ = cap
+            s = tanh(s * inv_c, True) * c
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -135,6 +135,22 @@ def window_keep(q_pos, k_pos, WINDOW: tl.constexpr, SINK_TOKENS: tl.constexpr):
 
 
 @triton.jit
+def softcap_terms(softcap, HAS_SOFTCAP: tl.constexpr):
+    """The soft cap's factors `cap` = (c, 1 / c, c * log2(e)), float32, computed once per
+    program from the run-time cap c (a float32 argument: one compile serves every cap) for
+    online_softmax_step, softmax_grad_block, transposed_grad_step and fold_run. 1 / c is one
+    correctly rounded division (div_rn) and c * log2(e) is taken in float64, so each is the
+    float32 nearest its exact value, the constants a compiled-in cap gave (bit for bit for a
+    cap that float32 holds exactly: 30.0, 50.0, any integer below 2^24). Without HAS_SOFTCAP:
+    None (softcap may be None then)."""
+    cap = None
+    if HAS_SOFTCAP:
+        c = tl.cast(softcap, tl.float32)
+        cap = (c, tl.math.div_rn(1.0, c), tl.cast(tl.cast(c, tl.float64) * LOG2E, tl.float32))
+    return cap
+
+
+@triton.jit
 def tanh(x, EXACT: tl.constexpr):
     """tanh of float32 x (tl.math has no tanh; libdevice's does not run in the interpreter):
     t = (1 - e) / (1 + e) with e = exp(-2|x|), sign restored: +-inf -> +-1, NaN -> NaN. Its
@@ -155,21 +171,23 @@ def tanh(x, EXACT: tl.constexpr):
 @triton.jit
 def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
                         HAS_MASK: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-                        log_weight=0.0, HAS_WEIGHT: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0):
+                        log_weight=0.0, HAS_WEIGHT: tl.constexpr = False, cap=None,
+                        HAS_SOFTCAP: tl.constexpr = False):
     """Fold one key block (k, v: (BLOCK_N, BLOCK_D)) into the running (acc, m, l) of the
     query tile q (BLOCK_M, BLOCK_D). `mask` (BLOCK_M, BLOCK_N) keeps pairs when HAS_MASK.
     HAS_WEIGHT: `log_weight` (BLOCK_M, BLOCK_N) is added to the scores: ln of how many
     times a pair counts (a key two dilated patterns select counts twice), -inf for 0.
-    SOFTCAP > 0 (a constexpr: 0.0 compiles the uncapped kernel unchanged): scores
-    s -> SOFTCAP * tanh(s / SOFTCAP) before the mask and the weight.
+    HAS_SOFTCAP (without it the uncapped kernel compiles unchanged): scores
+    s -> c * tanh(s / c) before the mask and the weight, `cap` = softcap_terms(c).
     m is in natural units for float32 q, in log2 units for 16-bit q (module docstring);
     `finalize` gives the natural row max either way."""
     qk = dot(q, tl.trans(k), DOT_MODE, PRECISION)
     qk = qk + qk * 0.0     # +-Inf (an infinite key or query) -> NaN, never a dropped -inf
     if q.dtype == tl.float32:   # exact form
         s = qk * sm_scale
-        if SOFTCAP > 0:   # tanh keeps a NaN score NaN (NaN rule)
-            s = tanh(s * (1.0 / SOFTCAP), True) * SOFTCAP
+        if HAS_SOFTCAP:   # tanh keeps a NaN score NaN (NaN rule)
+            c, inv_c, _ = cap
+            s = tanh(s * inv_c, True) * c
         if HAS_MASK:
             s = tl.where(mask, s, float("-inf"))
         if HAS_WEIGHT:   # where: a NaN score of an uncounted pair must not survive + -inf
@@ -180,9 +198,10 @@ def online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
         alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
     else:   # FMA form, m in log2 units
         scale2 = tl.where(sm_scale == 0, MIN_SCALE2, sm_scale * LOG2E)   # never 0: 0 * -inf is NaN
-        if HAS_WEIGHT or SOFTCAP > 0:   # log2-unit scores x, the max taken on them
-            if SOFTCAP > 0:   # capped in natural units, then to log2 units
-                x = tanh(qk * (sm_scale * (1.0 / SOFTCAP)), False) * (SOFTCAP * LOG2E)
+        if HAS_WEIGHT or HAS_SOFTCAP:   # log2-unit scores x, the max taken on them
+            if HAS_SOFTCAP:   # capped in natural units, then to log2 units
+                _, inv_c, c_log2 = cap
+                x = tanh(qk * (sm_scale * inv_c), False) * c_log2
             else:
                 x = qk * scale2
             if HAS_WEIGHT:
@@ -245,16 +264,18 @@ def load_row_stats(M, L, offs, mask):
 @triton.jit
 def softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
                        HAS_MASK: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-                       log_weight=0.0, HAS_WEIGHT: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0):
+                       log_weight=0.0, HAS_WEIGHT: tl.constexpr = False, cap=None,
+                       HAS_SOFTCAP: tl.constexpr = False):
     """Recompute P for a (query block, key block) from the saved row statistics and return
     (p, ds), both (BLOCK_M, BLOCK_N) float32, with ds = P * (dO.V - delta), where delta
-    already includes the gradient on lse (delta = rowsum(dO*O) - dlse). HAS_WEIGHT, SOFTCAP:
-    as in online_softmax_step; with SOFTCAP, ds is the gradient of the uncapped scaled score
-    (times 1 - tanh^2, the cap's derivative)."""
+    already includes the gradient on lse (delta = rowsum(dO*O) - dlse). HAS_WEIGHT, cap,
+    HAS_SOFTCAP: as in online_softmax_step; with the cap, ds is the gradient of the uncapped
+    scaled score (times 1 - tanh^2, the cap's derivative)."""
     s = dot(q, tl.trans(k), DOT_MODE, PRECISION) * sm_scale
-    if SOFTCAP > 0:
-        t = tanh(s * (1.0 / SOFTCAP), k.dtype == tl.float32)
-        s = t * SOFTCAP
+    if HAS_SOFTCAP:
+        c, inv_c, _ = cap
+        t = tanh(s * inv_c, k.dtype == tl.float32)
+        s = t * c
         f = (1.0 - t * t).to(k.dtype)   # the cap's derivative, kept in k's dtype (as transposed_grad_step)
     if HAS_MASK:
         s = tl.where(mask, s, float("-inf"))
@@ -263,25 +284,26 @@ def softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
     p = tl.math.exp2((s - row_max[:, None]) * LOG2E - row_log2l[:, None])
     dp = dot(do, tl.trans(v), DOT_MODE, PRECISION)
     ds = p * (dp - delta[:, None])
-    if SOFTCAP > 0:
+    if HAS_SOFTCAP:
         ds = ds * f.to(tl.float32)
     return p, ds
 
 
 @triton.jit
 def transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_MODE: tl.constexpr,
-                         PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+                         PRECISION: tl.constexpr, cap=None, HAS_SOFTCAP: tl.constexpr = False):
     """softmax_grad_block seen from a key tile, added to its (dk, dv) [BLOCK_M, BLOCK_D]: the
     key tile is the M dimension of every dot (S^T = K Q^T, dV += P^T dO, dP^T = V dO^T,
     dK += dS^T Q), so P^T and dS^T feed the next dots from registers and the query
     statistics broadcast along columns. s_t [BLOCK_M, BLOCK_N]: the scaled scores K Q^T with
     -inf where a pair does not count (the caller's mask); qT [BLOCK_D, BLOCK_N], do
     [BLOCK_N, BLOCK_D], v [BLOCK_M, BLOCK_D]. dK comes without the score scale (applied once
-    by the caller). SOFTCAP > 0: s_t is capped here (its -inf stay -inf) and dS^T taken
-    through the cap (times 1 - tanh^2)."""
-    if SOFTCAP > 0:
-        t_t = tanh(s_t * (1.0 / SOFTCAP), qT.dtype == tl.float32)   # -1 where masked: P = 0 there anyway
-        s_t = tl.where(s_t == float("-inf"), s_t, t_t * SOFTCAP)
+    by the caller). HAS_SOFTCAP: s_t is capped here (its -inf stay -inf; `cap` =
+    softcap_terms(c)) and dS^T taken through the cap (times 1 - tanh^2)."""
+    if HAS_SOFTCAP:
+        c, inv_c, _ = cap
+        t_t = tanh(s_t * inv_c, qT.dtype == tl.float32)   # -1 where masked: P = 0 there anyway
+        s_t = tl.where(s_t == float("-inf"), s_t, t_t * c)
         # the cap's derivative, kept across the dots in the inputs' dtype (16-bit: half the
         # registers; relative error 2^-9 at most, the rounding dS^T gets before its dot anyway)
         f_t = (1.0 - t_t * t_t).to(qT.dtype)
@@ -290,7 +312,7 @@ def transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_
     dv += dot(p_t.to(do.dtype), do, DOT_MODE, PRECISION)
     dp_t = dot(v, tl.trans(do), DOT_MODE, PRECISION)                                  # [BLOCK_M, BLOCK_N]
     ds_t = p_t * (dp_t - delta[None, :])
-    if SOFTCAP > 0:
+    if HAS_SOFTCAP:
         ds_t = ds_t * f_t.to(tl.float32)
     dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_MODE, PRECISION)
     return dk, dv

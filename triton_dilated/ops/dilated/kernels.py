@@ -49,10 +49,11 @@ import triton.language as tl
 
 from ...configs import select_config, switch_value
 from ..common.hardware import padded_head_dim
-from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats,
-                              online_softmax_step, program_tile, softmax_grad_block, transposed_grad_step)
+from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
+                              program_tile, softcap_terms, softmax_grad_block, transposed_grad_step)
 from ..common.lse import softmax_delta
-from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
+from ..common.runtime import (kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous,
+                              softcap_args)
 from .plan import build_items, key_unit_triples, query_unit_triples
 
 
@@ -173,12 +174,13 @@ def _run_at(j, runs, BLOCK_N: tl.constexpr):
 def _dilated_fwd_kernel(
         Q, K, V, O, ROW_MAX, ROW_SUM, ITEMS, PAT_W, PAT_R, PAT_OFF,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale,
+        N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        FLAT_LOOP: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+        FLAT_LOOP: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     b, h, kvh, T, doc_start, doc_end, first_row, rows, row_ok, last_row = _item_tile(ITEMS, NUM_ITEMS, HEAD_GROUP,
                                                                                     BLOCK_M)
+    cap = softcap_terms(softcap, HAS_SOFTCAP)
     Q += b * stride_qb + h * stride_qh
 
     d = tl.arange(0, BLOCK_D)
@@ -200,14 +202,14 @@ def _dilated_fwd_kernel(
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                         key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
             acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
-                                                False, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)
+                                                False, DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
         for j in range(n_masked):
             key0, r, t0, key_end = _run_at(j, masked_runs, BLOCK_N)
             row_active = row_ok & ((rows - key0) % r == 0)   # the rows of the block's pattern
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                         key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
             acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
-                                                True, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)
+                                                True, DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
     else:   # per pattern: an unmasked and a masked loop each
         for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
             o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
@@ -219,12 +221,12 @@ def _dilated_fwd_kernel(
                     k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                                 key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
                     acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
-                                                        False, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)
+                                                        False, DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
                 for t0 in range(full_end, key_end, BLOCK_N):
                     k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                                 key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
                     acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
-                                                        True, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)
+                                                        True, DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
     out, row_max, row_sum = finalize(acc, m_i, l_i, q)                                  # [BLOCK_M, BLOCK_D]
     O += (b * N * HQ + h) * HEAD_DIM
     tl.store(O + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], out.to(O.dtype.element_ty), mask=tile_mask)
@@ -240,12 +242,13 @@ def _dilated_bwd_dq_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, ITEMS, PAT_W, PAT_R, PAT_OFF,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh,
-        N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale,
+        N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        FLAT_LOOP: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+        FLAT_LOOP: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     b, h, kvh, T, doc_start, doc_end, first_row, rows, row_ok, last_row = _item_tile(ITEMS, NUM_ITEMS, HEAD_GROUP,
                                                                                     BLOCK_M)
+    cap = softcap_terms(softcap, HAS_SOFTCAP)
     Q += b * stride_qb + h * stride_qh
     DO += b * stride_dob + h * stride_doh
 
@@ -270,7 +273,8 @@ def _dilated_bwd_dq_kernel(
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                         key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
             p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
-                                       False, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)   # [BLOCK_M, BLOCK_N]
+                                       False, DOT_MODE, PRECISION, cap=cap,
+                                       HAS_SOFTCAP=HAS_SOFTCAP)                      # [BLOCK_M, BLOCK_N]
             dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
         for j in range(n_masked):
             key0, r, t0, key_end = _run_at(j, masked_runs, BLOCK_N)
@@ -278,7 +282,7 @@ def _dilated_bwd_dq_kernel(
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                         key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
             p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
-                                       True, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)
+                                       True, DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
             dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
     else:
         for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
@@ -291,13 +295,14 @@ def _dilated_bwd_dq_kernel(
                     k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                                 key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
                     p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
-                                               False, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)   # [BLOCK_M, BLOCK_N]
+                                               False, DOT_MODE, PRECISION, cap=cap,
+                                       HAS_SOFTCAP=HAS_SOFTCAP)                      # [BLOCK_M, BLOCK_N]
                     dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
                 for t0 in range(full_end, key_end, BLOCK_N):
                     k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                                 key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
                     p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
-                                               True, DOT_MODE, PRECISION, SOFTCAP=SOFTCAP)
+                                               True, DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
                     dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
     DQ += b * N * (HQ * HEAD_DIM) + h * HEAD_DIM
     tl.store(DQ + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
@@ -309,13 +314,14 @@ def _dilated_bwd_dkdv_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DK, DV, ITEMS, PAT_W, PAT_R, PAT_OFF,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh,
-        N, HKV, NUM_ITEMS, HEAD_GROUP, sm_scale,
+        N, HKV, NUM_ITEMS, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        SOFTCAP: tl.constexpr = 0.0):
+        HAS_SOFTCAP: tl.constexpr):
     # BLOCK_M: the key tile this program owns (the M dimension of every dot); BLOCK_N: the
     # query blocks it walks.
     b, kvh, _, T, doc_start, doc_end, first_key, keys, key_ok, last_key = _item_tile(ITEMS, NUM_ITEMS, 1, BLOCK_M)
+    cap = softcap_terms(softcap, HAS_SOFTCAP)
     K += b * stride_kb + kvh * stride_kh
     V += b * stride_vb + kvh * stride_vh
 
@@ -360,15 +366,15 @@ def _dilated_bwd_dkdv_kernel(
                 for t0 in range(q_begin, full_lo, BLOCK_N):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d, d_ok, stride_qn, stride_don,
-                                         sm_scale, CAUSAL, True, DOT_MODE, PRECISION, SOFTCAP)
+                                         sm_scale, CAUSAL, True, DOT_MODE, PRECISION, cap, HAS_SOFTCAP)
                 for t0 in range(full_lo, full_hi, BLOCK_N):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d, d_ok, stride_qn, stride_don,
-                                         sm_scale, CAUSAL, False, DOT_MODE, PRECISION, SOFTCAP)
+                                         sm_scale, CAUSAL, False, DOT_MODE, PRECISION, cap, HAS_SOFTCAP)
                 for t0 in range(full_hi, n_q, BLOCK_N):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d, d_ok, stride_qn, stride_don,
-                                         sm_scale, CAUSAL, True, DOT_MODE, PRECISION, SOFTCAP)
+                                         sm_scale, CAUSAL, True, DOT_MODE, PRECISION, cap, HAS_SOFTCAP)
     DK += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
     DV += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
     tl.store(DK + keys64[:, None] * (HKV * HEAD_DIM) + d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
@@ -379,7 +385,7 @@ def _dilated_bwd_dkdv_kernel(
 @triton.jit
 def _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t, query0, r, n_q, keys, key_active,
                 d, d_ok, stride_qn, stride_don, sm_scale, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                DOT_MODE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+                DOT_MODE: tl.constexpr, PRECISION: tl.constexpr, cap, HAS_SOFTCAP: tl.constexpr):
     """Add one block of dilated queries (positions query0 + r*t) to the key tile's dK, dV
     [BLOCK_M, BLOCK_D]; q_head, do_head point at the head's row 0, stats is the head's
     offset into ROW_MAX, ROW_SUM, DELTA. Transposed scores: the key tile is the M
@@ -401,7 +407,8 @@ def _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t
         if CAUSAL:
             mask = mask & (keys[:, None] <= qpos[None, :])
         s_t = tl.where(mask, s_t, float("-inf"))
-    return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_MODE, PRECISION, SOFTCAP)
+    return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_MODE, PRECISION, cap,
+                                HAS_SOFTCAP)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -431,7 +438,7 @@ def _device_plan(n, patterns, table, num_kv_heads, causal, block, block_inner, k
 def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None, doc_bounds=None, softcap=None):
     """Launch the fused forward. Returns out (like q, contiguous) and the row statistics
     (row_max, row_sum), float32 (B, Hq, N) each; see lse_from_stats. softcap: None, or the
-    cap c of the scores (s -> c * tanh(s / c)), compiled in as a constexpr."""
+    cap c of the scores (s -> c * tanh(s / c)), a run-time value of the capped kernel."""
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
     block_d = padded_head_dim(D)
@@ -450,7 +457,7 @@ def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None, doc
         **_strides(q=q, k=k, v=v), N=N, HQ=Hq, NUM_ITEMS=items.shape[0], HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_MODE=dot_mode, PRECISION=precision,
-        FLAT_LOOP=switch_value("dilated_fwd", cfg, "FLAT_LOOP"), SOFTCAP=float(softcap or 0.0),
+        FLAT_LOOP=switch_value("dilated_fwd", cfg, "FLAT_LOOP"), **softcap_args(softcap),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return out, row_max, row_sum
 
@@ -471,7 +478,7 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     delta = softmax_delta(do, out, dlse)
     dot_mode, precision = kernel_options(q.dtype, q.device)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, DOT_MODE=dot_mode,
-                  PRECISION=precision, SOFTCAP=float(softcap or 0.0))
+                  PRECISION=precision, **softcap_args(softcap))
     inputs = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
                   **_strides(q=q, k=k, v=v, do=do), N=N, HEAD_GROUP=Hq // Hkv, sm_scale=scale)
 

@@ -7,7 +7,7 @@ Masks (MASK_KIND): 0 dense; 1 dilated (the weight of a pair is how many of the h
 patterns select it: p, p' in one segment, both with the head's residue; LongNet's
 multiset union); 2 block layout (a dense (n_blocks x n_blocks) table looked up per
 element). Causal multiplies in p' <= p. Weights enter the softmax as ln(weight) added to
-the score (-inf where 0), after the soft cap (SOFTCAP > 0: s -> c * tanh(s / c)); a key tile
+the score (-inf where 0), after the soft cap (HAS_SOFTCAP: s -> c * tanh(s / c)); a key tile
 whose weights are all 0 is skipped.
 
 The step's partial (acc / l, its lse) is merged into the running (out, lse) by the
@@ -22,9 +22,9 @@ import triton.language as tl
 
 from ...configs import select_config
 from ..common.hardware import padded_head_dim
-from ..common.kernels import (LOG2E, dot, finalize, online_softmax_step, program_tile, softmax_grad_block, tanh,
-                              window_keep)
-from ..common.runtime import kernel_options, on_tensor_device, require_contiguous
+from ..common.kernels import (LOG2E, dot, finalize, online_softmax_step, program_tile, softcap_terms,
+                              softmax_grad_block, tanh, window_keep)
+from ..common.runtime import kernel_options, on_tensor_device, require_contiguous, softcap_args
 from . import mask as step_mask
 from .mask import StepMask
 
@@ -142,13 +142,14 @@ def _ring_step_fwd_kernel(
         Q, K, V, OUT, LSE, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, TILE_COUNT, TILE_INDEX,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_ob, stride_on, stride_oh, stride_lb, stride_lh, LAYOUT_COLS, stride_tb, stride_th, TILE_WIDTH,
-        NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
+        NQ, NK, HQ, HEAD_GROUP, sm_scale, softcap, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
+        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, HAS_SOFTCAP: tl.constexpr = False):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
+    cap = softcap_terms(softcap, HAS_SOFTCAP)
     Q += b * stride_qb + h * stride_qh
     OUT += b * stride_ob + h * stride_oh
     PAT_OFF += h * NUM_PATTERNS
@@ -190,7 +191,7 @@ def _ring_step_fwd_kernel(
         v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)                       # [BLOCK_N, BLOCK_D]
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, q_ok[:, None], False, DOT_MODE,
-                                            PRECISION, log_w, True, SOFTCAP=SOFTCAP)
+                                            PRECISION, log_w, True, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
     # merge (acc / l, lse_step) into the running (out, lse)
     # NaN rule: a NaN lse on either side makes the merged row NaN (w * NaN, log(NaN)); a
     # non-finite part (a NaN or Inf value was read) is found on the merged row, as w_step * part
@@ -222,13 +223,14 @@ def _ring_step_bwd_dq_kernel(
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh, stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, LAYOUT_COLS,
         stride_tb, stride_th, TILE_WIDTH,
-        NQ, NK, HQ, HEAD_GROUP, sm_scale, layout_block,
+        NQ, NK, HQ, HEAD_GROUP, sm_scale, softcap, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
+        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, HAS_SOFTCAP: tl.constexpr = False):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
+    cap = softcap_terms(softcap, HAS_SOFTCAP)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     q_ok = rows < NQ
     rows64 = rows.to(tl.int64)
@@ -268,7 +270,7 @@ def _ring_step_bwd_dq_kernel(
         v = tl.load(V + b * stride_vb + kvh * stride_vh + cols64[:, None] * stride_vn + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)                         # [BLOCK_N, BLOCK_D]
         p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, q_ok[:, None], False,
-                                   DOT_MODE, PRECISION, log_w, True, SOFTCAP=SOFTCAP)
+                                   DOT_MODE, PRECISION, log_w, True, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
         dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqn + d[None, :]
     tl.store(dq_ptrs, tl.load(dq_ptrs, mask=tile_mask, other=0.0) + dq * sm_scale, mask=tile_mask)
@@ -280,15 +282,16 @@ def _ring_step_bwd_dkdv_kernel(
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
         stride_lb, stride_lh, LAYOUT_COLS, stride_tb, stride_th, TILE_WIDTH,
-        NQ, NK, HKV, HEAD_GROUP, sm_scale, layout_block,
+        NQ, NK, HKV, HEAD_GROUP, sm_scale, softcap, layout_block,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
+        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, HAS_SOFTCAP: tl.constexpr = False):
     # BLOCK_M: the key tile this program owns, the M dimension of every dot (S^T = K Q^T,
     # dV += P^T dO, dP^T = V dO^T, dK += dS^T Q: P^T and dS^T feed the next dot from
     # registers); BLOCK_N: the query tiles it walks (its lists are built with these tiles).
     tile, b, kvh = program_tile(tl.cdiv(NK, BLOCK_M), HKV)
+    cap = softcap_terms(softcap, HAS_SOFTCAP)
     K += b * stride_kb + kvh * stride_kh
     V += b * stride_vb + kvh * stride_vh
     DK += b * stride_dkb + kvh * stride_dkh
@@ -340,16 +343,17 @@ def _ring_step_bwd_dkdv_kernel(
             delta = tl.load(DELTA + stats + rows, mask=q_ok, other=0.0)
             # softmax_grad_block transposed: the query statistics broadcast along columns
             s_t = dot(k, qT, DOT_MODE, PRECISION) * sm_scale                             # [BLOCK_M, BLOCK_N]
-            if SOFTCAP > 0:   # capped before the weight; dS^T through the cap (times 1 - tanh^2)
-                t_t = tanh(s_t * (1.0 / SOFTCAP), qT.dtype == tl.float32)
-                s_t = t_t * SOFTCAP
+            if HAS_SOFTCAP:   # capped before the weight; dS^T through the cap (times 1 - tanh^2)
+                c, inv_c, _ = cap
+                t_t = tanh(s_t * inv_c, qT.dtype == tl.float32)
+                s_t = t_t * c
                 f_t = (1.0 - t_t * t_t).to(qT.dtype)   # kept in the inputs' dtype (as transposed_grad_step)
             s_t = s_t + log_w
             p_t = tl.math.exp2((s_t - row_max[None, :]) * LOG2E)
             dv += dot(p_t.to(do.dtype), do, DOT_MODE, PRECISION)
             dp_t = dot(v, tl.trans(do), DOT_MODE, PRECISION)                               # [BLOCK_M, BLOCK_N]
             ds_t = p_t * (dp_t - delta[None, :])
-            if SOFTCAP > 0:
+            if HAS_SOFTCAP:
                 ds_t = ds_t * f_t.to(tl.float32)
             dk += dot(ds_t.to(qT.dtype), tl.trans(qT), DOT_MODE, PRECISION)
     # added in place by reductions (red.add): the old values never pass through registers (a
@@ -448,7 +452,7 @@ def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale, conf
         Q=q, K=k, V=v, OUT=out, LSE=lse, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq), **docs,
         **_tile_lists(q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"], False, docs),
         **_strides(q=q, k=k, v=v, o=out), NQ=NQ, NK=NK, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
-        SOFTCAP=float(mask.softcap or 0.0), **meta)
+        **softcap_args(mask.softcap), **meta)
 
 
 @on_tensor_device
@@ -471,7 +475,7 @@ def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepM
     common = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq),
                   **docs,
                   **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
-                  SOFTCAP=float(mask.softcap or 0.0))
+                  **softcap_args(mask.softcap))
     _ring_step_bwd_dq_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
         **common, **meta, DQ=dq, **_strides(dq=dq), HQ=Hq,
         **_tile_lists(q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"], False, docs))
