@@ -79,12 +79,13 @@ VARIANTS.update({f"{name}_docs": (name, {"DOCS": 1})
 # the block-sparse backward launcher runs the capped dK/dV kernel with at most 2 pipeline stages
 # (ops/block_sparse/kernels.py, SOFTCAP_DKDV_STAGES); the defaults have 3
 VARIANTS["block_sparse_bwd_dkdv_softcap"] = ("block_sparse_bwd_dkdv", {**SOFTCAP_AOT, "num_stages": 2})
-# sliding windows (issue 23): the kernels with the window predicate compiled in (WINDOW,
-# SINK_TOKENS constexprs; 0, the default rows, compiles the unchanged kernel; the *_WIN flag
-# pointers are then None). gpt-oss's window of 128 with 4 sink tokens (the sink branch is the
-# larger code). The ring step's rows are of a block layout (MASK_KIND 2), so *_layout rows
-# give the same kernels without the window to compare with.
-WINDOW_AOT = {"WINDOW": 128, "SINK_TOKENS": 4}
+# sliding windows (issue 23): the kernels with the window predicate (HAS_WINDOW) and sink tokens
+# (HAS_SINK_TOKENS, the larger code); the window and the sink count (gpt-oss: 128 and 4) are run-time
+# int32 arguments the kernels do not specialize on, so one compile serves every value. The default
+# rows compile the kernels without them (the *_WIN flag pointers are then None). The ring step's
+# rows are of a block layout (MASK_KIND 2), so *_layout rows give the same kernels without the
+# window to compare with.
+WINDOW_AOT = {"HAS_WINDOW": True, "HAS_SINK_TOKENS": True}
 WINDOW_POINTERS = {"KV_WIN": "i32", "Q_WIN": "i32"}   # the block-sparse lists' window starts
 VARIANTS.update({f"{name}_window": (name, dict(WINDOW_AOT))
                  for name in ("block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv")})
@@ -147,10 +148,15 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
             constexprs[key] = cfg[key]
     if "DOCS" in cfg:
         constexprs["DOCS"] = bool(cfg["DOCS"])
-    constexprs.update(WINDOW=cfg.get("WINDOW", 0), SINK_TOKENS=cfg.get("SINK_TOKENS", 0))
+    constexprs.update(HAS_WINDOW=bool(cfg.get("HAS_WINDOW", False)),
+                      HAS_SINK_TOKENS=bool(cfg.get("HAS_SINK_TOKENS", False)))
     if "MASK_KIND" in cfg:
         constexprs["MASK_KIND"] = cfg["MASK_KIND"]
-    window = cfg.get("WINDOW", 0) > 0
+    window = constexprs["HAS_WINDOW"]
+    # the run-time feature values: a float32 cap, int32 window and sink counts (do_not_specialize:
+    # no divisibility attribute) where their feature is on, else None as the launchers pass them
+    features = {"softcap": ("fp32", constexprs["HAS_SOFTCAP"]), "window": ("i32", window),
+                "sink_tokens": ("i32", constexprs["HAS_SINK_TOKENS"])}
     sig, given, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         a = p.name
@@ -163,9 +169,10 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
                 sig[a] = f"tensordesc<{dtype}[1, 1, {cfg['BLOCK_N']}, {padded_head_dim(D)}]>"
             else:
                 sig[a], given[a] = "constexpr", None
-        elif a == "softcap":   # the cap, a float32 where HAS_SOFTCAP, else None as the launchers pass it
-            if constexprs["HAS_SOFTCAP"]:
-                sig[a] = "fp32"
+        elif a in features:
+            ty, on = features[a]
+            if on:
+                sig[a] = ty
             else:
                 sig[a], given[a] = "constexpr", None
         elif a in WINDOW_POINTERS and a not in spec.pointers:

@@ -4,7 +4,7 @@ One program per (batch row, query row, query head, split). The query at position
 layout row p // block_size; its key list is the row's active key blocks, each a run of
 consecutive keys cut at the row's length (and after p when causal). Split j walks the j-th
 equal share of the row's blocks; the splits merge in float32 (ops/common/decode_kernels.py).
-A sliding window (WINDOW > 0) cuts its window blocks to the keys its predicate keeps.
+A sliding window (HAS_WINDOW) cuts its window blocks to the keys its predicate keeps.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, f
                                      kernel_lengths, kv_descales, merge_splits, num_splits, store_result)
 from ..common.hardware import padded_head_dim
 from ..common.kernels import softcap_terms
-from ..common.runtime import on_tensor_device, softcap_args
+from ..common.runtime import on_tensor_device, softcap_args, window_args
 
 CONFIG_FAMILY = "block_sparse_fwd"   # the family; tiles and warps: configs.KERNEL_DEFAULTS (not tuned)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "sink_tokens"])   # one compile for every window and sink count
 def _block_sparse_decode_kernel(
         Q, K, V, O, LSE, ACC, PART_M, PART_L, LENS, KV_COUNT, KV_INDEX, BLOCK_TABLE, K_DESCALE, V_DESCALE,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -31,7 +31,8 @@ def _block_sparse_decode_kernel(
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-        KV_WIN=None, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
+        KV_WIN=None, window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False,
+        HAS_SINK_TOKENS: tl.constexpr = False):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D)
@@ -57,15 +58,15 @@ def _block_sparse_decode_kernel(
         end = tl.minimum(start + BLOCK_SIZE, length)   # blocks past the length: nothing
         if CAUSAL:
             end = tl.minimum(end, p + 1)
-        if WINDOW > 0:
+        if HAS_WINDOW:
             # a window block (flag set): the keys window_keep (ops/common/kernels.py) keeps, as
-            # two runs: the sink tokens [start, min(end, SINK_TOKENS)) below the band, then the
-            # band [p - WINDOW + 1, p]; both cut to the block
+            # two runs: the sink tokens [start, min(end, sink_tokens)) below the band, then the
+            # band [p - window + 1, p]; both cut to the block
             in_window = tl.load(KV_WIN + index_off + j) != 0
             end = tl.where(in_window, tl.minimum(end, p + 1), end)
-            lo = tl.where(in_window, tl.maximum(start, p - WINDOW + 1), start)
-            if SINK_TOKENS > 0:
-                sink_end = tl.where(in_window, tl.minimum(tl.minimum(end, SINK_TOKENS), lo), start)
+            lo = tl.where(in_window, tl.maximum(start, p - window + 1), start)
+            if HAS_SINK_TOKENS:
+                sink_end = tl.where(in_window, tl.minimum(tl.minimum(end, sink_tokens), lo), start)
                 acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0,
                                          sink_end - start, d_ok, k_scale, bt, stride_kp, stride_vp, NUM_PAGES,
                                          BLOCK_N, PAGE_SIZE, KV_FP8, cap, HAS_SOFTCAP)
@@ -102,7 +103,7 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, spli
     if getattr(layout, "window", None) is not None:   # the flags read at the index's offsets
         index = layout.kv_indices.contiguous().expand(B, Hq, *layout.kv_indices.shape[2:])
         flags = layout.kv_window.contiguous().view(torch.int8).expand(index.shape)
-        window = dict(KV_WIN=flags, WINDOW=layout.window.window, SINK_TOKENS=layout.window.sink_tokens)
+        window = dict(KV_WIN=flags, **window_args(layout.window))
     longest = index.shape[-1] * bs
     splits = splits or num_splits(q.device, B * Nq * Hq, longest)
     out, lse, acc, part_m, part_l = decode_buffers(q, splits)

@@ -39,7 +39,7 @@ from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_r
                               program_tile, softcap_terms, softmax_grad_block, transposed_grad_step, window_keep)
 from ..common.lse import softmax_delta
 from ..common.runtime import (kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous,
-                              softcap_args)
+                              softcap_args, window_args)
 from ..common.window import check_window_causal
 
 
@@ -50,20 +50,22 @@ from ..common.window import check_window_causal
 # their batch and head strides, 0 where one layout serves every batch or head.
 
 @triton.jit
-def _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, first_row, WINDOW: tl.constexpr):
-    """Sliding windows (WINDOW > 0): where a query block's window entries start in its
+def _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, first_row, window):
+    """Sliding windows (HAS_WINDOW): where a query block's window entries start in its
     reordered key list (full, masked, then window blocks: _key_lists), and the first key any
     row of the tile from first_row on can see in a window block (no sink tokens there)."""
-    return tl.load(KV_WIN + b * stride_cb + h * stride_ch + qblock), first_row - WINDOW + 1
+    return tl.load(KV_WIN + b * stride_cb + h * stride_ch + qblock), first_row - window + 1
 
 
 @triton.jit
-def _window_start(start, use_window, lowest, SINK_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _window_start(start, use_window, lowest, sink_tokens, HAS_SINK_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Where to start walking a masked key block: a window block whose keys are not sink
     tokens from the sub-tile of the lowest key the tile's rows see (the keys before it would
     be masked for every row). Aligned to BLOCK_N: starting at the key itself keeps a NaN
     below it from reaching the tile, but made sm80's dQ at D = 64 spill 24 B (perf aot)."""
-    skip = use_window & (start >= SINK_TOKENS)
+    skip = use_window
+    if HAS_SINK_TOKENS:   # (without sink tokens every start >= 0 passes)
+        skip = skip & (start >= sink_tokens)
     return tl.where(skip, tl.maximum(start, (lowest // BLOCK_N) * BLOCK_N), start)
 
 
@@ -100,7 +102,7 @@ def _tma_key_block(K_DESC, V_DESC, b, kvh, n0, key_end, rows, row_ok, CAUSAL: tl
     return k, v, mask
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "sink_tokens"])   # one compile for every window and sink count
 def _block_sparse_fwd_kernel(
         Q, K, V, K_DESC, V_DESC, O, ROW_MAX, ROW_SUM, KV_FULL, KV_END, KV_INDEX,
         stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
@@ -108,8 +110,8 @@ def _block_sparse_fwd_kernel(
         N, HQ, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        TMA: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, KV_WIN=None,
-        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
+        TMA: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, KV_WIN=None, window=None,
+        sink_tokens=None, HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
     cap = softcap_terms(softcap, HAS_SOFTCAP)
     kvh = h // HEAD_GROUP
@@ -150,16 +152,16 @@ def _block_sparse_fwd_kernel(
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, False, DOT_MODE, PRECISION,
                                             cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
     # then the masked ones (the causal diagonal, the ragged last block): the end of the list;
-    # with a sliding window (WINDOW > 0) the window blocks [n_win, n_end) last, predicate per element
-    if WINDOW > 0:
-        n_win, lowest = _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, tile * BLOCK_M, WINDOW)
+    # with a sliding window (HAS_WINDOW) the window blocks [n_win, n_end) last, predicate per element
+    if HAS_WINDOW:
+        n_win, lowest = _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, tile * BLOCK_M, window)
     for j in range(n_full, n_end):
         start = tl.load(index_base + j) * BLOCK_SIZE
         end = tl.minimum(start + BLOCK_SIZE, N)
         if CAUSAL:
             end = tl.minimum(end, last_row + 1)     # keys after the tile's last row: skipped
-        if WINDOW > 0:
-            start = _window_start(start, j >= n_win, lowest, SINK_TOKENS, BLOCK_N)
+        if HAS_WINDOW:
+            start = _window_start(start, j >= n_win, lowest, sink_tokens, HAS_SINK_TOKENS, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
             if TMA:
                 k, v, mask = _tma_key_block(K_DESC, V_DESC, b, kvh, n0, end - n0, rows, row_ok, CAUSAL, True,
@@ -167,9 +169,9 @@ def _block_sparse_fwd_kernel(
             else:
                 k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
                                             d_ok, CAUSAL, True, BLOCK_N)
-            if WINDOW > 0:
-                mask = mask & (window_keep(rows[:, None], (n0 + tl.arange(0, BLOCK_N))[None, :], WINDOW,
-                                           SINK_TOKENS) | (j < n_win))
+            if HAS_WINDOW:
+                mask = mask & (window_keep(rows[:, None], (n0 + tl.arange(0, BLOCK_N))[None, :], window,
+                                           sink_tokens, HAS_SINK_TOKENS) | (j < n_win))
             acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask, True, DOT_MODE, PRECISION,
                                                 cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
     out, row_max, row_sum = finalize(acc, m_i, l_i, q)                                  # [BLOCK_M, BLOCK_D]
@@ -182,7 +184,7 @@ def _block_sparse_fwd_kernel(
     tl.store(ROW_SUM + rows, row_sum, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "sink_tokens"])
 def _block_sparse_bwd_dq_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, KV_FULL, KV_END, KV_INDEX,
         stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
@@ -191,7 +193,8 @@ def _block_sparse_bwd_dq_kernel(
         N, HQ, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, KV_WIN=None, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
+        HAS_SOFTCAP: tl.constexpr, KV_WIN=None, window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False,
+        HAS_SINK_TOKENS: tl.constexpr = False):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
     cap = softcap_terms(softcap, HAS_SOFTCAP)
     kvh = h // HEAD_GROUP
@@ -227,21 +230,21 @@ def _block_sparse_bwd_dq_kernel(
         p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, False, DOT_MODE,
                                    PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)          # [BLOCK_M, BLOCK_N]
         dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
-    if WINDOW > 0:   # the window blocks [n_win, n_end) last (as in the forward)
-        n_win, lowest = _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, tile * BLOCK_M, WINDOW)
+    if HAS_WINDOW:   # the window blocks [n_win, n_end) last (as in the forward)
+        n_win, lowest = _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, tile * BLOCK_M, window)
     for j in range(n_full, n_end):       # masked blocks: the end of the list
         start = tl.load(index_base + j) * BLOCK_SIZE
         end = tl.minimum(start + BLOCK_SIZE, N)
         if CAUSAL:
             end = tl.minimum(end, last_row + 1)
-        if WINDOW > 0:
-            start = _window_start(start, j >= n_win, lowest, SINK_TOKENS, BLOCK_N)
+        if HAS_WINDOW:
+            start = _window_start(start, j >= n_win, lowest, sink_tokens, HAS_SINK_TOKENS, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, n0, 1, 0, end - n0, rows, row_ok,
                                         d_ok, CAUSAL, True, BLOCK_N)
-            if WINDOW > 0:
-                mask = mask & (window_keep(rows[:, None], (n0 + tl.arange(0, BLOCK_N))[None, :], WINDOW,
-                                           SINK_TOKENS) | (j < n_win))
+            if HAS_WINDOW:
+                mask = mask & (window_keep(rows[:, None], (n0 + tl.arange(0, BLOCK_N))[None, :], window,
+                                           sink_tokens, HAS_SINK_TOKENS) | (j < n_win))
             p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask, True, DOT_MODE,
                                        PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
             dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
@@ -253,13 +256,13 @@ def _block_sparse_bwd_dq_kernel(
 @triton.jit
 def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N, stride_qn, stride_don,
                sm_scale, d, d_ok, CAUSAL_MASK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
-               PRECISION: tl.constexpr, cap, HAS_SOFTCAP: tl.constexpr, WINDOW: tl.constexpr = 0,
-               SINK_TOKENS: tl.constexpr = 0):
+               PRECISION: tl.constexpr, cap, HAS_SOFTCAP: tl.constexpr, window=0, sink_tokens=0,
+               HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False):
     """Add the query rows [m0, m0 + BLOCK_N) to the key tile's (dk, dv) [BLOCK_M, BLOCK_D].
     Transposed scores: the key tile is the M dimension of every dot (S^T = K Q^T, dV += P^T dO,
     dP^T = V dO^T, dK += dS^T Q), so P^T and dS^T feed the next dots from registers and the
     query statistics broadcast along columns. Queries past N load as zero with empty
-    statistics (P = 0); CAUSAL_MASK also drops keys after the query; WINDOW > 0 applies the
+    statistics (P = 0); CAUSAL_MASK also drops keys after the query; HAS_WINDOW applies the
     sliding-window predicate (which includes the causal cut) instead."""
     qrows = m0 + tl.arange(0, BLOCK_N)                                                   # [BLOCK_N]
     q_ok = qrows < N
@@ -272,15 +275,16 @@ def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, sta
     row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, rows_st, q_ok)                 # [BLOCK_N]
     delta = tl.load(DELTA + rows_st, mask=q_ok, other=0.0)
     s_t = dot(k, qT, DOT_MODE, PRECISION) * sm_scale                                     # [BLOCK_M, BLOCK_N]
-    if WINDOW > 0:
-        s_t = tl.where(window_keep(qrows[None, :], keys[:, None], WINDOW, SINK_TOKENS), s_t, float("-inf"))
+    if HAS_WINDOW:
+        s_t = tl.where(window_keep(qrows[None, :], keys[:, None], window, sink_tokens, HAS_SINK_TOKENS), s_t,
+                       float("-inf"))
     elif CAUSAL_MASK:
         s_t = tl.where(keys[:, None] <= qrows[None, :], s_t, float("-inf"))
     return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_MODE, PRECISION, cap,
                                 HAS_SOFTCAP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "sink_tokens"])
 def _block_sparse_bwd_dkdv_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DK, DV, Q_SKIP, Q_FULL, Q_COUNT, Q_INDEX,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -289,7 +293,8 @@ def _block_sparse_bwd_dkdv_kernel(
         N, HKV, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, Q_WIN=None, WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
+        HAS_SOFTCAP: tl.constexpr, Q_WIN=None, window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False,
+        HAS_SINK_TOKENS: tl.constexpr = False):
     # this program: BLOCK_M keys of one key/value head (the M dimension of every dot); walks
     # BLOCK_N query sub-tiles
     tile, b, kvh = program_tile(tl.cdiv(N, BLOCK_M), HKV)
@@ -327,7 +332,7 @@ def _block_sparse_bwd_dkdv_kernel(
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
                                 stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_MODE, PRECISION, cap,
                                 HAS_SOFTCAP)
-        if WINDOW > 0:   # sliding window: [n_full, n_win) unmasked, [n_win, count) the window blocks
+        if HAS_WINDOW:   # sliding window: [n_full, n_win) unmasked, [n_win, count) the window blocks
             n_win = tl.load(Q_WIN + lists)
         else:
             n_win = count
@@ -336,11 +341,13 @@ def _block_sparse_bwd_dkdv_kernel(
             dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0, N,
                                 stride_qn, stride_don, sm_scale, d, d_ok, False, BLOCK_N, DOT_MODE, PRECISION, cap,
                                 HAS_SOFTCAP)
-        if WINDOW > 0:
+        if HAS_WINDOW:
             # a window block's queries from the tile's first key (earlier ones see none of its
             # keys) to the last one the band reaches (all of them when a key is a sink token)
             last_key = tl.minimum(first_key + BLOCK_M, N) - 1
-            reach = tl.where(first_key < SINK_TOKENS, N, last_key + WINDOW)
+            reach = last_key + window
+            if HAS_SINK_TOKENS:
+                reach = tl.where(first_key < sink_tokens, N, reach)
             for j in range(n_win, count):
                 q0 = tl.load(index_base + j) * BLOCK_SIZE
                 lo = tl.maximum(q0, (first_key // BLOCK_N) * BLOCK_N)
@@ -348,7 +355,7 @@ def _block_sparse_bwd_dkdv_kernel(
                 for m0 in range(lo, hi, BLOCK_N):
                     dk, dv = _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, stats, m0,
                                         N, stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_MODE,
-                                        PRECISION, cap, HAS_SOFTCAP, WINDOW, SINK_TOKENS)
+                                        PRECISION, cap, HAS_SOFTCAP, window, sink_tokens, True, HAS_SINK_TOKENS)
         stats += N   # the next head's rows
     DK += (b * N * HKV + kvh) * HEAD_DIM
     DV += (b * N * HKV + kvh) * HEAD_DIM
@@ -437,10 +444,9 @@ def _window_query_lists(layout):
 
 
 def _window_meta(layout):
-    """The sliding-window constexprs (none for other layouts: the kernels compile unchanged)."""
-    if layout.window is None:
-        return {}
-    return dict(WINDOW=layout.window.window, SINK_TOKENS=layout.window.sink_tokens)
+    """The sliding-window keywords (runtime.window_args; other layouts: HAS_WINDOW False, the
+    kernels compile unchanged)."""
+    return window_args(layout.window)
 
 
 def _query_lists(layout, causal):

@@ -155,6 +155,17 @@ def softcap_args(softcap) -> dict:
     return dict(HAS_SOFTCAP=bool(softcap), softcap=float(softcap) if softcap else None)
 
 
+def window_args(window) -> dict:
+    """The kernels' sliding-window keywords for a WindowPredicate (ops/common/window.py) or
+    None: HAS_WINDOW and HAS_SINK_TOKENS, the compile-time features, and `window`,
+    `sink_tokens`, run-time int32 values the kernels do not specialize on (one compile for
+    every window and sink count: gpt-oss's 128, Mistral's 4096). None where unused."""
+    if window is None:
+        return dict(HAS_WINDOW=False, window=None, HAS_SINK_TOKENS=False, sink_tokens=None)
+    sinks = window.sink_tokens
+    return dict(HAS_WINDOW=True, window=window.window, HAS_SINK_TOKENS=sinks > 0, sink_tokens=sinks if sinks else None)
+
+
 def last_dim_contiguous(x):
     """Kernels take any strides but need a unit stride on the head dim: copy only then."""
     return x if x.stride(-1) == 1 else x.contiguous()

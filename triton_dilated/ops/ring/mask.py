@@ -45,7 +45,5 @@ class StepMask:
     window = None   # the sliding window (WindowPredicate) of a MASK_LAYOUT, if any
 
     def kernel_meta(self):
-        meta = dict(MASK_KIND=self.kind, NUM_PATTERNS=self.num_patterns, CAUSAL=self.causal)
-        if self.window is not None:
-            meta.update(WINDOW=self.window.window, SINK_TOKENS=self.window.sink_tokens)
-        return meta
+        from ..common.runtime import window_args
+        return dict(MASK_KIND=self.kind, NUM_PATTERNS=self.num_patterns, CAUSAL=self.causal, **window_args(self.window))

@@ -41,12 +41,13 @@ MASK_LAYOUT: tl.constexpr = tl.constexpr(step_mask.MASK_LAYOUT)
 @triton.jit
 def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYOUT_COLS, layout_block,
                      MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
-                     WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
+                     window=0, sink_tokens=0, HAS_WINDOW: tl.constexpr = False,
+                     HAS_SINK_TOKENS: tl.constexpr = False):
     """ln(weight) of each (query, key) pair, -inf where it does not count, for query and key
     positions (and in-range flags) given as a column and a row: qpos [BLOCK_M, 1], kpos
     [1, BLOCK_N] give [BLOCK_M, BLOCK_N]; qpos [1, BLOCK_N], kpos [BLOCK_M, 1] the transpose
     (the dK/dV kernel's keys x queries). PAT_OFF and LAYOUT point at the head's offsets and
-    block table. WINDOW > 0: a block-table entry of 2 is a sliding window's block, where
+    block table. HAS_WINDOW: a block-table entry of 2 is a sliding window's block, where
     window_keep decides per element."""
     ok = q_ok & k_ok
     if CAUSAL:
@@ -70,8 +71,8 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYO
         kb = (kpos // layout_block).to(tl.int64)
         active = tl.load(LAYOUT + qb * LAYOUT_COLS + kb, mask=ok, other=0)
         ok = ok & (active != 0)
-        if WINDOW > 0:
-            ok = ok & ((active != 2) | window_keep(qpos, kpos, WINDOW, SINK_TOKENS))
+        if HAS_WINDOW:
+            ok = ok & ((active != 2) | window_keep(qpos, kpos, window, sink_tokens, HAS_SINK_TOKENS))
     return tl.where(ok, 0.0, float("-inf"))
 
 
@@ -97,13 +98,13 @@ def _same_document(Q_DOC, K_DOC, rows, cols, q_ok, k_ok, DOCS: tl.constexpr):
     return ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "sink_tokens"])
 def _ring_tile_lists_kernel(
         Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, COUNT, INDEX, stride_lb, stride_lh, LAYOUT_COLS,
         NQ, NK, LH, layout_block,
         MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BY_KEY: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0):
+        window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False):
     """The active tiles of a step: for one query tile (BY_KEY: one key tile) of one (layout
     batch, head) row, the ascending tiles of the other side with a counted pair, written to
     INDEX (LB, LH, tiles, other tiles) with their number in COUNT (LB, LH, tiles)."""
@@ -130,14 +131,14 @@ def _ring_tile_lists_kernel(
         log_w = _pair_log_weight(qpos[:, None], kpos[None, :], in_doc, k_ok[None, :], PAT_W, PAT_R,
                                  PAT_OFF + h * NUM_PATTERNS, LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS,
                                  layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL,
-                                 WINDOW, SINK_TOKENS)                                    # [BLOCK_M, BLOCK_N]
+                                 window, sink_tokens, HAS_WINDOW, HAS_SINK_TOKENS)  # [BLOCK_M, BLOCK_N]
         active = tl.max(log_w) > float("-inf")
         tl.store(INDEX + count, t, mask=active)
         count += active.to(tl.int32)
     tl.store(COUNT + row, count)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "sink_tokens"])
 def _ring_step_fwd_kernel(
         Q, K, V, OUT, LSE, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, TILE_COUNT, TILE_INDEX,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -146,7 +147,8 @@ def _ring_step_fwd_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, HAS_SOFTCAP: tl.constexpr = False):
+        window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False,
+        HAS_SOFTCAP: tl.constexpr = False):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     cap = softcap_terms(softcap, HAS_SOFTCAP)
@@ -183,7 +185,7 @@ def _ring_step_fwd_kernel(
         in_doc = _same_document(Q_DOC, K_DOC, rows[:, None], cols[None, :], q_ok[:, None], k_ok[None, :], DOCS)
         log_w = _pair_log_weight(qpos[:, None], kpos[None, :], in_doc, k_ok[None, :], PAT_W, PAT_R, PAT_OFF,
                                  LAYOUT, LAYOUT_COLS, layout_block, MASK_KIND, NUM_PATTERNS,
-                                 CAUSAL, WINDOW, SINK_TOKENS)                            # [BLOCK_M, BLOCK_N]
+                                 CAUSAL, window, sink_tokens, HAS_WINDOW, HAS_SINK_TOKENS)  # [BLOCK_M, BLOCK_N]
         # K, V addressed here rather than offset before the loop: fewer registers
         cols64 = cols.to(tl.int64)
         k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
@@ -217,7 +219,7 @@ def _ring_step_fwd_kernel(
     tl.store(LSE + rows, tl.where(none, float("-inf"), top_safe + tl.log(total_safe)) + bad, mask=q_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "sink_tokens"])
 def _ring_step_bwd_dq_kernel(
         Q, K, V, DO, LSE, DELTA, DQ, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, TILE_COUNT, TILE_INDEX,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -227,7 +229,8 @@ def _ring_step_bwd_dq_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, HAS_SOFTCAP: tl.constexpr = False):
+        window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False,
+        HAS_SOFTCAP: tl.constexpr = False):
     tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
     kvh = h // HEAD_GROUP
     cap = softcap_terms(softcap, HAS_SOFTCAP)
@@ -262,7 +265,7 @@ def _ring_step_bwd_dq_kernel(
         log_w = _pair_log_weight(qpos[:, None], kpos[None, :], in_doc, k_ok[None, :], PAT_W, PAT_R,
                                  PAT_OFF + h * NUM_PATTERNS, LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS,
                                  layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL,
-                                 WINDOW, SINK_TOKENS)                                      # [BLOCK_M, BLOCK_N]
+                                 window, sink_tokens, HAS_WINDOW, HAS_SINK_TOKENS)  # [BLOCK_M, BLOCK_N]
         # K, V addressed here rather than offset before the loop: fewer registers
         cols64 = cols.to(tl.int64)
         k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
@@ -276,7 +279,7 @@ def _ring_step_bwd_dq_kernel(
     tl.store(dq_ptrs, tl.load(dq_ptrs, mask=tile_mask, other=0.0) + dq * sm_scale, mask=tile_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "sink_tokens"])
 def _ring_step_bwd_dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DK, DV, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, TILE_COUNT, TILE_INDEX,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -286,7 +289,8 @@ def _ring_step_bwd_dkdv_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        WINDOW: tl.constexpr = 0, SINK_TOKENS: tl.constexpr = 0, HAS_SOFTCAP: tl.constexpr = False):
+        window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False,
+        HAS_SOFTCAP: tl.constexpr = False):
     # BLOCK_M: the key tile this program owns, the M dimension of every dot (S^T = K Q^T,
     # dV += P^T dO, dP^T = V dO^T, dK += dS^T Q: P^T and dS^T feed the next dot from
     # registers); BLOCK_N: the query tiles it walks (its lists are built with these tiles).
@@ -332,7 +336,7 @@ def _ring_step_bwd_dkdv_kernel(
                 in_doc = in_doc & (tl.load(Q_DOC + rows, mask=q_ok, other=-1)[None, :] == k_doc[:, None])
             log_w = _pair_log_weight(qpos[None, :], kpos[:, None], in_doc, k_ok[:, None], PAT_W, PAT_R,
                                      pat_off, layout, LAYOUT_COLS, layout_block, MASK_KIND, NUM_PATTERNS,
-                                     CAUSAL, WINDOW, SINK_TOKENS)                          # [BLOCK_M, BLOCK_N]
+                                     CAUSAL, window, sink_tokens, HAS_WINDOW, HAS_SINK_TOKENS)  # [BLOCK_M, BLOCK_N]
             rows64 = rows.to(tl.int64)
             qT = tl.load(q_base + rows64[None, :] * stride_qn + d[:, None], mask=d_ok[:, None] & q_ok[None, :],
                          other=0.0)                                                        # [BLOCK_D, BLOCK_N]
