@@ -7,10 +7,8 @@ from ..common.spec import KernelSpec, VariantSpec, dense_pairs
 from .mask import MASK_DILATED
 
 _MODULE = "triton_dilated.ops.ring.step_kernels"
-_TABLES = {"Q_POS": "i32", "K_POS": "i32", "PAT_W": "i32", "PAT_R": "i32", "PAT_OFF": "i32", "LAYOUT": "i8",
-           "TILE_COUNT": "i32", "TILE_INDEX": "i32", "Q_DOC": "i32", "K_DOC": "i32"}
-# block-table and tile-list strides: any value, 0 broadcasts
-_LAYOUT_STRIDES = frozenset({"stride_lb", "stride_lh", "stride_tb", "stride_th"})
+# positions, the mask descriptor (ring/mask.py), the tile lists, packed documents' ids
+_TABLES = {"Q_POS": "i32", "K_POS": "i32", "MASK": "i32", "TILES": "i32", "Q_DOC": "i32", "K_DOC": "i32"}
 
 
 def count_pairs(B, N, H, causal, *, segment_lengths=None, dilation_rates=None, layout=None, mode="longnet",
@@ -78,18 +76,17 @@ SPEC = VariantSpec(
     op_name="ring_attention",
     kernels=(
         KernelSpec("ring_step_fwd", _MODULE, "_ring_step_fwd_kernel", "ring_step_fwd",
-                   pointers={"Q": "act", "K": "act", "V": "act", "OUT": "fp32", "LSE": "fp32", **_TABLES},
-                   odd_strides=_LAYOUT_STRIDES),
+                   pointers={"Q": "act", "K": "act", "V": "act", "OUT": "fp32", "LSE": "fp32", **_TABLES}),
         KernelSpec("ring_step_bwd_dq", _MODULE, "_ring_step_bwd_dq_kernel", "ring_step_bwd",
                    pointers={"Q": "act", "K": "act", "V": "act", "DO": "act", "LSE": "fp32", "DELTA": "fp32",
-                             "DQ": "fp32", **_TABLES}, odd_strides=_LAYOUT_STRIDES),
+                             "DQ": "fp32", **_TABLES}),
         KernelSpec("ring_step_bwd_dkdv", _MODULE, "_ring_step_bwd_dkdv_kernel", "ring_step_bwd",
                    pointers={"Q": "act", "K": "act", "V": "act", "DO": "act", "LSE": "fp32", "DELTA": "fp32",
-                             "DK": "fp32", "DV": "fp32", **_TABLES}, odd_strides=_LAYOUT_STRIDES),
+                             "DK": "fp32", "DV": "fp32", **_TABLES}),
         # the per-step lists of active tiles the three kernels above walk (compiled with the
         # forward's tiles; the backward builds its lists with its own)
         KernelSpec("ring_step_lists", _MODULE, "_ring_tile_lists_kernel", "ring_step_fwd",
-                   pointers={**_TABLES, "COUNT": "i32", "INDEX": "i32"}, odd_strides=_LAYOUT_STRIDES),
+                   pointers=_TABLES),
     ),
     aot_constexprs={"NUM_PATTERNS": 3, "MASK_KIND": MASK_DILATED, "BY_KEY": False, "DOCS": False},
     problem=RingStepProblem,

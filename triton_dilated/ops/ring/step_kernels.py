@@ -28,36 +28,82 @@ from ..common.runtime import kernel_options, on_tensor_device, require_contiguou
 from . import mask as step_mask
 from .mask import StepMask
 
-# the mask kinds as compile-time constants of the kernels
+# the mask kinds and the mask descriptor's layout (StepMask.descriptor) as compile-time constants
 MASK_DILATED: tl.constexpr = tl.constexpr(step_mask.MASK_DILATED)
 MASK_LAYOUT: tl.constexpr = tl.constexpr(step_mask.MASK_LAYOUT)
+DESC_HEADER: tl.constexpr = tl.constexpr(step_mask.DESC_HEADER)
+DESC_LIST_B: tl.constexpr = tl.constexpr(step_mask.DESC_LIST_B)
+DESC_LIST_H: tl.constexpr = tl.constexpr(step_mask.DESC_LIST_H)
+DESC_TABLE_AT: tl.constexpr = tl.constexpr(step_mask.DESC_TABLE_AT)
+DESC_COLS: tl.constexpr = tl.constexpr(step_mask.DESC_COLS)
+DESC_BLOCK: tl.constexpr = tl.constexpr(step_mask.DESC_BLOCK)
+DESC_WINDOW: tl.constexpr = tl.constexpr(step_mask.DESC_WINDOW)
+DESC_SINK_TOKENS: tl.constexpr = tl.constexpr(step_mask.DESC_SINK_TOKENS)
 
 
-# Q, K, V, dO and the caller's accumulators OUT, DQ, DK, DV (views allowed, unit stride on
-# the head dim) come with their (batch, sequence, head) strides. LSE and DELTA (B, HQ, NQ)
-# are contiguous and indexed from their shapes. LAYOUT (LB, LH, n_blocks, LAYOUT_COLS) is
-# contiguous but for its batch and head strides (zero where the layout broadcasts).
+# Q, K, V and dO (views allowed, unit stride on the head dim) come with their (batch, sequence,
+# head) strides. The running OUT and the accumulators DQ, DK, DV ((B, rows, heads, HEAD_DIM),
+# float32) and LSE, DELTA ((B, HQ, NQ)) are contiguous and indexed from their shapes (the
+# launchers hand the kernels a contiguous copy of a view and copy it back). MASK is the mask's
+# descriptor (StepMask.descriptor, ring/mask.py): one int32 tensor with a header, the pattern
+# tables and the block table's bytes. TILES holds the tile lists (_tile_lists): per (list row,
+# tile) the number of active tiles of the other side, then their indices.
 
 @triton.jit
-def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYOUT_COLS, layout_block,
-                     MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
-                     window=0, sink_tokens=0, HAS_WINDOW: tl.constexpr = False,
-                     HAS_SINK_TOKENS: tl.constexpr = False):
+def _list_row(MASK, b, h):
+    """Row of (batch b, head h) in the tile lists and the block table (list rows, LB x LH),
+    int64: they broadcast over the batch (LB = 1) or the heads (LH = 1) as the header says."""
+    list_b = tl.load(MASK + DESC_LIST_B)
+    list_h = tl.load(MASK + DESC_LIST_H)
+    return tl.where(list_b > 1, b, 0) * list_h + tl.where(list_h > 1, h, 0)
+
+
+@triton.jit
+def _mask_of(MASK, row, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+             HAS_SINK_TOKENS: tl.constexpr):
+    """What _pair_log_weight reads of the mask descriptor for list row `row` (_list_row: the
+    head, for dilated masks), gathered once per program (per head in dK/dV): (the head's
+    pattern offsets, the row's block table (int8), its columns, the block size, the window,
+    the sink count), each only where MASK_KIND and the features use it (0 otherwise)."""
+    pat_off = MASK
+    table = MASK
+    cols = 0
+    block = 1
+    window = 0
+    sink_tokens = 0
+    if MASK_KIND == MASK_DILATED:
+        pat_off = MASK + (DESC_HEADER + 2 * NUM_PATTERNS) + row * NUM_PATTERNS
+    if MASK_KIND == MASK_LAYOUT:
+        cols = tl.load(MASK + DESC_COLS)
+        block = tl.load(MASK + DESC_BLOCK)
+        plane = tl.cast(cols, tl.int64) * cols          # LB * LH * cols^2 bytes pass 2^31 past ~46K blocks
+        table = (MASK + tl.load(MASK + DESC_TABLE_AT)).to(tl.pointer_type(tl.int8)) + row * plane
+        if HAS_WINDOW:
+            window = tl.load(MASK + DESC_WINDOW)
+        if HAS_SINK_TOKENS:
+            sink_tokens = tl.load(MASK + DESC_SINK_TOKENS)
+    return pat_off, table, cols, block, window, sink_tokens
+
+
+@triton.jit
+def _pair_log_weight(qpos, kpos, q_ok, k_ok, MASK, m, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
+                     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False):
     """ln(weight) of each (query, key) pair, -inf where it does not count, for query and key
     positions (and in-range flags) given as a column and a row: qpos [BLOCK_M, 1], kpos
     [1, BLOCK_N] give [BLOCK_M, BLOCK_N]; qpos [1, BLOCK_N], kpos [BLOCK_M, 1] the transpose
-    (the dK/dV kernel's keys x queries). PAT_OFF and LAYOUT point at the head's offsets and
-    block table. HAS_WINDOW: a block-table entry of 2 is a sliding window's block, where
+    (the dK/dV kernel's keys x queries). m: _mask_of for the head (its pattern offsets, its
+    block table). HAS_WINDOW: a block-table entry of 2 is a sliding window's block, where
     window_keep decides per element."""
+    pat_off, table, cols, block, window, sink_tokens = m
     ok = q_ok & k_ok
     if CAUSAL:
         ok = ok & (kpos <= qpos)
     if MASK_KIND == MASK_DILATED:
         count = tl.zeros(ok.shape, tl.float32)
         for i in tl.static_range(NUM_PATTERNS):   # unrolled: a nested loop would stop the pipeliner
-            o = tl.load(PAT_OFF + i)
-            w = tl.load(PAT_W + i)
-            r = tl.load(PAT_R + i)
+            o = tl.load(pat_off + i)
+            w = tl.load(MASK + DESC_HEADER + i)
+            r = tl.load(MASK + (DESC_HEADER + NUM_PATTERNS) + i)
             q_seg = qpos // w
             k_seg = kpos // w
             q_on = (o >= 0) & ((qpos - q_seg * w) % r == o)
@@ -67,9 +113,9 @@ def _pair_log_weight(qpos, kpos, q_ok, k_ok, PAT_W, PAT_R, PAT_OFF, LAYOUT, LAYO
         ok = ok & (count > 0)
         return tl.where(ok, tl.log(tl.maximum(count, 1.0)), float("-inf"))
     if MASK_KIND == MASK_LAYOUT:
-        qb = (qpos // layout_block).to(tl.int64)   # qb * row stride passes 2^31 past ~46K blocks
-        kb = (kpos // layout_block).to(tl.int64)
-        active = tl.load(LAYOUT + qb * LAYOUT_COLS + kb, mask=ok, other=0)
+        qb = (qpos // block).to(tl.int64)   # qb * row stride passes 2^31 past ~46K blocks
+        kb = (kpos // block).to(tl.int64)
+        active = tl.load(table + qb * cols + kb, mask=ok, other=0)
         ok = ok & (active != 0)
         if HAS_WINDOW:
             ok = ok & ((active != 2) | window_keep(qpos, kpos, window, sink_tokens, HAS_SINK_TOKENS))
@@ -98,21 +144,21 @@ def _same_document(Q_DOC, K_DOC, rows, cols, q_ok, k_ok, DOCS: tl.constexpr):
     return ok
 
 
-@triton.jit(do_not_specialize=["window", "sink_tokens"])
+@triton.jit
 def _ring_tile_lists_kernel(
-        Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, COUNT, INDEX, stride_lb, stride_lh, LAYOUT_COLS,
-        NQ, NK, LH, layout_block,
+        Q_POS, K_POS, MASK, TILES, NQ, NK,
         MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BY_KEY: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False):
-    """The active tiles of a step: for one query tile (BY_KEY: one key tile) of one (layout
-    batch, head) row, the ascending tiles of the other side with a counted pair, written to
-    INDEX (LB, LH, tiles, other tiles) with their number in COUNT (LB, LH, tiles)."""
+        HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False):
+    """The active tiles of a step: for one query tile (BY_KEY: one key tile) of one list row
+    (LB x LH, _list_row), the number of tiles of the other side with a counted pair, then those
+    tiles ascending: a row of TILES (LB, LH, tiles, 1 + other tiles)."""
     n_tiles = tl.cdiv(NK, BLOCK_N) if BY_KEY else tl.cdiv(NQ, BLOCK_M)
     n_other = tl.cdiv(NQ, BLOCK_M) if BY_KEY else tl.cdiv(NK, BLOCK_N)
-    tile, b, h = program_tile(n_tiles, LH)
-    row = (b * LH + h) * n_tiles + tile
-    INDEX += row * n_other
+    tile, b, h = program_tile(n_tiles, tl.load(MASK + DESC_LIST_H))   # b, h: the list row's (< LB, < LH)
+    row = _list_row(MASK, b, h)
+    m = _mask_of(MASK, row, MASK_KIND, NUM_PATTERNS, HAS_WINDOW, HAS_SINK_TOKENS)
+    TILES += (row * n_tiles + tile) * (n_other + 1)
     if BY_KEY:
         k_ok, kpos = _tile_positions(K_POS, tile, NK, BLOCK_N)
     else:
@@ -128,34 +174,31 @@ def _ring_tile_lists_kernel(
         else:
             rows, cols = tile * BLOCK_M + tl.arange(0, BLOCK_M), t * BLOCK_N + tl.arange(0, BLOCK_N)
         in_doc = _same_document(Q_DOC, K_DOC, rows[:, None], cols[None, :], q_ok[:, None], k_ok[None, :], DOCS)
-        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], in_doc, k_ok[None, :], PAT_W, PAT_R,
-                                 PAT_OFF + h * NUM_PATTERNS, LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS,
-                                 layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL,
-                                 window, sink_tokens, HAS_WINDOW, HAS_SINK_TOKENS)  # [BLOCK_M, BLOCK_N]
+        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], in_doc, k_ok[None, :], MASK, m, MASK_KIND,
+                                 NUM_PATTERNS, CAUSAL, HAS_WINDOW, HAS_SINK_TOKENS)   # [BLOCK_M, BLOCK_N]
         active = tl.max(log_w) > float("-inf")
-        tl.store(INDEX + count, t, mask=active)
+        tl.store(TILES + 1 + count, t, mask=active)
         count += active.to(tl.int32)
-    tl.store(COUNT + row, count)
+    tl.store(TILES, count)
 
 
-@triton.jit(do_not_specialize=["window", "sink_tokens"])
+@triton.jit
 def _ring_step_fwd_kernel(
-        Q, K, V, OUT, LSE, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, TILE_COUNT, TILE_INDEX,
+        Q, K, V, OUT, LSE, Q_POS, K_POS, MASK, TILES,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        stride_ob, stride_on, stride_oh, stride_lb, stride_lh, LAYOUT_COLS, stride_tb, stride_th, TILE_WIDTH,
-        NQ, NK, HQ, HEAD_GROUP, sm_scale, softcap, layout_block,
+        NQ, NK, HQ, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False,
-        HAS_SOFTCAP: tl.constexpr = False):
-    tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
+        HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False):
+    n_tiles = tl.cdiv(NQ, BLOCK_M)
+    tile, b, h = program_tile(n_tiles, HQ)
     kvh = h // HEAD_GROUP
     cap = softcap_terms(softcap, HAS_SOFTCAP)
+    row = _list_row(MASK, b, h)
+    m = _mask_of(MASK, row, MASK_KIND, NUM_PATTERNS, HAS_WINDOW, HAS_SINK_TOKENS)
     Q += b * stride_qb + h * stride_qh
-    OUT += b * stride_ob + h * stride_oh
-    PAT_OFF += h * NUM_PATTERNS
-    LAYOUT += b * stride_lb + h * stride_lh
+    OUT += (b * NQ * HQ + h) * HEAD_DIM
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     q_ok = rows < NQ
@@ -168,9 +211,9 @@ def _ring_step_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lists = b * stride_tb + h * stride_th + tile   # this query tile's list of key tiles
-    count = tl.load(TILE_COUNT + lists)
-    index_base = TILE_INDEX + lists * TILE_WIDTH
+    TILES += (row * n_tiles + tile) * (tl.cdiv(NK, BLOCK_N) + 1)   # this query tile's list of key tiles
+    count = tl.load(TILES)
+    index_base = TILES + 1
     # only the key tiles with a counted pair (host-built list): no branch in the loop, whose
     # loads the compiler software-pipelines
     # the next tile's index is read an iteration ahead: loads addressed by a load of the same
@@ -183,9 +226,8 @@ def _ring_step_fwd_kernel(
         k_ok = cols < NK
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                 # [BLOCK_N]
         in_doc = _same_document(Q_DOC, K_DOC, rows[:, None], cols[None, :], q_ok[:, None], k_ok[None, :], DOCS)
-        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], in_doc, k_ok[None, :], PAT_W, PAT_R, PAT_OFF,
-                                 LAYOUT, LAYOUT_COLS, layout_block, MASK_KIND, NUM_PATTERNS,
-                                 CAUSAL, window, sink_tokens, HAS_WINDOW, HAS_SINK_TOKENS)  # [BLOCK_M, BLOCK_N]
+        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], in_doc, k_ok[None, :], MASK, m, MASK_KIND,
+                                 NUM_PATTERNS, CAUSAL, HAS_WINDOW, HAS_SINK_TOKENS)     # [BLOCK_M, BLOCK_N]
         # K, V addressed here rather than offset before the loop: fewer registers
         cols64 = cols.to(tl.int64)
         k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
@@ -202,7 +244,7 @@ def _ring_step_fwd_kernel(
     part, row_max, row_sum = finalize(acc, m_i, l_i, q, False)                          # [BLOCK_M, BLOCK_D]
     empty = row_sum == 0.0
     lse_step = tl.where(empty, float("-inf"), row_max + tl.log(tl.where(empty, 1.0, row_sum)))
-    o_ptrs = OUT + rows64[:, None] * stride_on + d[None, :]
+    o_ptrs = OUT + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :]
     LSE += (b * HQ + h) * NQ
     lse_run = tl.load(LSE + rows, mask=q_ok, other=float("-inf"))
     out_run = tl.load(o_ptrs, mask=tile_mask, other=0.0)
@@ -219,21 +261,22 @@ def _ring_step_fwd_kernel(
     tl.store(LSE + rows, tl.where(none, float("-inf"), top_safe + tl.log(total_safe)) + bad, mask=q_ok)
 
 
-@triton.jit(do_not_specialize=["window", "sink_tokens"])
+@triton.jit
 def _ring_step_bwd_dq_kernel(
-        Q, K, V, DO, LSE, DELTA, DQ, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, TILE_COUNT, TILE_INDEX,
+        Q, K, V, DO, LSE, DELTA, DQ, Q_POS, K_POS, MASK, TILES,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        stride_dob, stride_don, stride_doh, stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, LAYOUT_COLS,
-        stride_tb, stride_th, TILE_WIDTH,
-        NQ, NK, HQ, HEAD_GROUP, sm_scale, softcap, layout_block,
+        stride_dob, stride_don, stride_doh,
+        NQ, NK, HQ, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False,
-        HAS_SOFTCAP: tl.constexpr = False):
-    tile, b, h = program_tile(tl.cdiv(NQ, BLOCK_M), HQ)
+        HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False):
+    n_tiles = tl.cdiv(NQ, BLOCK_M)
+    tile, b, h = program_tile(n_tiles, HQ)
     kvh = h // HEAD_GROUP
     cap = softcap_terms(softcap, HAS_SOFTCAP)
+    row = _list_row(MASK, b, h)
+    m = _mask_of(MASK, row, MASK_KIND, NUM_PATTERNS, HAS_WINDOW, HAS_SINK_TOKENS)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     q_ok = rows < NQ
     rows64 = rows.to(tl.int64)
@@ -250,9 +293,9 @@ def _ring_step_bwd_dq_kernel(
     row_max = tl.where(lse == float("-inf"), float("inf"), lse)   # the global lse: P = w exp(s - lse)
     row_log2l = tl.zeros([BLOCK_M], tl.float32)
     delta = tl.load(DELTA + stats + rows, mask=q_ok, other=0.0)
-    lists = b * stride_tb + h * stride_th + tile   # this query tile's list of key tiles
-    count = tl.load(TILE_COUNT + lists)
-    index_base = TILE_INDEX + lists * TILE_WIDTH
+    TILES += (row * n_tiles + tile) * (tl.cdiv(NK, BLOCK_N) + 1)   # this query tile's list of key tiles
+    count = tl.load(TILES)
+    index_base = TILES + 1
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     t_next = tl.load(index_base, mask=count > 0, other=0)   # read an iteration ahead (as in the forward)
     for j in range(0, count):   # the active key tiles only: a branch-free, pipelined loop
@@ -262,10 +305,8 @@ def _ring_step_bwd_dq_kernel(
         k_ok = cols < NK
         kpos = tl.load(K_POS + cols, mask=k_ok, other=0)                                   # [BLOCK_N]
         in_doc = _same_document(Q_DOC, K_DOC, rows[:, None], cols[None, :], q_ok[:, None], k_ok[None, :], DOCS)
-        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], in_doc, k_ok[None, :], PAT_W, PAT_R,
-                                 PAT_OFF + h * NUM_PATTERNS, LAYOUT + b * stride_lb + h * stride_lh, LAYOUT_COLS,
-                                 layout_block, MASK_KIND, NUM_PATTERNS, CAUSAL,
-                                 window, sink_tokens, HAS_WINDOW, HAS_SINK_TOKENS)  # [BLOCK_M, BLOCK_N]
+        log_w = _pair_log_weight(qpos[:, None], kpos[None, :], in_doc, k_ok[None, :], MASK, m, MASK_KIND,
+                                 NUM_PATTERNS, CAUSAL, HAS_WINDOW, HAS_SINK_TOKENS)       # [BLOCK_M, BLOCK_N]
         # K, V addressed here rather than offset before the loop: fewer registers
         cols64 = cols.to(tl.int64)
         k = tl.load(K + b * stride_kb + kvh * stride_kh + cols64[:, None] * stride_kn + d[None, :],
@@ -275,31 +316,30 @@ def _ring_step_bwd_dq_kernel(
         p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, q_ok[:, None], False,
                                    DOT_MODE, PRECISION, log_w, True, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
         dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
-    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqn + d[None, :]
+    dq_ptrs = DQ + (b * NQ * HQ + h) * HEAD_DIM + rows64[:, None] * (HQ * HEAD_DIM) + d[None, :]
     tl.store(dq_ptrs, tl.load(dq_ptrs, mask=tile_mask, other=0.0) + dq * sm_scale, mask=tile_mask)
 
 
-@triton.jit(do_not_specialize=["window", "sink_tokens"])
+@triton.jit
 def _ring_step_bwd_dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV, Q_POS, K_POS, PAT_W, PAT_R, PAT_OFF, LAYOUT, TILE_COUNT, TILE_INDEX,
+        Q, K, V, DO, LSE, DELTA, DK, DV, Q_POS, K_POS, MASK, TILES,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        stride_dob, stride_don, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-        stride_lb, stride_lh, LAYOUT_COLS, stride_tb, stride_th, TILE_WIDTH,
-        NQ, NK, HKV, HEAD_GROUP, sm_scale, softcap, layout_block,
+        stride_dob, stride_don, stride_doh,
+        NQ, NK, HKV, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, NUM_PATTERNS: tl.constexpr,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
         PRECISION: tl.constexpr, Q_DOC=None, K_DOC=None, DOCS: tl.constexpr = False,
-        window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False,
-        HAS_SOFTCAP: tl.constexpr = False):
+        HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False):
     # BLOCK_M: the key tile this program owns, the M dimension of every dot (S^T = K Q^T,
     # dV += P^T dO, dP^T = V dO^T, dK += dS^T Q: P^T and dS^T feed the next dot from
     # registers); BLOCK_N: the query tiles it walks (its lists are built with these tiles).
-    tile, b, kvh = program_tile(tl.cdiv(NK, BLOCK_M), HKV)
+    n_tiles = tl.cdiv(NK, BLOCK_M)
+    tile, b, kvh = program_tile(n_tiles, HKV)
     cap = softcap_terms(softcap, HAS_SOFTCAP)
     K += b * stride_kb + kvh * stride_kh
     V += b * stride_vb + kvh * stride_vh
-    DK += b * stride_dkb + kvh * stride_dkh
-    DV += b * stride_dvb + kvh * stride_dvh
+    DK += (b * NK * HKV + kvh) * HEAD_DIM
+    DV += (b * NK * HKV + kvh) * HEAD_DIM
 
     keys = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     k_ok = keys < NK
@@ -319,11 +359,11 @@ def _ring_step_bwd_dkdv_kernel(
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         stats = (b * HKV * HEAD_GROUP + h) * NQ   # into LSE, DELTA (B, HQ, NQ)
-        pat_off = PAT_OFF + h * NUM_PATTERNS
-        layout = LAYOUT + b * stride_lb + h * stride_lh
-        lists = b * stride_tb + h * stride_th + tile   # this key tile's list of query tiles for head h
-        count = tl.load(TILE_COUNT + lists)
-        index_base = TILE_INDEX + lists * TILE_WIDTH
+        row = _list_row(MASK, b, h)
+        m = _mask_of(MASK, row, MASK_KIND, NUM_PATTERNS, HAS_WINDOW, HAS_SINK_TOKENS)
+        lists = TILES + (row * n_tiles + tile) * (tl.cdiv(NQ, BLOCK_N) + 1)   # this key tile's query tiles
+        count = tl.load(lists)
+        index_base = lists + 1
         t_next = tl.load(index_base, mask=count > 0, other=0)   # read an iteration ahead (as in the forward)
         for j in range(0, count):   # the active query tiles only: a branch-free, pipelined loop
             t = t_next
@@ -334,9 +374,8 @@ def _ring_step_bwd_dkdv_kernel(
             in_doc = q_ok[None, :]
             if DOCS:
                 in_doc = in_doc & (tl.load(Q_DOC + rows, mask=q_ok, other=-1)[None, :] == k_doc[:, None])
-            log_w = _pair_log_weight(qpos[None, :], kpos[:, None], in_doc, k_ok[:, None], PAT_W, PAT_R,
-                                     pat_off, layout, LAYOUT_COLS, layout_block, MASK_KIND, NUM_PATTERNS,
-                                     CAUSAL, window, sink_tokens, HAS_WINDOW, HAS_SINK_TOKENS)  # [BLOCK_M, BLOCK_N]
+            log_w = _pair_log_weight(qpos[None, :], kpos[:, None], in_doc, k_ok[:, None], MASK, m, MASK_KIND,
+                                     NUM_PATTERNS, CAUSAL, HAS_WINDOW, HAS_SINK_TOKENS)   # [BLOCK_M, BLOCK_N]
             rows64 = rows.to(tl.int64)
             qT = tl.load(q_base + rows64[None, :] * stride_qn + d[:, None], mask=d_ok[:, None] & q_ok[None, :],
                          other=0.0)                                                        # [BLOCK_D, BLOCK_N]
@@ -364,8 +403,8 @@ def _ring_step_bwd_dkdv_kernel(
     # load-add-store spilled 48-84 B on sm90 at D = 128). This program alone writes these rows,
     # so each sum is old + new, as a load and store would give, but for float32 reductions in
     # global memory flushing subnormal results (< 1.2e-38) to zero.
-    tl.atomic_add(DK + keys64[:, None] * stride_dkn + d[None, :], dk * sm_scale, mask=tile_mask, sem="relaxed")
-    tl.atomic_add(DV + keys64[:, None] * stride_dvn + d[None, :], dv, mask=tile_mask, sem="relaxed")
+    tl.atomic_add(DK + keys64[:, None] * (HKV * HEAD_DIM) + d[None, :], dk * sm_scale, mask=tile_mask, sem="relaxed")
+    tl.atomic_add(DV + keys64[:, None] * (HKV * HEAD_DIM) + d[None, :], dv, mask=tile_mask, sem="relaxed")
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -394,22 +433,13 @@ def _config(q, name, config=None, kernel=None, window=False):
 
 
 def _mask_args(mask: StepMask, B, H):
-    """The mask's tables and constants as kernel keywords; the block table is read through
-    zero batch/head strides where it broadcasts."""
-    lay = mask.layout.contiguous()
-    t = lay.expand(B, H, *lay.shape[2:])
-    return dict(PAT_W=mask.pat_w, PAT_R=mask.pat_r, PAT_OFF=mask.pat_off, LAYOUT=lay, stride_lb=t.stride(0),
-                stride_lh=t.stride(1), LAYOUT_COLS=lay.shape[3], layout_block=mask.layout_block, **mask.kernel_meta())
-
-
-def _list_shape(mask: StepMask, Hq):
-    """(LB, LH) of the tile lists: what the mask varies over (the dilated offsets differ per
-    query head; a block table may have batch and head dimensions)."""
-    if mask.kind == step_mask.MASK_DILATED:
-        return 1, Hq
-    if mask.kind == step_mask.MASK_LAYOUT:
-        return tuple(mask.layout.shape[:2])
-    return 1, 1
+    """The mask as kernel keywords (StepMask.kernel_meta: its descriptor and constexprs); its
+    tile lists and block table must vary over batch and heads as the call does or broadcast."""
+    LB, LH = mask.list_shape()
+    if LB not in (1, B) or LH not in (1, H):
+        raise ValueError(f"the step mask varies over {LB} batch rows and {LH} heads; the call has {B} and {H} "
+                         f"(each must match or be 1)")
+    return mask.kernel_meta()
 
 
 def _doc_args(q_doc, k_doc):
@@ -417,26 +447,32 @@ def _doc_args(q_doc, k_doc):
     return {} if q_doc is None else dict(Q_DOC=q_doc, K_DOC=k_doc, DOCS=True)
 
 
-def _tile_lists(q_pos, k_pos, mask: StepMask, B, Hq, block_m, block_n, by_key, docs=None):
-    """The active tiles of a step as kernel keywords: TILE_COUNT (LB, LH, tiles) and
-    TILE_INDEX (LB, LH, tiles, other tiles), per query tile its key tiles with a counted pair
-    (by_key: per key tile its query tiles), read through zero strides where they broadcast."""
+def _tile_lists(q_pos, k_pos, mask: StepMask, block_m, block_n, by_key, docs=None):
+    """The active tiles of a step as the kernels' TILES, int32 (LB, LH, tiles, 1 + other tiles):
+    per query tile (by_key: per key tile) the number of tiles of the other side with a counted
+    pair, then those tiles ascending; (LB, LH): mask.list_shape, read as broadcast."""
     NQ, NK = q_pos.shape[0], k_pos.shape[0]
-    LB, LH = _list_shape(mask, Hq)
+    LB, LH = mask.list_shape()
     n_q, n_k = triton.cdiv(NQ, block_m), triton.cdiv(NK, block_n)
     n_tiles, n_other = (n_k, n_q) if by_key else (n_q, n_k)
-    count = torch.empty(LB, LH, n_tiles, dtype=torch.int32, device=q_pos.device)
     if mask.kind == step_mask.MASK_DENSE and not mask.causal and not docs:   # every tile
-        count.fill_(n_other)
-        index = torch.arange(n_other, dtype=torch.int32, device=q_pos.device).expand(LB, LH, n_tiles, n_other)
-    else:
-        index = torch.empty(LB, LH, n_tiles, n_other, dtype=torch.int32, device=q_pos.device)
-        _ring_tile_lists_kernel[(LB * LH * n_tiles,)](
-            Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, LB, LH), COUNT=count, INDEX=index, NQ=NQ, NK=NK, LH=LH,
-            BLOCK_M=block_m, BLOCK_N=block_n, BY_KEY=by_key, **(docs or {}))
-    c = count.expand(B, Hq, n_tiles)
-    return dict(TILE_COUNT=count, TILE_INDEX=index.contiguous(), stride_tb=c.stride(0), stride_th=c.stride(1),
-                TILE_WIDTH=n_other)
+        row = torch.arange(-1, n_other, dtype=torch.int32, device=q_pos.device)
+        row[0] = n_other
+        return row.expand(LB, LH, n_tiles, n_other + 1).contiguous()
+    tiles = torch.empty(LB, LH, n_tiles, n_other + 1, dtype=torch.int32, device=q_pos.device)
+    meta = mask.kernel_meta()
+    _ring_tile_lists_kernel[(LB * LH * n_tiles,)](
+        Q_POS=q_pos, K_POS=k_pos, TILES=tiles, NQ=NQ, NK=NK, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
+        BY_KEY=by_key, **(docs or {}))
+    return tiles
+
+
+def _indexed(launcher, name, t, shape):
+    """t as the kernels index it, from its shape (B, rows, heads, D): t itself when contiguous,
+    else a contiguous copy that the launcher writes back into t (a caller's view)."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{launcher}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t if t.is_contiguous() else t.contiguous()
 
 
 @on_tensor_device
@@ -452,11 +488,14 @@ def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale, conf
         return
     _, cfg, meta = _config(q, "ring_step_fwd", config)
     docs = _doc_args(q_doc, k_doc)
+    o = _indexed("step_forward", "out", out, q.shape)
     _ring_step_fwd_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
-        Q=q, K=k, V=v, OUT=out, LSE=lse, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq), **docs,
-        **_tile_lists(q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"], False, docs),
-        **_strides(q=q, k=k, v=v, o=out), NQ=NQ, NK=NK, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
+        Q=q, K=k, V=v, OUT=o, LSE=lse, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq), **docs,
+        TILES=_tile_lists(q_pos, k_pos, mask, cfg["BLOCK_M"], cfg["BLOCK_N"], False, docs),
+        **_strides(q=q, k=k, v=v), NQ=NQ, NK=NK, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         **softcap_args(mask.softcap), **meta)
+    if o is not out:
+        out.copy_(o)
 
 
 @on_tensor_device
@@ -476,13 +515,17 @@ def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepM
     _, kv_cfg, kv_meta = _config(q, "ring_step_bwd", config, kernel="ring_step_bwd_dkdv",
                                  window=mask.window is not None)
     docs = _doc_args(q_doc, k_doc)
+    acc = [_indexed("step_backward", name, t, shape) for name, t, shape in
+           (("dq", dq, q.shape), ("dk", dk, k.shape), ("dv", dv, v.shape))]
     common = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq),
-                  **docs,
-                  **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
+                  **docs, **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
                   **softcap_args(mask.softcap))
     _ring_step_bwd_dq_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
-        **common, **meta, DQ=dq, **_strides(dq=dq), HQ=Hq,
-        **_tile_lists(q_pos, k_pos, mask, B, Hq, cfg["BLOCK_M"], cfg["BLOCK_N"], False, docs))
+        **common, **meta, DQ=acc[0], HQ=Hq,
+        TILES=_tile_lists(q_pos, k_pos, mask, cfg["BLOCK_M"], cfg["BLOCK_N"], False, docs))
     _ring_step_bwd_dkdv_kernel[(triton.cdiv(NK, kv_cfg["BLOCK_M"]) * B * Hkv,)](
-        **common, **kv_meta, DK=dk, DV=dv, **_strides(dk=dk, dv=dv), HKV=Hkv,
-        **_tile_lists(q_pos, k_pos, mask, B, Hq, kv_cfg["BLOCK_N"], kv_cfg["BLOCK_M"], True, docs))
+        **common, **kv_meta, DK=acc[1], DV=acc[2], HKV=Hkv,
+        TILES=_tile_lists(q_pos, k_pos, mask, kv_cfg["BLOCK_N"], kv_cfg["BLOCK_M"], True, docs))
+    for t, a in zip((dq, dk, dv), acc):
+        if a is not t:
+            t.copy_(a)
