@@ -86,7 +86,7 @@ VARIANTS["block_sparse_bwd_dkdv_softcap"] = ("block_sparse_bwd_dkdv", {**SOFTCAP
 # rows are of a block layout (MASK_KIND 2), so *_layout rows give the same kernels without the
 # window to compare with.
 WINDOW_AOT = {"HAS_WINDOW": True, "HAS_SINK_TOKENS": True}
-WINDOW_POINTERS = {"KV_WIN": "i32", "Q_WIN": "i32"}   # the block-sparse lists' window starts
+WINDOW_POINTERS = {"KV_WIN": "i8"}   # the block-sparse decode kernel's window flags (int8 per list entry)
 VARIANTS.update({f"{name}_window": (name, dict(WINDOW_AOT))
                  for name in ("block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv")})
 VARIANTS["block_sparse_decode_window"] = ("block_sparse_decode", dict(WINDOW_AOT))
@@ -176,8 +176,8 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
             else:
                 sig[a], given[a] = "constexpr", None
         elif a in WINDOW_POINTERS and a not in spec.pointers:
-            if window:   # the window's flag pointer (the decode kernel's: int8 per list entry)
-                sig[a] = "*" + ("i8" if spec.name.endswith("decode") else WINDOW_POINTERS[a])
+            if window:   # the window's flag pointer
+                sig[a] = "*" + WINDOW_POINTERS[a]
                 attrs[(i,)] = [["tt.divisibility", 16]]
             else:        # None, as the launchers pass it without a window
                 sig[a], given[a] = "constexpr", None

@@ -46,15 +46,19 @@ from ..common.window import check_window_causal
 # Q, K, V and dO may come with any strides (unit stride on the head dim): their (batch,
 # sequence, head) strides are arguments. O, dQ, dK, dV (B, N, heads, HEAD_DIM) and the row
 # statistics ROW_MAX, ROW_SUM, DELTA (B, HQ, N) are contiguous and indexed from their shapes.
-# The block lists COUNT (LB, LH, rows) and INDEX (LB, LH, rows, WIDTH) are contiguous but for
-# their batch and head strides, 0 where one layout serves every batch or head.
+# The block lists are contiguous but for their batch and head strides, 0 where one layout serves
+# every batch or head: per list (LB, LH, rows) its entries INDEX (LB, LH, rows, WIDTH) and its
+# bounds, where its parts end (KV_BOUNDS (LB, LH, rows, 3): full, window, end; Q_BOUNDS
+# (LB, LH, rows, 4): skip, full, window, count; _forward_lists, _backward_lists). stride_cb,
+# stride_ch: the batch and head strides of a (LB, LH, rows) list, in lists.
 
 @triton.jit
-def _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, first_row, window):
+def _window_bounds(bounds, first_row, window):
     """Sliding windows (HAS_WINDOW): where a query block's window entries start in its
-    reordered key list (full, masked, then window blocks: _key_lists), and the first key any
-    row of the tile from first_row on can see in a window block (no sink tokens there)."""
-    return tl.load(KV_WIN + b * stride_cb + h * stride_ch + qblock), first_row - window + 1
+    reordered key list (full, masked, then window blocks: _window_key_lists; `bounds`: the
+    list's, _key_list), and the first key any row of the tile from first_row on can see in a
+    window block (no sink tokens there)."""
+    return tl.load(bounds + 1), first_row - window + 1
 
 
 @triton.jit
@@ -70,12 +74,13 @@ def _window_start(start, use_window, lowest, sink_tokens, HAS_SINK_TOKENS: tl.co
 
 
 @triton.jit
-def _key_list(KV_FULL, KV_END, KV_INDEX, b, h, qblock, stride_cb, stride_ch, stride_ib, stride_ih, WIDTH):
-    """A query block's key-block list: (n_full, n_end, first entry). Entries [0, n_full) need no
-    element mask, [n_full, n_end) do (the causal diagonal, a short last block)."""
-    lists = b * stride_cb + h * stride_ch + qblock
-    return (tl.load(KV_FULL + lists), tl.load(KV_END + lists),
-            KV_INDEX + b * stride_ib + h * stride_ih + qblock.to(tl.int64) * WIDTH)
+def _key_list(KV_BOUNDS, KV_INDEX, b, h, qblock, stride_cb, stride_ch, WIDTH):
+    """A query block's key-block list: (n_full, n_end, first entry, its bounds). Entries
+    [0, n_full) need no element mask, [n_full, n_end) do (the causal diagonal, a short last
+    block)."""
+    lists = b * stride_cb + h * stride_ch + qblock   # int64 (b, h)
+    bounds = KV_BOUNDS + lists * 3
+    return tl.load(bounds), tl.load(bounds + 2), KV_INDEX + lists * WIDTH, bounds
 
 
 @triton.jit
@@ -104,13 +109,12 @@ def _tma_key_block(K_DESC, V_DESC, b, kvh, n0, key_end, rows, row_ok, CAUSAL: tl
 
 @triton.jit(do_not_specialize=["window", "sink_tokens"])   # one compile for every window and sink count
 def _block_sparse_fwd_kernel(
-        Q, K, V, K_DESC, V_DESC, O, ROW_MAX, ROW_SUM, KV_FULL, KV_END, KV_INDEX,
-        stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
+        Q, K, V, K_DESC, V_DESC, O, ROW_MAX, ROW_SUM, KV_BOUNDS, KV_INDEX, stride_cb, stride_ch, WIDTH,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         N, HQ, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        TMA: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, KV_WIN=None, window=None,
+        TMA: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, window=None,
         sink_tokens=None, HAS_WINDOW: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
     cap = softcap_terms(softcap, HAS_SOFTCAP)
@@ -129,8 +133,7 @@ def _block_sparse_fwd_kernel(
                 other=0.0)                                                               # [BLOCK_M, BLOCK_D]
     k_base = K + d[None, :]
     v_base = V + d[None, :]
-    n_full, n_end, index_base = _key_list(KV_FULL, KV_END, KV_INDEX, b, h, qblock, stride_cb, stride_ch, stride_ib,
-                                          stride_ih, WIDTH)
+    n_full, n_end, index_base, bounds = _key_list(KV_BOUNDS, KV_INDEX, b, h, qblock, stride_cb, stride_ch, WIDTH)
     last_row = tl.minimum(tile * BLOCK_M + BLOCK_M, N) - 1
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -154,7 +157,7 @@ def _block_sparse_fwd_kernel(
     # then the masked ones (the causal diagonal, the ragged last block): the end of the list;
     # with a sliding window (HAS_WINDOW) the window blocks [n_win, n_end) last, predicate per element
     if HAS_WINDOW:
-        n_win, lowest = _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, tile * BLOCK_M, window)
+        n_win, lowest = _window_bounds(bounds, tile * BLOCK_M, window)
     for j in range(n_full, n_end):
         start = tl.load(index_base + j) * BLOCK_SIZE
         end = tl.minimum(start + BLOCK_SIZE, N)
@@ -186,14 +189,13 @@ def _block_sparse_fwd_kernel(
 
 @triton.jit(do_not_specialize=["window", "sink_tokens"])
 def _block_sparse_bwd_dq_kernel(
-        Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, KV_FULL, KV_END, KV_INDEX,
-        stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
+        Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, KV_BOUNDS, KV_INDEX, stride_cb, stride_ch, WIDTH,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh,
         N, HQ, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, KV_WIN=None, window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False,
+        HAS_SOFTCAP: tl.constexpr, window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False,
         HAS_SINK_TOKENS: tl.constexpr = False):
     tile, b, h = program_tile(tl.cdiv(N, BLOCK_M), HQ)
     cap = softcap_terms(softcap, HAS_SOFTCAP)
@@ -217,8 +219,7 @@ def _block_sparse_bwd_dq_kernel(
     V += b * stride_vb + kvh * stride_vh
     k_base = K + d[None, :]
     v_base = V + d[None, :]
-    n_full, n_end, index_base = _key_list(KV_FULL, KV_END, KV_INDEX, b, h, qblock, stride_cb, stride_ch, stride_ib,
-                                          stride_ih, WIDTH)
+    n_full, n_end, index_base, bounds = _key_list(KV_BOUNDS, KV_INDEX, b, h, qblock, stride_cb, stride_ch, WIDTH)
     last_row = tl.minimum(tile * BLOCK_M + BLOCK_M, N) - 1
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -231,7 +232,7 @@ def _block_sparse_bwd_dq_kernel(
                                    PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)          # [BLOCK_M, BLOCK_N]
         dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
     if HAS_WINDOW:   # the window blocks [n_win, n_end) last (as in the forward)
-        n_win, lowest = _window_bounds(KV_WIN, b, h, qblock, stride_cb, stride_ch, tile * BLOCK_M, window)
+        n_win, lowest = _window_bounds(bounds, tile * BLOCK_M, window)
     for j in range(n_full, n_end):       # masked blocks: the end of the list
         start = tl.load(index_base + j) * BLOCK_SIZE
         end = tl.minimum(start + BLOCK_SIZE, N)
@@ -286,14 +287,14 @@ def _dkdv_step(dk, dv, k, v, keys, q_base, do_base, ROW_MAX, ROW_SUM, DELTA, sta
 
 @triton.jit(do_not_specialize=["window", "sink_tokens"])
 def _block_sparse_bwd_dkdv_kernel(
-        Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DK, DV, Q_SKIP, Q_FULL, Q_COUNT, Q_INDEX,
+        Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DK, DV, Q_BOUNDS, Q_INDEX,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh,
-        stride_cb, stride_ch, stride_ib, stride_ih, WIDTH,
+        stride_cb, stride_ch, WIDTH,
         N, HKV, HEAD_GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, Q_WIN=None, window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False,
+        HAS_SOFTCAP: tl.constexpr, window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False,
         HAS_SINK_TOKENS: tl.constexpr = False):
     # this program: BLOCK_M keys of one key/value head (the M dimension of every dot); walks
     # BLOCK_N query sub-tiles
@@ -318,11 +319,12 @@ def _block_sparse_bwd_dkdv_kernel(
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
-        lists = b * stride_cb + h * stride_ch + kblock
-        n_skip = tl.load(Q_SKIP + lists)
-        n_full = tl.load(Q_FULL + lists)
-        count = tl.load(Q_COUNT + lists)
-        index_base = Q_INDEX + b * stride_ib + h * stride_ih + kblock.to(tl.int64) * WIDTH   # this key block's list
+        lists = b * stride_cb + h * stride_ch + kblock   # int64 (b, h)
+        bounds = Q_BOUNDS + lists * 4
+        n_skip = tl.load(bounds)
+        n_full = tl.load(bounds + 1)
+        count = tl.load(bounds + 3)
+        index_base = Q_INDEX + lists * WIDTH   # this key block's list
         # the causal diagonal (entries [n_skip, n_full): the key block itself, at most one),
         # masked, from the query sub-tile of the first key on; then the full blocks below it,
         # whose loads are unconditional in one flat loop the compiler software-pipelines.
@@ -333,7 +335,7 @@ def _block_sparse_bwd_dkdv_kernel(
                                 stride_qn, stride_don, sm_scale, d, d_ok, True, BLOCK_N, DOT_MODE, PRECISION, cap,
                                 HAS_SOFTCAP)
         if HAS_WINDOW:   # sliding window: [n_full, n_win) unmasked, [n_win, count) the window blocks
-            n_win = tl.load(Q_WIN + lists)
+            n_win = tl.load(bounds + 2)
         else:
             n_win = count
         for it in range(n_full * subs, n_win * subs):
@@ -371,14 +373,17 @@ def _strides(**tensors):
     return {f"stride_{name}{axis}": t.stride(i) for name, t in tensors.items() for i, axis in enumerate("bnh")}
 
 
-def _block_lists(counts, indices, B, H):
-    """(COUNT, INDEX, their keywords) for block lists (B|1, H|1, rows[, width]): one layout
-    for every batch or head is read through a zero stride (expand)."""
-    counts, indices = counts.contiguous(), indices.contiguous()
-    c = counts.expand(B, H, *counts.shape[2:])
-    i = indices.expand(B, H, *indices.shape[2:])
-    return counts, indices, dict(stride_cb=c.stride(0), stride_ch=c.stride(1), stride_ib=i.stride(0),
-                                 stride_ih=i.stride(1), WIDTH=indices.shape[3])
+def _block_lists(indices, bounds, B, H):
+    """(INDEX, BOUNDS, keywords) of block lists: the entries (LB, LH, rows, width) and, stacked
+    per list into (LB, LH, rows, parts), their bounds ((LB, LH, rows) tensors: where each part of
+    a list ends). LB, LH: B and H, or 1 where one layout serves every batch row or head (read
+    through a zero stride)."""
+    LB, LH, rows, width = indices.shape
+    if LB not in (1, B) or LH not in (1, H):
+        raise ValueError(f"block lists for {LB} batch rows and {LH} heads cannot serve {B} and {H}")
+    bounds = torch.stack([x.to(torch.int32).expand(LB, LH, rows) for x in bounds], -1)   # contiguous
+    return indices.contiguous(), bounds, dict(stride_cb=LH * rows if LB > 1 else 0, stride_ch=rows if LH > 1 else 0,
+                                              WIDTH=width)
 
 
 def _list_positions(counts, indices, limits):
@@ -484,16 +489,31 @@ def _kv_descriptors(k, v, block_n, block_d):
 
 
 def _forward_lists(layout, N, causal, B, Hq):
-    """(index, full, end, keywords) of the forward and dQ kernels: the key lists (reordered for
-    a sliding window) and their strides, plus KV_WIN and the window constexprs."""
+    """The forward and dQ kernels' key lists as keywords: KV_INDEX (reordered for a sliding
+    window), KV_BOUNDS (full, window, end per list: _key_lists, _window_key_lists), their
+    strides, and the window's keywords."""
     if layout.window is None:
-        _, index, lists = _block_lists(layout.kv_num_blocks, layout.kv_indices, B, Hq)
         full, end = _key_lists(layout, N, causal)
-        return index, full, end, lists
+        index, bounds, lists = _block_lists(layout.kv_indices, (full, end, end), B, Hq)
+        return dict(KV_INDEX=index, KV_BOUNDS=bounds, **lists)
     check_window_causal(layout, causal)   # the reordered lists assume the causal cut
     index, full, win, end = _window_key_lists(layout, N)
-    _, index, lists = _block_lists(layout.kv_num_blocks, index, B, Hq)
-    return index, full, end, dict(lists, KV_WIN=win, **_window_meta(layout))
+    index, bounds, lists = _block_lists(index, (full, win, end), B, Hq)
+    return dict(KV_INDEX=index, KV_BOUNDS=bounds, **lists, **_window_meta(layout))
+
+
+def _backward_lists(layout, causal, B, Hq):
+    """The dK/dV kernel's query lists as keywords: Q_INDEX (reordered for a sliding window),
+    Q_BOUNDS (skip, full, window, count per list: _query_lists, _window_query_lists), their
+    strides, and the window's keywords."""
+    count = layout.q_num_blocks
+    if layout.window is None:
+        skip, full = _query_lists(layout, causal)
+        index, bounds, lists = _block_lists(layout.q_indices, (skip, full, count, count), B, Hq)
+        return dict(Q_INDEX=index, Q_BOUNDS=bounds, **lists)
+    index, skip, full, win = _window_query_lists(layout)
+    index, bounds, lists = _block_lists(index, (skip, full, win, count), B, Hq)
+    return dict(Q_INDEX=index, Q_BOUNDS=bounds, **lists, **_window_meta(layout))
 
 
 def _tiles(cfg, block_size):
@@ -518,11 +538,10 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None, softcap
     out = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
     row_max = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     row_sum = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
-    index, full, end, window = _forward_lists(layout, N, causal, B, Hq)
     dot_mode, precision = kernel_options(q.dtype, q.device)
     _block_sparse_fwd_kernel[(triton.cdiv(N, bm) * B * Hq,)](
-        Q=q, K=k, V=v, K_DESC=k_desc, V_DESC=v_desc, O=out, ROW_MAX=row_max, ROW_SUM=row_sum, KV_FULL=full,
-        KV_END=end, KV_INDEX=index, **window,
+        Q=q, K=k, V=v, K_DESC=k_desc, V_DESC=v_desc, O=out, ROW_MAX=row_max, ROW_SUM=row_sum,
+        **_forward_lists(layout, N, causal, B, Hq),
         **_strides(q=q, k=k, v=v), N=N, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
         DOT_MODE=dot_mode, PRECISION=precision, TMA=bool(tma), WARP_SPEC=bool(warp_spec and tma),
@@ -557,22 +576,14 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
                   HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal,
                   DOT_MODE=dot_mode, PRECISION=precision, **softcap_args(softcap))
     dq = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
-    index, full, end, lists = _forward_lists(layout, N, causal, B, Hq)
     _block_sparse_bwd_dq_kernel[(triton.cdiv(N, bm) * B * Hq,)](
-        **common, DQ=dq, KV_FULL=full, KV_END=end, KV_INDEX=index, **lists, HQ=Hq, BLOCK_M=bm, BLOCK_N=bn,
+        **common, DQ=dq, **_forward_lists(layout, N, causal, B, Hq), HQ=Hq, BLOCK_M=bm, BLOCK_N=bn,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     dk = torch.empty(B, N, Hkv, D, dtype=k.dtype, device=q.device)
     dv = torch.empty(B, N, Hkv, D, dtype=v.dtype, device=q.device)
-    if layout.window is None:
-        counts, index, lists = _block_lists(layout.q_num_blocks, layout.q_indices, B, Hq)
-        skip, full = _query_lists(layout, causal)
-    else:
-        index, skip, full, win = _window_query_lists(layout)
-        counts, index, lists = _block_lists(layout.q_num_blocks, index, B, Hq)
-        lists = dict(lists, Q_WIN=win, **_window_meta(layout))
     # key tiles of BLOCK_M keys, walking query sub-tiles of BLOCK_N
     km, qn = _tiles(kv_cfg, layout.block_size)
     _block_sparse_bwd_dkdv_kernel[(triton.cdiv(N, km) * B * Hkv,)](
-        **common, DK=dk, DV=dv, Q_SKIP=skip, Q_FULL=full, Q_COUNT=counts, Q_INDEX=index, **lists, HKV=Hkv,
+        **common, DK=dk, DV=dv, **_backward_lists(layout, causal, B, Hq), HKV=Hkv,
         BLOCK_M=km, BLOCK_N=qn, num_warps=kv_cfg.get("num_warps", 4), num_stages=kv_cfg.get("num_stages", 2))
     return dq, dk, dv

@@ -7,7 +7,7 @@ from ..common.spec import DECODE_ODD_STRIDES, DECODE_POINTERS, KernelSpec, Varia
 
 _MODULE = "triton_dilated.ops.block_sparse.kernels"
 _STATS = {"ROW_MAX": "fp32", "ROW_SUM": "fp32"}
-# block-list strides (stride_ir: the decode kernel's): any value, 0 broadcasts
+# block-list strides (stride_ib, stride_ih, stride_ir: the decode kernel's): any value, 0 broadcasts
 _LAYOUT_STRIDES = frozenset({"stride_cb", "stride_ch", "stride_ib", "stride_ih", "stride_ir"})
 
 
@@ -69,15 +69,14 @@ SPEC = VariantSpec(
     op_name="block_sparse_attention",
     kernels=(
         KernelSpec("block_sparse_fwd", _MODULE, "_block_sparse_fwd_kernel", "block_sparse_fwd",
-                   pointers={"Q": "act", "K": "act", "V": "act", "O": "act", **_STATS, "KV_FULL": "i32",
-                             "KV_END": "i32", "KV_INDEX": "i32"}, odd_strides=_LAYOUT_STRIDES),
+                   pointers={"Q": "act", "K": "act", "V": "act", "O": "act", **_STATS, "KV_BOUNDS": "i32",
+                             "KV_INDEX": "i32"}, odd_strides=_LAYOUT_STRIDES),
         KernelSpec("block_sparse_bwd_dq", _MODULE, "_block_sparse_bwd_dq_kernel", "block_sparse_bwd",
                    pointers={"Q": "act", "K": "act", "V": "act", "DO": "act", "DQ": "act", "DELTA": "fp32", **_STATS,
-                             "KV_FULL": "i32", "KV_END": "i32", "KV_INDEX": "i32"}, odd_strides=_LAYOUT_STRIDES),
+                             "KV_BOUNDS": "i32", "KV_INDEX": "i32"}, odd_strides=_LAYOUT_STRIDES),
         KernelSpec("block_sparse_bwd_dkdv", _MODULE, "_block_sparse_bwd_dkdv_kernel", "block_sparse_bwd",
                    pointers={"Q": "act", "K": "act", "V": "act", "DO": "act", "DK": "act", "DV": "act",
-                             "DELTA": "fp32", **_STATS, "Q_SKIP": "i32", "Q_FULL": "i32", "Q_COUNT": "i32",
-                             "Q_INDEX": "i32"},
+                             "DELTA": "fp32", **_STATS, "Q_BOUNDS": "i32", "Q_INDEX": "i32"},
                    odd_strides=_LAYOUT_STRIDES),
         # decoding (q of 1-16 rows against a long cache); configs: the forward's family
         KernelSpec("block_sparse_decode", "triton_dilated.ops.block_sparse.decode_kernels",
