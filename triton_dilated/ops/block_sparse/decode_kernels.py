@@ -24,10 +24,9 @@ CONFIG_FAMILY = "block_sparse_fwd"   # the family; tiles and warps: configs.KERN
 
 @triton.jit(do_not_specialize=["window", "sink_tokens"])   # one compile for every window and sink count
 def _block_sparse_decode_kernel(
-        Q, K, V, O, LSE, ACC, PART_M, PART_L, LENS, KV_COUNT, KV_INDEX, BLOCK_TABLE, K_DESCALE, V_DESCALE,
-        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-        stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-        stride_cb, stride_ch, stride_ib, stride_ih, stride_ir, stride_btb, stride_kp, stride_vp, NUM_PAGES,
+        Q, K, V, O, LSE, PARTS, LENS, KV_COUNT, KV_INDEX, BLOCK_TABLE, K_DESCALE, V_DESCALE,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_cb, stride_ch, WIDTH, stride_btb, NUM_PAGES,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -35,16 +34,17 @@ def _block_sparse_decode_kernel(
         HAS_SINK_TOKENS: tl.constexpr = False):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-        NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D)
+        NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D, PAGE_SIZE)
 
-    bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb = 0 then)
+    bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb: from page to page)
     k_scale, v_scale = kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8)   # FP8 cache: descales
     cap = softcap_terms(softcap, HAS_SOFTCAP)
     # a query before the first key (p < 0: ops/dilated/decode.py) reads nothing; p is clamped
     # before // (which truncates towards zero on a GPU and floors in the interpreter)
     qblock = tl.maximum(p, 0) // BLOCK_SIZE
-    count = tl.load(KV_COUNT + b * stride_cb + h64 * stride_ch + qblock, mask=p >= 0, other=0)
-    index_off = b * stride_ib + h64 * stride_ih + qblock.to(tl.int64) * stride_ir
+    lists = b * stride_cb + h64 * stride_ch + qblock   # the row's list (int64: b, h64)
+    count = tl.load(KV_COUNT + lists, mask=p >= 0, other=0)
+    index_off = lists * WIDTH
     index_base = KV_INDEX + index_off
     per_split = tl.cdiv(count, NUM_SPLITS)
     j_lo = split * per_split
@@ -68,17 +68,16 @@ def _block_sparse_decode_kernel(
             if HAS_SINK_TOKENS:
                 sink_end = tl.where(in_window, tl.minimum(tl.minimum(end, sink_tokens), lo), start)
                 acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0,
-                                         sink_end - start, d_ok, k_scale, bt, stride_kp, stride_vp, NUM_PAGES,
+                                         sink_end - start, d_ok, k_scale, bt, stride_kb, stride_vb, NUM_PAGES,
                                          BLOCK_N, PAGE_SIZE, KV_FP8, cap, HAS_SOFTCAP)
             start = lo
         acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0, end - start,
-                                 d_ok, k_scale, bt, stride_kp, stride_vp, NUM_PAGES, BLOCK_N, PAGE_SIZE, KV_FP8,
+                                 d_ok, k_scale, bt, stride_kb, stride_vb, NUM_PAGES, BLOCK_N, PAGE_SIZE, KV_FP8,
                                  cap, HAS_SOFTCAP)
     if KV_FP8 > 0:   # the values' descale, once per program (the splits merge linearly in acc)
         acc = acc * v_scale
-    part = ((b * NUM_ROWS + row) * NUM_HEADS + h64) * NUM_SPLITS + split
-    store_result(O, LSE, ACC, PART_M, PART_L, b * stride_ob + row * stride_on + h64 * stride_oh,
-                 b * stride_lb + h64 * stride_lh + row, part, acc, m_i, l_i, d, d_ok, NUM_SPLITS, HEAD_DIM)
+    store_result(O, LSE, PARTS, b, row, h64, split, acc, m_i, l_i, d, d_ok, NUM_ROWS, NUM_HEADS, NUM_SPLITS,
+                 HEAD_DIM)
 
 
 @on_tensor_device
@@ -97,30 +96,30 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, spli
     bs = layout.block_size
     block_d = padded_head_dim(D)
     cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, cap, q.device, kernel="block_sparse_decode")
-    counts = layout.kv_num_blocks.expand(B, Hq, layout.n_q_blocks)   # broadcast dims: zero strides
-    index = layout.kv_indices.expand(B, Hq, *layout.kv_indices.shape[2:])
+    # the block lists (LB, LH, rows[, width]), contiguous; LB, LH: B and Hq, or 1 where one
+    # layout serves every batch row or head (zero strides)
+    counts, index = layout.kv_num_blocks.contiguous(), layout.kv_indices.contiguous()
+    LB, LH, rows, width = index.shape
+    if LB not in (1, B) or LH not in (1, Hq):
+        raise ValueError(f"a layout for {LB} batch rows and {LH} heads cannot serve {B} and {Hq}")
+    lists = dict(stride_cb=LH * rows if LB > 1 else 0, stride_ch=rows if LH > 1 else 0, WIDTH=width)
     window = {}
     if getattr(layout, "window", None) is not None:   # the flags read at the index's offsets
-        index = layout.kv_indices.contiguous().expand(B, Hq, *layout.kv_indices.shape[2:])
-        flags = layout.kv_window.contiguous().view(torch.int8).expand(index.shape)
-        window = dict(KV_WIN=flags, **window_args(layout.window))
-    longest = index.shape[-1] * bs
+        window = dict(KV_WIN=layout.kv_window.contiguous().view(torch.int8), **window_args(layout.window))
+    longest = width * bs
     splits = splits or num_splits(q.device, B * Nq * Hq, longest)
-    out, lse, acc, part_m, part_l = decode_buffers(q, splits)
+    out, lse, parts = decode_buffers(q, splits)
     kv_fp8 = fp8_mode(k)
     k, v = fp8_operands(k, v, kv_fp8)
     lengths = kernel_lengths(lengths, q.device)
     bt = block_table if paged else lengths       # not read when contiguous (PAGE_SIZE = 0)
     _block_sparse_decode_kernel[(B * Nq * Hq * splits,)](
-        q, k, v, out, lse, acc, part_m, part_l, lengths, counts, index, bt,
+        q, k, v, out, lse, parts, lengths, counts, index, bt,
         lengths if k_descale is None else k_descale, lengths if v_descale is None else v_descale,
-        q.stride(0), q.stride(1), q.stride(2), 0 if paged else k.stride(0), k.stride(1), k.stride(2),
-        0 if paged else v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        counts.stride(0), counts.stride(1), index.stride(0), index.stride(1), index.stride(2),
-        bt.stride(0), k.stride(0), v.stride(0), k.shape[0] if paged else 0,
-        Nq, Hq, Hq // Hkv, splits, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), **lists, stride_btb=bt.stride(0), NUM_PAGES=k.shape[0] if paged else 0,
+        NUM_ROWS=Nq, NUM_HEADS=Hq, HEAD_GROUP=Hq // Hkv, NUM_SPLITS=splits, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=bs, CAUSAL=causal, BLOCK_N=min(cfg["BLOCK_N"], bs),
         PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, **softcap_args(softcap), **window,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
-    return merge_splits(out, lse, acc, part_m, part_l, splits, num_warps=cfg.get("num_warps", 4))
+    return merge_splits(out, lse, parts, splits, num_warps=cfg.get("num_warps", 4))

@@ -7,8 +7,8 @@ from ..common.spec import DECODE_ODD_STRIDES, DECODE_POINTERS, KernelSpec, Varia
 
 _MODULE = "triton_dilated.ops.block_sparse.kernels"
 _STATS = {"ROW_MAX": "fp32", "ROW_SUM": "fp32"}
-# block-list strides (stride_ib, stride_ih, stride_ir: the decode kernel's): any value, 0 broadcasts
-_LAYOUT_STRIDES = frozenset({"stride_cb", "stride_ch", "stride_ib", "stride_ih", "stride_ir"})
+# block-list strides (in lists): any value, 0 broadcasts
+_LAYOUT_STRIDES = frozenset({"stride_cb", "stride_ch"})
 
 
 def count_pairs(B, N, H, causal, *, layout) -> int:

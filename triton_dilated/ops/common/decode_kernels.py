@@ -9,7 +9,9 @@ kernel computes from the query's position, with a float32 online softmax over a
 no tl.dot). With one split the program writes the output and lse itself; with several it
 writes a float32 partial (acc, max, denominator) and `_decode_merge_kernel` combines them
 with the max-guarded log-sum-exp (exact when a split is empty). Splits let one token at
-batch 1 fill the GPU: the work per program is the key list / splits.
+batch 1 fill the GPU: the work per program is the key list / splits. The launchers allocate
+the output (B, Nq, Hq, D), lse (B, Hq, Nq) and partials (decode_buffers) contiguous: the
+kernels index them from their shapes.
 
 FP8 cache (KV_FP8 > 0): keys and values load as float8_e4m3fn and convert to float32
 (load_cache); the per-head descales fold into the score scale and the output (kv_descales).
@@ -64,11 +66,14 @@ def kernel_lengths(lengths, device) -> torch.Tensor:
 
 @triton.jit
 def decode_program(Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                   NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                   NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr):
     """What a decode program works on: batch row b, query row `row`, head h (also as int64),
     split; the row's length and the query's position p = length - NUM_ROWS + row; its query
-    (float32, (BLOCK_D,)) and the [1, BLOCK_D] bases of its key head's K and V rows. Heads
-    vary fastest over the programs, so the query heads of a GQA group run side by side."""
+    (float32, (BLOCK_D,)) and the [1, BLOCK_D] bases of its key head's K and V rows: of its
+    batch row in a contiguous cache, of the page pool in a paged one (PAGE_SIZE > 0: then
+    stride_kb, stride_vb step from page to page; fold_run). Heads vary fastest over the
+    programs, so the query heads of a GQA group run side by side."""
     pid = tl.program_id(0)
     h = pid % NUM_HEADS
     split = (pid // NUM_HEADS) % NUM_SPLITS
@@ -81,8 +86,12 @@ def decode_program(Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, st
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q = tl.load(Q + b * stride_qb + row * stride_qn + h64 * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
-    k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
-    v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
+    if PAGE_SIZE == 0:   # the batch row's keys
+        k_base = K + b * stride_kb + kvh * stride_kh + d[None, :]
+        v_base = V + b * stride_vb + kvh * stride_vh + d[None, :]
+    else:                # the pool's
+        k_base = K + kvh * stride_kh + d[None, :]
+        v_base = V + kvh * stride_vh + d[None, :]
     return b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base
 
 
@@ -171,28 +180,39 @@ def fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, stri
 
 
 @triton.jit
-def store_result(O, LSE, ACC, PART_M, PART_L, o_off, lse_off, part, acc, m_i, l_i, d, d_ok, NUM_SPLITS,
+def partials(PARTS, n_parts, HEAD_DIM: tl.constexpr):
+    """(ACC, PART_M, PART_L) in the float32 partials of decode_buffers: n_parts accumulators of
+    HEAD_DIM, then n_parts maxima, then n_parts denominators (int64 offsets)."""
+    acc = PARTS
+    part_m = PARTS + tl.cast(n_parts, tl.int64) * HEAD_DIM
+    return acc, part_m, part_m + n_parts
+
+
+@triton.jit
+def store_result(O, LSE, PARTS, b, row, h64, split, acc, m_i, l_i, d, d_ok, NUM_ROWS, NUM_HEADS, NUM_SPLITS,
                  HEAD_DIM: tl.constexpr):
-    """One split: the output (normalised, q's dtype) and lse = max + ln(denominator), -inf
-    for a query with no key. Several: the float32 partial at index `part` (int64) of the
-    (B, Nq, Hq, splits) partials. NaN rule (DESIGN §6): a non-finite value the program read
-    left acc non-finite (weight * Inf, 0 * Inf, NaN), which finite inputs never do; the
-    denominator is then made NaN too, so output and lse are NaN, also after the merge."""
+    """One split: the output (normalised, q's dtype; O (B, Nq, Hq, D)) and lse = max +
+    ln(denominator), -inf for a query with no key (LSE (B, Hq, Nq)). Several: the float32
+    partial of (b, row, h64, split) among the B * Nq * Hq * splits of PARTS (partials; one per
+    program). NaN rule (DESIGN §6): a non-finite value the program read left acc non-finite
+    (weight * Inf, 0 * Inf, NaN), which finite inputs never do; the denominator is then made
+    NaN too, so output and lse are NaN, also after the merge."""
     l_i = l_i + tl.sum(acc * 0.0, 0)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)
-        tl.store(O + o_off + d, out.to(O.dtype.element_ty), mask=d_ok)
-        tl.store(LSE + lse_off, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))))
+        tl.store(O + ((b * NUM_ROWS + row) * NUM_HEADS + h64) * HEAD_DIM + d, out.to(O.dtype.element_ty), mask=d_ok)
+        tl.store(LSE + (b * NUM_HEADS + h64) * NUM_ROWS + row,
+                 tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))))
     else:
+        part = ((b * NUM_ROWS + row) * NUM_HEADS + h64) * NUM_SPLITS + split
+        ACC, PART_M, PART_L = partials(PARTS, tl.num_programs(0), HEAD_DIM)
         tl.store(ACC + part * HEAD_DIM + d, acc, mask=d_ok)
         tl.store(PART_M + part, m_i)
         tl.store(PART_L + part, l_i)
 
 
 @triton.jit
-def _decode_merge_kernel(ACC, PART_M, PART_L, O, LSE, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-                         NUM_ROWS, NUM_HEADS, NUM_SPLITS,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _decode_merge_kernel(PARTS, O, LSE, NUM_ROWS, NUM_HEADS, NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (batch row, query row, query head): the splits' partials merged in
     float32, MERGE_CHUNK splits at a time: out = sum_j e^(m_j - M) acc_j / sum_j e^(m_j - M) l_j
     with M the largest m_j. Empty splits (m = -inf, l = 0) weigh 0; every split empty: 0
@@ -202,6 +222,7 @@ def _decode_merge_kernel(ACC, PART_M, PART_L, O, LSE, stride_ob, stride_on, stri
     row = (pid // NUM_HEADS) % NUM_ROWS
     b = (pid // (NUM_HEADS * NUM_ROWS)).to(tl.int64)
     base = pid.to(tl.int64) * NUM_SPLITS
+    ACC, PART_M, PART_L = partials(PARTS, tl.num_programs(0) * NUM_SPLITS, HEAD_DIM)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     j = tl.arange(0, MERGE_CHUNK)
@@ -220,9 +241,8 @@ def _decode_merge_kernel(ACC, PART_M, PART_L, O, LSE, stride_ob, stride_on, stri
                        other=0.0)
         acc += tl.sum(weight[:, None] * part, 0)
     out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
-    tl.store(O + b * stride_ob + row * stride_on + h.to(tl.int64) * stride_oh + d, out.to(O.dtype.element_ty),
-             mask=d_ok)
-    tl.store(LSE + b * stride_lb + h.to(tl.int64) * stride_lh + row,
+    tl.store(O + pid.to(tl.int64) * HEAD_DIM + d, out.to(O.dtype.element_ty), mask=d_ok)   # (b, row, h): pid
+    tl.store(LSE + (b * NUM_HEADS + h) * NUM_ROWS + row,
              tl.where(l_sum == 0.0, float("-inf"), m_safe + tl.log(tl.where(l_sum == 0.0, 1.0, l_sum))))
 
 
@@ -235,25 +255,22 @@ def num_splits(device: torch.device, programs: int, max_keys: int) -> int:
 
 
 def decode_buffers(q, splits: int):
-    """(out, lse, acc, part_m, part_l): the results and, for several splits, the float32
-    partials (B, Nq, Hq, splits[, D]); one split needs none (empty placeholders)."""
+    """(out, lse, parts): the results, (B, Nq, Hq, D) like q and float32 (B, Hq, Nq), and for
+    several splits the float32 partials of the B * Nq * Hq * splits programs in one buffer:
+    their accumulators (D each), maxima, denominators (partials); one split needs none (empty)."""
     B, Nq, Hq, D = q.shape
     out = torch.empty(B, Nq, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
-    parts = (B, Nq, Hq, splits) if splits > 1 else (0,)
-    acc = torch.empty(*parts, *((D,) if splits > 1 else ()), dtype=torch.float32, device=q.device)
-    part_m = torch.empty(parts, dtype=torch.float32, device=q.device)
-    part_l = torch.empty(parts, dtype=torch.float32, device=q.device)
-    return out, lse, acc, part_m, part_l
+    parts = torch.empty(B * Nq * Hq * splits * (D + 2) if splits > 1 else 0, dtype=torch.float32, device=q.device)
+    return out, lse, parts
 
 
 @on_tensor_device
-def merge_splits(out, lse, acc, part_m, part_l, splits: int, num_warps: int = 4):
+def merge_splits(out, lse, parts, splits: int, num_warps: int = 4):
     """Combine the partials of decode_buffers into out and lse (nothing to do for one split)."""
     if splits == 1:
         return out, lse
     B, Nq, Hq, D = out.shape
-    _decode_merge_kernel[(B * Nq * Hq,)](
-        acc, part_m, part_l, out, lse, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        Nq, Hq, splits, HEAD_DIM=D, BLOCK_D=padded_head_dim(D), num_warps=num_warps)
+    _decode_merge_kernel[(B * Nq * Hq,)](parts, out, lse, Nq, Hq, splits, HEAD_DIM=D, BLOCK_D=padded_head_dim(D),
+                                         num_warps=num_warps)
     return out, lse

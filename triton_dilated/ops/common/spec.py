@@ -11,10 +11,9 @@ from typing import Callable, Mapping
 
 BWD_FLOP_FACTOR = 2.5        # backward = 2.5x forward (DESIGN §11): forward+backward counts 3.5x
 
-# The decode kernels' result and split-partial pointers (ops/common/decode_kernels.py); the lse
-# strides of a one-token call, (B, Hq, 1), are not multiples of 16
-DECODE_POINTERS = {"O": "act", "LSE": "fp32", "ACC": "fp32", "PART_M": "fp32", "PART_L": "fp32"}
-DECODE_ODD_STRIDES = frozenset({"stride_lb", "stride_lh", "stride_btb"})   # stride_btb: max_pages
+# The decode kernels' result and split-partial pointers (ops/common/decode_kernels.py)
+DECODE_POINTERS = {"O": "act", "LSE": "fp32", "PARTS": "fp32"}
+DECODE_ODD_STRIDES = frozenset({"stride_btb"})   # stride_btb: max_pages
 
 
 def dense_pairs(B: int, H: int, N: int, causal: bool) -> int:

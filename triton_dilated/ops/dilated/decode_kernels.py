@@ -45,17 +45,16 @@ def _pattern_run(p, length, w, r, o, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _dilated_decode_kernel(
-        Q, K, V, O, LSE, ACC, PART_M, PART_L, LENS, PAT_W, PAT_R, PAT_OFF, BLOCK_TABLE, K_DESCALE, V_DESCALE,
-        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-        stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-        stride_btb, stride_kp, stride_vp, NUM_PAGES,
+        Q, K, V, O, LSE, PARTS, LENS, PAT_W, PAT_R, PAT_OFF, BLOCK_TABLE, K_DESCALE, V_DESCALE,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_btb, NUM_PAGES,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-        NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D)
-    bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb = 0 then)
+        NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D, PAGE_SIZE)
+    bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb: from page to page)
     k_scale, v_scale = kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8)   # FP8 cache: descales
     cap = softcap_terms(softcap, HAS_SOFTCAP)
 
@@ -80,14 +79,13 @@ def _dilated_decode_kernel(
         t_lo = tl.maximum(lo - first, 0)
         t_hi = tl.minimum(hi - first, count)
         acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, r, t_lo, t_hi,
-                                 d_ok, k_scale, bt, stride_kp, stride_vp, NUM_PAGES, BLOCK_N, PAGE_SIZE, KV_FP8,
+                                 d_ok, k_scale, bt, stride_kb, stride_vb, NUM_PAGES, BLOCK_N, PAGE_SIZE, KV_FP8,
                                  cap, HAS_SOFTCAP)
         first += count
     if KV_FP8 > 0:   # the values' descale, once per program (the splits merge linearly in acc)
         acc = acc * v_scale
-    part = ((b * NUM_ROWS + row) * NUM_HEADS + h64) * NUM_SPLITS + split
-    store_result(O, LSE, ACC, PART_M, PART_L, b * stride_ob + row * stride_on + h64 * stride_oh,
-                 b * stride_lb + h64 * stride_lh + row, part, acc, m_i, l_i, d, d_ok, NUM_SPLITS, HEAD_DIM)
+    store_result(O, LSE, PARTS, b, row, h64, split, acc, m_i, l_i, d, d_ok, NUM_ROWS, NUM_HEADS, NUM_SPLITS,
+                 HEAD_DIM)
 
 
 @functools.lru_cache(maxsize=256)
@@ -126,21 +124,19 @@ def dilated_decode_forward(q, k, v, patterns, table, lengths, *, causal, scale, 
     cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, cap, q.device, kernel="dilated_decode")
     longest = longest_key_list(patterns, table, max_length or cap)
     splits = splits or num_splits(q.device, B * Nq * Hq, longest)
-    out, lse, acc, part_m, part_l = decode_buffers(q, splits)
+    out, lse, parts = decode_buffers(q, splits)
     kv_fp8 = fp8_mode(k)
     k, v = fp8_operands(k, v, kv_fp8)
     pat_w, pat_r, pat_off = _pattern_tables(patterns, table, q.device)
     lengths = kernel_lengths(lengths, q.device)
     bt = block_table if paged else lengths       # not read when contiguous (PAGE_SIZE = 0)
     _dilated_decode_kernel[(B * Nq * Hq * splits,)](
-        q, k, v, out, lse, acc, part_m, part_l, lengths, pat_w, pat_r, pat_off, bt,
+        q, k, v, out, lse, parts, lengths, pat_w, pat_r, pat_off, bt,
         lengths if k_descale is None else k_descale, lengths if v_descale is None else v_descale,
-        q.stride(0), q.stride(1), q.stride(2), 0 if paged else k.stride(0), k.stride(1), k.stride(2),
-        0 if paged else v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        bt.stride(0), k.stride(0), v.stride(0), k.shape[0] if paged else 0,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), bt.stride(0), k.shape[0] if paged else 0,
         Nq, Hq, Hq // Hkv, splits, scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, BLOCK_N=cfg["BLOCK_N"],
         PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, **softcap_args(softcap),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
-    return merge_splits(out, lse, acc, part_m, part_l, splits, num_warps=cfg.get("num_warps", 4))
+    return merge_splits(out, lse, parts, splits, num_warps=cfg.get("num_warps", 4))
