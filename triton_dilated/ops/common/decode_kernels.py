@@ -200,8 +200,11 @@ def store_result(O, LSE, PARTS, b, row, h64, split, acc, m_i, l_i, d, d_ok, NUM_
     l_i = l_i + tl.sum(acc * 0.0, 0)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)
-        tl.store(O + ((b * NUM_ROWS + row) * NUM_HEADS + h64) * HEAD_DIM + d, out.to(O.dtype.element_ty), mask=d_ok)
-        tl.store(LSE + (b * NUM_HEADS + h64) * NUM_ROWS + row,
+        # offsets in the form of stride sums (batch, row, head; the strides of the contiguous buffers):
+        # folded into the partial's index instead, sm80's dilated decode at D = 64 spilled 4 B more
+        o_off = b * (NUM_ROWS * NUM_HEADS * HEAD_DIM) + row * (NUM_HEADS * HEAD_DIM) + h64 * HEAD_DIM
+        tl.store(O + o_off + d, out.to(O.dtype.element_ty), mask=d_ok)
+        tl.store(LSE + b * (NUM_HEADS * NUM_ROWS) + h64 * NUM_ROWS + row,
                  tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))))
     else:
         part = ((b * NUM_ROWS + row) * NUM_HEADS + h64) * NUM_SPLITS + split
