@@ -50,12 +50,18 @@ DESC_SINK_TOKENS: tl.constexpr = tl.constexpr(step_mask.DESC_SINK_TOKENS)
 # tile) the number of active tiles of the other side, then their indices.
 
 @triton.jit
-def _list_row(MASK, b, h):
+def _list_row(MASK, b, h, MASK_KIND: tl.constexpr):
     """Row of (batch b, head h) in the tile lists and the block table (list rows, LB x LH),
-    int64: they broadcast over the batch (LB = 1) or the heads (LH = 1) as the header says."""
-    list_b = tl.load(MASK + DESC_LIST_B)
-    list_h = tl.load(MASK + DESC_LIST_H)
-    return tl.where(list_b > 1, b, 0) * list_h + tl.where(list_h > 1, h, 0)
+    int64: a dilated mask's lists are per head (1, H), a dense mask's shared (1, 1); a block
+    table's broadcast over the batch (LB = 1) or the heads (LH = 1) as the header says."""
+    row = h
+    if MASK_KIND == MASK_LAYOUT:
+        list_b = tl.load(MASK + DESC_LIST_B)
+        list_h = tl.load(MASK + DESC_LIST_H)
+        row = tl.where(list_b > 1, b, 0) * list_h + tl.where(list_h > 1, h, 0)
+    elif MASK_KIND != MASK_DILATED:
+        row = h * 0
+    return row
 
 
 @triton.jit
@@ -156,7 +162,7 @@ def _ring_tile_lists_kernel(
     n_tiles = tl.cdiv(NK, BLOCK_N) if BY_KEY else tl.cdiv(NQ, BLOCK_M)
     n_other = tl.cdiv(NQ, BLOCK_M) if BY_KEY else tl.cdiv(NK, BLOCK_N)
     tile, b, h = program_tile(n_tiles, tl.load(MASK + DESC_LIST_H))   # b, h: the list row's (< LB, < LH)
-    row = _list_row(MASK, b, h)
+    row = _list_row(MASK, b, h, MASK_KIND)
     m = _mask_of(MASK, row, MASK_KIND, NUM_PATTERNS, HAS_WINDOW, HAS_SINK_TOKENS)
     TILES += (row * n_tiles + tile) * (n_other + 1)
     if BY_KEY:
@@ -195,7 +201,7 @@ def _ring_step_fwd_kernel(
     tile, b, h = program_tile(n_tiles, HQ)
     kvh = h // HEAD_GROUP
     cap = softcap_terms(softcap, HAS_SOFTCAP)
-    row = _list_row(MASK, b, h)
+    row = _list_row(MASK, b, h, MASK_KIND)
     m = _mask_of(MASK, row, MASK_KIND, NUM_PATTERNS, HAS_WINDOW, HAS_SINK_TOKENS)
     Q += b * stride_qb + h * stride_qh
     OUT += (b * NQ * HQ + h) * HEAD_DIM
@@ -275,7 +281,7 @@ def _ring_step_bwd_dq_kernel(
     tile, b, h = program_tile(n_tiles, HQ)
     kvh = h // HEAD_GROUP
     cap = softcap_terms(softcap, HAS_SOFTCAP)
-    row = _list_row(MASK, b, h)
+    row = _list_row(MASK, b, h, MASK_KIND)
     m = _mask_of(MASK, row, MASK_KIND, NUM_PATTERNS, HAS_WINDOW, HAS_SINK_TOKENS)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     q_ok = rows < NQ
@@ -359,7 +365,7 @@ def _ring_step_bwd_dkdv_kernel(
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         stats = (b * HKV * HEAD_GROUP + h) * NQ   # into LSE, DELTA (B, HQ, NQ)
-        row = _list_row(MASK, b, h)
+        row = _list_row(MASK, b, h, MASK_KIND)
         m = _mask_of(MASK, row, MASK_KIND, NUM_PATTERNS, HAS_WINDOW, HAS_SINK_TOKENS)
         lists = TILES + (row * n_tiles + tile) * (tl.cdiv(NQ, BLOCK_N) + 1)   # this key tile's query tiles
         count = tl.load(lists)
@@ -434,11 +440,13 @@ def _config(q, name, config=None, kernel=None, window=False):
 
 def _mask_args(mask: StepMask, B, H):
     """The mask as kernel keywords (StepMask.kernel_meta: its descriptor and constexprs); its
-    tile lists and block table must vary over batch and heads as the call does or broadcast."""
+    tile lists and block table must vary over batch and heads as the call does or broadcast
+    (a dilated mask's offsets: one row per query head, _list_row)."""
     LB, LH = mask.list_shape()
-    if LB not in (1, B) or LH not in (1, H):
+    heads = (H,) if mask.kind == step_mask.MASK_DILATED else (1, H)   # dilated: an offset row per query head
+    if LB not in (1, B) or LH not in heads:
         raise ValueError(f"the step mask varies over {LB} batch rows and {LH} heads; the call has {B} and {H} "
-                         f"(each must match or be 1)")
+                         f"(each must match{'' if len(heads) == 1 else ' or be 1'})")
     return mask.kernel_meta()
 
 
