@@ -361,12 +361,17 @@ def _ring_step_bwd_dkdv_kernel(
     v = tl.load(V + keys64[:, None] * stride_vn + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_M, BLOCK_D]
     dk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # a block table's header (_mask_of) read per query tile (sliding windows; head dims up to 64)
+    # rather than once per head: fewer registers there (perf aot, sm80 and sm90: at D = 64 per
+    # head spilled 8-12 B on sm80, at D = 128 per tile 52 B on sm90 without a window)
+    MASK_PER_TILE: tl.constexpr = (MASK_KIND == MASK_LAYOUT) & (HAS_WINDOW | (BLOCK_D <= 64))
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         stats = (b * HKV * HEAD_GROUP + h) * NQ   # into LSE, DELTA (B, HQ, NQ)
         row = _list_row(MASK, b, h, MASK_KIND)
-        m = _mask_of(MASK, row, MASK_KIND, NUM_PATTERNS, HAS_WINDOW, HAS_SINK_TOKENS)
+        if not MASK_PER_TILE:
+            m = _mask_of(MASK, row, MASK_KIND, NUM_PATTERNS, HAS_WINDOW, HAS_SINK_TOKENS)
         lists = TILES + (row * n_tiles + tile) * (tl.cdiv(NQ, BLOCK_N) + 1)   # this key tile's query tiles
         count = tl.load(lists)
         index_base = lists + 1
@@ -380,6 +385,8 @@ def _ring_step_bwd_dkdv_kernel(
             in_doc = q_ok[None, :]
             if DOCS:
                 in_doc = in_doc & (tl.load(Q_DOC + rows, mask=q_ok, other=-1)[None, :] == k_doc[:, None])
+            if MASK_PER_TILE:
+                m = _mask_of(MASK, row, MASK_KIND, NUM_PATTERNS, HAS_WINDOW, HAS_SINK_TOKENS)
             log_w = _pair_log_weight(qpos[None, :], kpos[:, None], in_doc, k_ok[:, None], MASK, m, MASK_KIND,
                                      NUM_PATTERNS, CAUSAL, HAS_WINDOW, HAS_SINK_TOKENS)   # [BLOCK_M, BLOCK_N]
             rows64 = rows.to(tl.int64)
