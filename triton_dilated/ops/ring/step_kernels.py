@@ -365,6 +365,11 @@ def _ring_step_bwd_dkdv_kernel(
     # rather than once per head: fewer registers there (perf aot, sm80 and sm90: at D = 64 per
     # head spilled 8-12 B on sm80, at D = 128 per tile 52 B on sm90 without a window)
     MASK_PER_TILE: tl.constexpr = (MASK_KIND == MASK_LAYOUT) & (HAS_WINDOW | (BLOCK_D <= 64))
+    # this key tile's lists start at tile_lists + row * list_rows; the two held through the head
+    # loop rather than the tile and both list dimensions (sm70's D = 128 default spilled 4 B)
+    width = tl.cdiv(NQ, BLOCK_N) + 1
+    tile_lists = TILES + tile * width
+    list_rows = n_tiles * width
     for h in range(kvh * HEAD_GROUP, (kvh + 1) * HEAD_GROUP):
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
@@ -372,7 +377,7 @@ def _ring_step_bwd_dkdv_kernel(
         row = _list_row(MASK, b, h, MASK_KIND)
         if not MASK_PER_TILE:
             m = _mask_of(MASK, row, MASK_KIND, NUM_PATTERNS, HAS_WINDOW, HAS_SINK_TOKENS)
-        lists = TILES + (row * n_tiles + tile) * (tl.cdiv(NQ, BLOCK_N) + 1)   # this key tile's query tiles
+        lists = tile_lists + row * list_rows   # this key tile's query tiles for head h
         count = tl.load(lists)
         index_base = lists + 1
         t_next = tl.load(index_base, mask=count > 0, other=0)   # read an iteration ahead (as in the forward)
