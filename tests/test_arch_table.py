@@ -175,7 +175,7 @@ def _all_archs_rows(dtype):
     return rows
 
 
-# The documented D = 256 spills of the defaults, per arch (README, GPUs; the lists may only
+# The documented D = 256 spills of the defaults, per arch (docs/gpus.md; the lists may only
 # shrink). Volta/Turing: the dK/dV kernels (FMA_SPILLING: "auto" takes the portable backward
 # at D = 256) and on sm70 the block-sparse forward and dQ; elsewhere 8-612 B in 1-5 kernels.
 D256_SPILLS = {"sm75": {"dilated_bwd_dkdv", "block_sparse_bwd_dkdv", "ring_step_bwd_dkdv"},

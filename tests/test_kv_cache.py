@@ -17,7 +17,7 @@ from reference import FLOOR, assert_rule, dense_reference, multiplicity, seeded
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    """Tiny tensors: OpenMP teams only spin on a shared CPU (README, ring section)."""
+    """Tiny tensors: OpenMP teams only spin on a shared CPU (docs/distributed.md, CPU threads)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -10,9 +10,10 @@
   python -m triton_dilated.perf layouts   time the block-layout builders at N = 1M tokens
   python -m triton_dilated.perf plot      PNG plots from result CSVs
   python -m triton_dilated.perf table     print the summary table of a result CSV
-  python -m triton_dilated.perf aot       compile every kernel for sm90/sm80 without a GPU:
+  python -m triton_dilated.perf aot       compile every kernel without a GPU, for the NVIDIA and
+                                          AMD archs named by --arch (default sm90 and sm80):
                                           compile errors, registers, spills, shared memory,
-                                          wgmma/mma.sync, cp.async/TMA, pipeline depth
+                                          wgmma/mma.sync/MFMA, cp.async/TMA, pipeline depth
   python -m triton_dilated.perf plan      the dilated forward's cost model on a CPU: useful vs
                                           computed (query, key) pairs, K/V bytes, and the
                                           roofline bound on an H100
