@@ -3,6 +3,7 @@ plots, ring fallback; paired timing, spread and flags; readable tables and figur
 errors. Tiny shapes: under the interpreter every Triton call costs ~0.1-1 s."""
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
@@ -23,7 +24,7 @@ from triton_dilated.ops.common import runtime
 from triton_dilated.ops.common.hardware import Arch
 from triton_dilated.ops import SPECS
 from triton_dilated.ops.common.spec import attention_flops, dense_pairs
-from triton_dilated.perf import bench, plot, results, timing
+from triton_dilated.perf import bench, cli, plot, results, timing
 from triton_dilated.perf import ring as perf_ring
 from triton_dilated.perf.__main__ import DTYPES, _parser, main
 from conftest import DEVICE
@@ -551,15 +552,65 @@ def test_plan_cli_prints_pairs_efficiency_bytes_and_bound(capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--heads", "4", "--kv-heads", "3"], "--heads (4) must be a multiple of --kv-heads (3)"),
-    (["--block-m", "48"], "--block-m must be a power of two >= 16, got 48"),
-    (["--seqlen", "0"], "--seqlen must be a positive integer, got 0"),
     (["--segment-lengths", "1024", "2048", "--dilation-rates", "1"], "one entry per pattern; got 2 and 1"),
-    (["--segment-lengths", "1024", "--dilation-rates", "0"], "dilation_rates must hold positive ints, got 0"),
-], ids=["kv-heads", "block-m", "seqlen", "lengths", "rate"])
+    (["--segment-lengths", "1024", "--dilation-rates", "3000"], "dilation_rates[0] = 3000 is larger than"),
+], ids=["kv-heads", "lengths", "rate"])
 def test_plan_cli_rejects_bad_arguments(args, message, capsys):
-    argv = ["plan", *args] if "--seqlen" in args else ["plan", "--seqlen", "4096", *args]
-    assert main(argv) == 2
+    """Pairs of values that do not go together (single values: the parser refuses them, next test)."""
+    assert main(["plan", "--seqlen", "4096", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+# the parser's value types (perf/cli.py) and values each refuses
+BAD_VALUES = {cli.positive_int: ["0", "-5", "1.5", "abc"], cli.head_dim: ["0", "257"], cli.block_size: ["8", "48"],
+              cli.positive_float: ["0", "-1", "nan", "inf"], cli.non_negative_float: ["-1", "nan", "inf"]}
+
+
+def test_every_numeric_option_refuses_a_bad_value_in_one_line(capsys):
+    """Issue 34 item 1: `sweep --seqlens -5` (a ValueError traceback), `decode --contexts 0`
+    (IndexError), `--budget -1` (accepted): every number of every subcommand is checked as it
+    is parsed, by one of cli.py's types (none is a plain int or float, which take anything),
+    and a bad one is one line on stderr naming the option, what it takes and what came, exit 2."""
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    checked = set()
+    for name, p in sub.choices.items():
+        for a in p._actions:
+            assert a.type not in (int, float), f"{name} {a.option_strings}: type={a.type.__name__} takes any value"
+            for bad in BAD_VALUES.get(a.type, ()):
+                with pytest.raises(SystemExit) as exc:
+                    main([name, a.option_strings[0], bad])
+                err = capsys.readouterr().err
+                assert exc.value.code == 2
+                assert err.count("\n") == 1 and "Traceback" not in err, err
+                assert f"perf {name}: error: argument {'/'.join(a.option_strings)}: must be " in err, err
+                assert f"got {bad!r}" in err and f"(see python -m triton_dilated.perf {name} -h)" in err, err
+                checked.add((name, a.dest))
+    assert {("sweep", "seqlens"), ("sweep", "budget"), ("decode", "contexts"), ("decode", "budget"), ("tune", "heads"),
+            ("ring", "world_sizes"), ("ring", "timeout"), ("layouts", "block_size"), ("aot", "jobs"),
+            ("aot", "head_dims"), ("plan", "block_m"), ("plan", "dilation_rates"), ("decode", "max_cache_gib"),
+            ("decode", "page_size"), ("decode", "memory_contexts")} <= checked
+
+
+@pytest.mark.parametrize("args", [["sweep", "--seqlens", "-5"], ["decode", "--contexts", "0"], ["aot", "--arch", "999"],
+                                  ["--budget", "-1"]], ids=["seqlens", "contexts", "arch", "budget"])
+def test_cli_refuses_the_issue_values_without_a_traceback(args):
+    """The four commands of issue 34 item 1 as a user types them: one line on stderr, exit 2."""
+    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"argument {args[-2]}: " in proc.stderr and proc.stdout == ""
+
+
+def test_sweep_and_decode_refuse_values_that_do_not_go_together(capsys, tmp_path):
+    """A tiny sweep at N = 1 (segments of 0 tokens: ZeroDivisionError) and decode heads that
+    are no multiple of the kv heads (a ValueError traceback from the attention call)."""
+    assert main(["--tiny", "--seqlens", "1", "--no-plot", "--out", str(tmp_path / "s.csv")]) == 2
+    assert "sweep: --tiny needs N >= 2" in capsys.readouterr().err
+    assert main(["decode", "--heads", "3", "--kv-heads", "2", "--contexts", "16", "--out",
+                 str(tmp_path / "d.csv")]) == 2
+    assert capsys.readouterr().err == "decode: --heads (3) must be a multiple of --kv-heads (2)\n"
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_tuned_family_entry_leaves_kernels_with_their_own_default(monkeypatch):
