@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -450,6 +452,61 @@ def test_cpu_figures_say_portable_backend_use_readable_log_ticks_and_comment_the
     assert "GFLOP/s" in figs["tflops"].axes[0].get_ylabel()
     texts = [t.get_text() for ax in figs["tflops"].axes for t in ax.texts]
     assert any("a reference, not the machine's peak" in t for t in texts)   # fwd_bwd: 200 > the 100 GFLOP/s line
+
+
+def test_figures_ring_the_points_of_busy_rows(tmp_path):
+    """Issue 34 item 2: the table shows the busy flag; the figures ring those points in red with
+    a legend entry (time, speedup, TFLOP/s and sparsity figures), and only those."""
+    case = bench.tiny_sweep("cpu", 64)[0]
+    base = dict(matmul_peak_tflops=0.1, machine="test", device="cpu")
+    rows = []
+    for n, cores in ((1024, 0.0), (2048, 0.99)):     # N = 2048 timed while another process took a core
+        c = dataclasses.replace(case, N=n)
+        rows += bench.group_rows(c, _measured([10.0] * 5, [30.0] * 5, [20.0] * 5, [60.0] * 5, other_cores=cores),
+                                 {"portable", "sdpa_dense"}, 0.1, base)
+    results.write_csv(rows, tmp_path / "busy.csv")
+    rows = results.read_csv(tmp_path / "busy.csv")
+    assert {r["N"] for r in rows if results.FLAG_BUSY in r["flags"]} == {2048}
+    figs = {kind: _draw(plot.figure(rows, kind)) for kind in ("time", "speedup", "tflops")}
+    figs["sparsity"] = _draw(plot.sparsity_figure(rows))
+    for kind, fig in figs.items():
+        for ax in (a for a in fig.axes if a.get_visible()):
+            rings = [c for c in ax.collections if c.get_label() in (plot.BUSY_LABEL, "_busy")]
+            lines = {tuple(map(tuple, line.get_xydata())) for line in ax.get_lines()}
+            ringed = {tuple(xy) for c in rings for xy in c.get_offsets()}
+            # every busy point is a point of a line, at N = 2048 (sparsity: its one point per series)
+            assert ringed and all(any(xy in pts for pts in lines) for xy in ringed), (kind, ringed)
+            if kind != "sparsity":
+                assert {x for x, _ in ringed} == {2048}, (kind, ringed)
+            assert ax.get_legend_handles_labels()[1].count(plot.BUSY_LABEL) == 1, kind
+
+
+def test_sweeps_keep_earlier_results(tmp_path, monkeypatch, capsys):
+    """Issue 34 item 2: every sweep wrote perf/out/sweep.csv and its PNGs over the last run's.
+    Without --out each run writes a new perf/out/sweep-<UTC date>-<time>.csv (-2, ... within one
+    second) and says where first; an --out that exists (the CSV or a PNG) is refused before
+    anything is timed unless --overwrite."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "run_sweep", lambda cases, out, **k: results.write_csv(rows, out) or rows)
+    rows = [_bench_row("portable", "fwd", "ms", 20.0, 3.0), _bench_row("sdpa_dense", "fwd", "ms", 40.0, 2.0)]
+    argv = ["--tiny", "--budget", "0", "--no-plot"]
+    assert main(argv) == 0 and main(argv) == 0
+    first, second = sorted((tmp_path / "perf" / "out").iterdir())
+    assert re.fullmatch(r"sweep-\d{8}-\d{6}(-2)?\.csv", first.name) and second.name != first.name
+    printed = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("writing perf/out/sweep-") for line in printed) == 2
+    assert sum(line.startswith("wrote 2 rows to perf/out/sweep-") for line in printed) == 2
+    before = first.read_text()
+    assert main([*argv, "--out", str(first)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"sweep: {first} exists (an earlier run's results)" in err and "--overwrite" in err
+    assert first.read_text() == before
+    png = tmp_path / "plots-time.png"          # a PNG of the name counts too (unless --no-plot)
+    png.write_bytes(b"x")
+    assert main(["--tiny", "--budget", "0", "--out", str(tmp_path / "plots.csv")]) == 2
+    assert f"{png} exists" in capsys.readouterr().err and not (tmp_path / "plots.csv").exists()
+    assert main([*argv, "--out", str(first), "--overwrite"]) == 0
+    assert f"wrote 2 rows to {first}" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- CLI errors and help (issue 14)

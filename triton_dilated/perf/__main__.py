@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from ..ops.common.hardware import ARCH_TABLE, arch_facts
 from .cli import (CAUSAL, DTYPES, Parser, add_causal, block_size, head_dim, non_negative_float, positive_float,
@@ -46,7 +47,10 @@ def _parser():
         return sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
 
     p = command("sweep", "the default benchmark sweep (also: no command)")
-    p.add_argument("--out", default="perf/out/sweep.csv", help="CSV to write (default: %(default)s)")
+    p.add_argument("--out", help="CSV to write, its PNGs beside it; one that exists is refused unless --overwrite "
+                                 "(default: a new perf/out/sweep-<UTC date>-<time>.csv each run)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out CSV and its PNGs (default: refuse; nothing is timed)")
     p.add_argument("--seqlens", type=positive_int, nargs="+", metavar="N",
                    help="sequence lengths (default: GPU 8192 16384 32768, and 65536 with >= 40 GiB; "
                         "CPU 1024 2048 4096)")
@@ -220,16 +224,24 @@ def _sweep(args) -> int:
         if len(missing) == len(set(args.providers)):
             print("sweep: none of the named providers can run here: nothing to time", file=sys.stderr)
             return 2
+    out = args.out or _new_sweep_path()
+    taken = [] if args.overwrite else _sweep_outputs(out, plots=not args.no_plot)
+    if taken:
+        print(f"sweep: {', '.join(taken)} exist{'s' * (len(taken) == 1)} (an earlier run's results): name another "
+              f"--out, drop --out for a new perf/out/sweep-<time>.csv, or add --overwrite to replace "
+              f"{'it' if len(taken) == 1 else 'them'}", file=sys.stderr)
+        return 2
+    print(f"writing {out}" + ("" if args.no_plot else " and its PNGs"))
     timing = Timing.for_device(device, args.budget)
-    rows = run_sweep(cases, out=args.out, timing=timing, flex=args.flex, only=args.providers)
+    rows = run_sweep(cases, out=out, timing=timing, flex=args.flex, only=args.providers)
     print_table(rows)
-    print(f"\nwrote {len(rows)} rows to {args.out}")
+    print(f"\nwrote {len(rows)} rows to {out}")
     if device == "cpu":
         print("(CPU run: portable-backend and baseline timings only; Triton kernel timings need a GPU.)")
     if rows and not args.no_plot:
         try:
             from .plot import plot_csv
-            for p in plot_csv(args.out):
+            for p in plot_csv(out):
                 print(f"wrote {p}")
         except Exception as exc:  # plotting is a convenience: never fail the sweep for it
             print(f"plots skipped ({type(exc).__name__}: {exc})")
@@ -237,6 +249,25 @@ def _sweep(args) -> int:
     if hint:    # last, where it is read
         print(hint)
     return 0 if rows else 1
+
+
+def _sweep_outputs(csv_path: str, plots: bool) -> list:
+    """The files of csv_path's sweep (the CSV, and its PNGs with `plots`) that exist already."""
+    from .plot import SWEEP_PLOTS, png_path
+    paths = [csv_path] + ([png_path(csv_path, kind) for kind in SWEEP_PLOTS] if plots else [])
+    return [p for p in paths if os.path.exists(p)]
+
+
+def _new_sweep_path(directory: str = os.path.join("perf", "out")) -> str:
+    """The default --out: perf/out/sweep-<UTC date>-<time>.csv, with -2, -3, ... where a run of
+    the same second left files: every run keeps the earlier ones (perf/compare_runs.py compares
+    two)."""
+    stem = os.path.join(directory, time.strftime("sweep-%Y%m%d-%H%M%S", time.gmtime()))
+    path, n = f"{stem}.csv", 1
+    while _sweep_outputs(path, plots=True):
+        n += 1
+        path = f"{stem}-{n}.csv"
+    return path
 
 
 def _tune(args) -> int:
