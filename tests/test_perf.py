@@ -829,6 +829,26 @@ def test_table_and_plot_read_the_decode_csv(tmp_path, capsys):
     assert (tmp_path / "decode-cpu-decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_decode_and_ring_figures_say_what_they_show_and_keep_legends_off_the_points():
+    """Issue 34 item 4: the decode figure's title said "(bfloat16, float32)" for float32 timings
+    and a bfloat16 cache, its axis read 1024K for 1M; the ring figure's legends sat on its points."""
+    rows = results.read_csv(ROOT / "perf" / "results" / "decode-cpu.csv")
+    fig = _draw(plot.decode_figure(rows))
+    assert "(timed in float32; cache memory in bfloat16)" in fig._suptitle.get_text()
+    ticks = [t.get_text() for t in fig.axes[1].get_xticklabels()]
+    assert ticks[-3:] == ["64K", "128K", "1M"], ticks
+    assert all("e+" not in t.get_text() for ax in fig.axes for t in ax.get_yticklabels())     # 10000, not 1e+04
+    assert [plot.count_label(n) for n in (512, 1024, 1536, 98304, 1 << 20, 3 << 19)] == \
+        ["512", "1K", "1.5K", "96K", "1M", "1.5M"]
+    fig = _draw(plot.ring_figure(results.read_csv(ROOT / "perf" / "results" / "ring-cpu.csv")))
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    (legend,) = fig.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert len(labels) == len(set(labels)) == 8 and "dense ring_p2p fwd_bwd" in labels
+    box = legend.get_window_extent()
+    assert all(box.y1 <= ax.get_tightbbox().y0 + 1 for ax in fig.axes), "the legend overlaps a panel"
+
+
 def test_plot_without_arguments_leaves_the_committed_results_alone(tmp_path, monkeypatch, capsys):
     """No arguments: the committed CSVs are plotted into perf/out/ under the working directory,
     not over the committed PNGs next to them."""

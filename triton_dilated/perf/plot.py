@@ -105,10 +105,26 @@ def _title(op, variant, causal, mode):
     return f"{short} {kind}{variant}{' causal' if causal else ''}" + (f": {mode}" if mode else "")
 
 
-def _machine(rows):
+def _machine(rows, dtypes=None):
+    """"<machine> (<dtypes>)" and the CPU note: the figure's provenance line. `dtypes`: what
+    the parenthesis says instead of the rows' dtypes (a figure mixing rows of two dtypes says
+    which is which)."""
     ms = sorted({r.get("machine", "") for r in rows if r.get("machine")})
-    dt = sorted({r.get("dtype", "") for r in rows if r.get("dtype")})
-    return f"{', '.join(ms)} ({', '.join(dt)})" + (f"\n{backend_note(rows)}" if backend_note(rows) else "")
+    dt = dtypes or ", ".join(sorted({r.get("dtype", "") for r in rows if r.get("dtype")}))
+    return f"{', '.join(ms)} ({dt})" + (f"\n{backend_note(rows)}" if backend_note(rows) else "")
+
+
+def count_label(n) -> str:
+    """A token count for a tick or note: 512, 4K, 1.5K, 128K, 1M (powers of 1024)."""
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size:
+            return f"{round(n / size, 2):g}{unit}"
+    return f"{n:g}"
+
+
+def _plain(y: float) -> str:
+    """A log-axis tick as a plain number: 0.05, 2, 500, 10000 (never 1e+04)."""
+    return f"{y:.0f}" if y >= 1000 else f"{y:.3g}"
 
 
 def backend_note(rows) -> str:
@@ -131,7 +147,7 @@ def readable_log_axis(axis, suffix=""):
     if len(ticks) < 3:
         subs = tuple(float(i) for i in range(1, 10))
     axis.set_major_locator(LogLocator(base=10, subs=subs))
-    axis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:.3g}{suffix}"))
+    axis.set_major_formatter(FuncFormatter(lambda y, _: f"{_plain(y)}{suffix}"))
     axis.set_minor_formatter(NullFormatter())
 
 
@@ -149,7 +165,7 @@ def _log2_x(ax, xs):
     ax.set_xscale("log", base=2)
     if xs:
         ax.set_xticks(sorted(set(xs)))
-        ax.set_xticklabels([f"{x // 1024}K" if x >= 1024 else str(x) for x in sorted(set(xs))])
+        ax.set_xticklabels([count_label(x) for x in sorted(set(xs))])
         ax.minorticks_off()
 
 
@@ -241,7 +257,7 @@ def sparsity_figure(rows):
                     label=_title(op, var, causal, ""))
             mark_busy(ax, [(x, y) for x, y, _, flag in pts if flag])
             for x, y, n, _ in pts:
-                ax.annotate(f"{n // 1024}K" if n >= 1024 else str(n), (x, y), fontsize=6, xytext=(2, 2),
+                ax.annotate(count_label(n), (x, y), fontsize=6, xytext=(2, 2),
                             textcoords="offset points")
         xs = [p[0] for pts in groups.values() for p in pts]
         if xs:
@@ -280,7 +296,14 @@ def ring_figure(rows):
             ax.set_xticklabels([str(p) for p in ps])
             ax.minorticks_off()
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+    # one legend for both panels (the same series), below them: inside, it covered the points
+    entries = {}
+    for ax in axes[:2]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=min(4, len(entries)),
+                   fontsize=7)
     n = sorted({r["N"] for r in rows})
     fig.suptitle(f"Ring attention, N = {', '.join(map(str, n))} — {_machine(rows)}", fontsize=11)
     return fig
@@ -332,7 +355,12 @@ def decode_figure(rows):
     shapes = sorted({f"H={r['H']}, D={r['D']}" for r in rows if r["metric"] == "ms"})
     schedules = sorted({"LongNet schedule" if r["variant"] == "longnet" else
                         f"w={r['segment_lengths']}, r={r['dilation_rates']}" for r in rows})
-    fig.suptitle(f"Decoding, {'; '.join(schedules)} ({'; '.join(shapes)}) — {_machine(rows)}", fontsize=11)
+    # the timed rows' dtype and the memory rows' (perf decode measures the cache at bfloat16)
+    dtypes = [f"{what} {', '.join(sorted({r['dtype'] for r in rows if r['metric'] == metric and r['dtype']}))}"
+              for what, metric in (("timed in", "ms"), ("cache memory in", "cache_mib"))
+              if any(r["metric"] == metric and r["dtype"] for r in rows)]
+    fig.suptitle(f"Decoding, {'; '.join(schedules)} ({'; '.join(shapes)}) — {_machine(rows, '; '.join(dtypes))}",
+                 fontsize=11)
     return fig
 
 
