@@ -40,7 +40,7 @@ COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot", "plan", 
 
 def _parser():
     parser = Parser(prog="python -m triton_dilated.perf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(name, help_text):
