@@ -418,7 +418,22 @@ def test_aot_arch_option_knows_the_architecture_table(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "unknown GPU architecture 'sm12': known are sm70, sm75, sm80, sm86, sm89, sm90, sm100, sm120, gfx942, gfx950" \
-        in err and err.count("\n") < 10
+        in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("arch", ["999", "91", "sm122", "101", "gfx940"])
+def test_aot_arch_refuses_what_triton_cannot_compile(arch, capsys):
+    """Issue 34 item 1: --arch 999 took the nearest row of the table (sm120) and crashed LLVM
+    ("Cannot select: intrinsic") in the compile processes. An arch Triton's compiler does not
+    target is one usage line listing the ones it does (perf.__main__.AOT_NVIDIA, AOT_AMD)."""
+    from triton_dilated.perf.__main__ import AOT_AMD, AOT_NVIDIA, main
+    with pytest.raises(SystemExit) as exc:
+        main(["aot", "--arch", arch])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    name = arch if arch.startswith(("sm", "gfx")) else f"sm{arch}"
+    assert f"Triton cannot compile for {name!r}" in err and " ".join(AOT_AMD) in err
+    assert f"capabilities are {' '.join(map(str, AOT_NVIDIA))}," in err
 
 
 @pytest.fixture(scope="module")

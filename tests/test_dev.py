@@ -148,6 +148,34 @@ def test_dev_test_runs_pytest_and_fails_when_nothing_was_collected(tmp_path, pyt
     assert ("pytest collected no tests: failing" in res.stderr) == (pytest_rc == 5)
 
 
+@pytest.mark.parametrize("pytest_rc, dev_rc", [(0, 0), (5, 1)])
+def test_dev_quick_runs_the_quick_marker(tmp_path, pytest_rc, dev_rc):
+    """Issue 34 item 6: `./dev quick` is `./dev test -m quick` (the same exit rules)."""
+    dev = FakeDev(tmp_path)
+    assert dev("true").returncode == 0
+    res = dev("quick", "-x", FAKE_PYTEST_RC=str(pytest_rc))
+    assert res.returncode == dev_rc
+    assert dev.calls() == ["python -m pytest -n 2 -q -m quick -x"]
+
+
+def test_quick_subset_names_each_variants_oracle_test_and_skips_say_why():
+    """conftest.QUICK: every id still names a test (collected with -m quick: exactly those), one
+    per variant at least (dilated, block-sparse, ring step, decode, with_kvcache) on both paths;
+    the markers are registered (--strict-markers) and skipped tests print their reason (-rs)."""
+    from conftest import QUICK
+    options = _pyproject()["tool"]["pytest"]["ini_options"]
+    assert {"-rs", "--strict-markers"} <= set(options["addopts"].split())
+    assert any(m.startswith("quick: ") for m in options["markers"])
+    files = sorted({q.split("::")[0] for q in QUICK})
+    assert files == ["tests/test_block_sparse.py", "tests/test_decode.py", "tests/test_dilated.py", "tests/test_ring.py",
+                     "tests/test_with_kvcache.py"]
+    assert any("[triton" in q or "triton]" in q for q in QUICK) and any("torch" in q for q in QUICK)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "quick", "-p", "no:cacheprovider",
+                           *files], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    collected = [ln for ln in proc.stdout.splitlines() if "::" in ln]
+    assert proc.returncode == 0 and sorted(collected) == sorted(QUICK), proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def test_other_commands_run_inside_the_environment(tmp_path):
     dev = FakeDev(tmp_path)
     assert dev("true").returncode == 0

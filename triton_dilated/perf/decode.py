@@ -462,6 +462,10 @@ def decode_table(rows) -> str:
 
 def main(args) -> int:
     """The `decode` subcommand."""
+    kv = args.kv_heads or args.heads
+    if args.heads % kv:
+        print(f"decode: --heads ({args.heads}) must be a multiple of --kv-heads ({kv})", file=sys.stderr)
+        return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     contexts = args.contexts or default_contexts(device)
     memory = args.memory_contexts if args.memory_contexts is not None else sorted(set(contexts) | {1 << 20})
