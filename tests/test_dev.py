@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import warnings
 
 import pytest
