@@ -1,17 +1,12 @@
-"""The front door of dilated attention: `dilated_attention` (validation, backend dispatch),
-the autograd Function over the Triton launchers, and the torch.library custom ops
-(`dilated_attention_op`) that torch.compile traces.
+"""The training door of dilated attention: `dilated_attention` (validation, backend
+dispatch), the autograd Function over the Triton launchers, and the torch.library custom ops
+(`dilated_attention_op`) that torch.compile traces. q, k and v hold the same positions;
+queries at the end of a longer key sequence (a KV cache, chunked prefill) go through the
+serve door, serve.py.
 
-Dispatch: the Triton kernels (kernels.py, imported only when used: the package runs
-without triton) or the portable PyTorch path (portable.py); under torch.compile, either
-path through the custom ops, so that fullgraph tracing sees one opaque op. Queries shorter
-than keys (DESIGN §5b): up to DECODE_MAX_QUERIES rows take a decode path that reads only
-the keys each query attends to (decode_kernels.py, or decode.py on the portable path and
-whenever the Triton path would need gradients: the decode kernel has no backward); longer
-query blocks, and gradients with the Triton backend, take the general path
-(common/query_offset.py): a full-length call on q padded in front, which on the Triton path
-plans only the chunk's tiles (plan.QueryWindow; forward and dQ cost the chunk, dK/dV skip
-only the key tiles no chunk row reads) and on the portable path costs the full length.
+Dispatch: the Triton kernels (kernels.py, imported only when used: the package runs without
+triton) or the portable PyTorch path (portable.py); under torch.compile, either path through
+the custom ops, so that fullgraph tracing sees one opaque op.
 """
 from __future__ import annotations
 
@@ -20,22 +15,31 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.decode import DECODE_MAX_QUERIES, decode_path
-from ..common.first_order import first_order_backward, needs_grad
+from ..common.first_order import first_order_backward
 from ..common.lse import add_sinks, lse_from_stats, with_softcap_and_sinks
 from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
-from ..common.query_offset import run_with_query_offset
-from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_sinks, check_softcap
-from .inference import check_args as _check_args, decode_table, dilated_attention_with_kvcache
-from .patterns import fit_patterns, head_table
-from .plan import QueryWindow
+from ..common.validation import check_cu_seqlens, check_flags, check_qkv, check_scale, check_sinks, check_softcap
+from .patterns import check_head_slice, check_patterns, fit_patterns, head_table, warn_if_heads_first
 from .portable import dilated_attention_torch
 
 CONFIG_FAMILIES = ("dilated_fwd", "dilated_bwd")
 
 
 _kernels = lazy_module(__package__ + ".kernels")                 # imports triton
+
+
+def check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
+               allow_shorter_q=False, head_offset=0, total_heads=None, door="dilated_attention"):
+    """Validation shared by every dilated front door: (patterns fitted to k's length, scale,
+    (head_offset, total_heads))."""
+    check_qkv(q, k, v, allow_shorter_q=allow_shorter_q, door=door)
+    patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
+    check_flags(causal=causal, return_lse=return_lse)
+    heads = check_head_slice(head_offset, total_heads, q.shape[2], k.shape[2])
+    warn_if_heads_first(patterns, k.shape[1], heads[1])
+    patterns = fit_patterns(patterns, k.shape[1], heads[1])   # w >= N is one segment: clamped to N
+    return patterns, check_scale(scale, q.shape[-1]), heads
 
 
 # ----------------------------------------------------------------------------- eager autograd
@@ -67,20 +71,14 @@ class _DilatedAttentionFn(torch.autograd.Function):
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
                       mode="longnet", offsets="modulo", return_lse=False, backend="auto", cu_seqlens=None,
-                      cache_seqlens=None, head_offset=0, total_heads=None, softcap=None, sinks=None):
+                      head_offset=0, total_heads=None, softcap=None, sinks=None):
     """LongNet dilated attention (arXiv 2307.02486 §2.2-2.4), exact, forward and backward.
 
     Args:
         q: (B, N, Hq, D); k, v: (B, N, Hkv, D) with Hq % Hkv == 0 (GQA/MQA). float16,
             bfloat16 or float32; any strides with a contiguous last dimension (others are
-            copied once). For inference q may be shorter: (B, Nq, Hq, D) with Nq <= N holds
-            the last Nq positions of the sequence (query i at position N - Nq + i, flash-attn's
-            bottom-right convention); segments, residues and the causal mask apply to
-            absolute positions, so each row equals that row of the full-sequence call.
-            Cost: up to 16 rows (decoding, no gradient on the Triton path) read only their
-            keys; longer chunks (chunked prefill) on the Triton backend compute the forward
-            and dQ for the chunk's rows only, while dK/dV and the portable backend cost a
-            full-length call (memory: q, out and row statistics at the full length).
+            copied once). Queries at the end of a longer key sequence (decoding against a
+            KV cache, chunked prefill): dilated_attention_with_kvcache.
         segment_lengths, dilation_rates: one (w, r) per pattern. N % w != 0, w % r != 0
             and w >= N are all legal; the last segment may be shorter.
         causal: each query attends only to keys at or before its position.
@@ -97,20 +95,13 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
             [cu_seqlens[i], cu_seqlens[i+1]) of the sequence (0 first, N last, ascending).
             Segments restart at each document and no query sees another document: the
             result equals separate calls per document.
-        cache_seqlens: int32 (B,), for q shorter than k, v: the valid key rows of each batch
-            row, queries included (query i of row b at position cache_seqlens[b] - Nq + i;
-            rows from cache_seqlens[b] on are ignored). Unlike flash-attn's argument of the
-            same name, which counts the cache *before* the new tokens, this counts them too.
-            The values are checked, which reads them on the host (a device sync); for a
-            decode step with none, use dilated_attention_with_kvcache.
         head_offset, total_heads: q's heads are the query heads [head_offset, head_offset +
             Hq) of a call with total_heads query heads (default: q's own); the per-head
             offsets and head groups follow the global index, so the result equals that head
             slice of the full call (Ulysses sequence parallelism computes one per rank).
             With GQA both must be multiples of Hq // Hkv.
         softcap: None, or a positive float c: every scaled score s becomes c * tanh(s / c)
-            before the softmax (Gemma 2), gradients through the cap; also on the decode
-            paths (q shorter than k, v, or cache_seqlens).
+            before the softmax (Gemma 2), gradients through the cap.
         sinks: None, or a float32 tensor (Hq,) (differentiable): a per-head logit that joins
             every row's softmax denominator once (the joint denominator of all patterns)
             and contributes no value (gpt-oss). lse then includes it: a row without keys
@@ -123,50 +114,17 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     return with_softcap_and_sinks(
         lambda with_lse, cap: _dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
                                                  mode=mode, offsets=offsets, return_lse=with_lse, backend=backend,
-                                                 cu_seqlens=cu_seqlens, cache_seqlens=cache_seqlens,
-                                                 head_offset=head_offset, total_heads=total_heads, softcap=cap),
+                                                 cu_seqlens=cu_seqlens, head_offset=head_offset,
+                                                 total_heads=total_heads, softcap=cap),
         q, k, v, return_lse=return_lse, softcap=softcap, sinks=sinks)
 
 
 def _dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal, scale, mode, offsets, return_lse,
-                       backend, cu_seqlens, cache_seqlens, head_offset, total_heads, softcap):
+                       backend, cu_seqlens, head_offset, total_heads, softcap):
     """dilated_attention without the sinks (softcap validated)."""
-    patterns, scale, heads = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-                                         return_lse, allow_shorter_q=True, head_offset=head_offset,
-                                         total_heads=total_heads)
+    patterns, scale, heads = check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
+                                        return_lse, head_offset=head_offset, total_heads=total_heads)
     B, N, Hq, D = q.shape
-    table = head_table(Hq, patterns, mode, offsets, *heads)
-    if cache_seqlens is not None or k.shape[1] != N:
-        if torch.compiler.is_compiling() and cu_seqlens is None and 0 < N <= DECODE_MAX_QUERIES and \
-                not needs_grad(q, k, v):
-            # traced: the inference entry point (its custom op), without the value checks below
-            # (they read the lengths on the host, which fullgraph tracing cannot)
-            lens = cache_seqlens.to(q.device) if cache_seqlens is not None else \
-                torch.full((B,), k.shape[1], dtype=torch.int32, device=q.device)
-            return dilated_attention_with_kvcache(q, k, v, cache_seqlens=lens, segment_lengths=segment_lengths,
-                                                  dilation_rates=dilation_rates, causal=causal, scale=scale,
-                                                  mode=mode, offsets=offsets, return_lse=return_lse,
-                                                  backend=backend, head_offset=heads[0], total_heads=heads[1],
-                                                  softcap=softcap)
-        lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1], cu_seqlens)   # a host read, and checked
-        path = decode_path(backend, q, k, v, CONFIG_FAMILIES[:1])
-        if path is not None:
-            # the decode step of dilated_attention_with_kvcache; the lengths are already on the
-            # host here, so CPU tensors without gradients read the runs in place (faster)
-            lens = torch.full((B,), k.shape[1], dtype=torch.int32, device=q.device) if cache_seqlens is None \
-                else cache_seqlens.to(q.device)
-            host_loop = path == "torch" and q.device.type == "cpu" and not needs_grad(q, k, v)
-            out, lse = decode_table(q, k, v, patterns, table, lens, causal=causal, scale=scale, path=path,
-                                    host_loop=host_loop, softcap=softcap)
-            return (out, lse) if return_lse else out
-
-        def call(qq, kk, vv, rows, n):
-            return _padded_call(qq, kk, vv, n - N, patterns, segment_lengths, dilation_rates, causal=causal,
-                                scale=scale, mode=mode, offsets=offsets, backend=backend, heads=heads,
-                                softcap=softcap)
-
-        out, lse = run_with_query_offset(call, q, k, v, lengths)   # N = Nq: the rows kept
-        return (out, lse) if return_lse else out
     path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype)
     doc_bounds = check_cu_seqlens(cu_seqlens, B, N)
     # under torch.compile: the custom op (either path). It traces without a graph break; the
@@ -178,29 +136,10 @@ def _dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal, scal
 
     if B == 0 or N == 0:
         return empty_result(q, k, v, return_lse)
-
+    table = head_table(Hq, patterns, mode, offsets, *heads)
     out, lse = dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=return_lse,
                                        backend=path, doc_bounds=doc_bounds, softcap=softcap)
     return (out, lse) if return_lse else out
-
-
-def _padded_call(q, k, v, first_query_row, patterns, segment_lengths, dilation_rates, *, causal, scale, mode,
-                 offsets, backend, heads=(0, None), softcap=None):
-    """(out, lse) of the full-sequence call on q padded with first_query_row zero rows in
-    front (common/query_offset.py), of which only the rows from first_query_row on are kept.
-    The Triton path plans only the work those rows need (plan.QueryWindow): forward and dQ
-    cost the chunk, not the sequence; dK/dV skip the key tiles no kept row reads. The
-    portable path, and tracing under torch.compile, run the full call."""
-    B, N, Hq, D = q.shape
-    if B and N and not torch.compiler.is_compiling() and \
-            resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype) == "triton":
-        patterns = fit_patterns(patterns, N, heads[1] or Hq)
-        return dilated_attention_table(q, k, v, patterns, head_table(Hq, patterns, mode, offsets, *heads),
-                                       causal=causal, scale=scale, backend="triton",
-                                       doc_bounds=QueryWindow(None, first_query_row), softcap=softcap)
-    return dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
-                             offsets=offsets, return_lse=True, backend=backend, head_offset=heads[0],
-                             total_heads=heads[1], softcap=softcap)
 
 
 def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse=True, backend="auto",
@@ -336,8 +275,9 @@ def dilated_attention_op(q, k, v, segment_lengths, dilation_rates, *, causal=Fal
     """`dilated_attention` through the `triton_dilated::dilated_fwd/_bwd` custom ops: the
     same arguments, results and numerics, and traceable by `torch.compile(fullgraph=True)`
     forward and backward (the sinks join outside the op, in traceable tensor code)."""
-    patterns, scale, heads = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-                                         return_lse, head_offset=head_offset, total_heads=total_heads)
+    patterns, scale, heads = check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
+                                        return_lse, head_offset=head_offset, total_heads=total_heads,
+                                        door="dilated_attention_op")
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q.shape[2], q.device)
     path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, q.shape[-1], q.dtype)

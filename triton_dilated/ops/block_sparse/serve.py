@@ -1,9 +1,10 @@
-"""The inference entry point of block-sparse attention: `block_sparse_attention_with_kvcache`
+"""The serve door of block-sparse attention: `block_sparse_attention_with_kvcache`
 (FlashAttention's `flash_attn_with_kvcache` shape), its custom op
 `triton_dilated::block_sparse_decode` (what torch.compile traces) and `decode_layout`, the
-decode step both it and the training front door (`block_sparse_attention(...,
-cache_seqlens=)`) run. No host sync from the call to the kernel launch on either backend
-(see ops/dilated/inference.py; the key-list width is the layout's index-list width).
+decode step. Routes as ops/dilated/serve.py: a decode step with no host sync (the key-list
+width is the layout's index-list width); chunked prefill, and gradients on the Triton path,
+through the query-offset path, where the query blocks before the chunk get no key block, so
+that every kernel does the chunk's work only.
 """
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.kvcache import (FP8_DTYPE, cache_view, capacity, check_kvcache_args, decode_step,
+from ..common.kvcache import (FP8_DTYPE, cache_view, capacity, check_kvcache_args, contiguous_rows, decode_step,
                               portable_descaled, with_sinks)
 from ..common.op_support import check_path, lazy_module
+from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result, last_dim_contiguous
 from ..common.validation import check_flags, check_qkv, check_scale
 from ..common.window import WindowPredicate, check_window_causal
 from .decode import block_sparse_decode
+from .interface import block_sparse_attention
 from .layout import BlockLayout
 
 _decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
@@ -46,14 +49,15 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
                                         block_table=None, causal=True, scale=None, return_lse=False,
                                         backend="auto", validate=False, k_descale=None, v_descale=None,
                                         softcap=None, sinks=None):
-    """Block-sparse attention of a decode step against a KV cache, with no host sync.
+    """Block-sparse attention of queries at the end of a KV cache: a decode step with no host
+    sync, or chunked prefill.
 
     Args:
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale,
-            v_descale: as
-            `dilated_attention_with_kvcache` (q of 1 to 16 rows, the last positions of
-            each row's L_b = cache_seqlens[b] + Nnew valid rows; k, v appended in place;
-            block_table: a paged cache; k_descale, v_descale: an FP8 cache).
+            v_descale: as `dilated_attention_with_kvcache` (q: the last Nq positions of each
+            row's L_b = cache_seqlens[b] + Nnew valid rows, up to 16 on the decode path with
+            no host sync, more as chunked prefill; k, v appended in place; block_table: a
+            paged cache; k_descale, v_descale: an FP8 cache).
         layout: a BlockLayout covering the cache's capacity Nk (ceil(Nk / block_size)
             blocks per side) at absolute positions, laid out for (B|1, Hq|1); keep it on
             q's device (a copy per call otherwise). Each query reads the active blocks of
@@ -63,9 +67,9 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
             block_sparse_attention (the sinks join each row's denominator after the kernel).
 
     Returns out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq); rows with
-    no active key: 0 and -inf. No gradient through the Triton path (ValueError). Under
-    torch.compile: the custom op `triton_dilated::block_sparse_decode` (build the layout
-    outside the compiled region).
+    no active key: 0 and -inf. Differentiable in eager mode (with gradients on the Triton path
+    the training kernels run). Under torch.compile: the custom op
+    `triton_dilated::block_sparse_decode` (build the layout outside the compiled region).
     """
     check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,
                        softcap=softcap, sinks=sinks)
@@ -79,14 +83,18 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     B, Hq = q.shape[0], q.shape[2]
     layout.check_seq_len(capacity(k_cache, block_table))
     layout.check_heads(B, Hq)
-    path, lengths = decode_step("block_sparse_attention_with_kvcache", q, k_cache, v_cache, k, v, cache_seqlens,
-                                block_table, validate, backend, DECODE_FAMILIES, k_descale, v_descale)
+    path, lengths, decodes = decode_step("block_sparse_attention_with_kvcache", q, k_cache, v_cache, k, v,
+                                         cache_seqlens, block_table, validate, backend, DECODE_FAMILIES, k_descale,
+                                         v_descale)
     if B == 0:
         return with_sinks(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
                           sinks, return_lse)
     if layout.kv_indices.device != q.device:
         layout = layout.to(q.device)
-    if torch.compiler.is_compiling():
+    if not decodes:
+        out, lse = _prefill(q, k_cache, v_cache, lengths, layout, block_table, k_descale, v_descale, causal=causal,
+                            scale=scale, backend=backend, softcap=softcap)
+    elif torch.compiler.is_compiling():
         window = (0, 0, None) if layout.window is None else (*layout.window, layout.kv_window)
         out, lse = _block_sparse_decode(q, k_cache, v_cache, lengths, block_table, layout.kv_num_blocks,
                                         layout.kv_indices, layout.block_size, causal, scale, path, k_descale,
@@ -95,6 +103,28 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
         out, lse = decode_layout(q, k_cache, v_cache, layout, lengths, causal=causal, scale=scale, path=path,
                                  block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap)
     return with_sinks((out, lse), sinks, return_lse)
+
+
+def _prefill(q, k_cache, v_cache, lengths, layout, block_table, k_descale, v_descale, *, causal, scale, backend,
+             softcap):
+    """(out, lse) through the query-offset path (one host read of the lengths): per length n,
+    the training door on q padded in front and the layout's first ceil(n / block_size)
+    blocks, the query blocks before the chunk without key blocks (their work is skipped)."""
+    B, Nk = q.shape[0], capacity(k_cache, block_table)
+    rows = [int(n) for n in lengths.tolist()]
+    k_rows = contiguous_rows(k_cache, block_table, max(rows), q.dtype, k_descale)
+    v_rows = contiguous_rows(v_cache, block_table, max(rows), q.dtype, v_descale)
+
+    def call(qq, kk, vv, batch_rows, n, first_row):
+        first = first_row // layout.block_size
+        if n != Nk or len(batch_rows) != B or first > 0:
+            lay = layout.prefix(-(-n // layout.block_size), batch_rows, first_query_block=first)
+        else:
+            lay = layout
+        return block_sparse_attention(qq, kk, vv, lay, causal=causal, scale=scale, return_lse=True, backend=backend,
+                                      softcap=softcap)
+
+    return run_with_query_offset(call, q, k_rows, v_rows, rows)
 
 
 class _RowLists:

@@ -1,12 +1,17 @@
-"""The inference entry point of dilated attention: `dilated_attention_with_kvcache`
-(FlashAttention's `flash_attn_with_kvcache` shape), its custom op
-`triton_dilated::dilated_decode` (what torch.compile traces) and `decode_table`, the decode
-step both it and the training front door (`dilated_attention(..., cache_seqlens=)`) run.
+"""The serve door of dilated attention: `dilated_attention_with_kvcache` (FlashAttention's
+`flash_attn_with_kvcache` shape), the one entry point for queries at the end of a longer key
+sequence, its custom op `triton_dilated::dilated_decode` (what torch.compile traces) and
+`decode_table`, the decode step.
 
-No host sync from the call to the kernel launch, on either backend: lengths stay a device
-tensor (the Triton decode kernel loads them; the portable path gathers with them), every
-shape comes from the input shapes (the longest key list from the cache's length), and
-value checks run only with validate=True (ops/common/kvcache.py).
+Routes (common/kvcache.serve_route): a decode step (up to 16 queries) reads only the keys
+each query attends to (the Triton decode kernel, or the portable decode), with no host sync:
+lengths stay a device tensor, every shape comes from the input shapes (the longest key list
+from the cache's length), and value checks run only with validate=True. Chunked prefill (more
+queries), and gradients on the Triton path, take the query-offset path
+(common/query_offset.py): the training kernels on q padded in front, the Triton kernels
+planning only the chunk's tiles (plan.QueryWindow: forward and dQ cost the chunk, dK/dV skip
+the key tiles no chunk row reads), the portable path a full-length call; it reads the lengths
+on the host once.
 """
 from __future__ import annotations
 
@@ -15,29 +20,20 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.kvcache import FP8_DTYPE, cache_view, check_kvcache_args, decode_step, portable_descaled, with_sinks
+from ..common.first_order import needs_grad
+from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, cache_view, check_kvcache_args, contiguous_rows,
+                              decode_step, portable_descaled, with_sinks)
 from ..common.op_support import check_path, lazy_module
-from ..common.runtime import empty_result, last_dim_contiguous
-from ..common.validation import check_flags, check_qkv, check_scale
+from ..common.query_offset import run_with_query_offset
+from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
 from .decode import dilated_decode
-from .patterns import check_head_slice, check_patterns, fit_patterns, head_table, warn_if_heads_first
+from .interface import CONFIG_FAMILIES, check_args, dilated_attention, dilated_attention_table
+from .patterns import fit_patterns, head_table
+from .plan import QueryWindow
 
 _decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
 
 DECODE_FAMILIES = ("dilated_fwd",)
-
-
-def check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
-               allow_shorter_q=False, head_offset=0, total_heads=None):
-    """Validation shared by every dilated front door: (patterns fitted to k's length, scale,
-    (head_offset, total_heads))."""
-    check_qkv(q, k, v, allow_shorter_q=allow_shorter_q)
-    patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
-    check_flags(causal=causal, return_lse=return_lse)
-    heads = check_head_slice(head_offset, total_heads, q.shape[2], k.shape[2])
-    warn_if_heads_first(patterns, k.shape[1], heads[1])
-    patterns = fit_patterns(patterns, k.shape[1], heads[1])   # w >= N is one segment: clamped to N
-    return patterns, check_scale(scale, q.shape[-1]), heads
 
 
 def decode_table(q, k, v, patterns, table, lengths, *, causal, scale, path, host_loop=False, block_table=None,
@@ -63,11 +59,16 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
                                    offsets="modulo", return_lse=False, backend="auto", validate=False,
                                    head_offset=0, total_heads=None, k_descale=None, v_descale=None, softcap=None,
                                    sinks=None):
-    """Dilated attention of a decode step against a KV cache, with no host sync (inference).
+    """Dilated attention of queries at the end of a KV cache: a decode step with no host sync,
+    or chunked prefill.
 
     Args:
-        q: (B, Nq, Hq, D), 1 <= Nq <= 16 (a decode step, a speculative draft): the last Nq
-            positions of each row (query i of row b at L_b - Nq + i, L_b below).
+        q: (B, Nq, Hq, D), Nq >= 1: the last Nq positions of each row (query i of row b at
+            L_b - Nq + i, L_b below; a row with L_b < Nq has its first queries before
+            position 0, which read no key: out 0, lse -inf). Up to 16 queries (a decode
+            step, a speculative draft) read only their keys, with no host sync; more
+            (chunked prefill) read the lengths on the host once and run the training
+            kernels on the chunk (Triton: forward and dQ cost the chunk's rows).
         k_cache, v_cache: (B, Nk, Hkv, D), Hq % Hkv == 0, q's dtype and device; Nk (the
             cache's capacity) bounds the key lists, so a static cache costs what its
             schedule reads, not Nk.
@@ -91,14 +92,15 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
         segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse, backend,
             head_offset, total_heads, softcap, sinks: as dilated_attention (causal defaults to
             True here; the sinks join each row's denominator after the kernel, on the device).
-        validate: check that every L_b lies in [Nq, Nk] (reads the lengths on the host: a
-            device sync; for debugging). Without it values are not checked: a length out
-            of range reads or writes outside the row (an index error or garbage).
+        validate: check that every L_b lies in [0, Nk] and a paged row's pages in the pool
+            (reads the lengths on the host: a device sync; for debugging; chunked prefill
+            always checks). Without it values are not checked on a decode step: an append
+            outside [0, Nk) writes nothing, a key on a page outside the pool is not read.
 
     Returns:
-        out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq). No gradient
-        through the Triton path (a ValueError when one is needed); the portable path is
-        differentiable in eager mode.
+        out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq).
+        Differentiable in eager mode (a decode step with gradients on the Triton path takes
+        the training kernels: the decode kernel has no backward).
 
     Under torch.compile it runs as the custom op `triton_dilated::dilated_decode` (either
     backend), so `torch.compile(fullgraph=True)` traces a decode step once for every value
@@ -112,13 +114,25 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
                                         segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
                                         allow_shorter_q=True, head_offset=head_offset, total_heads=total_heads)
     Hq = q.shape[2]
-    path, lengths = decode_step("dilated_attention_with_kvcache", q, k_cache, v_cache, k, v, cache_seqlens,
-                                block_table, validate, backend, DECODE_FAMILIES, k_descale, v_descale)
+    path, lengths, decodes = decode_step("dilated_attention_with_kvcache", q, k_cache, v_cache, k, v,
+                                         cache_seqlens, block_table, validate, backend, DECODE_FAMILIES, k_descale,
+                                         v_descale)
     if B == 0:
         return with_sinks(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
                           sinks, return_lse)
     cap = float(softcap or 0.0)
-    if torch.compiler.is_compiling():
+    if not decodes:
+        rows = [int(n) for n in lengths.tolist()]   # chunked prefill: one host read
+        k_rows = contiguous_rows(k_cache, block_table, max(rows), q.dtype, k_descale)
+        v_rows = contiguous_rows(v_cache, block_table, max(rows), q.dtype, v_descale)
+
+        def call(qq, kk, vv, batch_rows, n, first_row):
+            return padded_call(qq, kk, vv, first_row, patterns, segment_lengths, dilation_rates, causal=causal,
+                               scale=scale, mode=mode, offsets=offsets, backend=backend, heads=heads,
+                               softcap=softcap)
+
+        out, lse = run_with_query_offset(call, q, k_rows, v_rows, rows)
+    elif torch.compiler.is_compiling():
         out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
                                    [r for _, r in patterns], causal, scale, mode, offsets, *heads, path, k_descale,
                                    v_descale, cap)
@@ -127,6 +141,43 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
         out, lse = decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
                                 block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap)
     return with_sinks((out, lse), sinks, return_lse)
+
+
+def attend_rows(q, k_rows, v_rows, segment_lengths, dilation_rates, *, causal, scale, mode, offsets, backend):
+    """The last Nq positions of k_rows, v_rows (every row valid: DilatedKVCache's rows) through
+    the serve door; a decode step of CPU tensors without gradients on the portable path reads
+    the runs in place instead (decode.attend_runs: the lengths are known here, no host read;
+    3-5x faster on a CPU than gathering the keys)."""
+    B, Nq = q.shape[:2]
+    lengths = torch.full((B,), k_rows.shape[1], dtype=torch.int32, device=q.device)
+    kw = dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=causal, scale=scale, mode=mode,
+              offsets=offsets, backend=backend)
+    if B and q.device.type == "cpu" and Nq <= MAX_DECODE_QUERIES and not needs_grad(q, k_rows, v_rows) and \
+            resolve_backend(backend, q.device, DECODE_FAMILIES, q.shape[-1], q.dtype) == "torch":
+        patterns, scale, heads = check_args(q, k_rows, v_rows, segment_lengths, dilation_rates, causal, scale, mode,
+                                            offsets, False, allow_shorter_q=True)
+        table = head_table(q.shape[2], patterns, mode, offsets, *heads)
+        return decode_table(q, k_rows, v_rows, patterns, table, lengths, causal=causal, scale=scale, path="torch",
+                            host_loop=True)[0]
+    return dilated_attention_with_kvcache(q, k_rows, v_rows, cache_seqlens=lengths, **kw)
+
+
+def padded_call(q, k, v, first_query_row, patterns, segment_lengths, dilation_rates, *, causal, scale, mode,
+                offsets, backend, heads=(0, None), softcap=None):
+    """(out, lse) of the full-sequence call on q padded with first_query_row zero rows in
+    front (common/query_offset.py), of which only the rows from first_query_row on are kept.
+    The Triton path plans only the work those rows need (plan.QueryWindow): forward and dQ
+    cost the chunk, not the sequence; dK/dV skip the key tiles no kept row reads. The
+    portable path runs the full call."""
+    B, N, Hq, D = q.shape
+    if B and N and resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype) == "triton":
+        patterns = fit_patterns(patterns, N, heads[1] or Hq)
+        return dilated_attention_table(q, k, v, patterns, head_table(Hq, patterns, mode, offsets, *heads),
+                                       causal=causal, scale=scale, backend="triton",
+                                       doc_bounds=QueryWindow(None, first_query_row), softcap=softcap)
+    return dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
+                             offsets=offsets, return_lse=True, backend=backend, head_offset=heads[0],
+                             total_heads=heads[1], softcap=softcap)
 
 
 # ----------------------------------------------------------------------------- custom op
