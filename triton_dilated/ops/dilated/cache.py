@@ -35,7 +35,7 @@ import torch
 
 from ..common.runtime import resolve_backend
 from ..common.validation import SUPPORTED_DTYPES, check_flags, check_int, check_qkv, check_scale
-from .serve import attend_rows
+from .interface import dilated_attention
 from .patterns import check_patterns
 
 
@@ -195,8 +195,7 @@ class DilatedKVCache:
         out = cache.attend(q, k_new, v_new, layer_idx)     # q (B, n, Hq, D): the new tokens' queries
 
     or `k_rows, v_rows = cache.update(k_new, v_new, layer_idx)` and any call of
-    `dilated_attention_with_kvcache(q, k_rows, v_rows, cache_seqlens=<k_rows.shape[1] per row>,
-    ...)` with the same patterns. The rows returned are
+    `dilated_attention(q, k_rows, v_rows, ...)` with the same patterns. The rows returned are
     views, valid after later updates too. For transformers models use
     `triton_dilated.integrations.transformers.DilatedCache` (a transformers `Cache`).
 
@@ -275,8 +274,8 @@ class DilatedKVCache:
                           f"num_heads=1 to DilatedKVCache, which checks the heads and silences this.",
                           UserWarning, stacklevel=2)
         with quiet_heads_warning(q.shape[2], k_rows.shape[1]):
-            return attend_rows(q, k_rows, v_rows, self.segment_lengths, self.dilation_rates, causal=causal,
-                               scale=scale, mode=self.mode, offsets=self.offsets, backend=backend)
+            return dilated_attention(q, k_rows, v_rows, self.segment_lengths, self.dilation_rates, causal=causal,
+                                     scale=scale, mode=self.mode, offsets=self.offsets, backend=backend)
 
     def seq_length(self, layer_idx: int = 0) -> int:
         """Tokens written to layer `layer_idx` (the position of the next one)."""

@@ -1,8 +1,9 @@
 """The training door of dilated attention: `dilated_attention` (validation, backend
 dispatch), the autograd Function over the Triton launchers, and the torch.library custom ops
-(`dilated_attention_op`) that torch.compile traces. q, k and v hold the same positions;
-queries at the end of a longer key sequence (a KV cache, chunked prefill) go through the
-serve door, serve.py.
+(`dilated_attention_op`) that torch.compile traces, and what both doors run for queries at
+the end of a longer key sequence (DESIGN §5b): the decode step (`decode_table`, its custom
+op) and the query-offset path (`padded_call`). Per-row lengths, appends, paged and FP8
+caches belong to the serve door (serve.py), the only place `cache_seqlens` exists.
 
 Dispatch: the Triton kernels (kernels.py, imported only when used: the package runs without
 triton) or the portable PyTorch path (portable.py); under torch.compile, either path through
@@ -15,18 +16,25 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.first_order import first_order_backward
+from ..common.first_order import first_order_backward, needs_grad
+from ..common.kvcache import MAX_DECODE_QUERIES, portable_descaled
 from ..common.lse import add_sinks, lse_from_stats, with_softcap_and_sinks
 from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
+from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.validation import check_cu_seqlens, check_flags, check_qkv, check_scale, check_sinks, check_softcap
+from .decode import dilated_decode
 from .patterns import check_head_slice, check_patterns, fit_patterns, head_table, warn_if_heads_first
+from .plan import QueryWindow
 from .portable import dilated_attention_torch
 
 CONFIG_FAMILIES = ("dilated_fwd", "dilated_bwd")
 
 
 _kernels = lazy_module(__package__ + ".kernels")                 # imports triton
+_decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
+
+DECODE_FAMILIES = ("dilated_fwd",)
 
 
 def check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
@@ -77,8 +85,13 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     Args:
         q: (B, N, Hq, D); k, v: (B, N, Hkv, D) with Hq % Hkv == 0 (GQA/MQA). float16,
             bfloat16 or float32; any strides with a contiguous last dimension (others are
-            copied once). Queries at the end of a longer key sequence (decoding against a
-            KV cache, chunked prefill): dilated_attention_with_kvcache.
+            copied once). q may be shorter, (B, Nq, Hq, D) with Nq <= N: the last Nq positions
+            (query i at N - Nq + i, flash-attn's bottom-right convention; every key row
+            valid); each row equals that row of the full-sequence call. Up to 16 rows read
+            only their keys (the decode kernel; gradients on the Triton path: the training
+            kernels); longer chunks compute the forward and dQ of the chunk's rows only on
+            the Triton backend. Per-row cache lengths, appends, paged or FP8 caches:
+            dilated_attention_with_kvcache.
         segment_lengths, dilation_rates: one (w, r) per pattern. N % w != 0, w % r != 0
             and w >= N are all legal; the last segment may be shorter.
         causal: each query attends only to keys at or before its position.
@@ -123,9 +136,17 @@ def _dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal, scal
                        backend, cu_seqlens, head_offset, total_heads, softcap):
     """dilated_attention without the sinks (softcap validated)."""
     patterns, scale, heads = check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-                                        return_lse, head_offset=head_offset, total_heads=total_heads)
+                                        return_lse, allow_shorter_q=True, head_offset=head_offset,
+                                        total_heads=total_heads)
     B, N, Hq, D = q.shape
     path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype)
+    if k.shape[1] != N:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens (packed documents) cannot be combined with q shorter than k, v")
+        out, lse = queries_at_the_end(q, k, v, patterns, segment_lengths, dilation_rates, causal=causal, scale=scale,
+                                      mode=mode, offsets=offsets, backend=backend, path=path, heads=heads,
+                                      softcap=softcap)
+        return (out, lse) if return_lse else out
     doc_bounds = check_cu_seqlens(cu_seqlens, B, N)
     # under torch.compile: the custom op (either path). It traces without a graph break; the
     # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
@@ -161,6 +182,95 @@ def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse
     parts = [run(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in zip(doc_bounds[:-1], doc_bounds[1:]) if e > s]
     out = torch.cat([p[0] for p in parts], dim=1)
     return out, (torch.cat([p[1] for p in parts], dim=2) if need_lse else None)
+
+
+def queries_at_the_end(q, k, v, patterns, segment_lengths, dilation_rates, *, causal, scale, mode, offsets, backend,
+                       path, heads, softcap):
+    """(out, lse) of q (B, Nq, Hq, D), the last Nq positions of k, v (B, Nk, Hkv, D) with every
+    key row valid (DESIGN §5b). Up to 16 queries decode (the Triton decode kernel; the portable
+    decode, which on CPU tensors without gradients reads the runs in place); under
+    torch.compile the decode custom op; gradients on the Triton path and longer chunks take
+    the query-offset path (padded_call). The lengths are known on the host: no read."""
+    B, Nq, Hq, _ = q.shape
+    Nk = k.shape[1]
+    if B == 0:
+        return empty_result(q, k, v, True)
+    decodes = Nq <= MAX_DECODE_QUERIES and not (path == "triton" and needs_grad(q, k, v))
+    if decodes:
+        lengths = torch.full((B,), Nk, dtype=torch.int32, device=q.device)
+        if torch.compiler.is_compiling():
+            return _dilated_decode(q, k, v, lengths, None, [w for w, _ in patterns], [r for _, r in patterns], causal,
+                                   scale, mode, offsets, heads[0], heads[1], path, None, None, float(softcap or 0.0))
+        table = head_table(Hq, patterns, mode, offsets, *heads)
+        host_loop = path == "torch" and q.device.type == "cpu" and not needs_grad(q, k, v)
+        return decode_table(q, k, v, patterns, table, lengths, causal=causal, scale=scale, path=path,
+                            host_loop=host_loop, softcap=softcap)
+
+    def call(qq, kk, vv, batch_rows, n, first_row):
+        return padded_call(qq, kk, vv, first_row, patterns, causal=causal, scale=scale, mode=mode, offsets=offsets,
+                           backend=backend, heads=heads, softcap=softcap)
+
+    return run_with_query_offset(call, q, k, v, [Nk] * B)
+
+
+def decode_table(q, k, v, patterns, table, lengths, *, causal, scale, path, host_loop=False, block_table=None,
+                 k_descale=None, v_descale=None, softcap=None):
+    """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
+    q's device) valid rows of k, v (page pools with block_table; float8_e4m3fn with
+    k_descale, v_descale): the Triton decode kernel or the portable decode (host_loop: its
+    strided-view CPU variant, which reads the lengths on the host; contiguous caches only).
+    softcap: None or the cap c (scores s -> c * tanh(s / c))."""
+    if path == "torch":
+        return portable_descaled(lambda q_: dilated_decode(q_, k, v, patterns, table, lengths, causal=causal,
+                                                           scale=scale, host_loop=host_loop, block_table=block_table,
+                                                           softcap=softcap),
+                                 q, k_descale, v_descale, k.shape[2])
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    return _decode_kernels().dilated_decode_forward(q, k, v, patterns, table, lengths, causal=causal, scale=scale,
+                                                    block_table=block_table, k_descale=k_descale, v_descale=v_descale,
+                                                    softcap=softcap)
+
+
+def padded_call(q, k, v, first_query_row, patterns, *, causal, scale, mode, offsets, backend, heads=(0, None),
+                softcap=None):
+    """(out, lse) of the full-sequence call on q padded with first_query_row zero rows in
+    front (common/query_offset.py), of which only the rows from first_query_row on are kept.
+    The Triton path plans only the work those rows need (plan.QueryWindow): forward and dQ
+    cost the chunk, not the sequence; dK/dV skip the key tiles no kept row reads. The
+    portable path runs the full call."""
+    B, N, Hq, D = q.shape
+    if not (B and N):
+        return empty_result(q, k, v, True)
+    path = resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype)
+    patterns = fit_patterns(patterns, N, heads[1] or Hq)
+    return dilated_attention_table(q, k, v, patterns, head_table(Hq, patterns, mode, offsets, *heads),
+                                   causal=causal, scale=scale, backend=path, softcap=softcap,
+                                   doc_bounds=QueryWindow(None, first_query_row) if path == "triton" else None)
+
+
+# Patterns travel as two int lists plus `mode` and `offsets` (the offset table is rebuilt,
+# cached); the lengths are the rows valid after the append (the append happens outside the
+# op, as plain index_put_ that torch.compile functionalises). No autograd formula: inference.
+
+@torch.library.custom_op("triton_dilated::dilated_decode", mutates_args=())
+def _dilated_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
+                    segment_lengths: List[int], dilation_rates: List[int], causal: bool, scale: float, mode: str,
+                    offsets: str, head_offset: int, total_heads: int, path: str, k_descale: Optional[Tensor] = None,
+                    v_descale: Optional[Tensor] = None, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq).
+    softcap 0.0: no cap."""
+    check_path(path)
+    patterns = tuple(zip((int(w) for w in segment_lengths), (int(r) for r in dilation_rates)))
+    table = head_table(q.shape[2], patterns, mode, offsets, head_offset, total_heads)
+    return decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
+                        block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap or None)
+
+
+@_dilated_decode.register_fake
+def _(q, k_cache, v_cache, lengths, block_table, segment_lengths, dilation_rates, causal, scale, mode, offsets,
+      head_offset, total_heads, path, k_descale=None, v_descale=None, softcap=0.0):
+    B, Nq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------- custom ops

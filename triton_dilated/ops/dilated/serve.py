@@ -20,39 +20,11 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.first_order import needs_grad
-from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, cache_view, check_kvcache_args, contiguous_rows,
-                              decode_step, portable_descaled, with_sinks)
-from ..common.op_support import check_path, lazy_module
+from ..common.kvcache import FP8_DTYPE, cache_view, check_kvcache_args, contiguous_rows, decode_step, with_sinks
 from ..common.query_offset import run_with_query_offset
-from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
-from .decode import dilated_decode
-from .interface import CONFIG_FAMILIES, check_args, dilated_attention, dilated_attention_table
-from .patterns import fit_patterns, head_table
-from .plan import QueryWindow
-
-_decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
-
-DECODE_FAMILIES = ("dilated_fwd",)
-
-
-def decode_table(q, k, v, patterns, table, lengths, *, causal, scale, path, host_loop=False, block_table=None,
-                 k_descale=None, v_descale=None, softcap=None):
-    """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
-    q's device) valid rows of k, v (page pools with block_table; float8_e4m3fn with
-    k_descale, v_descale): the Triton decode kernel or the portable decode (host_loop: its
-    strided-view CPU variant, which reads the lengths on the host; contiguous caches only).
-    softcap: None or the cap c (scores s -> c * tanh(s / c))."""
-    if path == "torch":
-        return portable_descaled(lambda q_: dilated_decode(q_, k, v, patterns, table, lengths, causal=causal,
-                                                           scale=scale, host_loop=host_loop, block_table=block_table,
-                                                           softcap=softcap),
-                                 q, k_descale, v_descale, k.shape[2])
-    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-    return _decode_kernels().dilated_decode_forward(q, k, v, patterns, table, lengths, causal=causal, scale=scale,
-                                                    block_table=block_table, k_descale=k_descale, v_descale=v_descale,
-                                                    softcap=softcap)
-
+from ..common.runtime import empty_result
+from .interface import DECODE_FAMILIES, _dilated_decode, check_args, decode_table, padded_call
+from .patterns import head_table
 
 def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
                                    segment_lengths, dilation_rates, causal=True, scale=None, mode="longnet",
@@ -127,9 +99,8 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
         v_rows = contiguous_rows(v_cache, block_table, max(rows), q.dtype, v_descale)
 
         def call(qq, kk, vv, batch_rows, n, first_row):
-            return padded_call(qq, kk, vv, first_row, patterns, segment_lengths, dilation_rates, causal=causal,
-                               scale=scale, mode=mode, offsets=offsets, backend=backend, heads=heads,
-                               softcap=softcap)
+            return padded_call(qq, kk, vv, first_row, patterns, causal=causal, scale=scale, mode=mode,
+                               offsets=offsets, backend=backend, heads=heads, softcap=softcap)
 
         out, lse = run_with_query_offset(call, q, k_rows, v_rows, rows)
     elif torch.compiler.is_compiling():
@@ -141,66 +112,3 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
         out, lse = decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
                                 block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap)
     return with_sinks((out, lse), sinks, return_lse)
-
-
-def attend_rows(q, k_rows, v_rows, segment_lengths, dilation_rates, *, causal, scale, mode, offsets, backend):
-    """The last Nq positions of k_rows, v_rows (every row valid: DilatedKVCache's rows) through
-    the serve door; a decode step of CPU tensors without gradients on the portable path reads
-    the runs in place instead (decode.attend_runs: the lengths are known here, no host read;
-    3-5x faster on a CPU than gathering the keys)."""
-    B, Nq = q.shape[:2]
-    lengths = torch.full((B,), k_rows.shape[1], dtype=torch.int32, device=q.device)
-    kw = dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=causal, scale=scale, mode=mode,
-              offsets=offsets, backend=backend)
-    if B and q.device.type == "cpu" and Nq <= MAX_DECODE_QUERIES and not needs_grad(q, k_rows, v_rows) and \
-            resolve_backend(backend, q.device, DECODE_FAMILIES, q.shape[-1], q.dtype) == "torch":
-        patterns, scale, heads = check_args(q, k_rows, v_rows, segment_lengths, dilation_rates, causal, scale, mode,
-                                            offsets, False, allow_shorter_q=True)
-        table = head_table(q.shape[2], patterns, mode, offsets, *heads)
-        return decode_table(q, k_rows, v_rows, patterns, table, lengths, causal=causal, scale=scale, path="torch",
-                            host_loop=True)[0]
-    return dilated_attention_with_kvcache(q, k_rows, v_rows, cache_seqlens=lengths, **kw)
-
-
-def padded_call(q, k, v, first_query_row, patterns, segment_lengths, dilation_rates, *, causal, scale, mode,
-                offsets, backend, heads=(0, None), softcap=None):
-    """(out, lse) of the full-sequence call on q padded with first_query_row zero rows in
-    front (common/query_offset.py), of which only the rows from first_query_row on are kept.
-    The Triton path plans only the work those rows need (plan.QueryWindow): forward and dQ
-    cost the chunk, not the sequence; dK/dV skip the key tiles no kept row reads. The
-    portable path runs the full call."""
-    B, N, Hq, D = q.shape
-    if B and N and resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype) == "triton":
-        patterns = fit_patterns(patterns, N, heads[1] or Hq)
-        return dilated_attention_table(q, k, v, patterns, head_table(Hq, patterns, mode, offsets, *heads),
-                                       causal=causal, scale=scale, backend="triton",
-                                       doc_bounds=QueryWindow(None, first_query_row), softcap=softcap)
-    return dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
-                             offsets=offsets, return_lse=True, backend=backend, head_offset=heads[0],
-                             total_heads=heads[1], softcap=softcap)
-
-
-# ----------------------------------------------------------------------------- custom op
-# Patterns travel as two int lists plus `mode` and `offsets` (the offset table is rebuilt,
-# cached); the lengths are the rows valid after the append (the append happens outside the
-# op, as plain index_put_ that torch.compile functionalises). No autograd formula: inference.
-
-@torch.library.custom_op("triton_dilated::dilated_decode", mutates_args=())
-def _dilated_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
-                    segment_lengths: List[int], dilation_rates: List[int], causal: bool, scale: float, mode: str,
-                    offsets: str, head_offset: int, total_heads: int, path: str, k_descale: Optional[Tensor] = None,
-                    v_descale: Optional[Tensor] = None, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
-    """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq).
-    softcap 0.0: no cap."""
-    check_path(path)
-    patterns = tuple(zip((int(w) for w in segment_lengths), (int(r) for r in dilation_rates)))
-    table = head_table(q.shape[2], patterns, mode, offsets, head_offset, total_heads)
-    return decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
-                        block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap or None)
-
-
-@_dilated_decode.register_fake
-def _(q, k_cache, v_cache, lengths, block_table, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-      head_offset, total_heads, path, k_descale=None, v_descale=None, softcap=0.0):
-    B, Nq, Hq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)
