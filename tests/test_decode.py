@@ -50,16 +50,18 @@ def _spy(module, name, seen):
 @contextlib.contextmanager
 def paths(variant, splits=None):
     """Records the paths a call of `variant` ("dilated" or "block_sparse") takes: "general"
-    (the serve door's query-offset path), "portable" (decode.py) and in it "runs" (strided
-    views: dilated, CPU, no gradient, only through DilatedKVCache's serve.attend_rows, which
-    knows the lengths), "patterns" (dilated, gathered per pattern) or "gather" (block-sparse
-    key lists), or "triton" (the decode kernel). `splits` forces the Triton decode kernel's
-    number of splits."""
-    serve = dl_serve if variant == "dilated" else bs_serve
+    (the query-offset path), "portable" (decode.py) and in it "runs" (strided views: dilated,
+    CPU, no gradient, only through the training door, which knows the lengths on the host),
+    "patterns" (dilated, gathered per pattern) or "gather" (block-sparse key lists), or
+    "triton" (the decode kernel). `splits` forces the Triton decode kernel's number of
+    splits. Both doors run the decode step and the query-offset path of interface.py."""
+    serve = dl_interface if variant == "dilated" else bs_interface
     portable = "dilated_decode" if variant == "dilated" else "block_sparse_decode"
     seen = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(_spy(serve, "run_with_query_offset", seen))
+        if variant == "dilated":   # the serve door's prefill calls it from its own module
+            stack.enter_context(_spy(dl_serve, "run_with_query_offset", seen))
         stack.enter_context(_spy(serve, portable, seen))
         if variant == "dilated":
             stack.enter_context(_spy(dl_decode, "attend_runs", seen))
@@ -94,7 +96,7 @@ def _interpreted():
 
 def expected_paths(backend, variant="dilated", grad=False):
     """The paths a serve-door decode call takes: the portable dilated decode gathers per
-    pattern (no host sync, on every device; the strided runs are attend_rows' only), the
+    pattern (no host sync, on every device; the strided runs are the training door's only), the
     Triton backend with gradients the query-offset path (the decode kernel has no backward)."""
     if backend == "torch":
         return ["portable", "patterns" if variant == "dilated" else "gather"]
@@ -349,11 +351,11 @@ def test_decode_cost_does_not_grow_with_the_context():
     paths (counted where they read k), against 64x more for dense attention; and the key
     list is exactly the multiset of the definition (pattern multiplicities) at 64K. CPU
     tensors whatever the suite's device: only there does the portable decode take both
-    paths (strided runs: DilatedKVCache's serve.attend_rows, no gradient; the per-pattern
-    gather: the serve door, with gradients and without)."""
+    paths (strided runs: the training door, which knows the lengths, no gradient; the
+    per-pattern gather: the serve door, with gradients and without)."""
     ws, rs = [64, 128, 256, 512, 1024], [1, 2, 4, 6, 12]
     H, D = 4, 8
-    for route, grad in (("rows", False), ("serve", False), ("serve", True)):
+    for route, grad in (("train", False), ("serve", False), ("serve", True)):
         rows = {}
         for n in (1024, 65536):
             q = seeded((1, 1, H, D), torch.float32, 0).requires_grad_(grad)
@@ -361,12 +363,11 @@ def test_decode_cost_does_not_grow_with_the_context():
             v = seeded((1, n, H, D), torch.float32, 2)
             before = dict(common_decode.DECODE_STATS)
             with paths("dilated") as seen:
-                if route == "rows":
-                    dl_serve.attend_rows(q, k, v, ws, rs, causal=True, scale=None, mode="longnet", offsets="modulo",
-                                         backend="torch")
+                if route == "train":
+                    dilated_attention(q, k, v, ws, rs, causal=True, backend="torch")
                 else:
                     dilated_serve(q, k, v, ws, rs, causal=True, backend="torch")
-            assert seen == ["portable", "runs" if route == "rows" else "patterns"], (route, grad, seen)
+            assert seen == ["portable", "runs" if route == "train" else "patterns"], (route, grad, seen)
             rows[n] = common_decode.DECODE_STATS["key_rows"] - before["key_rows"]
             assert common_decode.DECODE_STATS["calls"] == before["calls"] + 1
         assert 0 < rows[1024] == rows[65536] <= H * sum(-(-w // r) for w, r in zip(ws, rs))

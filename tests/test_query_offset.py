@@ -141,27 +141,26 @@ def test_block_sparse_shorter_queries_match_the_definition(backend, data):
 
 
 @pytest.mark.parametrize("fn", ["dilated", "block_sparse"])
-def test_training_doors_refuse_shorter_queries(fn):
-    """The training doors take q, k and v of one length: a shorter q (with or without packed
-    documents) is refused with an error naming the serve door; cache_seqlens is not theirs."""
-    q, k = torch.randn(1, 8, 2, 8), torch.randn(1, 16, 2, 8)
-    lay = layouts.local(16, 16, 1)
+def test_training_doors_take_shorter_queries_but_no_cache_seqlens(fn):
+    """The training doors keep q shorter than k (DESIGN §5b: every key row valid), equal to the
+    serve door over full lengths; packed documents with a shorter q and a q longer than k are
+    refused; cache_seqlens is the serve doors' only (a TypeError on the training doors)."""
+    q, k = seeded((1, 8, 2, 8), torch.float32, 1, DEVICE), seeded((1, 16, 2, 8), torch.float32, 2, DEVICE)
+    lay = layouts.local(16, 16, 1).to(DEVICE)
 
     def call(q_, k_, **kw):
         if fn == "dilated":
             return dilated_attention(q_, k_, k_, [8], [1], **kw)
         return block_sparse_attention(q_, k_, k_, lay, **kw)
 
-    serve = rf"k and v must have the sequence length of q \(8\), got 16; queries at the end of longer keys " \
-            rf"\(a KV cache, chunked prefill\): {fn}_attention_with_kvcache"
-    with pytest.raises(ValueError, match=serve):
-        call(q, k)
-    with pytest.raises(ValueError, match=serve):
+    serve = dilated_serve(q, k, k, [8], [1]) if fn == "dilated" else block_sparse_serve(q, k, k, lay)
+    torch.testing.assert_close(call(q, k), serve, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="cu_seqlens .* cannot be combined with q shorter than k"):
         call(q, k, cu_seqlens=torch.tensor([0, 8]))
     with pytest.raises(ValueError, match="q must not be longer than k and v"):
-        call(torch.randn(1, 20, 2, 8), k)
+        call(torch.randn(1, 20, 2, 8, device=DEVICE), k)
     with pytest.raises(TypeError, match="cache_seqlens"):
-        call(q, k, cache_seqlens=torch.tensor([16], dtype=torch.int32))
+        call(q, k, cache_seqlens=torch.tensor([16], dtype=torch.int32, device=DEVICE))
 
 
 @pytest.mark.parametrize("fn", ["dilated", "block_sparse"])

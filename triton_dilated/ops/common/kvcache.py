@@ -81,7 +81,7 @@ def check_descales(q, k_cache, v_cache, k_descale, v_descale) -> None:
 
 def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale=None,
                        v_descale=None, softcap=None, sinks=None) -> None:
-    """Shape/dtype/device checks (no value read): q (B, Nq, Hq, D) with 1 <= Nq <= 16;
+    """Shape/dtype/device checks (no value read): q (B, Nq, Hq, D) with Nq >= 1;
     k_cache, v_cache (B, Nk, Hkv, D) like q (or float8_e4m3fn with k_descale, v_descale), or
     with block_table int32 (B, max_pages) on q's device page pools (num_pages, page_size, Hkv,
     D); k, v both or neither, (B, Nnew, Hkv, D) with Nnew <= the capacity, in the cache's dtype
