@@ -15,11 +15,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from triton_dilated import BlockLayout, block_sparse_attention_naive, dilated_attention_naive, layouts
-from triton_dilated.ops.block_sparse import decode as bs_decode, serve as bs_serve
+from triton_dilated import BlockLayout, block_sparse_attention_naive, dilated_attention, dilated_attention_naive, layouts
+from triton_dilated.ops.block_sparse import decode as bs_decode, interface as bs_interface, serve as bs_serve
 from triton_dilated.ops.block_sparse.decode import block_key_lists
 from triton_dilated.ops.common import decode as common_decode
-from triton_dilated.ops.dilated import decode as dl_decode, serve as dl_serve
+from triton_dilated.ops.dilated import decode as dl_decode, interface as dl_interface, serve as dl_serve
 from triton_dilated.ops.dilated.decode import dilated_key_lists
 from triton_dilated.ops.dilated.naive import pattern_multiplicity
 from triton_dilated.ops.dilated.patterns import fit_patterns, head_offsets
