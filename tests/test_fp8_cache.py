@@ -87,11 +87,13 @@ def _oracle(variant, lay, causal=True):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
-def test_fp8_cache_is_the_attention_over_the_dequantised_rows(backend, variant):
-    """B = 2 ragged rows, GQA, 2 queries, 2 new rows quantised on append (compared bit for bit
-    with quantise_fp8), fp8 NaN past each length: out/lse meet the float64 oracle over the
-    dequantised rows; a paged fp8 cache (shuffled pages) gives the same bits."""
-    B, Nk, Hq, Hkv, D, Nq = 2, 64, 4, 2, 16, 2
+@pytest.mark.parametrize("Nq", [2, 17], ids=["decode", "chunked-prefill"])
+def test_fp8_cache_is_the_attention_over_the_dequantised_rows(backend, variant, Nq):
+    """B = 2 ragged rows, GQA, 2 queries (a decode step) or 17 (chunked prefill: the
+    query-offset path on the dequantised rows), 2 new rows quantised on append (compared bit
+    for bit with quantise_fp8), fp8 NaN past each length: out/lse meet the float64 oracle over
+    the dequantised rows; a paged fp8 cache (shuffled pages) gives the same bits."""
+    B, Nk, Hq, Hkv, D = 2, 64, 4, 2, 16
     before = [37, 50]
     k8, v8, kd, vd = _fp8_cache(B, Nk, Hkv, D, before, seed=10, scale=3.0)
     q = seeded((B, Nq, Hq, D), torch.float32, 3, DEVICE)

@@ -21,7 +21,7 @@ import torch
 import triton_dilated
 from triton_dilated import layouts
 from triton_dilated.ops.block_sparse.naive import element_mask
-from triton_dilated import configs
+from triton_dilated.ops.common import configs
 from triton_dilated.ops.common import runtime
 from triton_dilated.ops.common.hardware import Arch
 from triton_dilated.ops import SPECS
@@ -226,7 +226,7 @@ def test_default_configs_fit_the_arch(capability, smem_kib):
                     assert (dtype == torch.float32 and pre_ampere
                             or d == 256 and bwd and (dtype == torch.float32 and smem_kib <= 99
                                                      or capability == (7, 5))), (kernel, dtype, d, cfg)
-                    # the smallest tile (8 warps: sm70/sm75's D = 256 default, configs.FMA_DEFAULTS)
+                    # the smallest tile (8 warps: sm70/sm75's D = 256 default, the fma rows of configs.ARCH_DEFAULTS)
                     assert cfg in ({"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": w, "num_stages": 1} for w in (4, 8))
 
 

@@ -432,7 +432,7 @@ def _aot(args) -> int:
         return 2
     configs = None
     if args.configs:
-        from ..configs import make_config
+        from ..ops.common.configs import make_config
         try:
             configs = [make_config(*(int(x) for x in c.split(","))) for c in args.configs]
         except (TypeError, ValueError):

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from ...configs import kernels_fit, kernels_spill_free
+from .configs import kernels_fit, kernels_spill_free
 from .constant import trace_constant
 
 BACKENDS = ("auto", "triton", "torch")

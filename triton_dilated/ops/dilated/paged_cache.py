@@ -23,7 +23,7 @@ import torch
 
 from ..common.validation import check_int
 from .cache import decode_rows_bound, window_start
-from .inference import dilated_attention_with_kvcache
+from .serve import dilated_attention_with_kvcache
 from .patterns import check_patterns
 
 POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
