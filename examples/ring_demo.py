@@ -6,10 +6,10 @@ the single-device result on every rank.
   # CPU-only machine (gloo; the portable step, or the Triton interpreter with TRITON_INTERPRET=1):
   ./dev torchrun --nproc_per_node=4 examples/ring_demo.py --seq-len 4096 --heads 4
 
-(the README's commands; `./dev torchrun` is torchrun in the project's environment, plain
-`torchrun` in your own). Each rank prints its forward+backward time and the largest
-difference from the single-device result, dense causal and dilated causal (segments
-1024, 4096, 16384 clipped to the sequence, rates 1, 2, 4).
+(the commands of docs/distributed.md; `./dev torchrun` is torchrun in the project's
+environment, plain `torchrun` in your own). Each rank prints its forward+backward time and
+the largest difference from the single-device result, dense causal and dilated causal
+(segments 1024, 4096, 16384 clipped to the sequence, rates 1, 2, 4).
 """
 from __future__ import annotations
 

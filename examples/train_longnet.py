@@ -1,6 +1,6 @@
-"""Train a small LongNet-style decoder on a synthetic copy task, on a CPU in about a minute.
+"""Train a small LongNet-style decoder on a synthetic copy task, on a CPU.
 
-    python examples/train_longnet.py               # 300 steps, under a minute on 2 CPU cores
+    python examples/train_longnet.py               # 300 steps: 20 s on a shared 2-core CPU
     python examples/train_longnet.py --steps 50 --log-every 10
 
 The model: token embedding + learned positions, `--layers` pre-LayerNorm blocks of
@@ -13,7 +13,10 @@ noise (loss ln(vocab) at best); the loss reported is on the copied half, where e
 answer sits exactly `half` positions back. With segment_lengths (16, 32, 64), dilation
 rates (1, 2, 4) and half = 32, only the (64, 4) pattern reaches that far: query p sees
 key p - 32 in the head whose offset is p % 4. A model that learns to copy drives the loss
-towards 0; one that cannot stays at ln(vocab - 2) ~ 2.6.
+towards 0; one that cannot stays at ln(vocab - 2) ~ 2.6. Measured with the defaults on a
+2-core x86_64 CPU shared with other work (load average about 7), one thread: 300 steps in
+20 s, the copy loss from 2.74 (steps 1-25) to 0.009 (steps 276-300), copy accuracy 0.999;
+the last figures vary from run to run.
 
 On a CPU `backend="auto"` runs the portable PyTorch backend (the Triton kernels need a
 GPU, or TRITON_INTERPRET=1 which is far too slow for training); on a CUDA GPU, the

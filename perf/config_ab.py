@@ -31,7 +31,7 @@ import statistics
 
 import torch
 
-from triton_dilated.configs import config_label, make_config, select_config, switch_alternatives
+from triton_dilated.ops.common.configs import config_label, make_config, select_config, switch_alternatives
 from triton_dilated.ops.common.hardware import device_arch, padded_head_dim
 from triton_dilated.ops.block_sparse.spec import BlockSparseProblem
 from triton_dilated.ops.dilated.spec import DilatedProblem

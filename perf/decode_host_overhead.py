@@ -1,6 +1,5 @@
-"""Host time per decode call (issue 21): the inference entry point
-`dilated_attention_with_kvcache` against the training front door `dilated_attention(...,
-cache_seqlens=)`, which checks the lengths on the host first.
+"""Host time per decode call of the serve door `dilated_attention_with_kvcache`, without and
+with an append.
 
 Two measurements, medians over interleaved rounds of `--calls` calls each:
 
@@ -26,7 +25,7 @@ import time
 
 import torch
 
-from triton_dilated import dilated_attention, dilated_attention_with_kvcache
+from triton_dilated import dilated_attention_with_kvcache
 from triton_dilated.perf.decode import KVCACHE, LONGNET, kvcache_steps, stubbed_launches
 
 
@@ -38,7 +37,6 @@ def _calls(backend, B, N, H, D, ws, rs):
     k_new, v_new = (torch.randn(B, 1, H, D, generator=gen) for _ in range(2))
     kw = dict(causal=True, backend=backend)
     return {
-        "front door (cache_seqlens=)": lambda: dilated_attention(q, k, v, ws, rs, cache_seqlens=lens, **kw),
         "with_kvcache": lambda: dilated_attention_with_kvcache(q, k, v, cache_seqlens=lens, segment_lengths=ws,
                                                                dilation_rates=rs, **kw),
         "with_kvcache + append": lambda: dilated_attention_with_kvcache(q, k, v, k_new, v_new, cache_seqlens=lens - 1,

@@ -7,7 +7,7 @@ medians per token, the decode's time per key read (keys/head: the (query, key) p
 one head, a key two patterns select counted twice), and each path's time relative to its
 own time at the first context. Below N = 32K the schedule's segments are clipped to N, so
 fewer keys are read there. On a shared CPU run with OMP_NUM_THREADS=1: small parallel
-regions on oversubscribed cores cost milliseconds each (README, CPU threads).
+regions on oversubscribed cores cost milliseconds each (docs/benchmarks.md, CPU threads).
 
     python perf/decode_vs_dense.py --contexts 4096 16384 65536 131072
 

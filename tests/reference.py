@@ -1,5 +1,7 @@
 """Shared test helpers: the comparison with the float64 oracle that every kernel and path
-test uses (DESIGN §6), and the same-dtype references it needs.
+test uses (DESIGN §6), the same-dtype references it needs, and the serve-door calls for
+queries at the end of longer keys (dilated_serve, block_sparse_serve: the training doors take
+same-length q, k, v only).
 
 Tolerance rule (flash-attention's tests), on the max over a tensor:
 
@@ -19,6 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from triton_dilated import block_sparse_attention_with_kvcache, dilated_attention_with_kvcache
 from triton_dilated.ops.dilated.naive import dilated_multiplicity as multiplicity  # noqa: F401 (imported from here)
 
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -44,6 +47,32 @@ def max_err(a, b, mask=None):
     if mask is not None:
         d = d[mask]
     return d.max().item() if d.numel() else 0.0
+
+
+# ----------------------------------------------------------------------------- serve doors
+
+def full_lengths(q, k):
+    """The serve doors' cache_seqlens for every key row of k valid: int32 (B,) on q's device
+    holding Nk (what a training-door call with q shorter than k meant before it went to the
+    serve doors)."""
+    return torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
+
+
+def dilated_serve(q, k, v, segment_lengths, dilation_rates, *, cache_seqlens=None, causal=False, **kw):
+    """Queries at the end of longer keys (q (B, Nq, ...) against k, v (B, Nk, ...)) through
+    dilated_attention_with_kvcache without new rows: row b's queries are the last Nq of its
+    L_b = cache_seqlens[b] rows (None: every row, full_lengths). causal defaults to False as
+    on the training door (the serve door's default is True)."""
+    lengths = full_lengths(q, k) if cache_seqlens is None else cache_seqlens
+    return dilated_attention_with_kvcache(q, k, v, cache_seqlens=lengths, segment_lengths=segment_lengths,
+                                          dilation_rates=dilation_rates, causal=causal, **kw)
+
+
+def block_sparse_serve(q, k, v, layout, *, cache_seqlens=None, causal=False, **kw):
+    """block_sparse_attention_with_kvcache as dilated_serve: no new rows, L_b =
+    cache_seqlens[b] rows (None: every row), causal False unless given."""
+    lengths = full_lengths(q, k) if cache_seqlens is None else cache_seqlens
+    return block_sparse_attention_with_kvcache(q, k, v, cache_seqlens=lengths, layout=layout, causal=causal, **kw)
 
 
 # ----------------------------------------------------------------------------- references

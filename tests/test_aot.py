@@ -204,7 +204,7 @@ def test_aot_compiles_the_launchers_flat_loop_default():
     """The AOT compile of the dilated forward and dQ takes FLAT_LOOP from the variant's spec;
     the launchers' default is the switch's in configs.VARIANT_SWITCHES: the same value, so CI
     checks what runs."""
-    from triton_dilated.configs import VARIANT_SWITCHES
+    from triton_dilated.ops.common.configs import VARIANT_SWITCHES
     from triton_dilated.ops.dilated.spec import SPEC
     for family in ("dilated_fwd", "dilated_bwd"):
         assert SPEC.aot_constexprs["FLAT_LOOP"] == VARIANT_SWITCHES[family]["FLAT_LOOP"].values[0]
@@ -344,7 +344,7 @@ def test_sm90_16bit_defaults_never_put_8_warps_on_64_rows():
     128-row tiles, and every forward default at D <= 128 has BLOCK_M >= 16 x num_warps."""
     import torch
 
-    from triton_dilated.configs import default_config
+    from triton_dilated.ops.common.configs import default_config
     from triton_dilated.ops.common.hardware import Arch
     arch = Arch("sm90", (9, 0), 227 * 1024, 132, "fake")
     for family, kernel in (("dilated_fwd", None), ("block_sparse_fwd", None), ("ring_step_fwd", None),
@@ -418,7 +418,22 @@ def test_aot_arch_option_knows_the_architecture_table(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "unknown GPU architecture 'sm12': known are sm70, sm75, sm80, sm86, sm89, sm90, sm100, sm120, gfx942, gfx950" \
-        in err and err.count("\n") < 10
+        in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("arch", ["999", "91", "sm122", "101", "gfx940"])
+def test_aot_arch_refuses_what_triton_cannot_compile(arch, capsys):
+    """Issue 34 item 1: --arch 999 took the nearest row of the table (sm120) and crashed LLVM
+    ("Cannot select: intrinsic") in the compile processes. An arch Triton's compiler does not
+    target is one usage line listing the ones it does (perf.__main__.AOT_NVIDIA, AOT_AMD)."""
+    from triton_dilated.perf.__main__ import AOT_AMD, AOT_NVIDIA, main
+    with pytest.raises(SystemExit) as exc:
+        main(["aot", "--arch", arch])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    name = arch if arch.startswith(("sm", "gfx")) else f"sm{arch}"
+    assert f"Triton cannot compile for {name!r}" in err and " ".join(AOT_AMD) in err
+    assert f"capabilities are {' '.join(map(str, AOT_NVIDIA))}," in err
 
 
 @pytest.fixture(scope="module")
@@ -448,7 +463,7 @@ def test_other_archs_compile_on_their_own_instructions(aot_other_archs):
         assert int(r["mma_sync"]) > 0 and int(r["wgmma"]) == 0 and int(r["spill_stores"]) == 0, r
         assert int(r["shared_bytes"]) <= 99 * 1024, r
     assert any(int(r["tcgen05"]) > 0 for r in rows["sm100"]), rows["sm100"]
-    for r in rows["gfx942"]:  # MFMA, within MI300's 64 KiB of LDS, no VGPR spilled (configs.CDNA_DEFAULTS)
+    for r in rows["gfx942"]:  # MFMA, within MI300's 64 KiB of LDS, no VGPR spilled (the cdna rows of configs.ARCH_DEFAULTS)
         assert int(r["mfma"]) > 0 and int(r["shared_bytes"]) <= 64 * 1024, r
         assert int(r["spill_stores"]) == 0 and int(r["scratch_bytes"]) == 0, r
 

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from triton_dilated import configs
+from triton_dilated.ops.common import configs
 from triton_dilated.ops.common import hardware
 from triton_dilated.ops.common.hardware import ARCH_TABLE, Arch, arch_facts, fake_arch
 
@@ -78,8 +78,8 @@ def test_default_configs_follow_the_facts(name):
     """The tile rule an arch gets is its MMA family's: warpgroup tiles (128 rows, 8 warps on
     64 rows each) only with warpgroup MMAs (sm90, sm100), the per-warp tiles chosen on sm80
     everywhere else (sm120 and AMD included, whatever their capability), each shrunk to the
-    arch's shared memory; on the 99 KiB mma.sync archs, MID_SMEM_DEFAULTS where the sm80
-    tile spills there, on AMD CDNA_DEFAULTS. Every 16-bit default fits it (a smallest tile,
+    arch's shared memory; on the 99 KiB mma.sync archs, the mid_smem rows (ARCH_DEFAULTS) where the sm80
+    tile spills there, on AMD the cdna rows. Every 16-bit default fits it (a smallest tile,
     16x16 with one stage, where none does)."""
     arch = fake_arch(name)
     family_rule = ARCH_TABLE["sm90" if arch.mma in hardware.WARPGROUP_MMA else "sm80"]
@@ -93,10 +93,9 @@ def test_default_configs_follow_the_facts(name):
                     cfg = configs.default_config(family, d, arch, dtype, kernel)
                     band = 64 if d <= 64 else 128 if d <= 128 else 256
                     own = kernel if kernel in configs.KERNEL_DEFAULTS else family
-                    table = {"sm86": configs.MID_SMEM_DEFAULTS, "sm89": configs.MID_SMEM_DEFAULTS,
-                             "sm120": configs.MID_SMEM_DEFAULTS, "gfx942": configs.CDNA_DEFAULTS,
-                             "gfx950": configs.CDNA_DEFAULTS, "sm70": configs.FMA_DEFAULTS,
-                             "sm75": configs.FMA_DEFAULTS, "sm100": configs.TCGEN05_DEFAULTS}.get(name, {})
+                    kind = {"sm86": "mid_smem", "sm89": "mid_smem", "sm120": "mid_smem", "gfx942": "cdna",
+                            "gfx950": "cdna", "sm70": "fma", "sm75": "fma", "sm100": "tcgen05"}.get(name)
+                    table = configs.ARCH_DEFAULTS[kind] if kind else {}
                     if (own, band) in table:
                         assert cfg == table[(own, band)], (name, family, kernel, d)
                     else:
@@ -175,7 +174,7 @@ def _all_archs_rows(dtype):
     return rows
 
 
-# The documented D = 256 spills of the defaults, per arch (README, GPUs; the lists may only
+# The documented D = 256 spills of the defaults, per arch (docs/gpus.md; the lists may only
 # shrink). Volta/Turing: the dK/dV kernels (FMA_SPILLING: "auto" takes the portable backward
 # at D = 256) and on sm70 the block-sparse forward and dQ; elsewhere 8-612 B in 1-5 kernels.
 D256_SPILLS = {"sm75": {"dilated_bwd_dkdv", "block_sparse_bwd_dkdv", "ring_step_bwd_dkdv"},
@@ -214,7 +213,7 @@ def test_sm100_defaults_are_the_compiled_spill_free_ones(monkeypatch, clear_arch
     """On a fake B200 (capability 10.0) the bf16 config select_config picks for every kernel
     at D <= 128 is the one the committed sm100 compile used (perf/aot/, causal: the
     spill-prone case), and that compile has no spill, tcgen05 MMAs in every tile kernel and
-    fits 227 KiB (configs.TCGEN05_DEFAULTS where the Hopper tiles spilled)."""
+    fits 227 KiB (the tcgen05 rows of configs.ARCH_DEFAULTS where the Hopper tiles spilled)."""
     import csv
     import pathlib
 

@@ -1,5 +1,6 @@
-"""Chunked prefill (DESIGN §5b with Nq past the decode paths): q holds the last Nq positions of
-each row's L_b valid keys. The results must be the matching rows of the full-sequence call
+"""Chunked prefill (DESIGN §5b with Nq past the decode paths) through the serve doors
+(`*_attention_with_kvcache`, no new rows): q holds the last Nq positions of each row's L_b
+valid keys. The results must be the matching rows of the training door's full-sequence call
 and of the float64 oracle, forward and gradients, and the Triton path (and the block-sparse
 portable path) must plan only the work those rows need: the planned query tiles / active
 query blocks of a chunk are about Nq / L of the full call's."""
@@ -15,7 +16,7 @@ from triton_dilated.ops.block_sparse import interface as bs_interface
 from triton_dilated.ops.dilated.patterns import head_offsets
 from triton_dilated.ops.dilated.plan import QueryWindow, build_items, key_unit_triples, plan_tiles, query_unit_triples
 from conftest import DEVICE
-from reference import check_against_oracle, seeded
+from reference import block_sparse_serve, check_against_oracle, dilated_serve, seeded
 
 BACKENDS = ["torch", "triton"]
 WS, RS = [48, 128], [1, 2]          # a short last segment of 128 at Nk = 192
@@ -55,9 +56,10 @@ def _full_rows(fn, q, k, v, lengths, prefix_seed):
 
 
 def _compare_with_full(fn, q, k, v, lengths, cache):
-    """The chunked call's out, lse and gradients equal the full calls' rows (dk, dv: the
-    full call's gradients of the chunk's loss, padded past L_b with the zeros the chunked
-    call must give there)."""
+    """The chunked call's out, lse and gradients (fn with cache_seqlens: the serve door) equal
+    the full calls' rows (fn with cache_seqlens=None: the training door; dk, dv: the full
+    call's gradients of the chunk's loss, padded past L_b with the zeros the chunked call must
+    give there)."""
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
     out, lse = fn(*leaves, cache_seqlens=cache)
     g = seeded(out.shape, out.dtype, 11, out.device)
@@ -89,9 +91,10 @@ def test_dilated_chunk_matches_full_call_and_oracle(backend, causal, case):
     kw = dict(causal=causal, mode=mode, offsets=offsets)
     cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
 
-    def fn(q_, k_, v_, cache_seqlens=cache):
-        return dilated_attention(q_, k_, v_, WS, RS, return_lse=True, backend=backend, cache_seqlens=cache_seqlens,
-                                 **kw)
+    def fn(q_, k_, v_, cache_seqlens=cache):   # None: the full-sequence call (the training door)
+        if cache_seqlens is None:
+            return dilated_attention(q_, k_, v_, WS, RS, return_lse=True, backend=backend, **kw)
+        return dilated_serve(q_, k_, v_, WS, RS, return_lse=True, backend=backend, cache_seqlens=cache_seqlens, **kw)
 
     def oracle(q_, k_, v_, n):
         return dilated_attention_naive(q_, k_, v_, WS, RS, **kw)
@@ -118,10 +121,13 @@ def test_block_sparse_chunk_matches_full_call_and_oracle(backend, causal, gqa):
     v = seeded((B, Nk, Hkv, D), torch.float32, 3, DEVICE)
     cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
 
-    def fn(q_, k_, v_, cache_seqlens=cache):
+    def fn(q_, k_, v_, cache_seqlens=cache):   # None: the full-sequence call (the training door)
         n = k_.shape[1]
-        return block_sparse_attention(q_, k_, v_, lay if n == Nk else lay.prefix(-(-n // bs)), causal=causal,
-                                      return_lse=True, backend=backend, cache_seqlens=cache_seqlens)
+        lay_n = lay if n == Nk else lay.prefix(-(-n // bs))
+        if cache_seqlens is None:
+            return block_sparse_attention(q_, k_, v_, lay_n, causal=causal, return_lse=True, backend=backend)
+        return block_sparse_serve(q_, k_, v_, lay_n, causal=causal, return_lse=True, backend=backend,
+                                  cache_seqlens=cache_seqlens)
 
     def oracle(q_, k_, v_, n):
         g = q_.shape[2] // k_.shape[2]
@@ -192,7 +198,7 @@ def test_dilated_chunked_call_launches_the_chunk_plan(monkeypatch):
     q = seeded((1, Nq, H, D), torch.float32, 1, DEVICE).requires_grad_(True)
     k = seeded((1, Nk, H, D), torch.float32, 2, DEVICE).requires_grad_(True)
     v = seeded((1, Nk, H, D), torch.float32, 3, DEVICE).requires_grad_(True)
-    dilated_attention(q, k, v, [64], [1], backend="triton").sum().backward()
+    dilated_serve(q, k, v, [64], [1], backend="triton").sum().backward()
     chunk = dict((s, c) for s, _, c in seen)
     seen.clear()
     kernels._device_plan.cache_clear()
@@ -237,7 +243,7 @@ def test_block_sparse_chunked_call_runs_only_the_chunk_blocks(monkeypatch, backe
     q = seeded((B, Nq, H, D), torch.float32, 1, DEVICE).requires_grad_(True)
     k = seeded((B, Nk, H, D), torch.float32, 2, DEVICE).requires_grad_(True)
     v = seeded((B, Nk, H, D), torch.float32, 3, DEVICE).requires_grad_(True)
-    block_sparse_attention(q, k, v, lay, causal=True, backend=backend).sum().backward()
+    block_sparse_serve(q, k, v, lay, causal=True, backend=backend).sum().backward()
     (used,) = seen
     first = (Nk - Nq) // bs                      # the block holding the first kept row
     counts = used.kv_num_blocks.expand(B, H, -1)

@@ -63,8 +63,8 @@ def test_dilated_attention_matches_reference(shape, causal, backend, values, dev
 
 
 def test_head_groups_without_compat_is_not_that_library():
-    """The README's claim, checked: plain head-group mode differs from that library by O(1), and
-    the exact relation is theirs = ours / (num_groups * ours summed over positions)."""
+    """docs/api.md's claim (Migrating), checked: plain head-group mode differs from that library
+    by O(1), and the exact relation is theirs = ours / (num_groups * ours summed over positions)."""
     B, N, H, D, ws, rs = SHAPES["three-patterns"]
     q, k, v = (seeded((B, N, H, D), torch.float32, s) for s in range(3))
     theirs = dap.DilatedAttention(ws, rs)(q.double(), k.double(), v.double())

@@ -219,3 +219,52 @@ def test_compile_fullgraph_public_functions(device, backend):
         return (o * o2).sum() + torch.where(torch.isinf(lse), 0, lse).sum() * 0.1
 
     _compile_matches_eager(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_compile_dynamic_shapes_serve_other_head_dims(device, backend):
+    """torch.compile(dynamic=True): the backend choice depends on the head dim, which is then
+    symbolic; resolve_path takes its padded size, found by comparisons (guards), so one
+    compiled function serves N and D it has not seen, equal to eager (a symbolic head dim
+    passed to the constant-marked function failed: "argument conversion failed")."""
+    fn = torch.compile(lambda q, k, v: dilated_attention(q, k, v, WS, RS, causal=True, backend=backend),
+                       fullgraph=True, dynamic=True)
+    for N, D in ((32, 16), (48, 24)):
+        q, k, v = (torch.randn(1, N, 2, D, device=device) for _ in range(3))
+        want = dilated_attention(q, k, v, WS, RS, causal=True, backend=backend)
+        torch.testing.assert_close(fn(q, k, v), want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_calls_trace_no_cached_function(device, monkeypatch):
+    """Dynamo traces around functools.lru_cache wrappers, warning "Dynamo detected a call to a
+    `functools.lru_cache`-wrapped function ... Silent incorrectness" (issue 34 item 3: the
+    offset table on every traced door, whether triton imports). What the compile tests trace
+    (the training door, a decode step with a head slice, the backend checks) calls no cached
+    function: those are constants at trace time (ops/common/constant.py), fullgraph as before."""
+    import warnings
+
+    import torch._dynamo.utils as dynamo_utils
+    from triton_dilated import dilated_attention_with_kvcache
+    from triton_dilated.ops.common import runtime
+    monkeypatch.setattr(dynamo_utils, "warn_once_cache", set())   # dynamo warns once per process
+    q, k, v = qkv(device, N=32, Hq=4, Hkv=2, grad=False)
+    lens = torch.tensor([20], dtype=torch.int32, device=device)
+
+    def train(q, k, v):
+        return dilated_attention(q, k, v, WS, RS, causal=True, backend="torch")
+
+    def decode(q, k, v):   # a head slice: head_table's sliced path
+        return dilated_attention_with_kvcache(q[:, -1:, 2:], k[:, :, 1:], v[:, :, 1:], cache_seqlens=lens,
+                                              segment_lengths=WS, dilation_rates=RS, head_offset=2, total_heads=4)
+
+    def checks(q):
+        return q * 2 if runtime.interpreter_enabled() and runtime.triton_importable() else q
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for fn, args in ((train, (q, k, v)), (decode, (q, k, v)), (checks, (q,))):
+            torch._dynamo.reset()
+            torch.testing.assert_close(torch.compile(fn, backend="aot_eager", fullgraph=True)(*args), fn(*args))
+    traced = [str(w.message).split("originates from:")[-1].strip() for w in caught
+              if "lru_cache" in str(w.message)]
+    assert not traced, "\n".join(traced)

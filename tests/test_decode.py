@@ -1,6 +1,8 @@
-"""The decode paths (DESIGN §5b, issue 15 item 2): q of 1-16 rows against a longer cache reads
-only the keys each query attends to, on the portable path (ops/*/decode.py) and with the
-Triton decode kernels (ops/*/decode_kernels.py, the interpreter on CPU). Every result is
+"""The decode paths (DESIGN §5b, issue 15 item 2): q of 1-16 rows against a longer cache, through
+the serve doors (`*_attention_with_kvcache`, no new rows: reference.dilated_serve,
+block_sparse_serve), reads only the keys each query attends to, on the portable path
+(ops/*/decode.py) and with the Triton decode kernels (ops/*/decode_kernels.py, the
+interpreter on CPU). Every result is
 checked against the definition (the float64 oracle on each row's prefix, the queries
 placed last: test_query_offset's reference), with key rows past each row's length set to
 NaN (they must be ignored), and every call checks which path ran, so that a silent
@@ -13,17 +15,16 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from triton_dilated import (BlockLayout, block_sparse_attention, block_sparse_attention_naive, dilated_attention,
-                            dilated_attention_naive, layouts)
-from triton_dilated.ops.block_sparse import decode as bs_decode, inference as bs_inference, interface as bs_interface
+from triton_dilated import BlockLayout, block_sparse_attention_naive, dilated_attention, dilated_attention_naive, layouts
+from triton_dilated.ops.block_sparse import decode as bs_decode, interface as bs_interface, serve as bs_serve
 from triton_dilated.ops.block_sparse.decode import block_key_lists
 from triton_dilated.ops.common import decode as common_decode
-from triton_dilated.ops.dilated import decode as dl_decode, inference as dl_inference, interface as dl_interface
+from triton_dilated.ops.dilated import decode as dl_decode, interface as dl_interface, serve as dl_serve
 from triton_dilated.ops.dilated.decode import dilated_key_lists
 from triton_dilated.ops.dilated.naive import pattern_multiplicity
 from triton_dilated.ops.dilated.patterns import fit_patterns, head_offsets
 from conftest import DEVICE
-from reference import FLOOR, assert_rule, dense_reference, seeded
+from reference import FLOOR, assert_rule, block_sparse_serve, dense_reference, dilated_serve, seeded
 from test_query_offset import _check, _definition
 
 BACKENDS = ["torch", "triton"]
@@ -49,24 +50,26 @@ def _spy(module, name, seen):
 @contextlib.contextmanager
 def paths(variant, splits=None):
     """Records the paths a call of `variant` ("dilated" or "block_sparse") takes: "general"
-    (query_offset), "portable" (decode.py) and in it "runs" (strided views: dilated, CPU, no
-    gradient, through the host-synchronising front door), "patterns" (dilated, gathered per
-    pattern) or "gather" (block-sparse key lists), or "triton" (the decode kernel). `splits`
-    forces the Triton decode kernel's number of splits."""
-    interface = dl_interface if variant == "dilated" else bs_interface
-    inference = dl_inference if variant == "dilated" else bs_inference
+    (the query-offset path), "portable" (decode.py) and in it "runs" (strided views: dilated,
+    CPU, no gradient, only through the training door, which knows the lengths on the host),
+    "patterns" (dilated, gathered per pattern) or "gather" (block-sparse key lists), or
+    "triton" (the decode kernel). `splits` forces the Triton decode kernel's number of
+    splits. Both doors run the decode step and the query-offset path of interface.py."""
+    serve = dl_interface if variant == "dilated" else bs_interface
     portable = "dilated_decode" if variant == "dilated" else "block_sparse_decode"
     seen = []
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_spy(interface, "run_with_query_offset", seen))
-        stack.enter_context(_spy(inference, portable, seen))
+        stack.enter_context(_spy(serve, "run_with_query_offset", seen))
+        if variant == "dilated":   # the serve door's prefill calls it from its own module
+            stack.enter_context(_spy(dl_serve, "run_with_query_offset", seen))
+        stack.enter_context(_spy(serve, portable, seen))
         if variant == "dilated":
             stack.enter_context(_spy(dl_decode, "attend_runs", seen))
             stack.enter_context(_spy(dl_decode, "attend_patterns", seen))
         else:
             stack.enter_context(_spy(bs_decode, "attend_key_lists", seen))
         if DEVICE == "cuda" or _interpreted():
-            kernels = inference._decode_kernels()
+            kernels = serve._decode_kernels()
             stack.enter_context(_spy(kernels, f"{portable}_forward", seen))
             if splits is not None:
                 stack.enter_context(_patch(kernels, "num_splits", lambda *a: splits))
@@ -91,14 +94,12 @@ def _interpreted():
     return interpreter_enabled()
 
 
-def expected_paths(backend, variant="dilated", grad=False, device=DEVICE):
-    """The paths a decode call on `device` (the inputs' device: the suite's DEVICE unless a
-    test builds its tensors elsewhere) takes: the portable dilated decode reads strided runs
-    on the host for CPU tensors without gradients, else gathers per pattern."""
+def expected_paths(backend, variant="dilated", grad=False):
+    """The paths a serve-door decode call takes: the portable dilated decode gathers per
+    pattern (no host sync, on every device; the strided runs are the training door's only), the
+    Triton backend with gradients the query-offset path (the decode kernel has no backward)."""
     if backend == "torch":
-        if variant == "dilated":
-            return ["portable", "patterns" if grad or torch.device(device).type != "cpu" else "runs"]
-        return ["portable", "gather"]
+        return ["portable", "patterns" if variant == "dilated" else "gather"]
     return ["general"] if grad else ["triton"]
 
 
@@ -164,8 +165,8 @@ def test_dilated_decode_matches_the_definition(backend, data):
     kw = dict(causal=causal, mode=mode, offsets=offsets, softcap=softcap)
     cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE) if ragged else None
     with paths("dilated", splits) as seen:
-        out, lse = dilated_attention(q.requires_grad_(grad), k, v, ws, rs, return_lse=True, backend=backend,
-                                     cache_seqlens=cache, **kw)
+        out, lse = dilated_serve(q.requires_grad_(grad), k, v, ws, rs, return_lse=True, backend=backend,
+                                 cache_seqlens=cache, **kw)
     assert seen == expected_paths(backend, grad=grad)
     check_forward(out.detach(), lse.detach(), q.detach(), k, v, lengths,
                   lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, ws, rs, **kw))
@@ -182,8 +183,8 @@ def test_dilated_decode_longnet_schedule_scaled_down(backend, causal):
     q, k, v = cache_inputs(2, 1, 200, 12, 4, 20, lengths, seed=3)   # 12 heads: every offset of r = 12
     cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     with paths("dilated", splits=5 if causal else 17) as seen:
-        out, lse = dilated_attention(q, k, v, ws, rs, causal=causal, return_lse=True, backend=backend,
-                                     cache_seqlens=cache)
+        out, lse = dilated_serve(q, k, v, ws, rs, causal=causal, return_lse=True, backend=backend,
+                                 cache_seqlens=cache)
     assert seen == expected_paths(backend)
     check_forward(out, lse, q, k, v, lengths,
                   lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, ws, rs, causal=causal))
@@ -201,13 +202,13 @@ def test_dilated_decode_gradients(backend):
     cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     for causal in (False, True):
         with paths("dilated") as seen:
-            _check(lambda q_, k_, v_: dilated_attention(q_, k_, v_, ws, rs, causal=causal, return_lse=True,
-                                                        backend=backend, cache_seqlens=cache),
+            _check(lambda q_, k_, v_: dilated_serve(q_, k_, v_, ws, rs, causal=causal, return_lse=True,
+                                                    backend=backend, cache_seqlens=cache),
                    lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, ws, rs, causal=causal),
                    q, k, v, lengths, torch.float32)
         assert seen == expected_paths(backend, grad=True)
     with torch.no_grad(), paths("dilated") as seen:   # no gradient recorded: the decode path again
-        dilated_attention(q.requires_grad_(True), k, v, ws, rs, backend=backend, cache_seqlens=cache)
+        dilated_serve(q.requires_grad_(True), k, v, ws, rs, backend=backend, cache_seqlens=cache)
     assert seen == expected_paths(backend)
 
 
@@ -221,7 +222,7 @@ def test_dilated_decode_half_precision(backend, dtype):
     q, k, v = cache_inputs(1, Nq, N, Hq, 2, 24, [N], seed=5, dtype=dtype, poison=False)
     for causal in (False, True):
         with paths("dilated") as seen:
-            out, lse = dilated_attention(q, k, v, ws, rs, causal=causal, return_lse=True, backend=backend)
+            out, lse = dilated_serve(q, k, v, ws, rs, causal=causal, return_lse=True, backend=backend)
         assert seen == expected_paths(backend)
         patterns = fit_patterns(tuple(zip(ws, rs)), N, Hq)
         counts = pattern_multiplicity(torch.arange(N - Nq, N), torch.arange(N), patterns,
@@ -246,29 +247,30 @@ def test_dilated_decode_empty_rows_and_nan(backend):
     k[0, 0] = v[0, 0] = float("nan")
     k[0, 33] = v[0, 35] = float("nan")       # residues 1 and 3 of segment [32, 40): nobody reads them
     with paths("dilated") as seen:
-        out, lse = dilated_attention(q, k, v, [8], [4], return_lse=True, backend=backend)
+        out, lse = dilated_serve(q, k, v, [8], [4], return_lse=True, backend=backend)
     assert seen == expected_paths(backend)
     assert torch.isfinite(out).all() and torch.isfinite(lse[0, 0, 0])
     assert (out[0, 1:] == 0).all() and torch.isneginf(lse[0, 0, 1:]).all()
     k[0, 32] = float("nan")                  # read by the query at 36 (residue 0, same segment)
-    out, lse = dilated_attention(q, k, v, [8], [4], return_lse=True, backend=backend)
+    out, lse = dilated_serve(q, k, v, [8], [4], return_lse=True, backend=backend)
     assert torch.isnan(out[0, 0]).all() and torch.isnan(lse[0, 0, 0])
     assert (out[0, 1:] == 0).all() and torch.isneginf(lse[0, 0, 1:]).all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_longer_query_blocks_take_the_general_path(backend):
-    """17 query rows (more than DECODE_MAX_QUERIES) go through the general path, with the
-    same rows as the decode path gives them one at a time."""
+    """17 query rows (more than DECODE_MAX_QUERIES: chunked prefill) go through the serve
+    door's query-offset path, with the same rows as the decode path gives them one at a time."""
     ws, rs = [8, 32], [1, 2]
     q, k, v = cache_inputs(1, 17, 48, 2, 2, 8, [48], seed=1, poison=False)
     with paths("dilated") as seen:
-        out = dilated_attention(q, k, v, ws, rs, causal=True, backend=backend)
+        out = dilated_serve(q, k, v, ws, rs, causal=True, backend=backend)
     assert seen == ["general"]
     for i in (0, 16):
+        n = 48 - 16 + i
         with paths("dilated") as seen:
-            row = dilated_attention(q[:, i:i + 1], k[:, :48 - 16 + i], v[:, :48 - 16 + i], ws, rs, causal=True,
-                                    backend=backend, cache_seqlens=torch.tensor([48 - 16 + i], dtype=torch.int32))
+            row = dilated_serve(q[:, i:i + 1], k[:, :n], v[:, :n], ws, rs, causal=True, backend=backend,
+                                cache_seqlens=torch.tensor([n], dtype=torch.int32, device=DEVICE))
         assert seen == expected_paths(backend)
         torch.testing.assert_close(row[:, 0], out[:, i], rtol=1e-5, atol=1e-5)
 
@@ -303,8 +305,8 @@ def test_block_sparse_decode_matches_the_definition(backend, data):
     q, k, v = cache_inputs(B, Nq, Nk, Hq, Hkv, D, lengths, seed)
     cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE) if ragged else None
     with paths("block_sparse", splits) as seen:
-        out, lse = block_sparse_attention(q, k, v, lay, causal=causal, return_lse=True, backend=backend,
-                                          cache_seqlens=cache, softcap=softcap)
+        out, lse = block_sparse_serve(q, k, v, lay, causal=causal, return_lse=True, backend=backend,
+                                      cache_seqlens=cache, softcap=softcap)
     assert seen == expected_paths(backend, "block_sparse")
     for b in range(B):   # the definition row by row (a per-batch layout's row b)
         lay_b = lay.prefix(nb, [b]) if lay.kv_num_blocks.shape[0] > 1 else lay
@@ -327,15 +329,15 @@ def test_block_sparse_decode_empty_rows_gradients_and_splits(backend):
     q, k, v = cache_inputs(3, 4, N, 2, 1, 12, lengths, seed=4)
     cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     with paths("block_sparse", splits=20) as seen:
-        out, lse = block_sparse_attention(q, k, v, lay, return_lse=True, backend=backend, cache_seqlens=cache)
+        out, lse = block_sparse_serve(q, k, v, lay, return_lse=True, backend=backend, cache_seqlens=cache)
     assert seen == expected_paths(backend, "block_sparse")
     assert torch.isneginf(lse[1]).all() and (out[1] == 0).all()
     check_forward(out, lse, q, k, v, lengths,
                   lambda q_, k_, v_, n: block_sparse_attention_naive(q_, k_, v_, lay.prefix(-(-n // bs))))
     q, k, v = cache_inputs(3, 4, N, 2, 1, 12, lengths, seed=4, poison=False)
     with paths("block_sparse") as seen:
-        _check(lambda q_, k_, v_: block_sparse_attention(q_, k_, v_, lay, causal=True, return_lse=True,
-                                                         backend=backend, cache_seqlens=cache),
+        _check(lambda q_, k_, v_: block_sparse_serve(q_, k_, v_, lay, causal=True, return_lse=True,
+                                                     backend=backend, cache_seqlens=cache),
                lambda q_, k_, v_, n: block_sparse_attention_naive(q_, k_, v_, lay.prefix(-(-n // bs)), causal=True),
                q, k, v, lengths, torch.float32)
     assert seen == expected_paths(backend, "block_sparse", grad=True)
@@ -349,10 +351,11 @@ def test_decode_cost_does_not_grow_with_the_context():
     paths (counted where they read k), against 64x more for dense attention; and the key
     list is exactly the multiset of the definition (pattern multiplicities) at 64K. CPU
     tensors whatever the suite's device: only there does the portable decode take both
-    paths (strided runs without gradients, the per-pattern gather with them)."""
+    paths (strided runs: the training door, which knows the lengths, no gradient; the
+    per-pattern gather: the serve door, with gradients and without)."""
     ws, rs = [64, 128, 256, 512, 1024], [1, 2, 4, 6, 12]
     H, D = 4, 8
-    for grad in (False, True):
+    for route, grad in (("train", False), ("serve", False), ("serve", True)):
         rows = {}
         for n in (1024, 65536):
             q = seeded((1, 1, H, D), torch.float32, 0).requires_grad_(grad)
@@ -360,8 +363,11 @@ def test_decode_cost_does_not_grow_with_the_context():
             v = seeded((1, n, H, D), torch.float32, 2)
             before = dict(common_decode.DECODE_STATS)
             with paths("dilated") as seen:
-                dilated_attention(q, k, v, ws, rs, causal=True, backend="torch")
-            assert seen == expected_paths("torch", grad=grad, device=q.device)   # CPU tensors: runs, then patterns
+                if route == "train":
+                    dilated_attention(q, k, v, ws, rs, causal=True, backend="torch")
+                else:
+                    dilated_serve(q, k, v, ws, rs, causal=True, backend="torch")
+            assert seen == ["portable", "runs" if route == "train" else "patterns"], (route, grad, seen)
             rows[n] = common_decode.DECODE_STATS["key_rows"] - before["key_rows"]
             assert common_decode.DECODE_STATS["calls"] == before["calls"] + 1
         assert 0 < rows[1024] == rows[65536] <= H * sum(-(-w // r) for w, r in zip(ws, rs))
@@ -391,7 +397,7 @@ def test_block_sparse_decode_cost_does_not_grow_with_the_context():
         k, v = seeded((1, n, 2, 8), torch.float32, 1), seeded((1, n, 2, 8), torch.float32, 2)
         before = common_decode.DECODE_STATS["key_rows"]
         with paths("block_sparse") as seen:
-            block_sparse_attention(q, k, v, lay, causal=True, backend="torch")
+            block_sparse_serve(q, k, v, lay, causal=True, backend="torch")
         assert seen == ["portable", "gather"]
         rows[n] = common_decode.DECODE_STATS["key_rows"] - before
     # slots: the layout's index-list width (5 blocks: a window of 2 on either side), a shape
@@ -455,7 +461,7 @@ def test_dilated_decode_nan_rule(backend, causal, which, value):
     assert rows.any()
 
     def run(*xs):
-        return dilated_attention(*xs, ws, rs, causal=causal, return_lse=True, backend=backend)
+        return dilated_serve(*xs, ws, rs, causal=causal, return_lse=True, backend=backend)
 
     with paths("dilated") as seen:
         out, lse = run(q, k, v)
@@ -487,7 +493,7 @@ def test_block_sparse_decode_nan_rule(backend, which, value):
     cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
 
     def run(*xs):
-        return block_sparse_attention(*xs, lay, causal=True, return_lse=True, backend=backend, cache_seqlens=cache)
+        return block_sparse_serve(*xs, lay, causal=True, return_lse=True, backend=backend, cache_seqlens=cache)
 
     with paths("block_sparse") as seen:
         out, lse = run(q, k, v)
@@ -499,7 +505,8 @@ def test_block_sparse_decode_nan_rule(backend, which, value):
 def test_decode_double_backward(backend):
     """DESIGN §6, double backward: correct on the portable decode (plain autograd through the
     gather: second-order gradients match the definition's), a clear error on the Triton
-    backend (gradients there take the general path, whose kernels have no second derivative)."""
+    backend (gradients there take the serve door's query-offset path, whose training kernels
+    have no second derivative)."""
     ws, rs = [8, 24], [1, 2]
     lengths = [24, 19]
     q = seeded((2, 2, 2, 8), torch.float32, 0, DEVICE)
@@ -513,7 +520,7 @@ def test_decode_double_backward(backend):
         return torch.autograd.grad((gq * gq).sum(), xs)
 
     def decode(q_, k_, v_):
-        return dilated_attention(q_, k_, v_, ws, rs, causal=True, backend=backend, cache_seqlens=cache)
+        return dilated_serve(q_, k_, v_, ws, rs, causal=True, backend=backend, cache_seqlens=cache)
 
     def definition(q_, k_, v_):
         return _definition(lambda a, b, c, n: dilated_attention_naive(a, b, c, ws, rs, causal=True), q_, k_, v_,
@@ -560,12 +567,12 @@ def test_decode_strided_cache_seqlens(variant, layout):
     for backend in BACKENDS:
         with paths(variant) as seen:
             if variant == "dilated":
-                run = lambda c: dilated_attention(q, k, v, [16, 32], [1, 2], causal=True, backend=backend,  # noqa
-                                                  cache_seqlens=c, return_lse=True)
+                run = lambda c: dilated_serve(q, k, v, [16, 32], [1, 2], causal=True, backend=backend,  # noqa
+                                              cache_seqlens=c, return_lse=True)
             else:
                 lay = layouts.local(64, 16, 1, causal=True)
-                run = lambda c: block_sparse_attention(q, k, v, lay, causal=True, backend=backend,  # noqa
-                                                       cache_seqlens=c, return_lse=True)
+                run = lambda c: block_sparse_serve(q, k, v, lay, causal=True, backend=backend,  # noqa
+                                                   cache_seqlens=c, return_lse=True)
             got = run(lens)
         assert ("triton" if backend == "triton" else "portable") in seen, seen
         want = run(lens.contiguous())

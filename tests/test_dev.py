@@ -1,5 +1,5 @@
 """`./dev` (set-up messages, command dispatch, `./dev test`'s exit codes), pyproject.toml's
-metadata and the README's quick start.
+metadata, the commands the pages show (README.md, docs/*.md) and the README's quick start.
 
 `./dev` runs against a fake environment: a `python3` on PATH whose `-m venv` builds a venv
 whose `python` (and `jupyter`, `torchrun`) only log their arguments, and an `nvidia-smi`
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import pathlib
 import re
 import shutil
 import subprocess
@@ -19,8 +18,10 @@ import warnings
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+from doc_snippets import PAGES, README, ROOT, python_blocks, run_snippet, section
+
+README_TEXT = README.read_text()
+PAGES_TEXT = "\n".join(page.read_text() for page in PAGES)
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("cksum") is None,
                                 reason="./dev needs bash and cksum")
@@ -148,6 +149,34 @@ def test_dev_test_runs_pytest_and_fails_when_nothing_was_collected(tmp_path, pyt
     assert ("pytest collected no tests: failing" in res.stderr) == (pytest_rc == 5)
 
 
+@pytest.mark.parametrize("pytest_rc, dev_rc", [(0, 0), (5, 1)])
+def test_dev_quick_runs_the_quick_marker(tmp_path, pytest_rc, dev_rc):
+    """Issue 34 item 6: `./dev quick` is `./dev test -m quick` (the same exit rules)."""
+    dev = FakeDev(tmp_path)
+    assert dev("true").returncode == 0
+    res = dev("quick", "-x", FAKE_PYTEST_RC=str(pytest_rc))
+    assert res.returncode == dev_rc
+    assert dev.calls() == ["python -m pytest -n 2 -q -m quick -x"]
+
+
+def test_quick_subset_names_each_variants_oracle_test_and_skips_say_why():
+    """conftest.QUICK: every id still names a test (collected with -m quick: exactly those), one
+    per variant at least (dilated, block-sparse, ring step, decode, with_kvcache) on both paths;
+    the markers are registered (--strict-markers) and skipped tests print their reason (-rs)."""
+    from conftest import QUICK
+    options = _pyproject()["tool"]["pytest"]["ini_options"]
+    assert {"-rs", "--strict-markers"} <= set(options["addopts"].split())
+    assert any(m.startswith("quick: ") for m in options["markers"])
+    files = sorted({q.split("::")[0] for q in QUICK})
+    assert files == ["tests/test_block_sparse.py", "tests/test_decode.py", "tests/test_dilated.py", "tests/test_ring.py",
+                     "tests/test_with_kvcache.py"]
+    assert any("[triton" in q or "triton]" in q for q in QUICK) and any("torch" in q for q in QUICK)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "quick", "-p", "no:cacheprovider",
+                           *files], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    collected = [ln for ln in proc.stdout.splitlines() if "::" in ln]
+    assert proc.returncode == 0 and sorted(collected) == sorted(QUICK), proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def test_other_commands_run_inside_the_environment(tmp_path):
     dev = FakeDev(tmp_path)
     assert dev("true").returncode == 0
@@ -228,31 +257,34 @@ def test_jupyterlab_is_an_extra_of_its_own_not_in_dev():
     assert not [r for r in extras["dev"] if r.startswith(("jupyterlab", "notebook", "jupyter"))]
 
 
-# ----------------------------------------------------------------------------- README
-
-def _section(title):
-    start = README.index(f"\n## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start:end if end > 0 else None]
-
+# ----------------------------------------------------------------------------- README and docs
 
 def test_readme_states_the_set_up_cost_dev_announces():
     note = re.search(r'^SETUP_NOTE="([^"]+)"', (ROOT / "dev").read_text(), re.MULTILINE).group(1)
-    assert note in " ".join(_section("Quick start").split())
+    assert note in " ".join(section(README_TEXT, "Install").split())
 
 
-def test_readme_runs_torchrun_through_dev():
-    lines = [ln.strip() for ln in README.splitlines() if re.match(r"\s*(\./dev\s+)?torchrun\b", ln)]
-    assert lines, "the README shows no torchrun command"
+def test_pages_run_torchrun_through_dev():
+    lines = [ln.strip() for ln in PAGES_TEXT.splitlines() if re.match(r"\s*(\./dev\s+)?torchrun\b", ln)]
+    assert lines, "no page shows a torchrun command"
     assert all(ln.startswith("./dev torchrun ") for ln in lines), lines
 
 
-def test_readme_dev_commands_exist():
+def test_pages_dev_commands_exist():
     dev = (ROOT / "dev").read_text()
-    used = set(re.findall(r"^\./dev (\w+)", README, re.MULTILINE))
+    used = set(re.findall(r"^\./dev (\w+)", PAGES_TEXT, re.MULTILINE))
     assert {"test", "perf", "notebooks", "torchrun"} <= used
-    for cmd in used - {"torchrun"}:               # torchrun runs as any command does
+    for cmd in used - {"torchrun", "python"}:     # torchrun and python run as any command does
         assert re.search(rf"^\s*(\w+\|)*{cmd}(\|\w+)*\)", dev, re.MULTILINE), f"./dev has no {cmd!r} command"
+
+
+def test_readme_install_lines_quote_extras_and_name_no_pypi_package():
+    """zsh globs an unquoted `.[hf]`; there is no package on PyPI, so every install is from the clone."""
+    installs = [ln.strip() for ln in section(README_TEXT, "Install").splitlines() if "pip install" in ln]
+    assert installs
+    for line in installs:
+        assert not re.search(r"pip install[^#]*\[", line) or re.search(r'"\.\[[\w,]+\]"', line), line
+        assert "triton_dilated" not in line.split("#")[0], line       # never `pip install triton_dilated`
 
 
 LINE = re.compile(r"dilated attention on (cpu|cuda): out \((\d+), (\d+), (\d+), (\d+)\) torch\.(\w+), "
@@ -260,16 +292,13 @@ LINE = re.compile(r"dilated attention on (cpu|cuda): out \((\d+), (\d+), (\d+), 
 
 
 def test_quick_start_snippet_runs_and_prints_what_the_readme_shows(tmp_path):
-    section = _section("Quick start")
-    code = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
-    shown = re.findall(r"```text\n(.*?)```", section, re.DOTALL)
-    assert len(code) == 1 and len(shown) == 1
+    quick = section(README_TEXT, "Quick start")
+    code = python_blocks(quick)
+    shown = re.findall(r"```text\n(.*?)```", quick, re.DOTALL)
+    assert len(code) == 1 and code[0]["mark"] == "runnable" and len(shown) == 1
     shown = shown[0].strip()
     assert LINE.fullmatch(shown), shown                # the README's example has the snippet's format
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # the portable backend on a CPU
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    res = subprocess.run([sys.executable, "-c", code[0]], capture_output=True, text=True, timeout=600,
-                         env=env, cwd=str(tmp_path), check=False)
+    res = run_snippet(code[0]["code"], tmp_path)
     assert res.returncode == 0, res.stderr
     printed = res.stdout.strip().splitlines()[-1]
     m = LINE.fullmatch(printed)

@@ -19,7 +19,8 @@ from triton_dilated.ops.dilated.naive import dilated_multiplicity
 from triton_dilated.ops.dilated.patterns import head_offsets
 from triton_dilated.ops.dilated.plan import build_items, key_unit_triples, query_unit_triples
 from conftest import DEVICE
-from reference import FLOOR, assert_rule, check_against_oracle, dense_reference, finite, max_err, sdpa_reference, seeded
+from reference import (FLOOR, assert_rule, check_against_oracle, dense_reference, dilated_serve, finite, max_err,
+                       sdpa_reference, seeded)
 
 BACKENDS = ["triton", "torch"]
 # the interpreter gets bfloat16 tl.dot wrong (DESIGN §10): bfloat16 kernels on a GPU only
@@ -497,16 +498,17 @@ def test_both_loop_structures_packed_documents(flat_loop):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_both_loop_structures_chunked_prefill(flat_loop, causal):
-    """Queries shorter than keys with ragged lengths (a query window: the plan holds only the
-    tiles of the last Nq rows of each row's keys) against the definition."""
+    """Queries shorter than keys with ragged lengths through the serve door (chunked prefill,
+    a query window: the plan holds only the tiles of the last Nq rows of each row's keys)
+    against the definition."""
     from test_query_offset import _check
     ws, rs, lengths = [32, 64, 96], [1, 1, 3], [96, 71]
     q = seeded((2, 24, 2, 16), torch.float32, 1, DEVICE)
     k = seeded((2, 96, 1, 16), torch.float32, 2, DEVICE)
     v = seeded((2, 96, 1, 16), torch.float32, 3, DEVICE)
     cache = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-    _check(lambda q_, k_, v_: dilated_attention(q_, k_, v_, ws, rs, causal=causal, return_lse=True, backend="triton",
-                                                cache_seqlens=cache),
+    _check(lambda q_, k_, v_: dilated_serve(q_, k_, v_, ws, rs, causal=causal, return_lse=True, backend="triton",
+                                            cache_seqlens=cache),
            lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, ws, rs, causal=causal), q, k, v, lengths,
            torch.float32)
 

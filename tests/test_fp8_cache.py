@@ -10,7 +10,7 @@ in the Triton decode kernels and the portable path.
   gives NaN (the interpreter reads e4m3fn's NaN as 480: load_cache restores it);
 * quantisation: round to nearest even, relative error <= 2^-4 (normals), absolute <= 2^-10 x
   descale (subnormals), saturation at +-448, Inf -> NaN;
-* the error against the bf16 cache within the stated bound (README, Inference: FP8 cache):
+* the error against the bf16 cache within the stated bound (docs/serving.md, FP8 caches):
   the worst-case bound elementwise, and the measured error under 2^-4 max|v| (a descale
   applied wrongly, or not at all, gives errors of order max|v|);
 * PagedDilatedKVCache with fp8 pools; argument errors.
@@ -87,11 +87,13 @@ def _oracle(variant, lay, causal=True):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
-def test_fp8_cache_is_the_attention_over_the_dequantised_rows(backend, variant):
-    """B = 2 ragged rows, GQA, 2 queries, 2 new rows quantised on append (compared bit for bit
-    with quantise_fp8), fp8 NaN past each length: out/lse meet the float64 oracle over the
-    dequantised rows; a paged fp8 cache (shuffled pages) gives the same bits."""
-    B, Nk, Hq, Hkv, D, Nq = 2, 64, 4, 2, 16, 2
+@pytest.mark.parametrize("Nq", [2, 17], ids=["decode", "chunked-prefill"])
+def test_fp8_cache_is_the_attention_over_the_dequantised_rows(backend, variant, Nq):
+    """B = 2 ragged rows, GQA, 2 queries (a decode step) or 17 (chunked prefill: the
+    query-offset path on the dequantised rows), 2 new rows quantised on append (compared bit
+    for bit with quantise_fp8), fp8 NaN past each length: out/lse meet the float64 oracle over
+    the dequantised rows; a paged fp8 cache (shuffled pages) gives the same bits."""
+    B, Nk, Hq, Hkv, D = 2, 64, 4, 2, 16
     before = [37, 50]
     k8, v8, kd, vd = _fp8_cache(B, Nk, Hkv, D, before, seed=10, scale=3.0)
     q = seeded((B, Nq, Hq, D), torch.float32, 3, DEVICE)
@@ -269,7 +271,7 @@ def test_quantise_rounds_saturates_and_keeps_nonfinite_as_nan():
 # ----------------------------------------------------------------------------- error against the bf16 cache
 
 def _bound_and_error(q, k, v, kd, vd, key_lists, scale, out8, out16):
-    """The worst-case bound on |out_fp8 - out_bf16| (README, Inference: FP8 cache) for one
+    """The worst-case bound on |out_fp8 - out_bf16| (docs/serving.md, FP8 caches) for one
     query: q (Hq, D), k, v (N, Hkv, D) the bf16 cache's rows, float64; key_lists[h]: the
     positions head h reads (a multiset). Per element |dk| <= U|k| + A kd, |dv| <= U|v| + A vd,
     so key j's score moves by at most eps_j = scale * sum_d |q_d| (U |k_jd| + A kd), its
@@ -312,7 +314,7 @@ def _dilated_key_list(p, n, h, Hq):
 def test_fp8_error_against_the_bf16_cache_within_the_bound(backend):
     """bf16 q and cache against the same cache quantised to fp8 (amax descales, keys of scale 3
     so the descales differ from 1): every element within the worst-case bound, and the largest
-    error under 2^-4 max|v| (measured: README)."""
+    error under 2^-4 max|v| (measured: docs/serving.md)."""
     B, Nk, Hq, Hkv, D = 2, 96 if backend == "torch" else 48, 4, 2, 32
     lengths = [Nk, Nk - 17]
     k, v = (seeded((B, Nk, Hkv, D), torch.bfloat16, s, DEVICE, scale=sc) for s, sc in ((1, 3.0), (2, 1.0)))

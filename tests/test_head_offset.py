@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 from triton_dilated import dilated_attention, dilated_attention_naive, dilated_attention_op
 from triton_dilated.ops.dilated.naive import dilated_multiplicity
 from conftest import DEVICE
-from reference import FLOOR, check_against_oracle, dense_reference, finite, max_err, seeded
+from reference import FLOOR, check_against_oracle, dense_reference, dilated_serve, finite, max_err, seeded
 
 SCHEMES = [("longnet", "modulo"), ("longnet", "blocked"), ("head_groups", "modulo")]
 
@@ -87,15 +87,14 @@ def test_portable_slices_equal_the_full_call(mode, offsets, causal, data):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_decode_and_custom_op_take_the_slice(backend):
-    """The decode path (one query row), the query-offset path (chunked prefill: 17 rows, past
-    the decode path's 16) and the custom op honour the slice too."""
+    """The serve door's decode path (one query row) and query-offset path (chunked prefill: 17
+    rows, past the decode path's 16), and the custom op, honour the slice too."""
     ws, rs, H = [4, 16], [2, 4], 4
     q, k, v = (seeded((1, 24, h, 8), torch.float32, s, DEVICE) for s, h in ((0, H), (1, 2), (2, 2)))
     kw = dict(causal=True, backend=backend)
     for rows in (1, 17):
-        full = dilated_attention(q[:, -rows:], k, v, ws, rs, **kw)
-        part = dilated_attention(q[:, -rows:, 2:], k[:, :, 1:], v[:, :, 1:], ws, rs, head_offset=2, total_heads=H,
-                                 **kw)
+        full = dilated_serve(q[:, -rows:], k, v, ws, rs, **kw)
+        part = dilated_serve(q[:, -rows:, 2:], k[:, :, 1:], v[:, :, 1:], ws, rs, head_offset=2, total_heads=H, **kw)
         assert max_err(part, full[:, :, 2:]) <= 1e-6, rows
     full = dilated_attention(q, k, v, ws, rs, **kw)
     part = dilated_attention_op(q[:, :, 2:], k[:, :, 1:], v[:, :, 1:], ws, rs, head_offset=2, total_heads=H, **kw)

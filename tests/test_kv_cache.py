@@ -12,12 +12,12 @@ import torch
 from triton_dilated import DilatedKVCache, dilated_attention, dilated_attention_naive
 from triton_dilated.ops.dilated.cache import decode_rows_bound, window_start
 from conftest import DEVICE
-from reference import FLOOR, assert_rule, dense_reference, multiplicity, seeded
+from reference import FLOOR, assert_rule, dense_reference, dilated_serve, multiplicity, seeded
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    """Tiny tensors: OpenMP teams only spin on a shared CPU (README, ring section)."""
+    """Tiny tensors: OpenMP teams only spin on a shared CPU (docs/distributed.md, CPU threads)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -136,9 +136,9 @@ def test_bounded_cache_gives_the_full_cache_tokens():
     prompt = torch.randint(0, 48, (2, 5), generator=torch.Generator().manual_seed(1))
     steps = 4 * max(ws) + 9
 
-    def full(state, i, q, k, v):
+    def full(state, i, q, k, v):   # the queries end the full rows: the serve door (every row valid)
         state[i] = [torch.cat([a, b], dim=1) if a is not None else b for a, b in zip(state[i], (k, v))]
-        return dilated_attention(q, *state[i], ws, rs, causal=True, backend="torch")
+        return dilated_serve(q, *state[i], ws, rs, causal=True, backend="torch")
 
     def bounded(cache, i, q, k, v):
         return cache.attend(q, k, v, i, backend="torch")

@@ -57,6 +57,16 @@ def test_the_three_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == ["01_patterns.ipynb", "02_performance.ipynb", "03_ring.ipynb"]
 
 
+def test_pattern_heatmaps_have_axis_labels_and_a_colorbar():
+    """Issue 34 item 4: every heatmap of notebook 01 names its axes and has a colorbar saying what
+    the colours mean (the causal and per-head block pictures had neither)."""
+    book = nbformat.read(ROOT / "notebooks" / "01_patterns.ipynb", as_version=4)
+    heatmaps = [c.source for c in book.cells if c.cell_type == "code" and "imshow(" in c.source]
+    assert len(heatmaps) == 4
+    for src in heatmaps:
+        assert "set_xlabel(" in src and "set_ylabel(" in src and "colorbar(" in src, src.splitlines()[0]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_is_committed_with_its_outputs(path):
     book = nbformat.read(path, as_version=4)

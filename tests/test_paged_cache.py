@@ -162,3 +162,19 @@ def test_stale_steps_and_second_begins_are_refused():
 
     with pytest.raises(TypeError, match="dtype must be one of float16, bfloat16, float32, float8_e4m3fn.*float64"):
         PagedDilatedKVCache(WS, RS, num_pages=4, page_size=PAGE, num_kv_heads=HKV, head_dim=D, dtype=torch.float64)
+
+
+def test_repr_says_sequences_pages_and_pool():
+    """Issue 34 item 5: the repr shows the sequences, pages held and free, the pool's page size,
+    dtype, device and layers (it was object.__repr__), from host state only."""
+    cache = PagedDilatedKVCache(WS, RS, num_pages=6, page_size=PAGE, num_kv_heads=HKV, head_dim=D, device=DEVICE,
+                                num_layers=2, dtype=torch.float16)
+    assert repr(cache) == (f"PagedDilatedKVCache(sequences=0, pages_held=0, free_pages=6, num_pages=6, "
+                           f"page_size={PAGE}, dtype=torch.float16, device={cache.k_pools[0].device}, num_layers=2, "
+                           f"num_kv_heads={HKV}, head_dim={D}, segment_lengths={WS}, dilation_rates={RS})")
+    cache.admit("a")
+    cache.admit("b")
+    cache.begin(["a", "b"], PAGE + 1).cancel()      # two pages each
+    assert "sequences=2, pages_held=4, free_pages=2, num_pages=6," in repr(cache)
+    assert cache.free_pages == 6 - cache.pages_held("a") - cache.pages_held("b")
+    assert PagedDilatedKVCache.free_pages.__doc__ and "begin" in PagedDilatedKVCache.free_pages.__doc__

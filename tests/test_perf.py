@@ -3,11 +3,14 @@ plots, ring fallback; paired timing, spread and flags; readable tables and figur
 errors. Tiny shapes: under the interpreter every Triton call costs ~0.1-1 s."""
 from __future__ import annotations
 
+import argparse
 import csv
+import dataclasses
 import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -18,12 +21,12 @@ import torch
 import triton_dilated
 from triton_dilated import layouts
 from triton_dilated.ops.block_sparse.naive import element_mask
-from triton_dilated import configs
+from triton_dilated.ops.common import configs
 from triton_dilated.ops.common import runtime
 from triton_dilated.ops.common.hardware import Arch
 from triton_dilated.ops import SPECS
 from triton_dilated.ops.common.spec import attention_flops, dense_pairs
-from triton_dilated.perf import bench, plot, results, timing
+from triton_dilated.perf import bench, cli, plot, results, timing
 from triton_dilated.perf import ring as perf_ring
 from triton_dilated.perf.__main__ import DTYPES, _parser, main
 from conftest import DEVICE
@@ -223,7 +226,7 @@ def test_default_configs_fit_the_arch(capability, smem_kib):
                     assert (dtype == torch.float32 and pre_ampere
                             or d == 256 and bwd and (dtype == torch.float32 and smem_kib <= 99
                                                      or capability == (7, 5))), (kernel, dtype, d, cfg)
-                    # the smallest tile (8 warps: sm70/sm75's D = 256 default, configs.FMA_DEFAULTS)
+                    # the smallest tile (8 warps: sm70/sm75's D = 256 default, the fma rows of configs.ARCH_DEFAULTS)
                     assert cfg in ({"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": w, "num_stages": 1} for w in (4, 8))
 
 
@@ -451,6 +454,61 @@ def test_cpu_figures_say_portable_backend_use_readable_log_ticks_and_comment_the
     assert any("a reference, not the machine's peak" in t for t in texts)   # fwd_bwd: 200 > the 100 GFLOP/s line
 
 
+def test_figures_ring_the_points_of_busy_rows(tmp_path):
+    """Issue 34 item 2: the table shows the busy flag; the figures ring those points in red with
+    a legend entry (time, speedup, TFLOP/s and sparsity figures), and only those."""
+    case = bench.tiny_sweep("cpu", 64)[0]
+    base = dict(matmul_peak_tflops=0.1, machine="test", device="cpu")
+    rows = []
+    for n, cores in ((1024, 0.0), (2048, 0.99)):     # N = 2048 timed while another process took a core
+        c = dataclasses.replace(case, N=n)
+        rows += bench.group_rows(c, _measured([10.0] * 5, [30.0] * 5, [20.0] * 5, [60.0] * 5, other_cores=cores),
+                                 {"portable", "sdpa_dense"}, 0.1, base)
+    results.write_csv(rows, tmp_path / "busy.csv")
+    rows = results.read_csv(tmp_path / "busy.csv")
+    assert {r["N"] for r in rows if results.FLAG_BUSY in r["flags"]} == {2048}
+    figs = {kind: _draw(plot.figure(rows, kind)) for kind in ("time", "speedup", "tflops")}
+    figs["sparsity"] = _draw(plot.sparsity_figure(rows))
+    for kind, fig in figs.items():
+        for ax in (a for a in fig.axes if a.get_visible()):
+            rings = [c for c in ax.collections if c.get_label() in (plot.BUSY_LABEL, "_busy")]
+            lines = {tuple(map(tuple, line.get_xydata())) for line in ax.get_lines()}
+            ringed = {tuple(xy) for c in rings for xy in c.get_offsets()}
+            # every busy point is a point of a line, at N = 2048 (sparsity: its one point per series)
+            assert ringed and all(any(xy in pts for pts in lines) for xy in ringed), (kind, ringed)
+            if kind != "sparsity":
+                assert {x for x, _ in ringed} == {2048}, (kind, ringed)
+            assert ax.get_legend_handles_labels()[1].count(plot.BUSY_LABEL) == 1, kind
+
+
+def test_sweeps_keep_earlier_results(tmp_path, monkeypatch, capsys):
+    """Issue 34 item 2: every sweep wrote perf/out/sweep.csv and its PNGs over the last run's.
+    Without --out each run writes a new perf/out/sweep-<UTC date>-<time>.csv (-2, ... within one
+    second) and says where first; an --out that exists (the CSV or a PNG) is refused before
+    anything is timed unless --overwrite."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "run_sweep", lambda cases, out, **k: results.write_csv(rows, out) or rows)
+    rows = [_bench_row("portable", "fwd", "ms", 20.0, 3.0), _bench_row("sdpa_dense", "fwd", "ms", 40.0, 2.0)]
+    argv = ["--tiny", "--budget", "0", "--no-plot"]
+    assert main(argv) == 0 and main(argv) == 0
+    first, second = sorted((tmp_path / "perf" / "out").iterdir())
+    assert re.fullmatch(r"sweep-\d{8}-\d{6}(-2)?\.csv", first.name) and second.name != first.name
+    printed = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("writing perf/out/sweep-") for line in printed) == 2
+    assert sum(line.startswith("wrote 2 rows to perf/out/sweep-") for line in printed) == 2
+    before = first.read_text()
+    assert main([*argv, "--out", str(first)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"sweep: {first} exists (an earlier run's results)" in err and "--overwrite" in err
+    assert first.read_text() == before
+    png = tmp_path / "plots-time.png"          # a PNG of the name counts too (unless --no-plot)
+    png.write_bytes(b"x")
+    assert main(["--tiny", "--budget", "0", "--out", str(tmp_path / "plots.csv")]) == 2
+    assert f"{png} exists" in capsys.readouterr().err and not (tmp_path / "plots.csv").exists()
+    assert main([*argv, "--out", str(first), "--overwrite"]) == 0
+    assert f"wrote 2 rows to {first}" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- CLI errors and help (issue 14)
 
 def test_table_and_plot_reject_missing_and_foreign_csvs(tmp_path, capsys):
@@ -551,15 +609,65 @@ def test_plan_cli_prints_pairs_efficiency_bytes_and_bound(capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--heads", "4", "--kv-heads", "3"], "--heads (4) must be a multiple of --kv-heads (3)"),
-    (["--block-m", "48"], "--block-m must be a power of two >= 16, got 48"),
-    (["--seqlen", "0"], "--seqlen must be a positive integer, got 0"),
     (["--segment-lengths", "1024", "2048", "--dilation-rates", "1"], "one entry per pattern; got 2 and 1"),
-    (["--segment-lengths", "1024", "--dilation-rates", "0"], "dilation_rates must hold positive ints, got 0"),
-], ids=["kv-heads", "block-m", "seqlen", "lengths", "rate"])
+    (["--segment-lengths", "1024", "--dilation-rates", "3000"], "dilation_rates[0] = 3000 is larger than"),
+], ids=["kv-heads", "lengths", "rate"])
 def test_plan_cli_rejects_bad_arguments(args, message, capsys):
-    argv = ["plan", *args] if "--seqlen" in args else ["plan", "--seqlen", "4096", *args]
-    assert main(argv) == 2
+    """Pairs of values that do not go together (single values: the parser refuses them, next test)."""
+    assert main(["plan", "--seqlen", "4096", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+# the parser's value types (perf/cli.py) and values each refuses
+BAD_VALUES = {cli.positive_int: ["0", "-5", "1.5", "abc"], cli.head_dim: ["0", "257"], cli.block_size: ["8", "48"],
+              cli.positive_float: ["0", "-1", "nan", "inf"], cli.non_negative_float: ["-1", "nan", "inf"]}
+
+
+def test_every_numeric_option_refuses_a_bad_value_in_one_line(capsys):
+    """Issue 34 item 1: `sweep --seqlens -5` (a ValueError traceback), `decode --contexts 0`
+    (IndexError), `--budget -1` (accepted): every number of every subcommand is checked as it
+    is parsed, by one of cli.py's types (none is a plain int or float, which take anything),
+    and a bad one is one line on stderr naming the option, what it takes and what came, exit 2."""
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    checked = set()
+    for name, p in sub.choices.items():
+        for a in p._actions:
+            assert a.type not in (int, float), f"{name} {a.option_strings}: type={a.type.__name__} takes any value"
+            for bad in BAD_VALUES.get(a.type, ()):
+                with pytest.raises(SystemExit) as exc:
+                    main([name, a.option_strings[0], bad])
+                err = capsys.readouterr().err
+                assert exc.value.code == 2
+                assert err.count("\n") == 1 and "Traceback" not in err, err
+                assert f"perf {name}: error: argument {'/'.join(a.option_strings)}: must be " in err, err
+                assert f"got {bad!r}" in err and f"(see python -m triton_dilated.perf {name} -h)" in err, err
+                checked.add((name, a.dest))
+    assert {("sweep", "seqlens"), ("sweep", "budget"), ("decode", "contexts"), ("decode", "budget"), ("tune", "heads"),
+            ("ring", "world_sizes"), ("ring", "timeout"), ("layouts", "block_size"), ("aot", "jobs"),
+            ("aot", "head_dims"), ("plan", "block_m"), ("plan", "dilation_rates"), ("decode", "max_cache_gib"),
+            ("decode", "page_size"), ("decode", "memory_contexts")} <= checked
+
+
+@pytest.mark.parametrize("args", [["sweep", "--seqlens", "-5"], ["decode", "--contexts", "0"], ["aot", "--arch", "999"],
+                                  ["--budget", "-1"]], ids=["seqlens", "contexts", "arch", "budget"])
+def test_cli_refuses_the_issue_values_without_a_traceback(args):
+    """The four commands of issue 34 item 1 as a user types them: one line on stderr, exit 2."""
+    proc = subprocess.run([sys.executable, "-m", "triton_dilated.perf", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"argument {args[-2]}: " in proc.stderr and proc.stdout == ""
+
+
+def test_sweep_and_decode_refuse_values_that_do_not_go_together(capsys, tmp_path):
+    """A tiny sweep at N = 1 (segments of 0 tokens: ZeroDivisionError) and decode heads that
+    are no multiple of the kv heads (a ValueError traceback from the attention call)."""
+    assert main(["--tiny", "--seqlens", "1", "--no-plot", "--out", str(tmp_path / "s.csv")]) == 2
+    assert "sweep: --tiny needs N >= 2" in capsys.readouterr().err
+    assert main(["decode", "--heads", "3", "--kv-heads", "2", "--contexts", "16", "--out",
+                 str(tmp_path / "d.csv")]) == 2
+    assert capsys.readouterr().err == "decode: --heads (3) must be a multiple of --kv-heads (2)\n"
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_tuned_family_entry_leaves_kernels_with_their_own_default(monkeypatch):
@@ -719,6 +827,26 @@ def test_table_and_plot_read_the_decode_csv(tmp_path, capsys):
     assert "time per decode step" in out and "KV cache per layer" in out and "131072" in out
     assert main(["plot", str(decode_csv), "--out-dir", str(tmp_path)]) == 0
     assert (tmp_path / "decode-cpu-decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_decode_and_ring_figures_say_what_they_show_and_keep_legends_off_the_points():
+    """Issue 34 item 4: the decode figure's title said "(bfloat16, float32)" for float32 timings
+    and a bfloat16 cache, its axis read 1024K for 1M; the ring figure's legends sat on its points."""
+    rows = results.read_csv(ROOT / "perf" / "results" / "decode-cpu.csv")
+    fig = _draw(plot.decode_figure(rows))
+    assert "(timed in float32; cache memory in bfloat16)" in fig._suptitle.get_text()
+    ticks = [t.get_text() for t in fig.axes[1].get_xticklabels()]
+    assert ticks[-3:] == ["64K", "128K", "1M"], ticks
+    assert all("e+" not in t.get_text() for ax in fig.axes for t in ax.get_yticklabels())     # 10000, not 1e+04
+    assert [plot.count_label(n) for n in (512, 1024, 1536, 98304, 1 << 20, 3 << 19)] == \
+        ["512", "1K", "1.5K", "96K", "1M", "1.5M"]
+    fig = _draw(plot.ring_figure(results.read_csv(ROOT / "perf" / "results" / "ring-cpu.csv")))
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    (legend,) = fig.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert len(labels) == len(set(labels)) == 8 and "dense ring_p2p fwd_bwd" in labels
+    box = legend.get_window_extent()
+    assert all(box.y1 <= ax.get_tightbbox().y0 + 1 for ax in fig.axes), "the legend overlaps a panel"
 
 
 def test_plot_without_arguments_leaves_the_committed_results_alone(tmp_path, monkeypatch, capsys):

@@ -19,7 +19,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import DEVICE
-from reference import FLOOR, assert_rule_all, check_against_oracle, dense_reference, finite, max_err, seeded
+from reference import (FLOOR, assert_rule_all, block_sparse_serve, check_against_oracle, dense_reference, finite,
+                       max_err, seeded)
 from triton_dilated import (BlockLayout, block_sparse_attention, block_sparse_attention_naive,
                             block_sparse_attention_op, block_sparse_attention_with_kvcache, layouts)
 from triton_dilated.ops.common.window import WindowPredicate
@@ -336,7 +337,8 @@ def test_decode_applies_the_window(backend, splits, monkeypatch):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_half_precision_and_gradients(backend):
     """float16 decode against the oracle by the tolerance rule; the portable decode's
-    gradients (autograd) and the Triton path's (the general path) against the oracle."""
+    gradients (autograd) and the Triton path's (the serve door's query-offset path: the
+    training kernels) against the oracle."""
     N, bs = 70, 16
     lay = layouts.sliding_window(N, bs, 12, sinks=2)
     c = dict(N=N, Hq=2, Hkv=1, D=16, dtype=torch.float16, seed=21)
@@ -348,7 +350,7 @@ def test_decode_half_precision_and_gradients(backend):
     assert max_err(out, o64[:, -2:]) < 2e-3
     c["dtype"] = torch.float32
     q, k, v = (x.requires_grad_() for x in qkv_of(c))
-    o = block_sparse_attention(q[:, -2:], k, v, lay, causal=True, backend=backend)
+    o = block_sparse_serve(q[:, -2:], k, v, lay, causal=True, backend=backend)
     grads = torch.autograd.grad(o.sum(), (q, k, v))
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     o64, _ = block_sparse_attention_naive(q64, k64, v64, lay, causal=True)

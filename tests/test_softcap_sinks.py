@@ -23,7 +23,8 @@ from triton_dilated.ops.dilated.naive import dilated_multiplicity
 from triton_dilated.ops.dilated.patterns import head_offsets
 from triton_dilated.ops.dilated.plan import build_items, key_unit_triples, query_unit_triples
 from conftest import DEVICE
-from reference import FLOOR, _run, assert_rule, assert_rule_all, dense_reference, finite, max_err, seeded
+from reference import (FLOOR, _run, assert_rule, assert_rule_all, block_sparse_serve, dense_reference, dilated_serve,
+                       finite, max_err, seeded)
 
 BACKENDS = ["triton", "torch"]
 # the interpreter gets bfloat16 tl.dot wrong (DESIGN §10): bfloat16 kernels on a GPU only
@@ -392,16 +393,17 @@ def test_sinks_validation(bad, exc, msg):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_softcap_on_the_decode_and_query_offset_paths(backend):
-    """Queries shorter than keys with softcap (and sinks): the decode path (Nq <= 16, forward)
-    and the general path (Nq = 20, and gradients: the padded full-length call; on the Triton
-    backend its planned query window) give the rows of the full-sequence oracle with the same
-    cap and sinks, forward and the gradients of q, k, v and the sinks."""
+    """Queries shorter than keys with softcap (and sinks), through the serve doors: the decode
+    path (Nq <= 16, forward) and the query-offset path (Nq = 20, chunked prefill: the padded
+    full-length call; on the Triton backend its planned query window) give the rows of the
+    full-sequence oracle with the same cap and sinks, forward and the gradients of q, k, v and
+    the sinks."""
     N, H, cap = 40, 2, 1.5
     q, k, v = make_qkv(1, N, H, 1, 8, torch.float32, 30, q_scale=3.0)
     sinks = make_sinks(H, 31)
     layout = layouts.local(N, 16, 1)
-    calls = (lambda q_, k_, v_, s, **a: dilated_attention(q_, k_, v_, [16, 40], [1, 2], **a, sinks=s),
-             lambda q_, k_, v_, s, **a: block_sparse_attention(q_, k_, v_, layout, **a, sinks=s))
+    calls = (lambda q_, k_, v_, s, **a: dilated_serve(q_, k_, v_, [16, 40], [1, 2], **a, sinks=s),
+             lambda q_, k_, v_, s, **a: block_sparse_serve(q_, k_, v_, layout, **a, sinks=s))
     oracles = (lambda q_, k_, v_, s: dilated_attention_naive(q_, k_, v_, [16, 40], [1, 2], causal=True, softcap=cap,
                                                              sinks=s),
                lambda q_, k_, v_, s: block_sparse_attention_naive(q_, k_, v_, layout, causal=True, softcap=cap,
@@ -409,11 +411,11 @@ def test_softcap_on_the_decode_and_query_offset_paths(backend):
     for call, oracle in zip(calls, oracles):
         ref_leaves = [x.double().requires_grad_() for x in (q, k, v, sinks)]
         ref, ref_lse = oracle(*ref_leaves)
-        with torch.no_grad():   # the decode path, with and without cache_seqlens
+        with torch.no_grad():   # the decode path, every key row and a cache holding fewer rows
             out, lse = call(q[:, -1:], k, v, sinks, causal=True, softcap=cap, return_lse=True, backend=backend)
             assert max_err(out, ref[:, -1:]) <= 1e-5 and max_err(lse, ref_lse[..., -1:]) <= 1e-5
-            out = call(q[:, -1:], k, v, sinks, causal=True, softcap=cap, backend=backend,
-                       cache_seqlens=torch.tensor([N], dtype=torch.int32, device=DEVICE))
+            out = call(q[:, -1:], torch.cat([k, k[:, :8]], 1), torch.cat([v, v[:, :8]], 1), sinks, causal=True,
+                       softcap=cap, backend=backend, cache_seqlens=torch.tensor([N], dtype=torch.int32, device=DEVICE))
             assert max_err(out, ref[:, -1:]) <= 1e-5
         leaves = [x.clone().requires_grad_() for x in (q[:, -20:], k, v, sinks)]
         out, lse = call(*leaves, causal=True, softcap=cap, return_lse=True, backend=backend)
@@ -437,18 +439,19 @@ def test_modules_need_heads_for_sinks():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sinks_on_the_decode_path(backend):
-    """Queries shorter than keys (the decode kernels, Nq <= 16): the sinks join each row the
-    same way, so every row equals that row of the full-sequence oracle with the sinks."""
+    """Queries shorter than keys through the serve doors (the decode kernels, Nq <= 16): the
+    sinks join each row the same way, so every row equals that row of the full-sequence
+    oracle with the sinks."""
     N, H = 40, 2
     q, k, v = make_qkv(1, N, H, 1, 8, torch.float32, 8)
     sinks = make_sinks(H, 9)
     layout = layouts.local(N, 16, 1)
     for nq in (1, 3):
         with torch.no_grad():
-            out, lse = dilated_attention(q[:, -nq:], k, v, [16, 40], [1, 2], causal=True, sinks=sinks,
-                                         return_lse=True, backend=backend)
-            bout, blse = block_sparse_attention(q[:, -nq:], k, v, layout, causal=True, sinks=sinks, return_lse=True,
-                                                backend=backend)
+            out, lse = dilated_serve(q[:, -nq:], k, v, [16, 40], [1, 2], causal=True, sinks=sinks,
+                                     return_lse=True, backend=backend)
+            bout, blse = block_sparse_serve(q[:, -nq:], k, v, layout, causal=True, sinks=sinks, return_lse=True,
+                                            backend=backend)
         ref, ref_lse = dilated_attention_naive(q, k, v, [16, 40], [1, 2], causal=True, sinks=sinks)
         bref, bref_lse = block_sparse_attention_naive(q, k, v, layout, causal=True, sinks=sinks)
         for a, b in ((out, ref[:, -nq:]), (lse, ref_lse[..., -nq:]), (bout, bref[:, -nq:]),

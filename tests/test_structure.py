@@ -117,15 +117,20 @@ def test_no_import_cycles():
         mod = ".".join(rel.parts[:-1] if rel.parts[-1] == "__init__" else rel.parts)
         modules[mod] = path
     for mod, path in modules.items():
-        graph[mod] = {m for m, _ in _imports(path) if m in modules and m != mod}
-    # a package's __init__ importing its own submodules is not a cycle worth reporting
+        by_line = {}
+        for m, line in _imports(path):
+            if m in modules and m != mod:
+                by_line.setdefault(line, set()).add(m)
+        # `from .pkg import module` names the package only to reach the module (its parent,
+        # initialised first in any case): the module is the edge
+        graph[mod] = {m for ms in by_line.values() for m in ms if not any(o.startswith(m + ".") for o in ms)}
+    # every import counts, function-level ones and a package's __init__ importing its own
+    # submodules included (a late import only hides a cycle from the import order)
     state, cycles = {}, []
 
     def visit(node, stack):
         state[node] = "open"
-        for nxt in graph[node]:
-            if nxt.startswith(node + "."):
-                continue
+        for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
                 cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
             elif nxt not in state:

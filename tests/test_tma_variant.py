@@ -14,7 +14,7 @@ import torch
 from conftest import DEVICE
 from reference import check_against_oracle, dense_reference, seeded
 from triton_dilated import BlockLayout, block_sparse_attention_naive, layouts
-from triton_dilated.configs import INTERPRETER_CONFIG
+from triton_dilated.ops.common.configs import INTERPRETER_CONFIG
 from triton_dilated.ops.block_sparse import kernels
 from triton_dilated.ops.block_sparse.naive import element_mask
 from triton_dilated.ops.common.hardware import device_arch, fake_arch
@@ -223,7 +223,7 @@ def test_warp_spec_switch_only_where_triton_partitions(arch):
     """The switch exists on the archs whose table row says Triton warp-specializes there
     (sm100): there the GPU check's config A/B and `perf tune` time it; elsewhere they do not
     propose it (and the launcher ignores it)."""
-    from triton_dilated import configs
+    from triton_dilated.ops.common import configs
     fake = fake_arch(arch)
     assert configs.VARIANT_SWITCHES["block_sparse_fwd"]["WARP_SPEC"].available(fake) is (arch == "sm100")
     default = configs.default_config("block_sparse_fwd", 128, fake, torch.bfloat16)

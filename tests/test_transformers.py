@@ -296,9 +296,9 @@ def test_static_cache_compiled_generate_equals_eager(impl):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_attention_functions_make_no_host_sync_per_layer(backend):
     """The attention functions' decode step reads nothing on the host: with a static cache's
-    lengths (what the mask function gives a static cache, both backends), and for a padded
-    batch whose mask the mask function tagged with its padding groups (the Triton path; on a
-    CPU the portable front door reads the lengths of CPU tensors for its strided-view loop)."""
+    lengths (what the mask function gives a static cache), and for a padded batch whose mask
+    the mask function tagged with its padding groups (each group's queries end its keys: the
+    serve door, whose decode step reads no length on either backend)."""
     from test_with_kvcache import no_host_sync
 
     model = _model("triton_dilated", dilated_attention={"segment_lengths": [4, 8], "dilation_rates": [1, 2],
@@ -318,9 +318,8 @@ def test_attention_functions_make_no_host_sync_per_layer(backend):
     tagged = td_hf.dilated_attention_mask(2, q_length=1, kv_length=12, attention_mask=mask.bool())
     assert tagged.td_padding is not None
     want, _ = td_hf.dilated_attention_forward(module, q, k, v, mask.bool())      # untagged: computed per call
-    if backend == "triton":
-        with torch.no_grad(), no_host_sync():
-            got, _ = td_hf.dilated_attention_forward(module, q, k, v, tagged)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.no_grad(), no_host_sync():
+        got, _ = td_hf.dilated_attention_forward(module, q, k, v, tagged)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="static cache"):
         td_hf.dilated_attention_mask(2, q_length=1, kv_length=12, q_offset=torch.tensor(8), attention_mask=mask.bool())

@@ -238,20 +238,21 @@ def test_empty_batch_or_sequence(backend, B, N, dtype):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
-@pytest.mark.parametrize("cache", [False, True], ids=["no-cache-seqlens", "cache-seqlens"])
-def test_empty_batch_with_queries_shorter_than_keys(backend, variant, cache):
-    """Issue 19 item 3: B = 0 with q shorter than k (decoding or chunked prefill shapes) gave
-    IndexError (an empty float index tensor). Empty out and lse, and empty gradients."""
-    from triton_dilated import block_sparse_attention, layouts
-    q = _t(0, 4, 2, 8, seed=1).requires_grad_(True)
+@pytest.mark.parametrize("nq", [4, 17], ids=["decode", "chunked-prefill"])
+def test_empty_batch_with_queries_shorter_than_keys(backend, variant, nq):
+    """Issue 19 item 3: B = 0 with q shorter than k (decoding or chunked prefill shapes,
+    through the serve doors) gave IndexError (an empty float index tensor). Empty out and
+    lse, and empty gradients."""
+    from triton_dilated import block_sparse_attention_with_kvcache, dilated_attention_with_kvcache, layouts
+    q = _t(0, nq, 2, 8, seed=1).requires_grad_(True)
     k, v = (_t(0, 64, 2, 8, seed=s).requires_grad_(True) for s in (2, 3))
     kw = dict(causal=True, backend=backend, return_lse=True,
-              cache_seqlens=torch.zeros(0, dtype=torch.int32, device=q.device) if cache else None)
+              cache_seqlens=torch.zeros(0, dtype=torch.int32, device=q.device))
     if variant == "dilated":
-        out, lse = dilated_attention(q, k, v, [16, 32], [1, 2], **kw)
+        out, lse = dilated_attention_with_kvcache(q, k, v, segment_lengths=[16, 32], dilation_rates=[1, 2], **kw)
     else:
-        out, lse = block_sparse_attention(q, k, v, layouts.local(64, 16, 1, causal=True), **kw)
-    assert out.shape == (0, 4, 2, 8) and lse.shape == (0, 2, 4) and lse.dtype == torch.float32
+        out, lse = block_sparse_attention_with_kvcache(q, k, v, layout=layouts.local(64, 16, 1, causal=True), **kw)
+    assert out.shape == (0, nq, 2, 8) and lse.shape == (0, 2, nq) and lse.dtype == torch.float32
     (out.sum() + lse.sum()).backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 

@@ -1,15 +1,19 @@
-"""The inference entry points (issue 21 items 1-2): `dilated_attention_with_kvcache` and
+"""The serve doors (issue 21 items 1-2, issue 31 item 3): `dilated_attention_with_kvcache` and
 `block_sparse_attention_with_kvcache`, FlashAttention's with_kvcache shape.
 
 * against the float64 oracle (each row's prefix, the queries placed last), with and without
   new k/v rows appended in place, ragged lengths, cache rows past each length poisoned NaN;
-* no host sync from the call to the kernel launch, on both backends: a guard that raises on
-  every way of reading a tensor's values on the host (tolist, item, bool, int, float,
-  index, numpy, torch.equal, and under a dispatch mode the aten ops behind them and the ops
-  with data-dependent output shapes), disarmed only while a Triton kernel runs; the guard
-  is shown to fire on the training front door, which reads cache_seqlens;
+  appending then attending equals attending over the cache that holds the rows (no new
+  rows, cache_seqlens counting them); rows holding fewer keys than queries;
+* no host sync from the call to the kernel launch of a decode step, on both backends: a
+  guard that raises on every way of reading a tensor's values on the host (tolist, item,
+  bool, int, float, index, numpy, torch.equal, and under a dispatch mode the aten ops
+  behind them and the ops with data-dependent output shapes), disarmed only while a Triton
+  kernel runs; the guard is shown to fire on the serve door's query-offset route (chunked
+  prefill, Nq > 16, and gradients on the Triton path), which reads cache_seqlens;
 * torch.compile(fullgraph=True) traces a decode step once and serves three different
   cache_seqlens tensors without a recompile (dynamo's frame counter), equal to eager;
+* gradients on both backends (the Triton path through the training kernels);
 * argument errors name the argument.
 """
 from __future__ import annotations
@@ -20,11 +24,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from triton_dilated import (block_sparse_attention, block_sparse_attention_naive, block_sparse_attention_with_kvcache,
-                            dilated_attention, dilated_attention_naive, dilated_attention_with_kvcache, layouts)
-from triton_dilated.ops.block_sparse import decode_kernels as bs_kernels, inference as bs_inference
+from triton_dilated import (block_sparse_attention_naive, block_sparse_attention_with_kvcache, dilated_attention_naive,
+                            dilated_attention_with_kvcache, layouts)
+from triton_dilated.ops.block_sparse import decode_kernels as bs_kernels, serve as bs_serve
 from triton_dilated.ops.common import decode_kernels as common_kernels
-from triton_dilated.ops.dilated import decode_kernels as dl_kernels, inference as dl_inference
+from triton_dilated.ops.dilated import decode_kernels as dl_kernels, serve as dl_serve
 from conftest import DEVICE, capture_cuda_graph
 from reference import seeded
 from test_decode import check_forward
@@ -103,12 +107,11 @@ def test_with_kvcache_matches_the_oracle(backend, variant, append):
             torch.testing.assert_close(kc[b], want_k, rtol=0, atol=0, equal_nan=True)
             torch.testing.assert_close(vc[b], want_v, rtol=0, atol=0, equal_nan=True)
         check_forward(out, lse, q, kc, vc, after, oracle)
-        # the training front door (cache_seqlens counting the new rows) gives the same rows
-        legacy = (dilated_attention(q, kc, vc, WS, RS, causal=causal, return_lse=True, backend=backend,
-                                    cache_seqlens=lens + append) if variant == "dilated" else
-                  block_sparse_attention(q, kc, vc, lay, causal=causal, return_lse=True, backend=backend,
-                                         cache_seqlens=lens + append))
-        torch.testing.assert_close(legacy, (out, lse), rtol=1e-6, atol=1e-6)
+        # the same door without new rows on the cache that now holds them (cache_seqlens
+        # counting them) gives the same rows
+        held = fn(q, kc, vc, cache_seqlens=lens + append, causal=causal, return_lse=True, backend=backend,
+                  validate=True)
+        torch.testing.assert_close(held, (out, lse), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -119,10 +122,12 @@ def test_rows_holding_fewer_keys_than_queries(backend, variant):
     no key, causal or not (out 0, lse -inf; ops/dilated/decode.py); the other queries are the
     row's positions 0 .. L - 1 and equal the oracle over its L keys. Before, the portable
     dilated path gave errors of 0.84 (B = 3) or an IndexError (B = 1) and the Triton kernels
-    read before the row (non-causal) and floor/truncate disagreed on p < 0. (The training
-    doors refuse such rows: their cache_seqlens must lie in [Nq, Nk].)"""
+    read before the row (non-causal) and floor/truncate disagreed on p < 0. The same on the
+    query-offset path (chunked prefill, Nq > 16: the queries at positions >= 0 run the
+    training kernels, the others are 0 and -inf); validate=True accepts these lengths."""
     Nk, Hq, Hkv, D = 32, 4, 2, 8
-    for before, append, Nq in (([9, 2, 5], 0, 3), ([2], 0, 3), ([0], 0, 3), ([0, 1, 7], 1, 3), ([0, 4], 0, 1)):
+    for before, append, Nq in (([9, 2, 5], 0, 3), ([2], 0, 3), ([0], 0, 3), ([0, 1, 7], 1, 3), ([0, 4], 0, 1),
+                               ([5, 20, 0], 2, 18)):
         B, after = len(before), [n + append for n in before]
         kc, vc = _cache(B, Nk, Hkv, D, before, seed=20)
         q = seeded((B, Nq, Hq, D), torch.float32, 21, DEVICE)
@@ -139,7 +144,7 @@ def test_rows_holding_fewer_keys_than_queries(backend, variant):
                 lay = _layout(Nk, heads=Hq)
                 fn, oracle = _block_sparse(lay), _block_sparse_oracle(lay, causal)
             out, lse = fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, causal=causal, return_lse=True,
-                          backend=backend)
+                          backend=backend, validate=True)
             want_out, want_lse = torch.zeros_like(out, dtype=torch.float64), torch.full_like(lse, float("-inf"),
                                                                                               dtype=torch.float64)
             for b, n in enumerate(after):
@@ -161,9 +166,10 @@ def test_rows_holding_fewer_keys_than_queries(backend, variant):
 def test_with_kvcache_softcap_and_sinks_match_the_oracle(backend, variant):
     """softcap= and sinks= (issue 23) on a decode step: B = 2 rows at ragged lengths, GQA, Nq = 3
     with one row appended, scores large enough that the cap bites; out and lse against the
-    oracle with the same cap and sinks (each row's prefix, the queries last); the training
-    front door (cache_seqlens) gives the same rows; on the portable path (differentiable) the
-    gradients of q, the cache and the sinks equal the oracle's."""
+    oracle with the same cap and sinks (each row's prefix, the queries last); the same door
+    without new rows on the cache holding them gives the same rows; the gradients of q, the
+    cache and the sinks equal the oracle's on both backends (the Triton path through the
+    training kernels: the decode kernel has no backward)."""
     B, Nk, Hq, Hkv, D, Nq, cap = 2, 48, 4, 2, 8, 3, 1.5
     before = [29, 47]
     after = [n + 1 for n in before]
@@ -177,20 +183,16 @@ def test_with_kvcache_softcap_and_sinks_match_the_oracle(backend, variant):
         fn = _dilated
         oracle = lambda q_, k_, v_, n, s=sinks: dilated_attention_naive(  # noqa: E731
             q_, k_, v_, WS, RS, **{**kw, "sinks": s})
-        front = lambda q_, k_, v_, **a: dilated_attention(q_, k_, v_, WS, RS, **a)  # noqa: E731
     else:
         lay = _layout(Nk, heads=Hq)
         fn = _block_sparse(lay)
         oracle = lambda q_, k_, v_, n, s=sinks: block_sparse_attention_naive(  # noqa: E731
             q_, k_, v_, lay.prefix(-(-n // lay.block_size)), **{**kw, "sinks": s})
-        front = lambda q_, k_, v_, **a: block_sparse_attention(q_, k_, v_, lay, **a)  # noqa: E731
     with torch.no_grad():
         out, lse = fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, return_lse=True, backend=backend, **kw)
         check_forward(out, lse, q, kc, vc, after, oracle)
-        legacy = front(q, kc, vc, cache_seqlens=lens + 1, return_lse=True, backend=backend, **kw)
-    torch.testing.assert_close(legacy, (out, lse), rtol=1e-6, atol=1e-6)
-    if backend != "torch":
-        return
+        held = fn(q, kc, vc, cache_seqlens=lens + 1, return_lse=True, backend=backend, **kw)
+    torch.testing.assert_close(held, (out, lse), rtol=1e-6, atol=1e-6)
     leaves = [x.detach().clone().requires_grad_() for x in (q, kc, vc, sinks)]
     g = seeded((B, Nq, Hq, D), torch.float32, 25, DEVICE)
     out, lse = fn(*leaves[:3], cache_seqlens=lens + 1, return_lse=True, backend=backend,
@@ -213,21 +215,26 @@ def test_with_kvcache_softcap_and_sinks_match_the_oracle(backend, variant):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sliding_window_layouts_on_the_decode_paths(backend):
     """A sliding-window layout (layouts.sliding_window) with softcap and sinks on the decode
-    paths: the front door's short-q calls and the inference entry point equal the oracle's
-    rows (the decode kernels evaluate the window predicate in the window blocks)."""
+    paths: the serve door on a full cache, and appending the queries' own rows to a cache
+    holding the rows before them, equal the oracle's rows (the decode kernels evaluate the
+    window predicate in the window blocks)."""
     B, N, Hq, Hkv, D = 1, 48, 2, 1, 8
     q = seeded((B, N, Hq, D), torch.float32, 40, DEVICE)
     k, v = (seeded((B, N, Hkv, D), torch.float32, s, DEVICE) for s in (41, 42))
     sinks = seeded((Hq,), torch.float32, 43, DEVICE)
     lay = layouts.sliding_window(N, 16, 10).to(DEVICE)
-    kw = dict(softcap=1.5, sinks=sinks, return_lse=True, backend=backend)
+    kw = dict(causal=True, softcap=1.5, sinks=sinks, return_lse=True, backend=backend)
     ref, ref_lse = block_sparse_attention_naive(q, k, v, lay, causal=True, softcap=1.5, sinks=sinks)
     with torch.no_grad():
         for nq in (1, 3):
-            for out, lse in (block_sparse_attention(q[:, -nq:], k, v, lay, causal=True, **kw),
-                             block_sparse_attention_with_kvcache(
+            kc, vc = (torch.cat([x[:, :N - nq], torch.full_like(x[:, N - nq:], float("nan"))], 1) for x in (k, v))
+            for out, lse in (block_sparse_attention_with_kvcache(
                                  q[:, -nq:], k, v, cache_seqlens=torch.tensor([N], dtype=torch.int32, device=DEVICE),
-                                 layout=lay, **kw)):
+                                 layout=lay, **kw),
+                             block_sparse_attention_with_kvcache(
+                                 q[:, -nq:], kc, vc, k[:, -nq:], v[:, -nq:],
+                                 cache_seqlens=torch.tensor([N - nq], dtype=torch.int32, device=DEVICE), layout=lay,
+                                 **kw)):
                 torch.testing.assert_close(out.double(), ref[:, -nq:], rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(lse.double(), ref_lse[..., -nq:], rtol=1e-5, atol=1e-5)
 
@@ -326,8 +333,9 @@ def no_host_sync():
 @pytest.mark.parametrize("paged", [False, True])
 def test_no_host_sync_between_the_call_and_the_kernel(backend, variant, paged):
     """A decode step with an append (contiguous or paged cache) runs under the guard and equals
-    the unguarded call; the training front door, which checks cache_seqlens on the host,
-    trips the same guard (so the guard would catch a sync added to the inference path)."""
+    the unguarded call; the same door's query-offset route, which reads cache_seqlens on the
+    host (chunked prefill: 17 queries; on the Triton path a decode step with gradients),
+    trips the same guard (so the guard would catch a sync added to the decode path)."""
     B, Nk, Hq, Hkv, D = 2, 48, 4, 2, 8
     lens = torch.tensor([20, 33], dtype=torch.int32, device=DEVICE)
     lay = _layout(Nk, heads=Hq)
@@ -355,11 +363,13 @@ def test_no_host_sync_between_the_call_and_the_kernel(backend, variant, paged):
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     if paged:
         return
-    with pytest.raises(HostSync), no_host_sync():   # the guard fires on a host read
-        if variant == "dilated":
-            dilated_attention(q, kc, vc, WS, RS, causal=True, backend=backend, cache_seqlens=lens + 2)
-        else:
-            block_sparse_attention(q, kc, vc, lay, causal=True, backend=backend, cache_seqlens=lens + 2)
+    chunk = seeded((B, 17, Hq, D), torch.float32, 7, DEVICE)
+    fn(chunk, kc2, vc2, cache_seqlens=lens + 2, backend=backend)   # runs unguarded
+    with pytest.raises(HostSync), no_host_sync():   # the guard fires on a host read: chunked prefill
+        fn(chunk, kc, vc, cache_seqlens=lens + 2, backend=backend)
+    if backend == "triton":                         # gradients on the Triton path: the same route
+        with pytest.raises(HostSync), no_host_sync():
+            fn(q.detach().requires_grad_(), kc, vc, cache_seqlens=lens + 2, backend=backend)
     with pytest.raises(HostSync), no_host_sync():   # and so does validate=True
         fn(q, kc, vc, cache_seqlens=lens, backend=backend, validate=True)
 
@@ -373,7 +383,8 @@ def test_compiled_decode_step_serves_every_length_without_recompiling(backend, v
     """torch.compile(fullgraph=True) of a decode step with an append (aot_eager: the real
     functionalised graph, the ops' fake kernels), three cache_seqlens tensors: one frame
     compiled, outputs and caches equal to eager and the oracle; contiguous and paged caches
-    (pages of 16); and the training front door traces too."""
+    (pages of 16); and a step without new rows (cache_seqlens counting the queries) traces
+    once too."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     B, Nk, Hq, Hkv, D = 2, 48, 4, 2, 8
@@ -408,23 +419,21 @@ def test_compiled_decode_step_serves_every_length_without_recompiling(backend, v
     if paged:
         return
 
-    def front_door(q, kc, vc, lens):   # cache_seqlens counting the queries (DESIGN §5b)
-        if variant == "dilated":
-            return dilated_attention(q, kc, vc, WS, RS, causal=True, backend=backend, cache_seqlens=lens)
-        return block_sparse_attention(q, kc, vc, lay, causal=True, backend=backend, cache_seqlens=lens)
+    def held(q, kc, vc, lens):   # no new rows: cache_seqlens counting the queries (DESIGN §5b)
+        return fn(q, kc, vc, cache_seqlens=lens, causal=True, backend=backend)
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(front_door, backend=counter, fullgraph=True)
+    compiled = torch.compile(held, backend=counter, fullgraph=True)
     for before in ([5, 30], [17, 9]):
         lens = torch.tensor(before, dtype=torch.int32, device=DEVICE) + 1
-        torch.testing.assert_close(compiled(q, kc, vc, lens), front_door(q, kc, vc, lens), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(compiled(q, kc, vc, lens), held(q, kc, vc, lens), rtol=1e-6, atol=1e-6)
     assert counter.frame_count == 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_head_slice_of_a_decode_step(backend):
-    """head_offset/total_heads (Ulysses) on the inference entry point, eager and compiled:
+    """head_offset/total_heads (Ulysses) on the serve door, eager and compiled:
     the slice's output equals that slice of the full call (the offsets follow global heads)."""
     B, Nk, Hq, Hkv, D = 2, 48, 4, 2, 8
     q = seeded((B, 1, Hq, D), torch.float32, 1, DEVICE)
@@ -451,10 +460,10 @@ def test_opcheck_decode_ops(device):
     pool_k, pool_v, table = _paged(kc, vc, 8)
     lay = layouts.local(40, 16, 1, causal=True).to(device)
     for caches in ((kc, vc, None), (pool_k, pool_v, table)):
-        torch.library.opcheck(dl_inference._dilated_decode, (q, *caches[:2], lens, caches[2], WS, RS, True, 0.3,
-                                                             "longnet", "modulo", 0, 4, "torch"))
-        torch.library.opcheck(bs_inference._block_sparse_decode, (q, *caches[:2], lens, caches[2], lay.kv_num_blocks,
-                                                                  lay.kv_indices, 16, True, 0.3, "torch"))
+        torch.library.opcheck(dl_serve._dilated_decode, (q, *caches[:2], lens, caches[2], WS, RS, True, 0.3,
+                                                         "longnet", "modulo", 0, 4, "torch"))
+        torch.library.opcheck(bs_serve._block_sparse_decode, (q, *caches[:2], lens, caches[2], lay.kv_num_blocks,
+                                                              lay.kv_indices, 16, True, 0.3, "torch"))
 
 
 # ----------------------------------------------------------------------------- paged cache
@@ -524,8 +533,8 @@ def test_argument_errors():
         dilated_attention_with_kvcache(q, kc, vc, kc[:, :1], cache_seqlens=lens, **kw)
     with pytest.raises(ValueError, match=r"k \(new rows\) must have shape \(B, Nnew, Hkv, D\)"):
         dilated_attention_with_kvcache(q, kc, vc, kc[:, :1, :1], vc[:, :1, :1], cache_seqlens=lens, **kw)
-    with pytest.raises(ValueError, match="1 to 16 query rows"):
-        dilated_attention_with_kvcache(kc.repeat(1, 1, 2, 1)[:, :17], kc, vc, cache_seqlens=lens, **kw)
+    with pytest.raises(ValueError, match="q must hold at least one query row per batch row, got 0"):
+        dilated_attention_with_kvcache(q[:, :0], kc, vc, cache_seqlens=lens, **kw)
     with pytest.raises(TypeError, match="block_table must be an int32 tensor"):
         dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=lens[:, None].long(), **kw)
     with pytest.raises(ValueError, match=r"block_table must have shape \(B, max_pages\) = \(2, max_pages >= 1\)"):
@@ -535,16 +544,46 @@ def test_argument_errors():
         dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens + 30, block_table=table, validate=True, **kw)
     with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 32: with 1 new rows the row holds 33"):
         dilated_attention_with_kvcache(q, kc, vc, kc[:, :1], vc[:, :1], cache_seqlens=lens + 23, validate=True, **kw)
-    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 0.*\[Nq, Nk\] = \[1, 32\]"):
-        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens * 0, validate=True, **kw)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 33: with 0 new rows the row holds 33, which must "
+                                         r"lie in \[0, 32\]"):
+        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens + 30, validate=True, **kw)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = -1: .* must lie in \[0, 32\] .* cache_seqlens >= 0"):
+        dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens * 0 - 1, validate=True, **kw)
+    # L_b = 0 < Nq is valid: the query lies before position 0 and reads nothing
+    out, lse = dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens * 0, validate=True, return_lse=True, **kw)
+    assert (out == 0).all() and torch.isneginf(lse).all()
     with pytest.raises(TypeError, match="validate must be a bool"):
         dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, validate=1, **kw)
     with pytest.raises(TypeError, match="layout must be a BlockLayout"):
         block_sparse_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, layout=None)
     with pytest.raises(ValueError, match="blocks"):
         block_sparse_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, layout=layouts.local(64, 16, 1))
-    with pytest.raises(ValueError, match="no backward"):
-        dilated_attention_with_kvcache(q.requires_grad_(), kc, vc, cache_seqlens=lens, backend="triton", **kw)
+
+
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+def test_triton_serve_door_gradients(variant):
+    """Gradients through the serve door on the Triton path (the decode kernel has no backward:
+    the query-offset path runs the training kernels; it used to refuse them) equal the
+    portable decode's (plain autograd, itself checked against the oracle in test_decode and
+    test_query_offset): q, k_cache, v_cache, ragged lengths, 1 and 3 queries."""
+    B, Nk, Hq, Hkv, D = 2, 48, 4, 2, 8
+    lay = _layout(Nk, heads=Hq)
+    fn = _dilated if variant == "dilated" else _block_sparse(lay)
+    lens = torch.tensor([30, 47], dtype=torch.int32, device=DEVICE)
+    kc, vc = (seeded((B, Nk, Hkv, D), torch.float32, s, DEVICE) for s in (48, 49))
+    for nq in (1, 3):
+        q = seeded((B, nq, Hq, D), torch.float32, 51, DEVICE)
+        g = seeded((B, nq, Hq, D), torch.float32, 52, DEVICE)
+        grads = []
+        for backend in BACKENDS:
+            leaves = [x.detach().clone().requires_grad_() for x in (q, kc, vc)]
+            out, lse = fn(*leaves, cache_seqlens=lens, causal=True, return_lse=True, backend=backend)
+            grads.append((out, lse, *torch.autograd.grad((out * g).sum() + lse.sum(), leaves)))
+        portable, triton = grads
+        for name, got, want in zip(("out", "lse", "dq", "dk_cache", "dv_cache"), triton, portable):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{variant} nq={nq} {name}")
+        for b, n in enumerate(lens.tolist()):   # rows past each length: no gradient
+            assert (triton[3][b, n:] == 0).all() and (triton[4][b, n:] == 0).all()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (TRITON_DILATED_TEST_DEVICE=cuda)")

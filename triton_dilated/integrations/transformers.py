@@ -62,8 +62,6 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from .. import layouts
 from ..ops.block_sparse import block_sparse_attention, block_sparse_attention_with_kvcache
-from ..ops.common.decode import DECODE_MAX_QUERIES
-from ..ops.common.first_order import needs_grad
 from ..ops.dilated import dilated_attention, dilated_attention_with_kvcache
 from ..ops.dilated.cache import KeptRows, quiet_heads_warning
 from ..ops.dilated.patterns import check_patterns
@@ -209,9 +207,12 @@ def _sliding_call(module, window, scaling, extra, attr):
 
     def call(q, k, v, lengths):
         lay = _window_layout(k.shape[1], block, window, str(k.device))
-        # decode steps too: the front door's query-offset path is exact for window layouts
-        return block_sparse_attention(q, k, v, lay, causal=True, scale=scaling, backend=backend,
-                                      cache_seqlens=lengths, **extra)
+        lens = _serve_lengths(q, k, lengths)
+        if lens is None:
+            return block_sparse_attention(q, k, v, lay, causal=True, scale=scaling, backend=backend, **extra)
+        # decode steps and chunks: the serve door (a decode step without host sync)
+        return block_sparse_attention_with_kvcache(q, k, v, cache_seqlens=lens, layout=lay, causal=True,
+                                                   scale=scaling, backend=backend, **extra)
     return call
 
 
@@ -323,10 +324,15 @@ def _extras_and_heads(impl, module, query, kwargs):
     return window, dict(softcap=softcap, sinks=sinks), head_offset, total_heads
 
 
-def _decoding(q, k, v, lengths):
-    """Whether a call is a decode step for the inference entry points: a static cache's
-    lengths, up to 16 query rows, no gradient."""
-    return lengths is not None and q.shape[1] <= DECODE_MAX_QUERIES and not needs_grad(q, k, v)
+def _serve_lengths(q, k, lengths):
+    """The serve doors' cache_seqlens of a call whose queries end a longer key sequence (a
+    static cache's lengths, or every key row valid), or None when q and k hold the same
+    positions (the training doors)."""
+    if lengths is not None:
+        return lengths
+    if q.shape[1] == k.shape[1]:
+        return None
+    return torch.full((k.shape[0],), k.shape[1], dtype=torch.int32, device=k.device)
 
 
 def dilated_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -348,11 +354,12 @@ def dilated_attention_forward(module, query, key, value, attention_mask, dropout
                    head_offset=head_offset, total_heads=total_heads, **extra)
 
     def call(q, k, v, lengths):
-        if _decoding(q, k, v, lengths):   # a static cache's decode step: no host sync
-            return dilated_attention_with_kvcache(q, k, v, cache_seqlens=lengths, **pattern)
+        lens = _serve_lengths(q, k, lengths)
         quiet = quiet_heads_warning(q.shape[2], k.shape[1]) if q.shape[2] > k.shape[1] else contextlib.nullcontext()
         with quiet:
-            return dilated_attention(q, k, v, cache_seqlens=lengths, **pattern)
+            if lens is None:
+                return dilated_attention(q, k, v, **pattern)
+            return dilated_attention_with_kvcache(q, k, v, cache_seqlens=lens, **pattern)   # decode: no host sync
 
     return _run(DILATED, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
 
@@ -389,11 +396,11 @@ def block_sparse_attention_forward(module, query, key, value, attention_mask, dr
         lay, backend = _module_layout(module, k.shape[1], k.device)
         if total is not None:   # a head slice: its rows of a per-head layout (one head row: itself)
             lay = lay.heads(first, first + q.shape[2])
-        if _decoding(q, k, v, lengths):   # a static cache's decode step: no host sync
-            return block_sparse_attention_with_kvcache(q, k, v, cache_seqlens=lengths, layout=lay, causal=True,
-                                                       scale=scaling, backend=backend, **extra)
-        return block_sparse_attention(q, k, v, lay, causal=True, scale=scaling, backend=backend,
-                                      cache_seqlens=lengths, **extra)
+        lens = _serve_lengths(q, k, lengths)
+        if lens is None:
+            return block_sparse_attention(q, k, v, lay, causal=True, scale=scaling, backend=backend, **extra)
+        return block_sparse_attention_with_kvcache(q, k, v, cache_seqlens=lens, layout=lay, causal=True,
+                                                   scale=scaling, backend=backend, **extra)   # decode: no host sync
 
     return _run(BLOCK_SPARSE, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
 

@@ -10,9 +10,10 @@
   python -m triton_dilated.perf layouts   time the block-layout builders at N = 1M tokens
   python -m triton_dilated.perf plot      PNG plots from result CSVs
   python -m triton_dilated.perf table     print the summary table of a result CSV
-  python -m triton_dilated.perf aot       compile every kernel for sm90/sm80 without a GPU:
+  python -m triton_dilated.perf aot       compile every kernel without a GPU, for the NVIDIA and
+                                          AMD archs named by --arch (default sm90 and sm80):
                                           compile errors, registers, spills, shared memory,
-                                          wgmma/mma.sync, cp.async/TMA, pipeline depth
+                                          wgmma/mma.sync/MFMA, cp.async/TMA, pipeline depth
   python -m triton_dilated.perf plan      the dilated forward's cost model on a CPU: useful vs
                                           computed (query, key) pairs, K/V bytes, and the
                                           roofline bound on an H100
@@ -29,24 +30,29 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from ..ops.common.hardware import ARCH_TABLE, arch_facts
-from .cli import CAUSAL, DTYPES, add_causal
+from .cli import (CAUSAL, DTYPES, Parser, add_causal, block_size, head_dim, non_negative_float, positive_float,
+                  positive_int)
 
 COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot", "plan", "decode")
 
 
 def _parser():
-    parser = argparse.ArgumentParser(prog="python -m triton_dilated.perf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m triton_dilated.perf", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(name, help_text):
         return sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
 
     p = command("sweep", "the default benchmark sweep (also: no command)")
-    p.add_argument("--out", default="perf/out/sweep.csv", help="CSV to write (default: %(default)s)")
-    p.add_argument("--seqlens", type=int, nargs="+", metavar="N",
+    p.add_argument("--out", help="CSV to write, its PNGs beside it; one that exists is refused unless --overwrite "
+                                 "(default: a new perf/out/sweep-<UTC date>-<time>.csv each run)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out CSV and its PNGs (default: refuse; nothing is timed)")
+    p.add_argument("--seqlens", type=positive_int, nargs="+", metavar="N",
                    help="sequence lengths (default: GPU 8192 16384 32768, and 65536 with >= 40 GiB; "
                         "CPU 1024 2048 4096)")
     p.add_argument("--ops", nargs="+", choices=("dilated", "block_sparse"), default=["dilated", "block_sparse"],
@@ -62,7 +68,7 @@ def _parser():
     flex.add_argument("--flex", dest="flex", action="store_true", default=None,
                       help="include FlexAttention (default: on a GPU; on a CPU it runs eagerly and densely)")
     flex.add_argument("--no-flex", dest="flex", action="store_false", help="leave FlexAttention out")
-    p.add_argument("--budget", type=float, metavar="SECONDS",
+    p.add_argument("--budget", type=non_negative_float, metavar="SECONDS",
                    help="seconds of timed calls per (provider, pass), spent in interleaved rounds "
                         "(default: 0.2 on a GPU, 1.5 on a CPU)")
     p.add_argument("--no-plot", action="store_true", help="do not write PNGs next to the CSV (default: write them)")
@@ -74,19 +80,19 @@ def _parser():
                                                      "block_sparse_bwd", "ring_step_fwd", "ring_step_bwd"),
                    help="config families to tune (default: every family of every variant)")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, help="default: bfloat16 float16")
-    p.add_argument("--head-dims", type=int, nargs="+", metavar="D", help="default: 64 128")
-    p.add_argument("--seqlens", type=int, nargs="+", metavar="N",
+    p.add_argument("--head-dims", type=head_dim, nargs="+", metavar="D", help="default: 64 128")
+    p.add_argument("--seqlens", type=positive_int, nargs="+", metavar="N",
                    help="tune at these N, one per sequence bucket (default: 4096 16384 65536)")
-    p.add_argument("--heads", type=int, help="query heads of the tuning shape (default: 16)")
-    p.add_argument("--max-candidates", type=int, metavar="K",
+    p.add_argument("--heads", type=positive_int, help="query heads of the tuning shape (default: 16)")
+    p.add_argument("--max-candidates", type=positive_int, metavar="K",
                    help="time at most this many candidates per kernel (default: all that fit the arch)")
     p.add_argument("--no-causal", action="store_true", help="tune the non-causal kernels (default: causal)")
 
     p = command("ring", "ring, Ulysses and 2-D attention: time and per-rank memory vs world size")
     p.add_argument("--out", default="perf/out/ring.csv", help="CSV to write (default: %(default)s)")
-    p.add_argument("--world-sizes", type=int, nargs="+", metavar="P",
+    p.add_argument("--world-sizes", type=positive_int, nargs="+", metavar="P",
                    help="default: 1 2 4 8 up to the GPU count; CPU: 1 2 4")
-    p.add_argument("--seqlen", type=int, metavar="N", help="global sequence length (default: GPU 32768, CPU 4096; "
+    p.add_argument("--seqlen", type=positive_int, metavar="N", help="global sequence length (default: GPU 32768, CPU 4096; "
                                                            "--quick: GPU 4096, CPU 1024)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when a GPU is visible, else cpu")
     p.add_argument("--variants", nargs="+", choices=("dense", "dilated"), default=["dense", "dilated"],
@@ -99,13 +105,13 @@ def _parser():
                    help="how the sequence is split over ranks (default: %(default)s)")
     p.add_argument("--no-causal", action="store_true", help="non-causal attention (default: causal)")
     p.add_argument("--quick", action="store_true", help="a short sequence (see --seqlen; default: off)")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=positive_float, default=300.0, metavar="SECONDS",
                    help="seconds per world size (default: %(default)s)")
 
     p = command("layouts", "time the block-layout builders")
     p.add_argument("--out", default="perf/out/layouts.csv", help="CSV to write (default: %(default)s)")
-    p.add_argument("--seqlen", type=int, default=1 << 20, metavar="N", help="sequence length (default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=128, help="block size (default: %(default)s)")
+    p.add_argument("--seqlen", type=positive_int, default=1 << 20, metavar="N", help="sequence length (default: %(default)s)")
+    p.add_argument("--block-size", type=block_size, default=128, help="block size (default: %(default)s)")
 
     p = command("plot", "PNG plots from result CSVs (sweep, ring and decode rows)")
     p.add_argument("csv", nargs="*", help="result CSVs (default: the committed perf/results/*.csv)")
@@ -120,7 +126,7 @@ def _parser():
     p.add_argument("--arch", type=_aot_arch, nargs="+", default=[90, 80], metavar="ARCH",
                    help="NVIDIA compute capabilities (90, or sm90) or AMD architectures (gfx942, gfx950); "
                         "known: " + " ".join(n.removeprefix("sm") for n in ARCH_TABLE) + " (default: 90 80)")
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], metavar="D", help="default: 64 128")
+    p.add_argument("--head-dims", type=head_dim, nargs="+", default=[64, 128], metavar="D", help="default: 64 128")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["bfloat16"], help="default: bfloat16")
     p.add_argument("--kernels", nargs="+", help="kernel names as in the AOT CSV (default: all; experimental variants "
                                                   "such as block_sparse_fwd_tma only when named)")
@@ -128,7 +134,7 @@ def _parser():
     p.add_argument("--configs", nargs="+", metavar="M,N,W,S",
                    help="compile each kernel with each of these configs (BLOCK_M,BLOCK_N,num_warps,num_stages) "
                         "instead of the arch's default (default: the default config)")
-    p.add_argument("--jobs", type=int, default=2, help="parallel compiles (default: %(default)s)")
+    p.add_argument("--jobs", type=positive_int, default=2, help="parallel compiles (default: %(default)s)")
     p.add_argument("--out", default="perf/out/aot.csv", help="CSV to write (default: %(default)s)")
     p.add_argument("--ptx-dir", metavar="DIR",
                    help="also write each kernel's PTX as DIR/sm<arch>/<kernel>-<dtype>-d<D>-c<causal>.ptx "
@@ -136,46 +142,46 @@ def _parser():
 
     p = command("plan", "the dilated forward's cost model (no GPU needed): pairs, planner efficiency, K/V bytes, "
                         "roofline bound on an H100")
-    p.add_argument("--seqlen", "-N", type=int, default=32768, metavar="N", help="sequence length (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=1, metavar="B", help="default: %(default)s")
-    p.add_argument("--heads", type=int, default=16, metavar="H", help="query heads (default: %(default)s)")
-    p.add_argument("--kv-heads", type=int, metavar="HKV", help="key/value heads (default: --heads)")
-    p.add_argument("--head-dim", type=int, default=128, metavar="D", help="default: %(default)s")
-    p.add_argument("--segment-lengths", type=int, nargs="+", metavar="W",
+    p.add_argument("--seqlen", "-N", type=positive_int, default=32768, metavar="N", help="sequence length (default: %(default)s)")
+    p.add_argument("--batch", type=positive_int, default=1, metavar="B", help="default: %(default)s")
+    p.add_argument("--heads", type=positive_int, default=16, metavar="H", help="query heads (default: %(default)s)")
+    p.add_argument("--kv-heads", type=positive_int, metavar="HKV", help="key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=head_dim, default=128, metavar="D", help="default: %(default)s")
+    p.add_argument("--segment-lengths", type=positive_int, nargs="+", metavar="W",
                    help="the schedule's segment lengths, clipped to N (default: LongNet 2048 4096 8192 16384 32768)")
-    p.add_argument("--dilation-rates", type=int, nargs="+", metavar="R",
+    p.add_argument("--dilation-rates", type=positive_int, nargs="+", metavar="R",
                    help="the schedule's dilation rates (default: LongNet 1 2 4 6 12)")
     p.add_argument("--mode", choices=("longnet", "head_groups"), default="longnet", help="default: %(default)s")
     p.add_argument("--offsets", choices=("modulo", "blocked"), default="modulo", help="default: %(default)s")
     add_causal(p)
-    p.add_argument("--block-m", type=int, default=64, help="query rows per tile (default: %(default)s)")
-    p.add_argument("--block-n", type=int, default=64, help="keys per inner step (default: %(default)s)")
+    p.add_argument("--block-m", type=block_size, default=64, help="query rows per tile (default: %(default)s)")
+    p.add_argument("--block-n", type=block_size, default=64, help="keys per inner step (default: %(default)s)")
 
     p = command("decode", "decode-step time vs context (dilated vs dense SDPA) and the bounded cache's memory")
     p.add_argument("--out", default="perf/out/decode.csv", help="CSV to write (default: %(default)s)")
-    p.add_argument("--contexts", type=int, nargs="+", metavar="N",
+    p.add_argument("--contexts", type=positive_int, nargs="+", metavar="N",
                    help="cached tokens per step (default: GPU 4096 .. 1048576, CPU 4096 .. 131072, powers of two)")
-    p.add_argument("--memory-contexts", type=int, nargs="*", metavar="N",
+    p.add_argument("--memory-contexts", type=positive_int, nargs="*", metavar="N",
                    help="contexts of the cache-memory rows (default: the timed ones and 1048576; none: no rows)")
     p.add_argument("--providers", nargs="+", choices=("dilated", "dilated_kvcache", "dilated_kvcache_paged",
                                                       "dilated_kvcache_fp8", "dilated_kvcache_paged_fp8",
                                                       "dilated_kvcache_graph", "dilated_bounded", "sdpa_dense"),
                    help="default: all (docstring of triton_dilated/perf/decode.py)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1], metavar="B",
+    p.add_argument("--batch", type=positive_int, nargs="+", default=[1], metavar="B",
                    help="batch sizes, one query per row (e.g. 1 8 64; default: 1)")
-    p.add_argument("--page-size", type=int, default=64, help="rows per page of the paged providers (default: 64)")
-    p.add_argument("--max-cache-gib", type=float, metavar="GIB",
+    p.add_argument("--page-size", type=positive_int, default=64, help="rows per page of the paged providers (default: 64)")
+    p.add_argument("--max-cache-gib", type=positive_float, metavar="GIB",
                    help="skip a (batch, context) whose caches (with the paged and FP8 copies) take more (default: "
                         "half the GPU's memory, 4 on a CPU)")
     p.add_argument("--graph-backend", default="aot_eager",
                    help="torch.compile backend of the CUDA-graph provider (default: %(default)s; inductor works too)")
-    p.add_argument("--heads", type=int, default=16, help="query heads (default: %(default)s)")
-    p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
-    p.add_argument("--head-dim", type=int, default=128, help="default: %(default)s")
+    p.add_argument("--heads", type=positive_int, default=16, help="query heads (default: %(default)s)")
+    p.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=head_dim, default=128, help="default: %(default)s")
     p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on a GPU, float32 on a CPU")
-    p.add_argument("--budget", type=float, metavar="SECONDS", help="seconds of timed rounds per context "
+    p.add_argument("--budget", type=non_negative_float, metavar="SECONDS", help="seconds of timed rounds per context "
                    "(default: 0.2 on a GPU, 1.5 on a CPU)")
-    p.add_argument("--max-call-seconds", type=float, metavar="S",
+    p.add_argument("--max-call-seconds", type=positive_float, metavar="S",
                    help="stop timing a provider once one call takes longer (default: GPU 30, CPU 20)")
     return parser
 
@@ -201,6 +207,10 @@ def _sweep(args) -> int:
               f"the providers are {', '.join(PROVIDERS)}", file=sys.stderr)
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.tiny and args.seqlens and args.seqlens[0] < 2:
+        print(f"sweep: --tiny needs N >= 2 (its dilated case has segments of N/2 and N tokens), got --seqlens "
+              f"{args.seqlens[0]}", file=sys.stderr)
+        return 2
     if args.tiny:
         cases = [c for c in tiny_sweep(device, (args.seqlens or [128])[0]) if c.op in args.ops]
     else:
@@ -215,16 +225,24 @@ def _sweep(args) -> int:
         if len(missing) == len(set(args.providers)):
             print("sweep: none of the named providers can run here: nothing to time", file=sys.stderr)
             return 2
+    out = args.out or _new_sweep_path()
+    taken = [] if args.overwrite else _sweep_outputs(out, plots=not args.no_plot)
+    if taken:
+        print(f"sweep: {', '.join(taken)} exist{'s' * (len(taken) == 1)} (an earlier run's results): name another "
+              f"--out, drop --out for a new perf/out/sweep-<time>.csv, or add --overwrite to replace "
+              f"{'it' if len(taken) == 1 else 'them'}", file=sys.stderr)
+        return 2
+    print(f"writing {out}" + ("" if args.no_plot else " and its PNGs"))
     timing = Timing.for_device(device, args.budget)
-    rows = run_sweep(cases, out=args.out, timing=timing, flex=args.flex, only=args.providers)
+    rows = run_sweep(cases, out=out, timing=timing, flex=args.flex, only=args.providers)
     print_table(rows)
-    print(f"\nwrote {len(rows)} rows to {args.out}")
+    print(f"\nwrote {len(rows)} rows to {out}")
     if device == "cpu":
         print("(CPU run: portable-backend and baseline timings only; Triton kernel timings need a GPU.)")
     if rows and not args.no_plot:
         try:
             from .plot import plot_csv
-            for p in plot_csv(args.out):
+            for p in plot_csv(out):
                 print(f"wrote {p}")
         except Exception as exc:  # plotting is a convenience: never fail the sweep for it
             print(f"plots skipped ({type(exc).__name__}: {exc})")
@@ -232,6 +250,25 @@ def _sweep(args) -> int:
     if hint:    # last, where it is read
         print(hint)
     return 0 if rows else 1
+
+
+def _sweep_outputs(csv_path: str, plots: bool) -> list:
+    """The files of csv_path's sweep (the CSV, and its PNGs with `plots`) that exist already."""
+    from .plot import SWEEP_PLOTS, png_path
+    paths = [csv_path] + ([png_path(csv_path, kind) for kind in SWEEP_PLOTS] if plots else [])
+    return [p for p in paths if os.path.exists(p)]
+
+
+def _new_sweep_path(directory: str = os.path.join("perf", "out")) -> str:
+    """The default --out: perf/out/sweep-<UTC date>-<time>.csv, with -2, -3, ... where a run of
+    the same second left files: every run keeps the earlier ones (perf/compare_runs.py compares
+    two)."""
+    stem = os.path.join(directory, time.strftime("sweep-%Y%m%d-%H%M%S", time.gmtime()))
+    path, n = f"{stem}.csv", 1
+    while _sweep_outputs(path, plots=True):
+        n += 1
+        path = f"{stem}-{n}.csv"
+    return path
 
 
 def _tune(args) -> int:
@@ -357,16 +394,31 @@ def _table(args) -> int:
     return 0
 
 
+# The targets Triton's compiler (3.9: its LLVM, ptxas and ptxas-blackwell) builds for: the compute
+# capabilities of NVIDIA's GPUs and the CDNA archs of its AMD backend. Others pass the architecture
+# table's nearest-row rule but crash the compile: sm91, sm99, sm111, sm122, sm999 abort LLVM ("Cannot
+# select: intrinsic"), sm88 needs a newer PTX, ptxas refuses sm101 (sm110 since CUDA 13), gfx940/941/999
+# fail Triton's passes.
+AOT_NVIDIA = (70, 72, 75, 80, 86, 87, 89, 90, 100, 103, 110, 120, 121)
+AOT_AMD = ("gfx908", "gfx90a", "gfx942", "gfx950")
+
+
 def _aot_arch(text: str):
     """--arch value -> an NVIDIA compute capability (int) or an AMD name (str); an arch the
-    architecture table does not know is a usage error naming the known ones."""
+    architecture table does not know, or one Triton cannot compile for (AOT_NVIDIA, AOT_AMD), is
+    a usage error naming the known ones."""
     name = text.strip().lower()
     name = name if name.startswith(("sm", "gfx")) else f"sm{name}"
     try:
         arch_facts(name)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return name if name.startswith("gfx") else int(name[2:])
+    arch = name if name.startswith("gfx") else int(name[2:])
+    if arch not in AOT_NVIDIA + AOT_AMD:
+        raise argparse.ArgumentTypeError(
+            f"Triton cannot compile for {name!r} (no such GPU, or one its compiler does not target): the compute "
+            f"capabilities are {' '.join(map(str, AOT_NVIDIA))}, the AMD architectures {' '.join(AOT_AMD)}")
+    return arch
 
 
 def _aot(args) -> int:
@@ -380,7 +432,7 @@ def _aot(args) -> int:
         return 2
     configs = None
     if args.configs:
-        from ..configs import make_config
+        from ..ops.common.configs import make_config
         try:
             configs = [make_config(*(int(x) for x in c.split(","))) for c in args.configs]
         except (TypeError, ValueError):
@@ -411,12 +463,8 @@ def _plan(args) -> int:
     ws = args.segment_lengths or list(LONGNET_W)
     rs = args.dilation_rates or list(LONGNET_R)
     kv = args.kv_heads or args.heads
-    problems = [f"--{name} must be a positive integer, got {value}" for name, value in
-                (("seqlen", args.seqlen), ("batch", args.batch), ("heads", args.heads), ("kv-heads", kv),
-                 ("head-dim", args.head_dim)) if value < 1]
-    problems += [f"--{name} must be a power of two >= 16, got {value}" for name, value in
-                 (("block-m", args.block_m), ("block-n", args.block_n)) if value < 16 or value & (value - 1)]
-    if not problems and args.heads % kv:
+    problems = []   # single values are checked as they are parsed (cli.py); these are pairs of them
+    if args.heads % kv:
         problems.append(f"--heads ({args.heads}) must be a multiple of --kv-heads ({kv})")
     if len(ws) != len(rs):
         problems.append(f"--segment-lengths and --dilation-rates must have one entry per pattern; got {len(ws)} "

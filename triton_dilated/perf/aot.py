@@ -346,7 +346,7 @@ def scalar_one_errors(arch: int = 90, dtypes=("bf16", "fp32"), head_dim: int = 1
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
 
-    from ..configs import make_config
+    from ..ops.common.configs import make_config
     target = GPUTarget("cuda", arch, 32)
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({"num_warps": 4, "num_stages": 2})
@@ -428,7 +428,7 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
     `ptx_dir`, each kernel's PTX goes to ptx_dir/sm<arch>/ptx_name(row)."""
     import torch
 
-    from ..configs import default_config
+    from ..ops.common.configs import default_config
     from ..ops.common.hardware import fake_arch
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     work = []

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..configs import load_arch_table, select_config, tuned_entry
+from ..ops.common.configs import load_arch_table, select_config, tuned_entry
 from ..ops import SPECS
 from ..ops.common.hardware import device_arch, padded_head_dim
 from ..ops.common.runtime import resolve_backend

@@ -3,8 +3,8 @@ a cache of N tokens) for dilated attention against dense SDPA, as the context gr
 memory of the bounded cache (DilatedKVCache) against the full cache.
 
 Providers, all on one cache per (batch size, context) (transformers' layout (B, Hkv, N, D)):
-  dilated          dilated_attention(q, k, v) over the full cache (the public API: whatever
-                   decode path it has; a DynamicCache decode step)
+  dilated          dilated_attention_with_kvcache(q, k, v, cache_seqlens=N) over the full
+                   cache, nothing appended (a DynamicCache decode step through the integration)
   dilated_kvcache  a serving decode step: dilated_attention_with_kvcache(q, k_cache, v_cache,
                    k_new, v_new, cache_seqlens=N - 1) over the same cache, the new token's row
                    appended in place, then attended (the inference entry point, no host sync)
@@ -17,7 +17,7 @@ Providers, all on one cache per (batch size, context) (transformers' layout (B, 
   dilated_kvcache_graph      dilated_kvcache's step compiled (torch.compile fullgraph,
                    --graph-backend) and captured in a CUDA graph, replay timed (GPU only: a
                    skipped row on a CPU)
-  dilated_bounded  dilated_attention over the rows a DilatedKVCache keeps at this context
+  dilated_bounded  the same over the rows a DilatedKVCache keeps at this context
   sdpa_dense       scaled_dot_product_attention over the full cache (one query: no mask)
 
 Host time per call (metric host_ms, Python + launches): on a GPU, HOST_CALLS calls queued
@@ -43,7 +43,7 @@ import time
 import torch
 
 from ..ops.common.kvcache import FP8_MAX, quantise_fp8
-from ..ops.dilated import dilated_attention, dilated_attention_with_kvcache
+from ..ops.dilated import dilated_attention_with_kvcache
 from ..ops.dilated.cache import DilatedKVCache, quiet_heads_warning
 from .results import CsvSink, make_row, provenance, sig
 from .timing import OtherLoad, Timing, interleaved, spread_pct
@@ -141,9 +141,12 @@ def _calls(q, k_full, v_full, bounded_rows, ws, rs, heads, kv_heads, providers=P
     gqa = {"enable_gqa": True} if heads != kv_heads else {}
 
     def dilated(k, v):
+        lens = torch.full((k.shape[0],), k.shape[1], dtype=torch.int32, device=k.device)
+
         def call():
             with torch.no_grad(), quiet_heads_warning(heads, k.shape[1]):
-                dilated_attention(q, k, v, ws, rs, causal=True)
+                dilated_attention_with_kvcache(q, k, v, cache_seqlens=lens, segment_lengths=ws, dilation_rates=rs,
+                                               causal=True)
         return call
 
     def sdpa():
@@ -462,6 +465,10 @@ def decode_table(rows) -> str:
 
 def main(args) -> int:
     """The `decode` subcommand."""
+    kv = args.kv_heads or args.heads
+    if args.heads % kv:
+        print(f"decode: --heads ({args.heads}) must be a multiple of --kv-heads ({kv})", file=sys.stderr)
+        return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     contexts = args.contexts or default_contexts(device)
     memory = args.memory_contexts if args.memory_contexts is not None else sorted(set(contexts) | {1 << 20})

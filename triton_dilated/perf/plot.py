@@ -18,7 +18,7 @@ import math
 import os
 from collections import defaultdict
 
-from .results import BENCH_OPS, PASSES, on_cpu, read_csv
+from .results import BENCH_OPS, FLAG_BUSY, PASSES, _flags, on_cpu, read_csv
 
 PROVIDER_ORDER = ["triton", "portable", "head_group_loop", "flex", "sdpa_dense"]
 PROVIDER_STYLE = {
@@ -29,6 +29,9 @@ PROVIDER_STYLE = {
     "sdpa_dense": dict(color="black", marker="x", linestyle="--"),
 }
 MAIN_PROVIDERS = ("triton", "portable")
+# rows flagged FLAG_BUSY (other processes took CPU while they were timed): a red ring around the point
+BUSY_MARK = dict(marker="o", s=150, facecolors="none", edgecolors="red", linewidths=1.4, zorder=5)
+BUSY_LABEL = "busy: timed while other processes took CPU"
 
 
 def load(paths=None, results_dir=None):
@@ -63,6 +66,27 @@ def values(rows, metric, op, variant, causal, mode, provider, by="N"):
     return sorted(pts)
 
 
+def busy(rows, metric, op, variant, causal, mode, provider, by="N") -> set:
+    """The x values (N) of one series whose `metric` row is flagged FLAG_BUSY."""
+    return {r[by] for r in rows
+            if r["metric"] == metric and r["op"] == op and r["variant"] == variant and r["causal"] == causal
+            and r["pass"] == mode and r["provider"] == provider and FLAG_BUSY in _flags(r)}
+
+
+def mark_busy(ax, hits) -> None:
+    """Ring the points `hits` [(x, y)] of flagged rows; one legend entry per panel."""
+    if hits:
+        labelled = BUSY_LABEL in ax.get_legend_handles_labels()[1]
+        ax.scatter(*zip(*hits), label="_busy" if labelled else BUSY_LABEL, **BUSY_MARK)
+
+
+def legend(ax, **kwargs):
+    """ax.legend with the busy ring's entry last (after the series it marks)."""
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: labels[i] == BUSY_LABEL)
+    return ax.legend([handles[i] for i in order], [labels[i] for i in order], **kwargs)
+
+
 def speedups(rows, op, variant, causal, mode, provider):
     """[(N, dense ms / provider ms)]: the paired per-round ratios (speedup_vs_dense rows)
     where the CSV has them, else the ratio of the medians (older files)."""
@@ -81,10 +105,26 @@ def _title(op, variant, causal, mode):
     return f"{short} {kind}{variant}{' causal' if causal else ''}" + (f": {mode}" if mode else "")
 
 
-def _machine(rows):
+def _machine(rows, dtypes=None):
+    """"<machine> (<dtypes>)" and the CPU note: the figure's provenance line. `dtypes`: what
+    the parenthesis says instead of the rows' dtypes (a figure mixing rows of two dtypes says
+    which is which)."""
     ms = sorted({r.get("machine", "") for r in rows if r.get("machine")})
-    dt = sorted({r.get("dtype", "") for r in rows if r.get("dtype")})
-    return f"{', '.join(ms)} ({', '.join(dt)})" + (f"\n{backend_note(rows)}" if backend_note(rows) else "")
+    dt = dtypes or ", ".join(sorted({r.get("dtype", "") for r in rows if r.get("dtype")}))
+    return f"{', '.join(ms)} ({dt})" + (f"\n{backend_note(rows)}" if backend_note(rows) else "")
+
+
+def count_label(n) -> str:
+    """A token count for a tick or note: 512, 4K, 1.5K, 128K, 1M (powers of 1024)."""
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size:
+            return f"{round(n / size, 2):g}{unit}"
+    return f"{n:g}"
+
+
+def _plain(y: float) -> str:
+    """A log-axis tick as a plain number: 0.05, 2, 500, 10000 (never 1e+04)."""
+    return f"{y:.0f}" if y >= 1000 else f"{y:.3g}"
 
 
 def backend_note(rows) -> str:
@@ -107,7 +147,7 @@ def readable_log_axis(axis, suffix=""):
     if len(ticks) < 3:
         subs = tuple(float(i) for i in range(1, 10))
     axis.set_major_locator(LogLocator(base=10, subs=subs))
-    axis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:.3g}{suffix}"))
+    axis.set_major_formatter(FuncFormatter(lambda y, _: f"{_plain(y)}{suffix}"))
     axis.set_minor_formatter(NullFormatter())
 
 
@@ -125,7 +165,7 @@ def _log2_x(ax, xs):
     ax.set_xscale("log", base=2)
     if xs:
         ax.set_xticks(sorted(set(xs)))
-        ax.set_xticklabels([f"{x // 1024}K" if x >= 1024 else str(x) for x in sorted(set(xs))])
+        ax.set_xticklabels([count_label(x) for x in sorted(set(xs))])
         ax.minorticks_off()
 
 
@@ -146,8 +186,13 @@ def figure(rows, kind: str):
                 if p == "sdpa_dense":
                     continue
                 pts = speedups(rows, op, var, causal, mode, p)
+                # the paired ratio's flag, else (older files: a ratio of medians) either median's
+                flagged = busy(rows, "speedup_vs_dense", op, var, causal, mode, p) or \
+                    busy(rows, "ms", op, var, causal, mode, p) | busy(rows, "ms", op, var, causal, mode, "sdpa_dense")
             else:
-                pts = values(rows, "ms" if kind == "time" else "tflops", op, var, causal, mode, p)
+                metric = "ms" if kind == "time" else "tflops"
+                pts = values(rows, metric, op, var, causal, mode, p)
+                flagged = busy(rows, metric, op, var, causal, mode, p)
                 if kind == "tflops":
                     pts = [(x, y * scale) for x, y in pts]
             if not pts:
@@ -155,6 +200,7 @@ def figure(rows, kind: str):
             xs += [x for x, _ in pts]
             top = max(top, max(y for _, y in pts))
             ax.plot(*zip(*pts), label=p, **PROVIDER_STYLE.get(p, {}))
+            mark_busy(ax, [(x, y) for x, y in pts if x in flagged])
         if kind == "tflops":
             _matmul_reference(ax, rows, op, scale, unit, top)
         if kind == "speedup":
@@ -167,7 +213,7 @@ def figure(rows, kind: str):
         ax.set_xlabel("sequence length N")
         ax.set_ylabel(label)
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=7)
+        legend(ax, fontsize=7)
     title = {"time": "Time (lower is better)", "speedup": "Speedup over dense SDPA (> 1: faster than dense)",
              "tflops": f"Effective {unit} (computed pairs only; higher is better)"}[kind]
     fig.suptitle(f"{title} — {_machine(rows)}", fontsize=11)
@@ -200,15 +246,18 @@ def sparsity_figure(rows):
         for op, var, causal in panel_keys(rows):
             dens = {r["N"]: r["density"] for r in rows if r["op"] == op and r["variant"] == var
                     and r["causal"] == causal and r["pass"] == mode and r["provider"] == main and r["metric"] == "ms"}
+            flagged = (busy(rows, "speedup_vs_dense", op, var, causal, mode, main)
+                       | busy(rows, "ms", op, var, causal, mode, main)) if main else set()
             for n, s in speedups(rows, op, var, causal, mode, main) if main else []:
                 if n in dens and not math.isnan(dens[n]):
-                    groups[(op, var, causal)].append((1 - dens[n], s, n))
+                    groups[(op, var, causal)].append((1 - dens[n], s, n, n in flagged))
         for (op, var, causal), pts in sorted(groups.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                     label=_title(op, var, causal, ""))
-            for x, y, n in pts:
-                ax.annotate(f"{n // 1024}K" if n >= 1024 else str(n), (x, y), fontsize=6, xytext=(2, 2),
+            mark_busy(ax, [(x, y) for x, y, _, flag in pts if flag])
+            for x, y, n, _ in pts:
+                ax.annotate(count_label(n), (x, y), fontsize=6, xytext=(2, 2),
                             textcoords="offset points")
         xs = [p[0] for pts in groups.values() for p in pts]
         if xs:
@@ -221,7 +270,7 @@ def sparsity_figure(rows):
         ax.set_ylabel(f"dense time / {main} time (log; > 1: faster)")
         ax.set_title(f"pass: {mode}", fontsize=10)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        legend(ax, fontsize=7)
     fig.suptitle(f"Speedup vs sparsity — {_machine(rows)}", fontsize=11)
     return fig
 
@@ -247,7 +296,14 @@ def ring_figure(rows):
             ax.set_xticklabels([str(p) for p in ps])
             ax.minorticks_off()
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+    # one legend for both panels (the same series), below them: inside, it covered the points
+    entries = {}
+    for ax in axes[:2]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=min(4, len(entries)),
+                   fontsize=7)
     n = sorted({r["N"] for r in rows})
     fig.suptitle(f"Ring attention, N = {', '.join(map(str, n))} — {_machine(rows)}", fontsize=11)
     return fig
@@ -299,8 +355,23 @@ def decode_figure(rows):
     shapes = sorted({f"H={r['H']}, D={r['D']}" for r in rows if r["metric"] == "ms"})
     schedules = sorted({"LongNet schedule" if r["variant"] == "longnet" else
                         f"w={r['segment_lengths']}, r={r['dilation_rates']}" for r in rows})
-    fig.suptitle(f"Decoding, {'; '.join(schedules)} ({'; '.join(shapes)}) — {_machine(rows)}", fontsize=11)
+    # the timed rows' dtype and the memory rows' (perf decode measures the cache at bfloat16)
+    dtypes = [f"{what} {', '.join(sorted({r['dtype'] for r in rows if r['metric'] == metric and r['dtype']}))}"
+              for what, metric in (("timed in", "ms"), ("cache memory in", "cache_mib"))
+              if any(r["metric"] == metric and r["dtype"] for r in rows)]
+    fig.suptitle(f"Decoding, {'; '.join(schedules)} ({'; '.join(shapes)}) — {_machine(rows, '; '.join(dtypes))}",
+                 fontsize=11)
     return fig
+
+
+SWEEP_PLOTS = ("time", "speedup", "tflops", "sparsity")   # the PNG kinds of a sweep CSV
+
+
+def png_path(csv_path, kind: str, out_dir=None) -> str:
+    """Where plot_csv writes the `kind` figure of `csv_path`: out_dir (default: the CSV's
+    folder)/<CSV stem>-<kind>.png."""
+    out_dir = out_dir or os.path.dirname(os.path.abspath(csv_path))
+    return os.path.join(out_dir, f"{os.path.splitext(os.path.basename(csv_path))[0]}-{kind}.png")
 
 
 def plot_csv(csv_path, out_dir=None):
@@ -310,11 +381,10 @@ def plot_csv(csv_path, out_dir=None):
     rows = read_csv(csv_path)
     out_dir = out_dir or os.path.dirname(os.path.abspath(csv_path))
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.splitext(os.path.basename(csv_path))[0]
     written = []
 
     def save(fig, suffix):
-        path = os.path.join(out_dir, f"{stem}-{suffix}.png")
+        path = png_path(csv_path, suffix, out_dir)
         fig.savefig(path, dpi=100)
         written.append(path)
 
@@ -324,9 +394,9 @@ def plot_csv(csv_path, out_dir=None):
         save(decode_figure(rows), "decode")
     bench = [r for r in rows if r["op"] in BENCH_OPS]
     if bench:
-        for kind in ("time", "speedup", "tflops"):
+        for kind in SWEEP_PLOTS[:3]:
             save(figure(bench, kind), kind)
-        save(sparsity_figure(bench), "sparsity")
+        save(sparsity_figure(bench), SWEEP_PLOTS[3])
     return written
 
 

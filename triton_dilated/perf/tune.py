@@ -30,9 +30,9 @@ from importlib import resources
 
 import torch
 
-from ..configs import (CONFIG_FIELDS, INTERPRETER_CONFIG, config_fits, config_key, default_config,
-                       switch_alternatives, validate_table)
-from ..configs import make_config as _cfg
+from ..ops.common.configs import (CONFIG_FIELDS, INTERPRETER_CONFIG, config_fits, config_key, default_config,
+                                  switch_alternatives, validate_table)
+from ..ops.common.configs import make_config as _cfg
 from ..ops import SPECS
 from ..ops.common.hardware import get_arch, padded_head_dim
 from ..ops.common.runtime import interpreter_enabled

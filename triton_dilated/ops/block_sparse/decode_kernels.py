@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...configs import select_config
+from ..common.configs import select_config
 from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, fp8_mode, fp8_operands,
                                      kernel_lengths, kv_descales, merge_splits, num_splits, store_result)
 from ..common.hardware import padded_head_dim

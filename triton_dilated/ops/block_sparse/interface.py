@@ -1,16 +1,14 @@
-"""The front door of block-sparse attention: `block_sparse_attention` (validation, backend
-dispatch, packed documents), the autograd Function over the Triton launchers, and the
-torch.library custom ops (`block_sparse_attention_op`) that torch.compile traces.
+"""The training door of block-sparse attention: `block_sparse_attention` (validation,
+backend dispatch, packed documents), the autograd Function over the Triton launchers, and the
+torch.library custom ops (`block_sparse_attention_op`) that torch.compile traces, and what
+both doors run for queries at the end of a longer key sequence (DESIGN §5b): the decode step
+(`decode_layout`, its custom op) and the query-offset path (`chunk_rows`). Per-row lengths,
+appends, paged and FP8 caches belong to the serve door (serve.py), the only place
+`cache_seqlens` exists.
 
 The Triton kernels (kernels.py) are imported only when used: the package runs without
 triton. A BlockLayout travels through the custom ops as its four int32 tensors and its
-block size. Queries shorter than keys (DESIGN §5b): up to DECODE_MAX_QUERIES rows take a
-decode path that reads only the key blocks of each query's layout row (decode_kernels.py,
-or decode.py on the portable path and whenever the Triton path would need gradients: the
-decode kernel has no backward); longer query blocks, and gradients with the Triton
-backend, take the general path (common/query_offset.py): a full-length call on q padded in
-front, with a layout whose query blocks before the chunk have no key block, so that every
-kernel (and the portable path) does the chunk's work only.
+block size.
 """
 from __future__ import annotations
 
@@ -19,16 +17,15 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.decode import DECODE_MAX_QUERIES, decode_path
 from ..common.first_order import first_order_backward, needs_grad
+from ..common.kvcache import MAX_DECODE_QUERIES, portable_descaled
 from ..common.lse import add_sinks, lse_from_stats, with_softcap_and_sinks
 from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
-from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype
 from ..common.query_offset import run_with_query_offset
-from ..common.validation import (check_cache_seqlens, check_cu_seqlens, check_flags, check_qkv, check_scale,
-                                 check_sinks, check_softcap)
-from ..common.window import check_window_causal
-from .inference import block_sparse_attention_with_kvcache, decode_layout
+from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype
+from ..common.validation import check_cu_seqlens, check_flags, check_qkv, check_scale, check_sinks, check_softcap
+from ..common.window import WindowPredicate, check_window_causal
+from .decode import block_sparse_decode
 from .layout import BlockLayout
 from .portable import block_sparse_attention_torch
 
@@ -36,11 +33,15 @@ CONFIG_FAMILIES = ("block_sparse_fwd", "block_sparse_bwd")
 
 
 _kernels = lazy_module(__package__ + ".kernels")                 # imports triton
+_decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
+
+DECODE_FAMILIES = ("block_sparse_fwd",)
 
 
-def _check_args(q, k, v, layout, causal, scale, return_lse, *, packed=False, allow_shorter_q=False):
+def _check_args(q, k, v, layout, causal, scale, return_lse, *, packed=False, allow_shorter_q=False,
+                door="block_sparse_attention"):
     """Validation shared by block_sparse_attention and block_sparse_attention_op: the scale."""
-    check_qkv(q, k, v, allow_shorter_q=allow_shorter_q)
+    check_qkv(q, k, v, allow_shorter_q=allow_shorter_q, door=door)
     if not packed and not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     check_flags(causal=causal, return_lse=return_lse)
@@ -77,15 +78,15 @@ class _BlockSparseAttentionFn(torch.autograd.Function):
 # ----------------------------------------------------------------------------- public
 
 def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_lse=False, backend="auto",
-                           cu_seqlens=None, cache_seqlens=None, softcap=None, sinks=None):
+                           cu_seqlens=None, softcap=None, sinks=None):
     """Exact attention over the active blocks of a BlockLayout (DESIGN §4).
 
     Args:
         q: (B, N, Hq, D); k, v: (B, N, Hkv, D), Hq % Hkv == 0 (GQA); float16/bfloat16/float32.
-            For inference q may be shorter, (B, Nq, Hq, D) with Nq <= N: the last Nq positions
-            (query i at N - Nq + i); the layout covers the whole sequence (absolute positions).
-            Cost: that of the layout rows of the query blocks holding the queries, forward
-            and backward, both backends (memory: q, out and row statistics at full length).
+            q may be shorter, (B, Nq, Hq, D) with Nq <= N: the last Nq positions (query i
+            at N - Nq + i; every key row valid); the layout covers the whole sequence. Cost:
+            that of the layout rows of the query blocks holding the queries. Per-row cache
+            lengths, appends, paged or FP8 caches: block_sparse_attention_with_kvcache.
         layout: a BlockLayout with ceil(N / block_size) blocks per side, laid out for
             (B|1, Hq|1) (query heads). A sliding-window layout (layouts.sliding_window, or a
             union/intersection with one) is exact per element: key p' visible to query p iff
@@ -101,15 +102,8 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
             sees another document. `layout` is then one BlockLayout per document (a list),
             or a builder called with each document's length (e.g.
             `lambda n: layouts.local(n, 64, 2)`).
-        cache_seqlens: int32 (B,), for q shorter than k, v: valid key rows per batch row,
-            queries included (query i of row b at cache_seqlens[b] - Nq + i; later rows are
-            ignored; the layout's first ceil(cache_seqlens[b] / block_size) blocks apply).
-            Unlike flash-attn's argument of the same name it counts the new tokens too.
-            The values are checked on the host (a device sync); for a decode step with none,
-            use block_sparse_attention_with_kvcache.
         softcap: None, or a positive float c: scores s -> c * tanh(s / c) before the
-            softmax, gradients through the cap; also on the decode paths (q shorter than k,
-            v, or cache_seqlens).
+            softmax, gradients through the cap.
         sinks: None, or a float32 tensor (Hq,) (differentiable): a per-head logit joining
             every row's softmax denominator, no value. lse then includes it: a row without
             keys gets 0 and lse = its head's sink.
@@ -118,50 +112,21 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
     """
     return with_softcap_and_sinks(
         lambda with_lse, cap: _block_sparse_attention(q, k, v, layout, causal=causal, scale=scale, return_lse=with_lse,
-                                                      backend=backend, cu_seqlens=cu_seqlens,
-                                                      cache_seqlens=cache_seqlens, softcap=cap),
+                                                      backend=backend, cu_seqlens=cu_seqlens, softcap=cap),
         q, k, v, return_lse=return_lse, softcap=softcap, sinks=sinks)
 
 
-def _block_sparse_attention(q, k, v, layout, *, causal, scale, return_lse, backend, cu_seqlens, cache_seqlens,
-                            softcap):
+def _block_sparse_attention(q, k, v, layout, *, causal, scale, return_lse, backend, cu_seqlens, softcap):
     """block_sparse_attention without the sinks (softcap validated)."""
     scale = _check_args(q, k, v, layout, causal, scale, return_lse, packed=cu_seqlens is not None,
                         allow_shorter_q=True)
     B, N, Hq, D = q.shape
-    if cache_seqlens is not None or k.shape[1] != N:
-        if torch.compiler.is_compiling() and cu_seqlens is None and 0 < N <= DECODE_MAX_QUERIES and \
-                not needs_grad(q, k, v):
-            # traced: the inference entry point (its custom op), without the value checks below
-            # (they read the lengths on the host, which fullgraph tracing cannot)
-            lens = cache_seqlens.to(q.device) if cache_seqlens is not None else \
-                torch.full((B,), k.shape[1], dtype=torch.int32, device=q.device)
-            return block_sparse_attention_with_kvcache(q, k, v, cache_seqlens=lens, layout=layout, causal=causal,
-                                                       scale=scale, return_lse=return_lse, backend=backend,
-                                                       softcap=softcap)
-        lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1], cu_seqlens)   # a host read, and checked
-        layout.check_seq_len(k.shape[1])
-        layout.check_heads(B, Hq)
-        path = decode_path(backend, q, k, v, CONFIG_FAMILIES[:1])
-        if path is not None:   # the decode step of block_sparse_attention_with_kvcache
-            lens = torch.full((B,), k.shape[1], dtype=torch.int32, device=q.device) if cache_seqlens is None \
-                else cache_seqlens.to(q.device)
-            lay = layout.to(q.device) if layout.kv_indices.device != q.device else layout
-            out, lse = decode_layout(q, k, v, lay, lens, causal=causal, scale=scale, path=path, softcap=softcap)
-            return (out, lse) if return_lse else out
-
-        def call(qq, kk, vv, rows, n):
-            # rows before n - Nq are padding: their query blocks get no key block, so the work
-            # (forward, dQ; dK/dV walk only the query blocks left) is that of the chunk
-            first = (n - N) // layout.block_size
-            if n != k.shape[1] or len(rows) != B or first > 0:
-                lay = layout.prefix(-(-n // layout.block_size), rows, first_query_block=first)
-            else:
-                lay = layout
-            return block_sparse_attention(qq, kk, vv, lay, causal=causal, scale=scale, return_lse=True,
-                                          backend=backend, softcap=softcap)
-
-        out, lse = run_with_query_offset(call, q, k, v, lengths)
+    if k.shape[1] != N:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens (packed documents) cannot be combined with q shorter than k, v")
+        out, lse = queries_at_the_end(q, k, v, layout, causal=causal, scale=scale, backend=backend,
+                                      path=resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype),
+                                      softcap=softcap)
         return (out, lse) if return_lse else out
     if cu_seqlens is not None:
         return _packed(q, k, v, layout, cu_seqlens, causal=causal, scale=scale, return_lse=return_lse,
@@ -225,6 +190,98 @@ def _packed(q, k, v, layout, cu_seqlens, **kw):
     out = torch.cat([o for o, _ in outs], dim=1)
     lse = torch.cat([l for _, l in outs], dim=2)
     return (out, lse) if return_lse else out
+
+
+def queries_at_the_end(q, k, v, layout, *, causal, scale, backend, path, softcap):
+    """(out, lse) of q (B, Nq, Hq, D), the last Nq positions of k, v (B, Nk, Hkv, D) with every
+    key row valid (DESIGN §5b), the layout covering Nk. Up to 16 queries decode (under
+    torch.compile through the decode custom op); gradients on the Triton path and longer
+    chunks take the query-offset path (chunk_rows). The lengths are known on the host."""
+    B, Nq = q.shape[:2]
+    Nk = k.shape[1]
+    layout.check_seq_len(Nk)
+    layout.check_heads(B, q.shape[2])
+    if B == 0:
+        return empty_result(q, k, v, True)
+    if layout.kv_indices.device != q.device:
+        layout = layout.to(q.device)
+    if Nq <= MAX_DECODE_QUERIES and not (path == "triton" and needs_grad(q, k, v)):
+        lengths = torch.full((B,), Nk, dtype=torch.int32, device=q.device)
+        if torch.compiler.is_compiling():
+            window = (0, 0, None) if layout.window is None else (*layout.window, layout.kv_window)
+            return _block_sparse_decode(q, k, v, lengths, None, layout.kv_num_blocks, layout.kv_indices,
+                                        layout.block_size, causal, scale, path, None, None, *window,
+                                        float(softcap or 0.0))
+        return decode_layout(q, k, v, layout, lengths, causal=causal, scale=scale, path=path, softcap=softcap)
+    return chunk_rows(q, k, v, [Nk] * B, layout, Nk, causal=causal, scale=scale, backend=backend, softcap=softcap)
+
+
+def chunk_rows(q, k, v, rows, layout, capacity: int, *, causal, scale, backend, softcap):
+    """(out, lse) through the query-offset path: per length n (rows: one per batch row, on the
+    host), the training door on q padded in front over the first n rows of k, v and the
+    layout's first ceil(n / block_size) blocks, the query blocks before the chunk without key
+    blocks (their work is skipped). `capacity`: the positions the layout covers."""
+    B = q.shape[0]
+
+    def call(qq, kk, vv, batch_rows, n, first_row):
+        first = first_row // layout.block_size
+        if n != capacity or len(batch_rows) != B or first > 0:
+            lay = layout.prefix(-(-n // layout.block_size), batch_rows, first_query_block=first)
+        else:
+            lay = layout
+        return block_sparse_attention(qq, kk, vv, lay, causal=causal, scale=scale, return_lse=True, backend=backend,
+                                      softcap=softcap)
+
+    return run_with_query_offset(call, q, k, v, rows)
+
+
+def decode_layout(q, k, v, layout, lengths, *, causal, scale, path, block_table=None, k_descale=None,
+                  v_descale=None, softcap=None):
+    """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
+    q's device) valid rows of k, v (page pools with block_table; float8_e4m3fn with k_descale,
+    v_descale), the layout (on q's device) covering the cache's capacity. softcap: None or the
+    cap c (scores s -> c * tanh(s / c))."""
+    if path == "torch":
+        return portable_descaled(lambda q_: block_sparse_decode(q_, k, v, layout, lengths, causal=causal, scale=scale,
+                                                                block_table=block_table, softcap=softcap),
+                                 q, k_descale, v_descale, k.shape[2])
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    return _decode_kernels().block_sparse_decode_forward(q, k, v, layout, lengths, causal=causal, scale=scale,
+                                                         block_table=block_table, k_descale=k_descale,
+                                                         v_descale=v_descale, softcap=softcap)
+
+
+class _RowLists:
+    """What the decode paths read of a BlockLayout (inside the custom op: the forward lists
+    only, without rebuilding the transposed ones)."""
+
+    def __init__(self, kv_num_blocks, kv_indices, block_size, window=0, sink_tokens=0, kv_window=None):
+        self.kv_num_blocks, self.kv_indices, self.block_size = kv_num_blocks, kv_indices, block_size
+        self.n_q_blocks = kv_num_blocks.shape[-1]
+        self.window = WindowPredicate(window, sink_tokens) if window else None
+        self.kv_window = kv_window.bool() if window else None
+
+
+@torch.library.custom_op("triton_dilated::block_sparse_decode", mutates_args=())
+def _block_sparse_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
+                         kv_num_blocks: Tensor, kv_indices: Tensor, block_size: int, causal: bool, scale: float,
+                         path: str, k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None,
+                         window: int = 0, sink_tokens: int = 0, kv_window: Optional[Tensor] = None,
+                         softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq).
+    window 0: no sliding window (else its predicate on the blocks kv_window flags); softcap
+    0.0: no cap."""
+    check_path(path)
+    lists = _RowLists(kv_num_blocks, kv_indices, block_size, window, sink_tokens, kv_window)
+    return decode_layout(q, k_cache, v_cache, lists, lengths, causal=causal, scale=scale, path=path,
+                         block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap or None)
+
+
+@_block_sparse_decode.register_fake
+def _(q, k_cache, v_cache, lengths, block_table, kv_num_blocks, kv_indices, block_size, causal, scale, path,
+      k_descale=None, v_descale=None, window=0, sink_tokens=0, kv_window=None, softcap=0.0):
+    B, Nq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -342,7 +399,7 @@ def block_sparse_attention_op(q, k, v, layout, *, causal=False, scale=None, retu
     same arguments and results, traceable by `torch.compile(fullgraph=True)` (the sinks join
     outside the op, in traceable tensor code). Build the layout outside the compiled region
     (builders use data-dependent shapes)."""
-    scale = _check_args(q, k, v, layout, causal, scale, return_lse)
+    scale = _check_args(q, k, v, layout, causal, scale, return_lse, door="block_sparse_attention_op")
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q.shape[2], q.device)
     B, N, Hq, D = q.shape

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from ..common.spec import DECODE_ODD_STRIDES, DECODE_POINTERS, KernelSpec, VariantSpec
+from . import tiles  # noqa: F401  (registers the variant's rows of the default-config tables)
 
 _MODULE = "triton_dilated.ops.block_sparse.kernels"
 _STATS = {"ROW_MAX": "fp32", "ROW_SUM": "fp32"}

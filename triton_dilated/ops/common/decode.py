@@ -3,15 +3,14 @@ path shares. A variant lists, per query row, the key positions the query reads (
 a key two dilated patterns select is listed twice); `attend_key_lists` gathers exactly those
 keys and attends, so the cost per query is the length of its list, not the context length.
 
-`decode_path` decides whether a call takes a decode path at all; the general path
-(query_offset.py: a full-length call per distinct length) serves the rest.
+Which calls decode: kvcache.serve_route; the query-offset path (query_offset.py: a
+full-length call per distinct length) serves the rest.
 """
 from __future__ import annotations
 
 import torch
 
 from .first_order import needs_grad
-from .runtime import resolve_backend
 
 # Up to this many query rows a call takes the decode path (one token, or a speculative-decoding
 # draft); longer query blocks (chunked prefill) take the general path.
@@ -24,20 +23,6 @@ GATHER_BUDGET = 1 << 25
 # gathered slot, padding included) and calls. Tests read it to check that the cost does not
 # grow with the context.
 DECODE_STATS = {"key_rows": 0, "calls": 0}
-
-
-def decode_path(backend: str, q, k, v, families=()) -> str | None:
-    """"triton" or "torch" when a call with q shorter than k, v takes a decode path, None for
-    the general path: more than DECODE_MAX_QUERIES query rows, an empty batch, tracing under
-    torch.compile, or gradients on the Triton path (the decode kernel has no backward; the
-    portable decode is differentiable by autograd)."""
-    B, Nq, _, D = q.shape
-    if Nq > DECODE_MAX_QUERIES or B == 0 or Nq == 0 or torch.compiler.is_compiling():
-        return None
-    path = resolve_backend(backend, q.device, families, D, q.dtype)
-    if path == "triton" and needs_grad(q, k, v):
-        return None
-    return path
 
 
 def query_positions(lengths, num_queries: int, device) -> torch.Tensor:

@@ -52,7 +52,7 @@ ARCH_TABLE = {
     "gfx950": ArchFacts("amd", "mfma", 160 * KIB, 64, False, False, False, "MI350X, MI355X"),
 }
 # The MMA families whose tiles are laid out per warpgroup (4 warps, 64 rows each): the
-# 128-row, 8-warp Hopper defaults (configs/__init__.py) are made for these.
+# 128-row, 8-warp Hopper defaults (the variants' tiles.py) are made for these.
 WARPGROUP_MMA = ("wgmma", "tcgen05")
 # The interpreter (off-GPU): no hardware limits apply.
 INTERPRETER_FACTS = ArchFacts("none", "interpreter", 0, 32, False, False, True)

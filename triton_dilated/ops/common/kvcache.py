@@ -1,10 +1,13 @@
-"""The inference entry points' shared pieces (`*_attention_with_kvcache`, FlashAttention's
+"""The serve doors' shared pieces (`*_attention_with_kvcache`, FlashAttention's
 `flash_attn_with_kvcache` shape): argument checks that read only shapes, dtypes and devices,
-the in-place append of new key/value rows, and the value checks that run only when asked.
+the in-place append of new key/value rows, the value checks that run only when asked, and the
+route a call takes (`serve_route`): the decode kernels for a decode step, the query-offset path
+(common/query_offset.py) for chunked prefill and for gradients on the Triton path.
 
-Nothing here reads a tensor's values on the host unless `validate=True`: no `.tolist()`,
-`.item()`, `bool(tensor)` and no shape computed from values, so a decode step launches without
-waiting for the device and can be captured in a CUDA graph or traced once by torch.compile.
+A decode step reads no tensor's values on the host unless `validate=True`: no `.tolist()`,
+`.item()`, `bool(tensor)` and no shape computed from values, so it launches without waiting
+for the device and can be captured in a CUDA graph or traced once by torch.compile. Chunked
+prefill (more than MAX_DECODE_QUERIES queries) reads the lengths on the host once.
 
 Lengths (FlashAttention's convention): `cache_seqlens[b]` rows of k_cache/v_cache are valid
 before the call; new rows k, v (B, Nnew, Hkv, D), when given, are written at rows
@@ -29,7 +32,7 @@ from .op_support import resolve_path
 from .lse import with_sinks  # noqa: F401 (the inference entry points import it from here)
 from .validation import check_bool, check_lengths_tensor, check_sinks, check_softcap
 
-MAX_DECODE_QUERIES = 16   # = decode.DECODE_MAX_QUERIES (the decode paths' limit)
+MAX_DECODE_QUERIES = 16   # = decode.DECODE_MAX_QUERIES: longer query blocks are chunked prefill
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0           # e4m3's largest finite value (S.1111.110): quantisation saturates there
 
@@ -78,7 +81,7 @@ def check_descales(q, k_cache, v_cache, k_descale, v_descale) -> None:
 
 def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale=None,
                        v_descale=None, softcap=None, sinks=None) -> None:
-    """Shape/dtype/device checks (no value read): q (B, Nq, Hq, D) with 1 <= Nq <= 16;
+    """Shape/dtype/device checks (no value read): q (B, Nq, Hq, D) with Nq >= 1;
     k_cache, v_cache (B, Nk, Hkv, D) like q (or float8_e4m3fn with k_descale, v_descale), or
     with block_table int32 (B, max_pages) on q's device page pools (num_pages, page_size, Hkv,
     D); k, v both or neither, (B, Nnew, Hkv, D) with Nnew <= the capacity, in the cache's dtype
@@ -113,10 +116,8 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, va
                          f"{B}, D = {q.shape[-1]}, on q's device ({q.device}), got {tuple(k_cache.shape)} on "
                          f"{k_cache.device} and {tuple(v_cache.shape)} on {v_cache.device}")
     new_dtype = q.dtype if k_cache.dtype == FP8_DTYPE else k_cache.dtype
-    if not 1 <= Nq <= MAX_DECODE_QUERIES:
-        raise ValueError(f"q must hold 1 to {MAX_DECODE_QUERIES} query rows per batch row (a decode step or a "
-                         f"speculative draft), got {Nq}; longer chunks: dilated_attention / "
-                         f"block_sparse_attention with cache_seqlens=")
+    if Nq < 1:
+        raise ValueError(f"q must hold at least one query row per batch row, got {Nq}")
     if (k is None) != (v is None):
         raise ValueError(f"k and v must be given together (new rows to append) or both be None, got "
                          f"k={'None' if k is None else 'a tensor'}, v={'None' if v is None else 'a tensor'}")
@@ -145,10 +146,11 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, va
     check_sinks(sinks, q.shape[2], q.device)
 
 
-def check_kvcache_values(cache_seqlens, num_new: int, num_queries: int, cache_len: int, block_table=None,
+def check_kvcache_values(cache_seqlens, num_new: int, cache_len: int, block_table=None,
                          num_pages: int = 0, descales=()) -> None:
     """validate=True: every row's length after the append, cache_seqlens[b] + Nnew, must lie
-    in [Nq, capacity] (each query a valid position, no row past the cache), cache_seqlens >= 0,
+    in [0, capacity] (no row past the cache; queries before position 0 read nothing),
+    cache_seqlens >= 0,
     the pages those rows use must be in [0, num_pages), and FP8 descales finite and positive.
     Reads the values on the host (a sync: for debugging, not the hot path)."""
     for name, x in zip(("k_descale", "v_descale"), descales):
@@ -156,10 +158,9 @@ def check_kvcache_values(cache_seqlens, num_new: int, num_queries: int, cache_le
             raise ValueError(f"{name} must be finite and positive, got {x.tolist()}")
     lengths = cache_seqlens.tolist()
     for b, n in enumerate(lengths):
-        if n < 0 or not num_queries <= n + num_new <= cache_len:
+        if n < 0 or n + num_new > cache_len:
             raise ValueError(f"cache_seqlens[{b}] = {n}: with {num_new} new rows the row holds {n + num_new}, which "
-                             f"must lie in [Nq, Nk] = [{num_queries}, {cache_len}] (every query a valid position, "
-                             f"no row past the cache) with cache_seqlens >= 0")
+                             f"must lie in [0, {cache_len}] (no row past the cache) with cache_seqlens >= 0")
     if block_table is None:
         return
     page_size = cache_len // block_table.shape[1]
@@ -218,18 +219,45 @@ def append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_desca
 
 def decode_step(what: str, q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, backend, families,
                 k_descale=None, v_descale=None):
-    """What both inference entry points do after checking their own arguments: pick the path
-    (op_support.resolve_path: the same eager and under torch.compile), refuse gradients on the Triton path (its decode kernel has no backward), run the
-    value checks when asked and append k, v (quantised into an FP8 cache). Returns (path,
-    the lengths after the append)."""
+    """What both serve doors do after checking their own arguments: pick the path
+    (op_support.resolve_path: the same eager and under torch.compile), run the value checks
+    when asked (always for chunked prefill, which reads the lengths anyway) and append k, v
+    (quantised into an FP8 cache). Returns (path, the lengths after the append, whether the
+    call decodes: serve_route)."""
     path = resolve_path(backend, str(q.device), families, q.shape[-1], q.dtype)
-    if path == "triton" and needs_grad(q, k_cache, v_cache, *(x for x in (k, v) if x is not None)):
-        raise ValueError(f"{what}: the Triton decode kernel has no backward; call it under torch.no_grad() "
-                         f"(inference), or use {what.removesuffix('_with_kvcache')} for gradients")
-    if validate:
-        check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], q.shape[1],
-                             capacity(k_cache, block_table), block_table, k_cache.shape[0], (k_descale, v_descale))
-    return path, append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+    decodes = serve_route(q, path, k_cache, v_cache, k, v)
+    if validate or not decodes:
+        check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], capacity(k_cache, block_table),
+                             block_table, k_cache.shape[0], (k_descale, v_descale))
+    return path, append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale), decodes
+
+
+def serve_route(q, path, *tensors) -> bool:
+    """Whether a serve call takes its decode path (True: the decode kernel, or the portable
+    decode, no host sync) or the query-offset path (False): more than MAX_DECODE_QUERIES
+    queries (chunked prefill), or gradients on the Triton path (the decode kernel has no
+    backward; the training kernels do). Under torch.compile always the decode path (its
+    custom op; chunked prefill reads the lengths on the host, which fullgraph cannot trace)."""
+    if torch.compiler.is_compiling():
+        return True
+    return q.shape[1] <= MAX_DECODE_QUERIES and not (path == "triton" and needs_grad(q, *(t for t in tensors
+                                                                                             if t is not None)))
+
+
+def contiguous_rows(cache, block_table, rows: int, dtype, descale=None):
+    """(B, rows, Hkv, D) in `dtype`: the first `rows` positions of every cache row, for the
+    query-offset path (chunked prefill), which runs the training kernels on contiguous keys.
+    A contiguous cache in `dtype` is sliced (a view: gradients reach it); a page pool is
+    gathered through block_table; an FP8 cache is dequantised (times its descale)."""
+    if block_table is None:
+        out = cache[:, :rows]
+    else:
+        page_size = cache.shape[1]
+        pos = torch.arange(rows, device=cache.device)
+        out = cache[block_table[:, pos // page_size].long(), pos % page_size]
+    if cache.dtype == FP8_DTYPE:
+        return (out.float() * descale.view(1, 1, -1, 1)).to(dtype)
+    return out
 
 
 def portable_descaled(attend, q, k_descale, v_descale, num_kv_heads: int):

@@ -35,11 +35,11 @@ def resolve_path(backend: str, device: str, families=(), head_dim=0, dtype: torc
     """resolve_backend, evaluated once at trace time under torch.compile (it reads the
     environment, whether triton imports and the GPU's config tables: facts that do not change
     in a process), so eager and compiled calls take the same path. `head_dim`: q.shape[-1];
-    under dynamic shapes a symbolic head dim cannot be passed to a constant function, and the
-    kernels' fit checks (which only refuse head dims over 128 on pre-Ampere GPUs) are skipped."""
-    if not isinstance(head_dim, int):
-        families, head_dim = (), 0
-    return _constant_path(backend, device, tuple(families), head_dim, dtype)
+    the path depends on it only through its padded size, which is found by comparisons: under
+    dynamic shapes a symbolic head dim then turns into guards and a plain int, which a
+    constant function can take (the symbol itself cannot be passed)."""
+    padded = 0 if not head_dim else next((p for p in (16, 32, 64, 128) if head_dim <= p), 256)
+    return _constant_path(backend, device, tuple(families), padded, dtype)
 
 
 def _constant_path(backend: str, device: str, families: tuple, head_dim: int, dtype: torch.dtype) -> str:

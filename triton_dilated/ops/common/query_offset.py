@@ -1,9 +1,10 @@
-"""Queries shorter than keys (DESIGN §5b: KV-cache decoding, chunked prefill), on top of
-the full-sequence functions.
+"""Queries shorter than keys (DESIGN §5b: chunked prefill through the serve doors, and the
+decode steps that need gradients on the Triton path), on top of the full-sequence functions.
 
-Query i of batch row b sits at position L_b - Nq + i, where L_b = cache_seqlens[b] (or Nk):
+Query i of batch row b sits at position L_b - Nq + i, where L_b holds the row's valid keys:
 the queries are the last Nq of the L_b valid positions, and key rows at L_b and after are
-ignored. Every row of the full-sequence call depends only on its own query, so running the
+ignored. A row with L_b < Nq has its first Nq - L_b queries before position 0: they read no
+key (out 0, lse -inf; ops/dilated/decode.py), and the call runs on the other L_b. Every row of the full-sequence call depends only on its own query, so running the
 full function on q padded with zero rows in front, and keeping the last Nq rows, gives
 exactly those rows, forward and backward (the padded rows' outputs are dropped, so their
 gradient is zero and they add nothing to dK, dV). This is the general path, one call per
@@ -30,9 +31,10 @@ from .runtime import empty_result
 
 
 def run_with_query_offset(call, q, k, v, lengths=None):
-    """call(q_full, k_rows, v_rows, rows, length) -> (out, lse) of a full-sequence call on the
-    batch rows `rows` (a list) with `length` valid positions. Returns (out (B, Nq, Hq, D),
-    lse (B, Hq, Nq)) for the last Nq positions of each row."""
+    """call(q_full, k_rows, v_rows, rows, length, first_row) -> (out, lse) of a full-sequence
+    call on the batch rows `rows` (a list) with `length` valid positions, q_full holding zero
+    rows before first_row (the rows kept are first_row on). Returns (out (B, Nq, Hq, D), lse
+    (B, Hq, Nq)) for the last Nq positions of each row."""
     B, Nq = q.shape[:2]
     Nk = k.shape[1]
     if B == 0:   # no row to run: empty out and lse, still connected to q, k, v for backward
@@ -46,10 +48,19 @@ def run_with_query_offset(call, q, k, v, lengths=None):
         index = torch.tensor(rows, device=q.device) if len(rows) < B else None
         pick = (lambda x: x) if index is None else (lambda x: x.index_select(0, index))
         qr, kr, vr = pick(q), pick(k)[:, :n], pick(v)[:, :n]
-        pad = qr.new_zeros((qr.shape[0], n - Nq, *qr.shape[2:]))
-        out, lse = call(torch.cat([pad, qr], dim=1), kr, vr, rows, n)
-        outs.append(out[:, n - Nq:])
-        lses.append(lse[:, :, n - Nq:])
+        m = min(n, Nq)   # the queries at positions >= 0
+        if m:
+            pad = qr.new_zeros((qr.shape[0], n - m, *qr.shape[2:]))
+            out, lse = call(torch.cat([pad, qr[:, Nq - m:]], dim=1), kr, vr, rows, n, n - m)
+            out, lse = out[:, n - m:], lse[:, :, n - m:]
+        if m < Nq:       # queries before position 0: no key
+            empty_out = (qr[:, :Nq - m] * 0).nan_to_num(0.0, 0.0, 0.0)   # zeros, connected to q for backward
+            empty_lse = torch.full((qr.shape[0], qr.shape[2], Nq - m), float("-inf"), dtype=torch.float32,
+                                   device=q.device)
+            out = torch.cat([empty_out, out], dim=1) if m else empty_out
+            lse = torch.cat([empty_lse, lse.float()], dim=2) if m else empty_lse
+        outs.append(out)
+        lses.append(lse)
         order += rows
     if len(groups) == 1:
         return outs[0], lses[0]

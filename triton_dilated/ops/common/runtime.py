@@ -11,12 +11,13 @@ import os
 
 import torch
 
-from ...configs import kernels_fit, kernels_spill_free
+from .configs import kernels_fit, kernels_spill_free
+from .constant import trace_constant
 
 BACKENDS = ("auto", "triton", "torch")
 
 
-@functools.lru_cache(maxsize=None)
+@trace_constant     # cached; a constant under torch.compile (constant.py)
 def triton_importable() -> bool:
     """Whether triton imports on this machine. Only triton itself: importing the kernel files
     would define their jit functions, fixing interpreted-or-compiled by TRITON_INTERPRET as it

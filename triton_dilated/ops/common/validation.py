@@ -16,10 +16,11 @@ def check_choice(name: str, value, choices) -> str:
     return value
 
 
-def check_qkv(q, k, v, *, allow_float64: bool = False, allow_shorter_q: bool = False) -> None:
+def check_qkv(q, k, v, *, allow_float64: bool = False, allow_shorter_q: bool = False, door: str = "") -> None:
     """Shapes per DESIGN §2: q (B, N, Hq, D), k/v (B, N, Hkv, D), Hq % Hkv == 0.
     The float64 oracles also take float64 (allow_float64); with allow_shorter_q, q may have
-    Nq <= N rows, the last Nq positions of the sequence (DESIGN §5b)."""
+    Nq <= N rows, the last Nq positions of the sequence (DESIGN §5b). `door`: the training
+    door's name, which the error for different lengths points to its serve door from."""
     dtypes = SUPPORTED_DTYPES + ((torch.float64,) if allow_float64 else ())
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -42,7 +43,9 @@ def check_qkv(q, k, v, *, allow_float64: bool = False, allow_shorter_q: bool = F
         raise ValueError(f"q must not be longer than k and v (the queries are the last Nq positions of the "
                          f"sequence k and v hold): got Nq = {N} > Nk = {Nk}")
     if not allow_shorter_q and Nk != N:
-        raise ValueError(f"k and v must have the sequence length of q ({N}), got {Nk}")
+        serve = (f"; queries at the end of longer keys (a KV cache, chunked prefill): {door}_with_kvcache"
+                 if door and Nk > N else "")
+        raise ValueError(f"k and v must have the sequence length of q ({N}), got {Nk}{serve}")
     if Dk != D:
         raise ValueError(f"k and v must have the head dim of q ({D}), got {Dk}")
     if D < 1 or D > MAX_HEAD_DIM:
@@ -162,25 +165,6 @@ def check_lengths_tensor(cache_seqlens, batch: int, device_note: str = "") -> No
         raise TypeError(f"cache_seqlens must be an int32 (or int64) tensor, got {cache_seqlens.dtype}")
     if tuple(cache_seqlens.shape) != (batch,):
         raise ValueError(f"cache_seqlens must have shape (B,) = ({batch},), got {tuple(cache_seqlens.shape)}")
-
-
-def check_cache_seqlens(cache_seqlens, batch: int, q_len: int, kv_len: int, cu_seqlens=None):
-    """cache_seqlens (DESIGN §5b): an integer tensor (B,) of valid key rows per batch row,
-    queries included, each in [Nq, Nk]. Returns a tuple of ints, or None. Packed documents
-    (cu_seqlens) do not combine with queries shorter than keys."""
-    if cu_seqlens is not None and (cache_seqlens is not None or q_len != kv_len):
-        raise ValueError("cu_seqlens (packed documents) cannot be combined with q shorter than k, v or with "
-                         "cache_seqlens")
-    if cache_seqlens is None:
-        return None
-    check_lengths_tensor(cache_seqlens, batch)
-    lengths = tuple(int(x) for x in cache_seqlens.tolist())
-    bad = [(b, n) for b, n in enumerate(lengths) if not q_len <= n <= kv_len]
-    if bad:
-        b, n = bad[0]
-        raise ValueError(f"cache_seqlens must lie in [Nq, Nk] = [{q_len}, {kv_len}] (every query row is a valid "
-                         f"position, no row past the cache), got {n} for batch row {b}")
-    return lengths
 
 
 def check_softcap(softcap):

@@ -1,7 +1,7 @@
 """Dilated attention (LongNet): interface (public function, autograd, custom ops), kernels
 (Triton), portable (PyTorch), naive (float64 oracle), patterns and plan (host side)."""
 from .cache import DilatedKVCache
-from .inference import dilated_attention_with_kvcache
+from .serve import dilated_attention_with_kvcache
 from .interface import dilated_attention, dilated_attention_op
 from .paged_cache import PagedDilatedKVCache
 from .naive import dilated_attention_naive, dilated_multiplicity

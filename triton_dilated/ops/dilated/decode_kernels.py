@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...configs import select_config
+from ..common.configs import select_config
 from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, fp8_mode, fp8_operands,
                                      kernel_lengths, kv_descales, merge_splits, num_splits, store_result)
 from ..common.hardware import padded_head_dim
@@ -31,12 +31,13 @@ CONFIG_FAMILY = "dilated_fwd"   # the family; tiles and warps: configs.KERNEL_DE
 def _pattern_run(p, length, w, r, o, CAUSAL: tl.constexpr):
     """(start, count) of the keys start + r*t, t < count, that the query at p reads through
     pattern (w, r) at offset o (-1: unused); count 0 when the query is inactive, and for a
-    query before the first key (p < 0: a row shorter than its queries; decode.py). p is
-    clamped to 0 first: Triton's // and % truncate towards zero on a GPU (the interpreter
-    floors), so no negative operand reaches them."""
-    seg = (tl.maximum(p, 0) // w) * w
+    query before the first key (p < 0: a row shorter than its queries; decode.py), whose
+    inactive run is read nowhere (Triton's // and % truncate towards zero on a GPU and floor
+    in the interpreter: for p < 0 they disagree, which no result depends on; clamping p
+    instead makes ptxas spill 4 B on sm80 at D = 64)."""
+    seg = (p // w) * w
     seg_end = tl.minimum(seg + w, length)
-    active = (o >= 0) & ((tl.maximum(p, 0) - seg) % r == o) & (p >= 0)
+    active = (o >= 0) & ((p - seg) % r == o) & (p >= 0)
     count = tl.maximum((seg_end - seg - o + r - 1) // r, 0)
     if CAUSAL:   # an active query is key (p - s - o) / r of its own run
         count = tl.minimum(count, (p - seg - o) // r + 1)

@@ -1,17 +1,13 @@
-"""The front door of dilated attention: `dilated_attention` (validation, backend dispatch),
-the autograd Function over the Triton launchers, and the torch.library custom ops
-(`dilated_attention_op`) that torch.compile traces.
+"""The training door of dilated attention: `dilated_attention` (validation, backend
+dispatch), the autograd Function over the Triton launchers, and the torch.library custom ops
+(`dilated_attention_op`) that torch.compile traces, and what both doors run for queries at
+the end of a longer key sequence (DESIGN §5b): the decode step (`decode_table`, its custom
+op) and the query-offset path (`padded_call`). Per-row lengths, appends, paged and FP8
+caches belong to the serve door (serve.py), the only place `cache_seqlens` exists.
 
-Dispatch: the Triton kernels (kernels.py, imported only when used: the package runs
-without triton) or the portable PyTorch path (portable.py); under torch.compile, either
-path through the custom ops, so that fullgraph tracing sees one opaque op. Queries shorter
-than keys (DESIGN §5b): up to DECODE_MAX_QUERIES rows take a decode path that reads only
-the keys each query attends to (decode_kernels.py, or decode.py on the portable path and
-whenever the Triton path would need gradients: the decode kernel has no backward); longer
-query blocks, and gradients with the Triton backend, take the general path
-(common/query_offset.py): a full-length call on q padded in front, which on the Triton path
-plans only the chunk's tiles (plan.QueryWindow; forward and dQ cost the chunk, dK/dV skip
-only the key tiles no chunk row reads) and on the portable path costs the full length.
+Dispatch: the Triton kernels (kernels.py, imported only when used: the package runs without
+triton) or the portable PyTorch path (portable.py); under torch.compile, either path through
+the custom ops, so that fullgraph tracing sees one opaque op.
 """
 from __future__ import annotations
 
@@ -20,15 +16,15 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.decode import DECODE_MAX_QUERIES, decode_path
 from ..common.first_order import first_order_backward, needs_grad
+from ..common.kvcache import MAX_DECODE_QUERIES, portable_descaled
 from ..common.lse import add_sinks, lse_from_stats, with_softcap_and_sinks
 from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
-from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
 from ..common.query_offset import run_with_query_offset
-from ..common.validation import check_cache_seqlens, check_cu_seqlens, check_sinks, check_softcap
-from .inference import check_args as _check_args, decode_table, dilated_attention_with_kvcache
-from .patterns import fit_patterns, head_table
+from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
+from ..common.validation import check_cu_seqlens, check_flags, check_qkv, check_scale, check_sinks, check_softcap
+from .decode import dilated_decode
+from .patterns import check_head_slice, check_patterns, fit_patterns, head_table, warn_if_heads_first
 from .plan import QueryWindow
 from .portable import dilated_attention_torch
 
@@ -36,6 +32,22 @@ CONFIG_FAMILIES = ("dilated_fwd", "dilated_bwd")
 
 
 _kernels = lazy_module(__package__ + ".kernels")                 # imports triton
+_decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
+
+DECODE_FAMILIES = ("dilated_fwd",)
+
+
+def check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
+               allow_shorter_q=False, head_offset=0, total_heads=None, door="dilated_attention"):
+    """Validation shared by every dilated front door: (patterns fitted to k's length, scale,
+    (head_offset, total_heads))."""
+    check_qkv(q, k, v, allow_shorter_q=allow_shorter_q, door=door)
+    patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
+    check_flags(causal=causal, return_lse=return_lse)
+    heads = check_head_slice(head_offset, total_heads, q.shape[2], k.shape[2])
+    warn_if_heads_first(patterns, k.shape[1], heads[1])
+    patterns = fit_patterns(patterns, k.shape[1], heads[1])   # w >= N is one segment: clamped to N
+    return patterns, check_scale(scale, q.shape[-1]), heads
 
 
 # ----------------------------------------------------------------------------- eager autograd
@@ -67,20 +79,19 @@ class _DilatedAttentionFn(torch.autograd.Function):
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
                       mode="longnet", offsets="modulo", return_lse=False, backend="auto", cu_seqlens=None,
-                      cache_seqlens=None, head_offset=0, total_heads=None, softcap=None, sinks=None):
+                      head_offset=0, total_heads=None, softcap=None, sinks=None):
     """LongNet dilated attention (arXiv 2307.02486 §2.2-2.4), exact, forward and backward.
 
     Args:
         q: (B, N, Hq, D); k, v: (B, N, Hkv, D) with Hq % Hkv == 0 (GQA/MQA). float16,
             bfloat16 or float32; any strides with a contiguous last dimension (others are
-            copied once). For inference q may be shorter: (B, Nq, Hq, D) with Nq <= N holds
-            the last Nq positions of the sequence (query i at position N - Nq + i, flash-attn's
-            bottom-right convention); segments, residues and the causal mask apply to
-            absolute positions, so each row equals that row of the full-sequence call.
-            Cost: up to 16 rows (decoding, no gradient on the Triton path) read only their
-            keys; longer chunks (chunked prefill) on the Triton backend compute the forward
-            and dQ for the chunk's rows only, while dK/dV and the portable backend cost a
-            full-length call (memory: q, out and row statistics at the full length).
+            copied once). q may be shorter, (B, Nq, Hq, D) with Nq <= N: the last Nq positions
+            (query i at N - Nq + i, flash-attn's bottom-right convention; every key row
+            valid); each row equals that row of the full-sequence call. Up to 16 rows read
+            only their keys (the decode kernel; gradients on the Triton path: the training
+            kernels); longer chunks compute the forward and dQ of the chunk's rows only on
+            the Triton backend. Per-row cache lengths, appends, paged or FP8 caches:
+            dilated_attention_with_kvcache.
         segment_lengths, dilation_rates: one (w, r) per pattern. N % w != 0, w % r != 0
             and w >= N are all legal; the last segment may be shorter.
         causal: each query attends only to keys at or before its position.
@@ -97,20 +108,13 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
             [cu_seqlens[i], cu_seqlens[i+1]) of the sequence (0 first, N last, ascending).
             Segments restart at each document and no query sees another document: the
             result equals separate calls per document.
-        cache_seqlens: int32 (B,), for q shorter than k, v: the valid key rows of each batch
-            row, queries included (query i of row b at position cache_seqlens[b] - Nq + i;
-            rows from cache_seqlens[b] on are ignored). Unlike flash-attn's argument of the
-            same name, which counts the cache *before* the new tokens, this counts them too.
-            The values are checked, which reads them on the host (a device sync); for a
-            decode step with none, use dilated_attention_with_kvcache.
         head_offset, total_heads: q's heads are the query heads [head_offset, head_offset +
             Hq) of a call with total_heads query heads (default: q's own); the per-head
             offsets and head groups follow the global index, so the result equals that head
             slice of the full call (Ulysses sequence parallelism computes one per rank).
             With GQA both must be multiples of Hq // Hkv.
         softcap: None, or a positive float c: every scaled score s becomes c * tanh(s / c)
-            before the softmax (Gemma 2), gradients through the cap; also on the decode
-            paths (q shorter than k, v, or cache_seqlens).
+            before the softmax (Gemma 2), gradients through the cap.
         sinks: None, or a float32 tensor (Hq,) (differentiable): a per-head logit that joins
             every row's softmax denominator once (the joint denominator of all patterns)
             and contributes no value (gpt-oss). lse then includes it: a row without keys
@@ -123,51 +127,26 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     return with_softcap_and_sinks(
         lambda with_lse, cap: _dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
                                                  mode=mode, offsets=offsets, return_lse=with_lse, backend=backend,
-                                                 cu_seqlens=cu_seqlens, cache_seqlens=cache_seqlens,
-                                                 head_offset=head_offset, total_heads=total_heads, softcap=cap),
+                                                 cu_seqlens=cu_seqlens, head_offset=head_offset,
+                                                 total_heads=total_heads, softcap=cap),
         q, k, v, return_lse=return_lse, softcap=softcap, sinks=sinks)
 
 
 def _dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal, scale, mode, offsets, return_lse,
-                       backend, cu_seqlens, cache_seqlens, head_offset, total_heads, softcap):
+                       backend, cu_seqlens, head_offset, total_heads, softcap):
     """dilated_attention without the sinks (softcap validated)."""
-    patterns, scale, heads = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-                                         return_lse, allow_shorter_q=True, head_offset=head_offset,
-                                         total_heads=total_heads)
+    patterns, scale, heads = check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
+                                        return_lse, allow_shorter_q=True, head_offset=head_offset,
+                                        total_heads=total_heads)
     B, N, Hq, D = q.shape
-    table = head_table(Hq, patterns, mode, offsets, *heads)
-    if cache_seqlens is not None or k.shape[1] != N:
-        if torch.compiler.is_compiling() and cu_seqlens is None and 0 < N <= DECODE_MAX_QUERIES and \
-                not needs_grad(q, k, v):
-            # traced: the inference entry point (its custom op), without the value checks below
-            # (they read the lengths on the host, which fullgraph tracing cannot)
-            lens = cache_seqlens.to(q.device) if cache_seqlens is not None else \
-                torch.full((B,), k.shape[1], dtype=torch.int32, device=q.device)
-            return dilated_attention_with_kvcache(q, k, v, cache_seqlens=lens, segment_lengths=segment_lengths,
-                                                  dilation_rates=dilation_rates, causal=causal, scale=scale,
-                                                  mode=mode, offsets=offsets, return_lse=return_lse,
-                                                  backend=backend, head_offset=heads[0], total_heads=heads[1],
-                                                  softcap=softcap)
-        lengths = check_cache_seqlens(cache_seqlens, B, N, k.shape[1], cu_seqlens)   # a host read, and checked
-        path = decode_path(backend, q, k, v, CONFIG_FAMILIES[:1])
-        if path is not None:
-            # the decode step of dilated_attention_with_kvcache; the lengths are already on the
-            # host here, so CPU tensors without gradients read the runs in place (faster)
-            lens = torch.full((B,), k.shape[1], dtype=torch.int32, device=q.device) if cache_seqlens is None \
-                else cache_seqlens.to(q.device)
-            host_loop = path == "torch" and q.device.type == "cpu" and not needs_grad(q, k, v)
-            out, lse = decode_table(q, k, v, patterns, table, lens, causal=causal, scale=scale, path=path,
-                                    host_loop=host_loop, softcap=softcap)
-            return (out, lse) if return_lse else out
-
-        def call(qq, kk, vv, rows, n):
-            return _padded_call(qq, kk, vv, n - N, patterns, segment_lengths, dilation_rates, causal=causal,
-                                scale=scale, mode=mode, offsets=offsets, backend=backend, heads=heads,
-                                softcap=softcap)
-
-        out, lse = run_with_query_offset(call, q, k, v, lengths)   # N = Nq: the rows kept
-        return (out, lse) if return_lse else out
     path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype)
+    if k.shape[1] != N:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens (packed documents) cannot be combined with q shorter than k, v")
+        out, lse = queries_at_the_end(q, k, v, patterns, segment_lengths, dilation_rates, causal=causal, scale=scale,
+                                      mode=mode, offsets=offsets, backend=backend, path=path, heads=heads,
+                                      softcap=softcap)
+        return (out, lse) if return_lse else out
     doc_bounds = check_cu_seqlens(cu_seqlens, B, N)
     # under torch.compile: the custom op (either path). It traces without a graph break; the
     # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
@@ -178,29 +157,10 @@ def _dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal, scal
 
     if B == 0 or N == 0:
         return empty_result(q, k, v, return_lse)
-
+    table = head_table(Hq, patterns, mode, offsets, *heads)
     out, lse = dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=return_lse,
                                        backend=path, doc_bounds=doc_bounds, softcap=softcap)
     return (out, lse) if return_lse else out
-
-
-def _padded_call(q, k, v, first_query_row, patterns, segment_lengths, dilation_rates, *, causal, scale, mode,
-                 offsets, backend, heads=(0, None), softcap=None):
-    """(out, lse) of the full-sequence call on q padded with first_query_row zero rows in
-    front (common/query_offset.py), of which only the rows from first_query_row on are kept.
-    The Triton path plans only the work those rows need (plan.QueryWindow): forward and dQ
-    cost the chunk, not the sequence; dK/dV skip the key tiles no kept row reads. The
-    portable path, and tracing under torch.compile, run the full call."""
-    B, N, Hq, D = q.shape
-    if B and N and not torch.compiler.is_compiling() and \
-            resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype) == "triton":
-        patterns = fit_patterns(patterns, N, heads[1] or Hq)
-        return dilated_attention_table(q, k, v, patterns, head_table(Hq, patterns, mode, offsets, *heads),
-                                       causal=causal, scale=scale, backend="triton",
-                                       doc_bounds=QueryWindow(None, first_query_row), softcap=softcap)
-    return dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
-                             offsets=offsets, return_lse=True, backend=backend, head_offset=heads[0],
-                             total_heads=heads[1], softcap=softcap)
 
 
 def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse=True, backend="auto",
@@ -222,6 +182,95 @@ def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse
     parts = [run(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in zip(doc_bounds[:-1], doc_bounds[1:]) if e > s]
     out = torch.cat([p[0] for p in parts], dim=1)
     return out, (torch.cat([p[1] for p in parts], dim=2) if need_lse else None)
+
+
+def queries_at_the_end(q, k, v, patterns, segment_lengths, dilation_rates, *, causal, scale, mode, offsets, backend,
+                       path, heads, softcap):
+    """(out, lse) of q (B, Nq, Hq, D), the last Nq positions of k, v (B, Nk, Hkv, D) with every
+    key row valid (DESIGN §5b). Up to 16 queries decode (the Triton decode kernel; the portable
+    decode, which on CPU tensors without gradients reads the runs in place); under
+    torch.compile the decode custom op; gradients on the Triton path and longer chunks take
+    the query-offset path (padded_call). The lengths are known on the host: no read."""
+    B, Nq, Hq, _ = q.shape
+    Nk = k.shape[1]
+    if B == 0:
+        return empty_result(q, k, v, True)
+    decodes = Nq <= MAX_DECODE_QUERIES and not (path == "triton" and needs_grad(q, k, v))
+    if decodes:
+        lengths = torch.full((B,), Nk, dtype=torch.int32, device=q.device)
+        if torch.compiler.is_compiling():
+            return _dilated_decode(q, k, v, lengths, None, [w for w, _ in patterns], [r for _, r in patterns], causal,
+                                   scale, mode, offsets, heads[0], heads[1], path, None, None, float(softcap or 0.0))
+        table = head_table(Hq, patterns, mode, offsets, *heads)
+        host_loop = path == "torch" and q.device.type == "cpu" and not needs_grad(q, k, v)
+        return decode_table(q, k, v, patterns, table, lengths, causal=causal, scale=scale, path=path,
+                            host_loop=host_loop, softcap=softcap)
+
+    def call(qq, kk, vv, batch_rows, n, first_row):
+        return padded_call(qq, kk, vv, first_row, patterns, causal=causal, scale=scale, mode=mode, offsets=offsets,
+                           backend=backend, heads=heads, softcap=softcap)
+
+    return run_with_query_offset(call, q, k, v, [Nk] * B)
+
+
+def decode_table(q, k, v, patterns, table, lengths, *, causal, scale, path, host_loop=False, block_table=None,
+                 k_descale=None, v_descale=None, softcap=None):
+    """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
+    q's device) valid rows of k, v (page pools with block_table; float8_e4m3fn with
+    k_descale, v_descale): the Triton decode kernel or the portable decode (host_loop: its
+    strided-view CPU variant, which reads the lengths on the host; contiguous caches only).
+    softcap: None or the cap c (scores s -> c * tanh(s / c))."""
+    if path == "torch":
+        return portable_descaled(lambda q_: dilated_decode(q_, k, v, patterns, table, lengths, causal=causal,
+                                                           scale=scale, host_loop=host_loop, block_table=block_table,
+                                                           softcap=softcap),
+                                 q, k_descale, v_descale, k.shape[2])
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    return _decode_kernels().dilated_decode_forward(q, k, v, patterns, table, lengths, causal=causal, scale=scale,
+                                                    block_table=block_table, k_descale=k_descale, v_descale=v_descale,
+                                                    softcap=softcap)
+
+
+def padded_call(q, k, v, first_query_row, patterns, *, causal, scale, mode, offsets, backend, heads=(0, None),
+                softcap=None):
+    """(out, lse) of the full-sequence call on q padded with first_query_row zero rows in
+    front (common/query_offset.py), of which only the rows from first_query_row on are kept.
+    The Triton path plans only the work those rows need (plan.QueryWindow): forward and dQ
+    cost the chunk, not the sequence; dK/dV skip the key tiles no kept row reads. The
+    portable path runs the full call."""
+    B, N, Hq, D = q.shape
+    if not (B and N):
+        return empty_result(q, k, v, True)
+    path = resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype)
+    patterns = fit_patterns(patterns, N, heads[1] or Hq)
+    return dilated_attention_table(q, k, v, patterns, head_table(Hq, patterns, mode, offsets, *heads),
+                                   causal=causal, scale=scale, backend=path, softcap=softcap,
+                                   doc_bounds=QueryWindow(None, first_query_row) if path == "triton" else None)
+
+
+# Patterns travel as two int lists plus `mode` and `offsets` (the offset table is rebuilt,
+# cached); the lengths are the rows valid after the append (the append happens outside the
+# op, as plain index_put_ that torch.compile functionalises). No autograd formula: inference.
+
+@torch.library.custom_op("triton_dilated::dilated_decode", mutates_args=())
+def _dilated_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
+                    segment_lengths: List[int], dilation_rates: List[int], causal: bool, scale: float, mode: str,
+                    offsets: str, head_offset: int, total_heads: int, path: str, k_descale: Optional[Tensor] = None,
+                    v_descale: Optional[Tensor] = None, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq).
+    softcap 0.0: no cap."""
+    check_path(path)
+    patterns = tuple(zip((int(w) for w in segment_lengths), (int(r) for r in dilation_rates)))
+    table = head_table(q.shape[2], patterns, mode, offsets, head_offset, total_heads)
+    return decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
+                        block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap or None)
+
+
+@_dilated_decode.register_fake
+def _(q, k_cache, v_cache, lengths, block_table, segment_lengths, dilation_rates, causal, scale, mode, offsets,
+      head_offset, total_heads, path, k_descale=None, v_descale=None, softcap=0.0):
+    B, Nq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -336,8 +385,9 @@ def dilated_attention_op(q, k, v, segment_lengths, dilation_rates, *, causal=Fal
     """`dilated_attention` through the `triton_dilated::dilated_fwd/_bwd` custom ops: the
     same arguments, results and numerics, and traceable by `torch.compile(fullgraph=True)`
     forward and backward (the sinks join outside the op, in traceable tensor code)."""
-    patterns, scale, heads = _check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-                                         return_lse, head_offset=head_offset, total_heads=total_heads)
+    patterns, scale, heads = check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
+                                        return_lse, head_offset=head_offset, total_heads=total_heads,
+                                        door="dilated_attention_op")
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q.shape[2], q.device)
     path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, q.shape[-1], q.dtype)

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...configs import select_config, switch_value
+from ..common.configs import select_config, switch_value
 from ..common.hardware import padded_head_dim
 from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
                               program_tile, softcap_terms, softmax_grad_block, transposed_grad_step)

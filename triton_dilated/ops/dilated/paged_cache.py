@@ -23,7 +23,7 @@ import torch
 
 from ..common.validation import check_int
 from .cache import decode_rows_bound, window_start
-from .inference import dilated_attention_with_kvcache
+from .serve import dilated_attention_with_kvcache
 from .patterns import check_patterns
 
 POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
@@ -158,10 +158,25 @@ class PagedDilatedKVCache:
 
     @property
     def free_pages(self) -> int:
+        """Pages of the pool that no sequence holds: what `begin` can hand out for new rows
+        (num_pages minus every admitted sequence's pages_held). Pages a sequence no longer
+        needs (wholly before its next query's window) come back at its next `begin`; an
+        evicted sequence's at once."""
         return len(self.free)
 
     def pages_held(self, seq) -> int:
+        """Pages sequence `seq` holds now (its kept rows and the current step's)."""
         return len(self.pages[seq])
+
+    def __repr__(self) -> str:
+        """Host-side state only (no device access): sequences, pages held and free, the pool's
+        shape, dtype, device, layers and the schedule."""
+        num_pages, page_size, heads, dim = self.k_pools[0].shape
+        held = sum(len(p) for p in self.pages.values())
+        return (f"PagedDilatedKVCache(sequences={len(self.pages)}, pages_held={held}, free_pages={self.free_pages}, "
+                f"num_pages={num_pages}, page_size={page_size}, dtype={self.k_pools[0].dtype}, device={self.device}, "
+                f"num_layers={len(self.k_pools)}, num_kv_heads={heads}, head_dim={dim}, "
+                f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates})")
 
     def admit(self, seq) -> None:
         """A new, empty sequence."""

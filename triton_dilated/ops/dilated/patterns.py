@@ -5,6 +5,8 @@ import functools
 import math
 import warnings
 
+import torch
+
 from ..common.validation import check_choice, check_int, check_int_list
 
 MODES = ("longnet", "head_groups")
@@ -89,7 +91,11 @@ def head_table(num_heads: int, patterns: tuple, mode: str, offsets: str, head_of
     total_heads heads (validated by check_head_slice): the offsets depend on a head's
     global index (j % r, j // ceil(H / r), its head group)."""
     total = num_heads if total_heads is None else total_heads
-    table = head_offsets(total, patterns, mode, offsets)
+    # Under torch.compile the uncached function: dynamo would trace the cache wrapper around it
+    # anyway, warning of silent incorrectness; the table is plain Python on the heads and patterns
+    # (constants, or a symbolic head count with dynamic shapes), so the traced graph holds none of it.
+    offsets_of = head_offsets.__wrapped__ if torch.compiler.is_compiling() else head_offsets
+    table = offsets_of(total, patterns, mode, offsets)
     return table if (head_offset, total) == (0, num_heads) else table[head_offset:head_offset + num_heads]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from ..common.spec import KernelSpec, VariantSpec, dense_pairs
+from . import tiles  # noqa: F401  (registers the variant's rows of the default-config tables)
 from .mask import MASK_DILATED
 
 _MODULE = "triton_dilated.ops.ring.step_kernels"

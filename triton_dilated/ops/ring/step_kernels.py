@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...configs import select_config
+from ..common.configs import select_config
 from ..common.hardware import padded_head_dim
 from ..common.kernels import (LOG2E, dot, finalize, online_softmax_step, program_tile, softcap_terms,
                               softmax_grad_block, tanh, window_keep)

@@ -1,0 +1,87 @@
+"""The serve door of block-sparse attention: `block_sparse_attention_with_kvcache`
+(FlashAttention's `flash_attn_with_kvcache` shape), its custom op
+`triton_dilated::block_sparse_decode` (what torch.compile traces; interface.py, with
+`decode_layout`, the decode step, which the training door runs too). Routes as ops/dilated/serve.py: a decode step with no host sync (the key-list
+width is the layout's index-list width); chunked prefill, and gradients on the Triton path,
+through the query-offset path, where the query blocks before the chunk get no key block, so
+that every kernel does the chunk's work only.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..common.kvcache import FP8_DTYPE, cache_view, capacity, check_kvcache_args, contiguous_rows, decode_step, with_sinks
+from ..common.runtime import empty_result
+from ..common.validation import check_flags, check_qkv, check_scale
+from ..common.window import check_window_causal
+from .interface import DECODE_FAMILIES, _block_sparse_decode, chunk_rows, decode_layout
+from .layout import BlockLayout
+
+
+
+def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, layout,
+                                        block_table=None, causal=True, scale=None, return_lse=False,
+                                        backend="auto", validate=False, k_descale=None, v_descale=None,
+                                        softcap=None, sinks=None):
+    """Block-sparse attention of queries at the end of a KV cache: a decode step with no host
+    sync, or chunked prefill.
+
+    Args:
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale,
+            v_descale: as `dilated_attention_with_kvcache` (q: the last Nq positions of each
+            row's L_b = cache_seqlens[b] + Nnew valid rows, up to 16 on the decode path with
+            no host sync, more as chunked prefill; k, v appended in place; block_table: a
+            paged cache; k_descale, v_descale: an FP8 cache).
+        layout: a BlockLayout covering the cache's capacity Nk (ceil(Nk / block_size)
+            blocks per side) at absolute positions, laid out for (B|1, Hq|1); keep it on
+            q's device (a copy per call otherwise). Each query reads the active blocks of
+            its own layout row, cut at L_b (a sliding window's predicate in its window blocks:
+            gpt-oss / Mistral sliding layers decode exactly).
+        causal (default True), scale, return_lse, backend, softcap, sinks: as
+            block_sparse_attention (the sinks join each row's denominator after the kernel).
+
+    Returns out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq); rows with
+    no active key: 0 and -inf. Differentiable in eager mode (with gradients on the Triton path
+    the training kernels run). Under torch.compile: the custom op
+    `triton_dilated::block_sparse_decode` (build the layout outside the compiled region).
+    """
+    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,
+                       softcap=softcap, sinks=sinks)
+    check_qkv(q, cache_view(k_cache, block_table, q.shape[0], q), cache_view(v_cache, block_table, q.shape[0], q),
+              allow_shorter_q=True)
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    check_flags(causal=causal, return_lse=return_lse)
+    check_window_causal(layout, causal)
+    scale = check_scale(scale, q.shape[-1])
+    B, Hq = q.shape[0], q.shape[2]
+    layout.check_seq_len(capacity(k_cache, block_table))
+    layout.check_heads(B, Hq)
+    path, lengths, decodes = decode_step("block_sparse_attention_with_kvcache", q, k_cache, v_cache, k, v,
+                                         cache_seqlens, block_table, validate, backend, DECODE_FAMILIES, k_descale,
+                                         v_descale)
+    if B == 0:
+        return with_sinks(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
+                          sinks, return_lse)
+    if layout.kv_indices.device != q.device:
+        layout = layout.to(q.device)
+    if not decodes:   # chunked prefill: one host read of the lengths
+        rows = [int(n) for n in lengths.tolist()]
+        k_rows = contiguous_rows(k_cache, block_table, max(rows), q.dtype, k_descale)
+        v_rows = contiguous_rows(v_cache, block_table, max(rows), q.dtype, v_descale)
+        out, lse = chunk_rows(q, k_rows, v_rows, rows, layout, capacity(k_cache, block_table), causal=causal,
+                              scale=scale, backend=backend, softcap=softcap)
+    elif torch.compiler.is_compiling():
+        window = (0, 0, None) if layout.window is None else (*layout.window, layout.kv_window)
+        out, lse = _block_sparse_decode(q, k_cache, v_cache, lengths, block_table, layout.kv_num_blocks,
+                                        layout.kv_indices, layout.block_size, causal, scale, path, k_descale,
+                                        v_descale, *window, float(softcap or 0.0))
+    else:
+        out, lse = decode_layout(q, k_cache, v_cache, layout, lengths, causal=causal, scale=scale, path=path,
+                                 block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap)
+    return with_sinks((out, lse), sinks, return_lse)
+
+

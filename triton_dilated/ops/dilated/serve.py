@@ -1,0 +1,114 @@
+"""The serve door of dilated attention: `dilated_attention_with_kvcache` (FlashAttention's
+`flash_attn_with_kvcache` shape), the one entry point for queries at the end of a longer key
+sequence, its custom op `triton_dilated::dilated_decode` (what torch.compile traces) and
+`decode_table`, the decode step.
+
+Routes (common/kvcache.serve_route): a decode step (up to 16 queries) reads only the keys
+each query attends to (the Triton decode kernel, or the portable decode), with no host sync:
+lengths stay a device tensor, every shape comes from the input shapes (the longest key list
+from the cache's length), and value checks run only with validate=True. Chunked prefill (more
+queries), and gradients on the Triton path, take the query-offset path
+(common/query_offset.py): the training kernels on q padded in front, the Triton kernels
+planning only the chunk's tiles (plan.QueryWindow: forward and dQ cost the chunk, dK/dV skip
+the key tiles no chunk row reads), the portable path a full-length call; it reads the lengths
+on the host once.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..common.kvcache import FP8_DTYPE, cache_view, check_kvcache_args, contiguous_rows, decode_step, with_sinks
+from ..common.query_offset import run_with_query_offset
+from ..common.runtime import empty_result
+from .interface import DECODE_FAMILIES, _dilated_decode, check_args, decode_table, padded_call
+from .patterns import head_table
+
+def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
+                                   segment_lengths, dilation_rates, causal=True, scale=None, mode="longnet",
+                                   offsets="modulo", return_lse=False, backend="auto", validate=False,
+                                   head_offset=0, total_heads=None, k_descale=None, v_descale=None, softcap=None,
+                                   sinks=None):
+    """Dilated attention of queries at the end of a KV cache: a decode step with no host sync,
+    or chunked prefill.
+
+    Args:
+        q: (B, Nq, Hq, D), Nq >= 1: the last Nq positions of each row (query i of row b at
+            L_b - Nq + i, L_b below; a row with L_b < Nq has its first queries before
+            position 0, which read no key: out 0, lse -inf). Up to 16 queries (a decode
+            step, a speculative draft) read only their keys, with no host sync; more
+            (chunked prefill) read the lengths on the host once and run the training
+            kernels on the chunk (Triton: forward and dQ cost the chunk's rows).
+        k_cache, v_cache: (B, Nk, Hkv, D), Hq % Hkv == 0, q's dtype and device; Nk (the
+            cache's capacity) bounds the key lists, so a static cache costs what its
+            schedule reads, not Nk.
+        k, v: None, or new rows (B, Nnew, Hkv, D), written into k_cache, v_cache in place at
+            rows cache_seqlens[b] .. cache_seqlens[b] + Nnew - 1 before attending (as
+            flash_attn_with_kvcache).
+        cache_seqlens: int32 tensor (B,) on q's device: valid rows of each cache row before
+            the call (FlashAttention's convention: the new rows not counted); the attention
+            covers L_b = cache_seqlens[b] + Nnew rows. Not modified.
+        block_table: None, or int32 (B, max_pages) on q's device for a paged cache: then
+            k_cache, v_cache are page pools (num_pages, page_size, Hkv, D) shared by the
+            rows, and position n of row b lives at row n % page_size of page
+            block_table[b, n // page_size]; the capacity is max_pages * page_size. The
+            result equals that of the same rows in a contiguous cache bit for bit.
+        k_descale, v_descale: for an FP8 cache (k_cache, v_cache float8_e4m3fn, q 16- or
+            32-bit), float32 tensors (Hkv,) on q's device, FlashAttention-3's names: the key
+            (value) row h of a stored row is k_cache[..., h, :] * k_descale[h]. New rows k, v
+            (q's dtype) are quantised on append: k / k_descale rounded to nearest-even,
+            saturated to +-448 (choose k_descale >= max|k| / 448, e.g. amax / 448 per head
+            from a calibration pass). None (the default) for a 16/32-bit cache.
+        segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse, backend,
+            head_offset, total_heads, softcap, sinks: as dilated_attention (causal defaults to
+            True here; the sinks join each row's denominator after the kernel, on the device).
+        validate: check that every L_b lies in [0, Nk] and a paged row's pages in the pool
+            (reads the lengths on the host: a device sync; for debugging; chunked prefill
+            always checks). Without it values are not checked on a decode step: an append
+            outside [0, Nk) writes nothing, a key on a page outside the pool is not read.
+
+    Returns:
+        out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq).
+        Differentiable in eager mode (a decode step with gradients on the Triton path takes
+        the training kernels: the decode kernel has no backward).
+
+    Under torch.compile it runs as the custom op `triton_dilated::dilated_decode` (either
+    backend), so `torch.compile(fullgraph=True)` traces a decode step once for every value
+    of cache_seqlens.
+    """
+    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,
+                       softcap=softcap, sinks=sinks)
+    B = q.shape[0]
+    patterns, scale, heads = check_args(q, cache_view(k_cache, block_table, B, q),
+                                        cache_view(v_cache, block_table, B, q),
+                                        segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
+                                        allow_shorter_q=True, head_offset=head_offset, total_heads=total_heads)
+    Hq = q.shape[2]
+    path, lengths, decodes = decode_step("dilated_attention_with_kvcache", q, k_cache, v_cache, k, v,
+                                         cache_seqlens, block_table, validate, backend, DECODE_FAMILIES, k_descale,
+                                         v_descale)
+    if B == 0:
+        return with_sinks(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
+                          sinks, return_lse)
+    cap = float(softcap or 0.0)
+    if not decodes:
+        rows = [int(n) for n in lengths.tolist()]   # chunked prefill: one host read
+        k_rows = contiguous_rows(k_cache, block_table, max(rows), q.dtype, k_descale)
+        v_rows = contiguous_rows(v_cache, block_table, max(rows), q.dtype, v_descale)
+
+        def call(qq, kk, vv, batch_rows, n, first_row):
+            return padded_call(qq, kk, vv, first_row, patterns, causal=causal, scale=scale, mode=mode,
+                               offsets=offsets, backend=backend, heads=heads, softcap=softcap)
+
+        out, lse = run_with_query_offset(call, q, k_rows, v_rows, rows)
+    elif torch.compiler.is_compiling():
+        out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
+                                   [r for _, r in patterns], causal, scale, mode, offsets, *heads, path, k_descale,
+                                   v_descale, cap)
+    else:
+        table = head_table(Hq, patterns, mode, offsets, *heads)
+        out, lse = decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
+                                block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap)
+    return with_sinks((out, lse), sinks, return_lse)
