@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from triton_dilated.ops.common.call import AttentionCall
 from triton_dilated import block_sparse_attention, dilated_attention, layouts
 from triton_dilated.ops.dilated.patterns import head_offsets
 from triton_dilated.ops.ring.mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask
@@ -114,11 +115,11 @@ def test_ring_step_reads_and_writes_only_inside_its_tensors(kind):
         (qv, _), (kv, _), (vv, _), (dov, _) = (wrap(x) for x in (q, k, v, do))
         (out, out_buf) = wrap(out0)
         lse = lse0.clone()
-        step_forward(qv, kv, vv, q_pos, k_pos, out, lse, mask, scale=D ** -0.5)
+        step_forward(qv, kv, vv, q_pos, k_pos, out, lse, mask, AttentionCall(mask.causal, D ** -0.5))
         delta = (dov * out).sum(-1).transpose(1, 2).contiguous()
         acc = [wrap(torch.zeros(B, n, h, D, device=dev)) for n, h in ((NQ, Hq), (NK, Hkv), (NK, Hkv))]
         (dq, _), (dk, _), (dv, _) = acc
-        step_backward(qv, kv, vv, dov, lse, delta, q_pos, k_pos, dq, dk, dv, mask, scale=D ** -0.5)
+        step_backward(qv, kv, vv, dov, lse, delta, q_pos, k_pos, dq, dk, dv, mask, AttentionCall(mask.causal, D ** -0.5))
         if frame:
             for name, (t, buf) in zip(("out", "dq", "dk", "dv"), [(out, out_buf)] + acc):
                 assert frame_untouched(t, buf), f"{name}: the step wrote outside its view"
@@ -148,7 +149,7 @@ def test_ring_layout_lookup_past_int32_offsets():
     results = []
     for step in (step_forward, step_torch.step_forward):
         out, lse = torch.zeros(1, bs, 1, 32, device=dev), torch.full((1, 1, bs), float("-inf"), device=dev)
-        step(q, k, v, q_pos, k_pos, out, lse, mask, scale=32 ** -0.5)
+        step(q, k, v, q_pos, k_pos, out, lse, mask, AttentionCall(mask.causal, 32 ** -0.5))
         results.append((out, lse))
     (out, lse), (ref_out, ref_lse) = results
     assert torch.isfinite(lse).all()

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import assume, given, strategies as st
 
+from triton_dilated.ops.common.call import AttentionCall
 from triton_dilated import dilated_attention, dilated_attention_naive
 from triton_dilated.ops.dilated.naive import dilated_multiplicity
 from triton_dilated.ops.dilated.patterns import head_offsets
@@ -552,9 +553,10 @@ def test_attention_with_lse_both_paths(dtype, last_dim_strided, causal):
     floor = FLOOR[torch.float32] if dtype == torch.float32 else 1e-2
     for scale, fused in ((D ** -0.5, True), (40.0, False)):   # bound ~ 40 * 6 * 6 > FUSED_MAX_SCORE
         assert lse_mod._use_cpu_flash(q.to(dtype), k.to(dtype), scale) == fused
-        ref = grads(lambda a, b, c, s: lse_mod.masked_attention_with_lse(a, b, c, keep, s), torch.float64, scale)
-        got = grads(lambda a, b, c, s: lse_mod.attention_with_lse(a, b, c, causal, s), dtype, scale)
-        same = grads(lambda a, b, c, s: lse_mod.masked_attention_with_lse(a, b, c, keep, s), torch.float32, scale)
+        masked = lambda a, b, c, s: lse_mod.masked_attention_with_lse(a, b, c, keep, AttentionCall(False, s))  # noqa: E731
+        ref = grads(masked, torch.float64, scale)
+        got = grads(lambda a, b, c, s: lse_mod.attention_with_lse(a, b, c, AttentionCall(causal, s)), dtype, scale)
+        same = grads(masked, torch.float32, scale)
         for i, (name, x, sd, o) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), got, same, ref)):
             assert_rule(f"{name} (fused={fused})", x, o, sd, factor=2 if i < 2 else 3, floor=floor)
 

@@ -64,6 +64,7 @@ def record(self, *args, grid, warmup, **kwargs):
 
 jit.JITFunction.run = record
 
+from triton_dilated.ops.common.call import AttentionCall
 from triton_dilated import layouts
 from triton_dilated.ops.block_sparse.decode_kernels import block_sparse_decode_forward
 from triton_dilated.ops.block_sparse.kernels import block_sparse_backward, block_sparse_forward
@@ -85,23 +86,23 @@ pos = torch.arange(N, dtype=torch.int32)
 
 def calls(softcap, layout):
     # one launch of every kernel family: (name, launcher call) for a cap and a block layout
+    call = AttentionCall(True, 0.125, softcap or 0.0)
+
     def ring(kind):
-        mask = StepMask(kind, True, "cpu", patterns=pats, table=table, layout=layout, softcap=softcap)
+        mask = StepMask(kind, True, "cpu", patterns=pats, table=table, layout=layout)
         acc = [torch.zeros(B, N, h, D) for h in (Hq, Hq, Hkv, Hkv)]
-        step_forward(q, k, v, pos, pos, acc[0], stats.clone(), mask, scale=0.125)
-        step_backward(q, k, v, do, stats, stats, pos, pos, acc[1], acc[2], acc[3], mask, scale=0.125)
-    yield "dilated", lambda: (dilated_forward(q, k, v, pats, table, causal=True, scale=0.125, softcap=softcap),
-                              dilated_backward(do, None, q, k, v, q, stats, stats, pats, table, causal=True,
-                                               scale=0.125, softcap=softcap))
-    yield "block_sparse", lambda: (block_sparse_forward(q, k, v, layout, causal=True, scale=0.125, softcap=softcap),
-                                   block_sparse_backward(do, None, q, k, v, q, stats, stats, layout, causal=True,
-                                                         scale=0.125, softcap=softcap))
+        step_forward(q, k, v, pos, pos, acc[0], stats.clone(), mask, call)
+        step_backward(q, k, v, do, stats, stats, pos, pos, acc[1], acc[2], acc[3], mask, call)
+    yield "dilated", lambda: (dilated_forward(q, k, v, pats, table, call),
+                              dilated_backward(do, None, q, k, v, q, stats, stats, pats, table, call))
+    yield "block_sparse", lambda: (block_sparse_forward(q, k, v, layout, call),
+                                   block_sparse_backward(do, None, q, k, v, q, stats, stats, layout, call))
     yield "ring_dilated", lambda: ring(MASK_DILATED)
     yield "ring_layout", lambda: ring(MASK_LAYOUT)
-    yield "dilated_decode", lambda: dilated_decode_forward(q[:, :2], k, v, pats, table, lengths, causal=True,
-                                                           scale=0.125, splits=2, softcap=softcap)
-    yield "block_sparse_decode", lambda: block_sparse_decode_forward(q[:, :2], k, v, layout, lengths, causal=True,
-                                                                     scale=0.125, splits=2, softcap=softcap)
+    yield "dilated_decode", lambda: dilated_decode_forward(q[:, :2], k, v, pats, table, lengths, call,
+                                                           splits=2)
+    yield "block_sparse_decode", lambda: block_sparse_decode_forward(q[:, :2], k, v, layout, lengths, call,
+                                                                     splits=2)
 
 def keys(softcap, layout):
     out = {}

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
+from triton_dilated.ops.common.call import AttentionCall
 from triton_dilated import BlockLayout, block_sparse_attention, dilated_attention
 from triton_dilated.ops.block_sparse.naive import block_sparse_attention_naive, element_mask
 from triton_dilated.ops.common.lse import masked_attention_with_lse, merge_partials
@@ -261,7 +262,7 @@ def test_ring_step_triton(causal, kind, which, value, dtype):
         out = torch.zeros(B, N, Hq, D, device=q.device)
         lse = torch.full((B, Hq, N), -INF, device=q.device)
         for s in (slice(24, 48), slice(0, 16), slice(16, 24)):
-            step_forward(q_, k_[:, s], v_[:, s], at, at[s].contiguous(), out, lse, mask, scale=D ** -0.5)
+            step_forward(q_, k_[:, s], v_[:, s], at, at[s].contiguous(), out, lse, mask, AttentionCall(mask.causal, D ** -0.5))
         return out, lse
     clean = run(*(torch.nan_to_num(x, nan=0.5, posinf=0.5, neginf=0.5) for x in (q, k, v)))
     _check(f"ring step kind={kind} causal={causal} {which}={value}", *run(q, k, v), rows, *clean)
@@ -286,6 +287,6 @@ def test_oracle_softmax_keyless_row_with_nan_query_reads_nothing():
     q[0, 0, 1] = NAN
     mask = torch.ones(3, 3, dtype=torch.bool)
     mask[0] = False
-    out, lse = masked_attention_with_lse(q, k, v, mask, 0.5)
+    out, lse = masked_attention_with_lse(q, k, v, mask, AttentionCall(False, 0.5))
     assert (out[0, 0] == 0).all() and lse[0, 0] == -INF
     assert torch.isfinite(out[0, 1:]).all() and torch.isfinite(lse[0, 1:]).all()

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from reference import FLOOR, assert_rule, dense_reference, multiplicity, seeded
+from triton_dilated.ops.common.call import AttentionCall
 from triton_dilated import (BlockLayout, DilatedAttention, block_sparse_attention, block_sparse_attention_naive,
                             dilated_attention, dilated_attention_naive, layouts)
 from triton_dilated.ops.block_sparse import portable as bs_portable
@@ -137,10 +138,11 @@ def test_chunked_explicit_path_matches_float64(monkeypatch, dtype, mask):
         fin = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
         loss = (out.double() * g.double()).sum() + (fin.double() * gl.double()).sum()
         return [out, lse, *torch.autograd.grad(loss, xs)]
-    got = results(lambda a, b, c: lse_mod.attention_with_lse(a, b, c, mask == "causal", scale,
+    got = results(lambda a, b, c: lse_mod.attention_with_lse(a, b, c, AttentionCall(mask == "causal", scale),
                                                              keep=keep if mask == "keep" else None), dtype)
-    oracle = results(lambda a, b, c: lse_mod.masked_attention_with_lse(a, b, c, keep, scale), torch.float64)
-    same = results(lambda a, b, c: lse_mod.masked_attention_with_lse(a, b, c, keep, scale), torch.float32)
+    masked = lambda a, b, c: lse_mod.masked_attention_with_lse(a, b, c, keep, AttentionCall(False, scale))  # noqa: E731
+    oracle = results(masked, torch.float64)
+    same = results(masked, torch.float32)
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         assert_rule(name, got[i], oracle[i], same[i], factor=2 if i < 2 else 3, floor=FLOOR[dtype])
 
@@ -155,9 +157,10 @@ def test_large_score_slices_only_leave_the_fused_kernel():
     large = lse_mod._large_scores(q, k, D ** -0.5)
     assert large.sum() == 1 and large[1, 2]
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    out, lse = lse_mod.attention_with_lse(*xs, True, D ** -0.5)
+    out, lse = lse_mod.attention_with_lse(*xs, AttentionCall(True, D ** -0.5))
     x64 = [x.double().requires_grad_() for x in (q, k, v)]
-    ref, ref_lse = lse_mod.masked_attention_with_lse(*x64, torch.ones(L, L, dtype=torch.bool).tril(), D ** -0.5)
+    ref, ref_lse = lse_mod.masked_attention_with_lse(*x64, torch.ones(L, L, dtype=torch.bool).tril(),
+                                                   AttentionCall(False, D ** -0.5))
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-5, atol=2e-5)
     for a, b in zip(torch.autograd.grad((out * out).sum() + lse.sum(), xs),

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from triton_dilated.ops.common.call import AttentionCall
 from triton_dilated import (BlockLayout, block_sparse_attention_naive, dilated_attention_naive, layouts,
                             ring_attention, shard, unshard)
 from triton_dilated.ops.block_sparse.naive import element_mask
@@ -185,7 +186,7 @@ def check_step_kernel_against_oracle(kind, causal, config=None, shards=(slice(48
     assert_rule_all(got, ref, same, floor=FLOOR[torch.float32])
 
 
-def run_step_shards(step_forward, step_backward, q, k, v, do, mask, shards, **backward_kw):
+def run_step_shards(step_forward, step_backward, q, k, v, do, mask, shards, softcap=0.0, **backward_kw):
     """The ring step over the key shards `shards` of the whole sequence, in that order, on one
     process: the merged (out, lse), then dq and each shard's dk, dv (gradients of sum(out * do))."""
     (B, N, Hq, D), Hkv, dev = q.shape, k.shape[2], q.device
@@ -193,14 +194,14 @@ def run_step_shards(step_forward, step_backward, q, k, v, do, mask, shards, **ba
     out = torch.zeros(B, N, Hq, D, device=dev)
     lse = torch.full((B, Hq, N), float("-inf"), device=dev)
     for s in shards:      # any order
-        step_forward(q, k[:, s], v[:, s], pos, pos[s].contiguous(), out, lse, mask, scale=D ** -0.5)
+        step_forward(q, k[:, s], v[:, s], pos, pos[s].contiguous(), out, lse, mask, AttentionCall(mask.causal, D ** -0.5, softcap))
     delta = (do * out).sum(-1).transpose(1, 2).contiguous()
     dq = torch.zeros(B, N, Hq, D, device=dev)
     dk, dv = torch.zeros(B, N, Hkv, D, device=dev), torch.zeros(B, N, Hkv, D, device=dev)
     for s in shards:
         dks, dvs = dk[:, s].clone(), dv[:, s].clone()
         step_backward(q, k[:, s], v[:, s], do, lse, delta, pos, pos[s].contiguous(), dq, dks, dvs, mask,
-                      scale=D ** -0.5, **backward_kw)
+                      AttentionCall(mask.causal, D ** -0.5, softcap), **backward_kw)
         dk[:, s], dv[:, s] = dks, dvs
     return out, lse, dq, dk, dv
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+from triton_dilated.ops.common.call import AttentionCall
 from triton_dilated import (block_sparse_attention_naive, dilated_attention, dilated_attention_naive,
                             document_balance, shard, unshard)
 from triton_dilated.ops.block_sparse.naive import element_mask
@@ -193,7 +194,7 @@ def test_step_with_documents_against_oracle(kind, causal):
         out = torch.zeros(B, N, Hq, D, device=dev)
         lse = torch.full((B, Hq, N), float("-inf"), device=dev)
         for s in shards:
-            step.step_forward(q, k[:, s], v[:, s], seen, seen[s].contiguous(), out, lse, mask, scale=D ** -0.5,
+            step.step_forward(q, k[:, s], v[:, s], seen, seen[s].contiguous(), out, lse, mask, AttentionCall(mask.causal, D ** -0.5),
                               q_doc=ids, k_doc=ids[s].contiguous())
         delta = (do * out).sum(-1).transpose(1, 2).contiguous()
         dq = torch.zeros(B, N, Hq, D, device=dev)
@@ -201,7 +202,7 @@ def test_step_with_documents_against_oracle(kind, causal):
         for s in shards:
             dks, dvs = dk[:, s].clone(), dv[:, s].clone()
             step.step_backward(q, k[:, s], v[:, s], do, lse, delta, seen, seen[s].contiguous(), dq, dks, dvs, mask,
-                               scale=D ** -0.5, q_doc=ids, k_doc=ids[s].contiguous())
+                               AttentionCall(mask.causal, D ** -0.5), q_doc=ids, k_doc=ids[s].contiguous())
             dk[:, s], dv[:, s] = dks, dvs
         assert_rule_all((out, lse, dq, dk, dv), ref, same, floor=FLOOR[torch.float32], what=f"{step.__name__}: ")
 
@@ -369,13 +370,13 @@ def test_portable_step_with_random_documents_against_oracle(data):
     lse = torch.full((1, Hq, N), float("-inf"))
     for s in shards:
         step_portable.step_forward(qo, k[:, s], v[:, s], seen, where.mask_positions(s.int()), out, lse, mask,
-                                   scale=D ** -0.5, **docs_kw(s))
+                                   AttentionCall(mask.causal, D ** -0.5), **docs_kw(s))
     delta = (doo * out).sum(-1).transpose(1, 2).contiguous()
     dq, dk, dv = torch.zeros(1, N, Hq, D), torch.zeros(1, N, Hkv, D), torch.zeros(1, N, Hkv, D)
     for s in shards:
         dks, dvs = torch.zeros(1, len(s), Hkv, D), torch.zeros(1, len(s), Hkv, D)
         step_portable.step_backward(qo, k[:, s], v[:, s], doo, lse, delta, seen, where.mask_positions(s.int()), dq,
-                                    dks, dvs, mask, scale=D ** -0.5, **docs_kw(s))
+                                    dks, dvs, mask, AttentionCall(mask.causal, D ** -0.5), **docs_kw(s))
         dk[:, s], dv[:, s] = dks, dvs
     inv = torch.argsort(order)
     got = (out[:, inv], lse[:, :, inv], dq[:, inv], dk, dv)

@@ -22,6 +22,7 @@ import torch
 from conftest import DEVICE
 from ring_faults_worker import run_world
 
+from triton_dilated.ops.common.call import AttentionCall
 from triton_dilated import (
     BlockLayout,
     block_sparse_attention_naive,
@@ -137,13 +138,13 @@ def test_portable_step_against_oracle(kind, causal, block_bytes, monkeypatch):
         assert len(step_portable.query_blocks(q, 24)) == 5
     out, lse = torch.zeros(B, N, Hq, D, device=dev), torch.full((B, Hq, N), float("-inf"), device=dev)
     for s in shards:
-        step_portable.step_forward(q, k[:, s], v[:, s], pos, pos[s].contiguous(), out, lse, mask, scale=D ** -0.5)
+        step_portable.step_forward(q, k[:, s], v[:, s], pos, pos[s].contiguous(), out, lse, mask, AttentionCall(mask.causal, D ** -0.5))
     delta = (do * out).sum(-1).transpose(1, 2).contiguous()
     dq, dk, dv = (torch.zeros(B, N, h, D, device=dev) for h in (Hq, Hkv, Hkv))
     for s in shards:
         dks, dvs = dk[:, s].clone(), dv[:, s].clone()
         step_portable.step_backward(q, k[:, s], v[:, s], do, lse, delta, pos, pos[s].contiguous(), dq, dks, dvs,
-                                    mask, scale=D ** -0.5)
+                                    mask, AttentionCall(mask.causal, D ** -0.5))
         dk[:, s], dv[:, s] = dks, dvs
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     fin = torch.isfinite(ref_lse)
@@ -188,12 +189,12 @@ STEP_MEMORY = textwrap.dedent("""
         q, k, v, do = (torch.randn(1, n, H, D, generator=g) for _ in range(4))
         pos = torch.arange(n, dtype=torch.int32)
         out, lse = torch.zeros(1, n, H, D), torch.full((1, H, n), float("-inf"))
-        sp.step_forward(q, k, v, pos, pos, out, lse, mask, scale=0.25)
+        sp.step_forward(q, k, v, pos, pos, out, lse, mask, AttentionCall(mask.causal, 0.25))
         if backward:
             delta = (do * out).sum(-1).transpose(1, 2).contiguous()
             grads = [torch.zeros(1, n, H, D) for _ in range(3)]
-            return lambda: sp.step_backward(q, k, v, do, lse, delta, pos, pos, *grads, mask, scale=0.25)
-        return lambda: sp.step_forward(q, k, v, pos, pos, out, lse, mask, scale=0.25)
+            return lambda: sp.step_backward(q, k, v, do, lse, delta, pos, pos, *grads, mask, AttentionCall(mask.causal, 0.25))
+        return lambda: sp.step_forward(q, k, v, pos, pos, out, lse, mask, AttentionCall(mask.causal, 0.25))
 
     step("dilated", 64, True)()          # libraries loaded, allocator warm at a small size
     for kind in ("dense", "dilated"):

@@ -113,8 +113,7 @@ def test_step_with_softcap_against_oracle(kind, backend):
     B, N, Hq, Hkv, D, cap = 1, 64, 4, 2, 16, 1.25
     q, k, v, do = (torch.randn(B, N, h, D, generator=g).mul(2.0).to(dev) for h in (Hq, Hkv, Hkv, Hq))
     pats, lay = ((8, 1), (32, 2), (64, 3)), layouts.bigbird(N, 16, 1, 1, 1, seed=0, num_heads=Hq)
-    mask = StepMask(kind, True, dev, patterns=pats, table=head_offsets(Hq, pats, "longnet", "modulo"), layout=lay,
-                    softcap=cap)
+    mask = StepMask(kind, True, dev, patterns=pats, table=head_offsets(Hq, pats, "longnet", "modulo"), layout=lay)
     if kind == MASK_DILATED:
         ws, rs = [w for w, _ in pats], [r for _, r in pats]
         oracle = lambda q, k, v: dilated_attention_naive(q, k, v, ws, rs, causal=True, softcap=cap)  # noqa: E731
@@ -133,5 +132,5 @@ def test_step_with_softcap_against_oracle(kind, backend):
     same = reference(lambda q, k, v: dense_reference(q, k, v, counts, softcap=cap), torch.float32)
 
     shards = (slice(32, 64), slice(0, 16), slice(16, 32))
-    got = run_step_shards(step_forward, step_backward, q, k, v, do, mask, shards)
+    got = run_step_shards(step_forward, step_backward, q, k, v, do, mask, shards, softcap=cap)
     assert_rule_all([x.cpu() for x in got], ref, same, floor=FLOOR[torch.float32])

@@ -21,6 +21,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import DEVICE
 from reference import (FLOOR, assert_rule_all, block_sparse_serve, check_against_oracle, dense_reference, finite,
                        max_err, seeded)
+from triton_dilated.ops.common.call import AttentionCall
 from triton_dilated import (BlockLayout, block_sparse_attention, block_sparse_attention_naive,
                             block_sparse_attention_op, block_sparse_attention_with_kvcache, layouts)
 from triton_dilated.ops.common.window import WindowPredicate
@@ -259,14 +260,14 @@ def test_kernels_with_small_tiles(config, windows):
         # the kernels take the layout's lists on q's device (the public functions move it there)
         lay = (layouts.sliding_window(n, bs, window, sinks=sinks)
                | layouts.global_tokens(n, bs, 1, causal=True)).to(q.device)
-        out, m, s = kernels.block_sparse_forward(q, k, v, lay, causal=True, scale=0.25, config=cfg)
+        out, m, s = kernels.block_sparse_forward(q, k, v, lay, AttentionCall(True, 0.25), config=cfg)
         ref_q, ref_k, ref_v = (x.double().requires_grad_() for x in (q, k, v))
         o64, l64 = block_sparse_attention_naive(ref_q, ref_k, ref_v, lay, causal=True, scale=0.25)
         assert max_err(out, o64) < 1e-5 and max_err(finite(lse_from_stats(m, s)), finite(l64)) < 1e-5
         do = seeded(out.shape, torch.float32, 7, DEVICE)
         dlse = seeded((1, 2, n), torch.float32, 8, DEVICE)
         bwd_cfg = {key: val for key, val in cfg.items() if key != "TMA"}
-        dq, dk, dv = kernels.block_sparse_backward(do, dlse, q, k, v, out, m, s, lay, causal=True, scale=0.25,
+        dq, dk, dv = kernels.block_sparse_backward(do, dlse, q, k, v, out, m, s, lay, AttentionCall(True, 0.25),
                                                    config=bwd_cfg)
         g64 = torch.autograd.grad((o64 * do.double()).sum() + (finite(l64) * dlse.double()).sum(),
                                   (ref_q, ref_k, ref_v))
@@ -380,14 +381,14 @@ def test_ring_step_alone(use_kernel):
     out = torch.zeros_like(q)
     lse = torch.full((1, 2, N), float("-inf"), device=q.device)
     for s in shards:
-        step.step_forward(q, k[:, s], v[:, s], pos, pos[s].contiguous(), out, lse, mask, scale=0.25)
+        step.step_forward(q, k[:, s], v[:, s], pos, pos[s].contiguous(), out, lse, mask, AttentionCall(mask.causal, 0.25))
     delta = (do * out).sum(-1).transpose(1, 2).contiguous()
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for s in shards:
         dks, dvs = dk[:, s].clone(), dv[:, s].clone()
         step.step_backward(q, k[:, s], v[:, s], do, lse, delta, pos, pos[s].contiguous(), dq, dks, dvs, mask,
-                           scale=0.25)
+                           AttentionCall(mask.causal, 0.25))
         dk[:, s], dv[:, s] = dks, dvs
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     o64, l64 = block_sparse_attention_naive(*leaves, lay, causal=True, scale=0.25)

@@ -350,7 +350,7 @@ def test_plus_inf_sinks_take_the_whole_weight(backend):
 
 # ----------------------------------------------------------------------------- validation
 
-BAD_CAPS = [(True, ValueError), (False, ValueError), (0, ValueError), (0.0, ValueError), (-1.5, ValueError),
+BAD_CAPS = [(True, ValueError), (False, ValueError), (-1.5, ValueError), (-0.001, ValueError),
             (float("nan"), ValueError), (float("inf"), ValueError), ("50", TypeError), (torch.tensor(5.0), TypeError)]
 
 
@@ -375,6 +375,20 @@ def test_softcap_validation(bad, exc):
         with pytest.raises(exc, match="softcap"):
             make()
 
+
+
+@pytest.mark.parametrize("off", [0.0, 0, None], ids=["0.0", "0", "None"])
+def test_softcap_zero_or_none_is_no_cap(off):
+    """One convention (FlashAttention's): softcap 0.0 means no cap, and None (a model config's
+    attn_logit_softcapping=None) reads as 0.0 at the door: every entry point returns the
+    uncapped result bit for bit, and the modules keep 0.0."""
+    qkv = make_qkv(1, 16, 2, 1, 8, torch.float32, 0)
+    for capped, plain in zip(_all_entry_points(*qkv, softcap=off), _all_entry_points(*qkv)):
+        got, ref = capped(), plain()
+        got, ref = (got[0], ref[0]) if isinstance(got, tuple) else (got, ref)
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    for module in (DilatedAttention([8], [1], softcap=off), BlockSparseAttention(layouts.local(16, 16, 1), softcap=off)):
+        assert module.softcap == 0.0 and "softcap" not in repr(module)
 
 BAD_SINKS = [([0.0, 0.0], TypeError, "float32 tensor"), (torch.zeros(2, dtype=torch.float64), TypeError, "float32"),
              (torch.zeros(3), ValueError, r"shape \(Hq,\) = \(2,\)"), (torch.zeros(1, 2), ValueError, "shape")]

@@ -62,7 +62,8 @@ from torch import Tensor, nn
 
 from .ops.block_sparse import BlockLayout, block_sparse_attention, block_sparse_attention_op
 from .ops.common.runtime import BACKENDS
-from .ops.common.validation import check_bool, check_choice, check_int, check_scale, check_softcap
+from .ops.common.call import check_softcap
+from .ops.common.validation import check_bool, check_choice, check_int, check_scale
 from .ops.dilated import dilated_attention, dilated_attention_op
 from .ops.dilated.patterns import check_patterns
 from .ops.ring import ring_attention, ulysses_attention
@@ -208,7 +209,7 @@ class DilatedAttention(nn.Module):
             needs Hq a multiple of the number of patterns; no lse. Without it the outputs
             are not that library's (this module has no weights, so nothing warns at load
             time: pass it when switching the import).
-        softcap: None, or the score cap c (s -> c * tanh(s / c), see `dilated_attention`).
+        softcap: the score cap c (s -> c * tanh(s / c), see `dilated_attention`); 0.0: none.
         sinks: True: a learnable sink logit per query head (`self.sinks`, an nn.Parameter
             (num_heads,), zero-initialised) joins every row's softmax denominator; needs
             num_heads. False (default): no sinks, and the module has no parameters.
@@ -225,7 +226,7 @@ class DilatedAttention(nn.Module):
                  softmax_scale: Optional[float] = None, attention_dropout: float = 0.0, op=None, *,
                  causal: bool = False, mode: Optional[str] = None, offsets: str = "modulo",
                  scale: Optional[float] = None, backend: str = "auto", compat: Optional[str] = None,
-                 softcap: Optional[float] = None, sinks: bool = False, num_heads: Optional[int] = None,
+                 softcap: float = 0.0, sinks: bool = False, num_heads: Optional[int] = None,
                  device: Optional[Union[torch.device, str]] = None):
         super().__init__()
         _ignore_op(op, "DilatedAttention")
@@ -248,7 +249,7 @@ class DilatedAttention(nn.Module):
         self.backend = _check_backend(backend)
         self.softcap = check_softcap(softcap)
         self.sinks = _sink_parameter(sinks, num_heads, device)
-        if self.compat is not None and (self.softcap is not None or self.sinks is not None):
+        if self.compat is not None and (self.softcap or self.sinks is not None):
             raise ValueError(f"softcap and sinks are not available with compat={self.compat!r} (that library has "
                              f"neither)")
 
@@ -337,7 +338,7 @@ class MultiheadDilatedAttention(nn.Module):
         sequence_parallel: with a group, "ring" (ring_attention, default) or "ulysses"
             (ulysses_attention: heads over the ranks by all-to-all; num_heads a multiple
             of the world size).
-        softcap: None, or the score cap c (s -> c * tanh(s / c), Gemma 2's attention cap).
+        softcap: the score cap c (s -> c * tanh(s / c), Gemma 2's attention cap); 0.0: none.
         sinks: True: a learnable sink logit per query head (`self.attention.sinks`, an
             nn.Parameter (num_heads,), zero-initialised; gpt-oss's sinks) joins every row's
             softmax denominator. Neither with compat (that library has neither).
@@ -355,7 +356,7 @@ class MultiheadDilatedAttention(nn.Module):
                  dtype: Optional[torch.dtype] = None, op=None, *, num_kv_heads: Optional[int] = None,
                  mode: Optional[str] = None, offsets: str = "modulo", scale: Optional[float] = None,
                  backend: str = "auto", group=None, comm: str = "p2p", balance: str = "contiguous",
-                 compat: Optional[str] = None, sequence_parallel: str = "ring", softcap: Optional[float] = None,
+                 compat: Optional[str] = None, sequence_parallel: str = "ring", softcap: float = 0.0,
                  sinks: bool = False):
         super().__init__()
         _ignore_op(op, "MultiheadDilatedAttention")
@@ -502,7 +503,7 @@ class BlockSparseAttention(nn.Module):
         scale: default 1/sqrt(D). backend: "auto", "triton" or "torch".
         cache_size: how many built layouts a seq_len builder keeps (least recently used
             dropped first; 0: rebuild on every call). Default 8.
-        softcap: None, or the score cap c (s -> c * tanh(s / c)).
+        softcap: the score cap c (s -> c * tanh(s / c)); 0.0: none.
         sinks: True: a learnable sink logit per query head (`self.sinks`, an nn.Parameter
             (num_heads,), zero-initialised) joins every row's denominator; needs num_heads.
 
@@ -513,7 +514,7 @@ class BlockSparseAttention(nn.Module):
 
     def __init__(self, layout: Union[BlockLayout, Callable], *, causal: bool = False, scale: Optional[float] = None,
                  backend: str = "auto", builder_input: str = "seq_len", cache_size: int = 8,
-                 softcap: Optional[float] = None, sinks: bool = False, num_heads: Optional[int] = None):
+                 softcap: float = 0.0, sinks: bool = False, num_heads: Optional[int] = None):
         super().__init__()
         self.softcap = check_softcap(softcap)
         self.sinks = _sink_parameter(sinks, num_heads)
@@ -590,5 +591,5 @@ class BlockSparseAttention(nn.Module):
 
 def _extras_repr(module) -> str:
     """", softcap=..., sinks=H" where a module has them."""
-    cap = f", softcap={module.softcap}" if module.softcap is not None else ""
+    cap = f", softcap={module.softcap}" if module.softcap else ""
     return cap + (f", sinks={module.sinks.numel()}" if module.sinks is not None else "")

@@ -41,12 +41,12 @@ def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
     return torch.where(key_ok, key_pos, torch.zeros((), dtype=torch.long, device=device)), key_ok
 
 
-def block_sparse_decode(q, k, v, layout, lengths, *, causal: bool, scale: float, block_table=None, softcap=None):
+def block_sparse_decode(q, k, v, layout, lengths, call, *, block_table=None):
     """Block-sparse attention of q (B, Nq, Hq, D), the last Nq positions of each row's
     lengths[b] (an integer tensor (B,)) valid positions, over k, v (B, Nk, Hkv, D), the layout covering Nk (absolute
     positions; with block_table, k and v are page pools). Returns (out like q, lse float32
-    (B, Hq, Nq)), differentiable. softcap: None or the cap c (scores s -> c * tanh(s / c))."""
+    (B, Hq, Nq)), differentiable, under the AttentionCall (its sinks are the caller's)."""
     lengths = lengths.to(device=q.device, dtype=torch.long)
     pos = query_positions(lengths, q.shape[1], q.device)
-    key_pos, key_ok = block_key_lists(pos, lengths, layout, q.shape[2], causal)
-    return attend_key_lists(q, k, v, key_pos, key_ok, scale, block_table, softcap)
+    key_pos, key_ok = block_key_lists(pos, lengths, layout, q.shape[2], call.causal)
+    return attend_key_lists(q, k, v, key_pos, key_ok, call, block_table)

@@ -17,7 +17,7 @@ from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, f
                                      kernel_lengths, kv_descales, merge_splits, num_splits, store_result)
 from ..common.hardware import padded_head_dim
 from ..common.kernels import softcap_terms
-from ..common.runtime import on_tensor_device, softcap_args, window_args
+from ..common.runtime import on_tensor_device, window_args
 
 CONFIG_FAMILY = "block_sparse_fwd"   # the family; tiles and warps: configs.KERNEL_DEFAULTS (not tuned)
 
@@ -81,14 +81,15 @@ def _block_sparse_decode_kernel(
 
 
 @on_tensor_device
-def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, splits=None, config=None,
-                                block_table=None, k_descale=None, v_descale=None, softcap=None):
+def block_sparse_decode_forward(q, k, v, layout, lengths, call, *, splits=None, config=None, block_table=None,
+                                k_descale=None, v_descale=None):
     """Block-sparse attention of q (B, Nq, Hq, D), the last Nq positions of each row's
     lengths[b] (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with
     block_table (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv,
     D); the layout (on q's device) covers the capacity. k, v float8_e4m3fn (an FP8 cache):
-    k_descale, v_descale float32 (Hkv,) on q's device; softcap: None or the cap c (scores
-    s -> c * tanh(s / c)). Returns (out like q, lse float32 (B, Hq, Nq))."""
+    k_descale, v_descale float32 (Hkv,) on q's device; call: the AttentionCall (causal, scale,
+    cap). Returns (out like q, lse float32 (B, Hq, Nq))."""
+    causal, scale = call.causal, call.scale
     B, Nq, Hq, D = q.shape
     Hkv = k.shape[2]
     paged = block_table is not None
@@ -120,6 +121,6 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, *, causal, scale, spli
         v.stride(2), **lists, stride_btb=bt.stride(0), NUM_PAGES=k.shape[0] if paged else 0,
         NUM_ROWS=Nq, NUM_HEADS=Hq, HEAD_GROUP=Hq // Hkv, NUM_SPLITS=splits, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=bs, CAUSAL=causal, BLOCK_N=min(cfg["BLOCK_N"], bs),
-        PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, **softcap_args(softcap), **window,
+        PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, **call.kernel_args(), **window,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return merge_splits(out, lse, parts, splits, num_warps=cfg.get("num_warps", 4))

@@ -17,13 +17,14 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..common.call import AttentionCall
 from ..common.first_order import first_order_backward, needs_grad
 from ..common.kvcache import MAX_DECODE_QUERIES, portable_descaled
-from ..common.lse import add_sinks, lse_from_stats, with_softcap_and_sinks
+from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype
-from ..common.validation import check_cu_seqlens, check_flags, check_qkv, check_scale, check_sinks, check_softcap
+from ..common.validation import check_cu_seqlens, check_flags, check_qkv
 from ..common.window import WindowPredicate, check_window_causal
 from .decode import block_sparse_decode
 from .layout import BlockLayout
@@ -38,16 +39,17 @@ _decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports trito
 DECODE_FAMILIES = ("block_sparse_fwd",)
 
 
-def _check_args(q, k, v, layout, causal, scale, return_lse, *, packed=False, allow_shorter_q=False,
-                door="block_sparse_attention"):
-    """Validation shared by block_sparse_attention and block_sparse_attention_op: the scale."""
+def check_args(q, k, v, layout, causal, scale, return_lse, softcap=0.0, sinks=None, *, packed=False,
+               allow_shorter_q=False, door="block_sparse_attention"):
+    """Validation shared by the block-sparse doors: the AttentionCall."""
     check_qkv(q, k, v, allow_shorter_q=allow_shorter_q, door=door)
     if not packed and not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
-    check_flags(causal=causal, return_lse=return_lse)
+    check_flags(return_lse=return_lse)
+    call = AttentionCall.at_door(q, causal=causal, scale=scale, softcap=softcap, sinks=sinks)
     if not packed:
         check_window_causal(layout, causal)
-    return check_scale(scale, q.shape[-1])
+    return call
 
 
 # ----------------------------------------------------------------------------- eager autograd
@@ -56,29 +58,27 @@ class _BlockSparseAttentionFn(torch.autograd.Function):
     """The Triton path: forward (out and the row statistics), dQ and dK/dV kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, causal, scale, softcap=None):
-        out, row_max, row_sum = _kernels().block_sparse_forward(q, k, v, layout, causal=causal, scale=scale,
-                                                                softcap=softcap)
+    def forward(ctx, q, k, v, layout, call):
+        out, row_max, row_sum = _kernels().block_sparse_forward(q, k, v, layout, call)
         ctx.save_for_backward(q, k, v, out, row_max, row_sum)
-        ctx.args = (layout, causal, scale, softcap)
+        ctx.args = (layout, call)
         return out, lse_from_stats(row_max, row_sum)
 
     @staticmethod
     @first_order_backward("block_sparse_attention (Triton path)")
     def backward(ctx, do, dlse):
         q, k, v, out, row_max, row_sum = ctx.saved_tensors
-        layout, causal, scale, softcap = ctx.args
+        layout, call = ctx.args
         if do is None:
             do = torch.zeros_like(out)
-        dq, dk, dv = _kernels().block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout,
-                                                      causal=causal, scale=scale, softcap=softcap)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _kernels().block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, call)
+        return dq, dk, dv, None, None
 
 
 # ----------------------------------------------------------------------------- public
 
 def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_lse=False, backend="auto",
-                           cu_seqlens=None, softcap=None, sinks=None):
+                           cu_seqlens=None, softcap=0.0, sinks=None):
     """Exact attention over the active blocks of a BlockLayout (DESIGN §4).
 
     Args:
@@ -102,54 +102,49 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
             sees another document. `layout` is then one BlockLayout per document (a list),
             or a builder called with each document's length (e.g.
             `lambda n: layouts.local(n, 64, 2)`).
-        softcap: None, or a positive float c: scores s -> c * tanh(s / c) before the
-            softmax, gradients through the cap.
+        softcap: a positive float c: scores s -> c * tanh(s / c) before the softmax,
+            gradients through the cap; 0.0 (or None): no cap.
         sinks: None, or a float32 tensor (Hq,) (differentiable): a per-head logit joining
             every row's softmax denominator, no value. lse then includes it: a row without
             keys gets 0 and lse = its head's sink.
 
     Returns out (B, N, Hq, D) like q (and lse). Rows with no active key: 0, lse = -inf.
     """
-    return with_softcap_and_sinks(
-        lambda with_lse, cap: _block_sparse_attention(q, k, v, layout, causal=causal, scale=scale, return_lse=with_lse,
-                                                      backend=backend, cu_seqlens=cu_seqlens, softcap=cap),
-        q, k, v, return_lse=return_lse, softcap=softcap, sinks=sinks)
+    call = check_args(q, k, v, layout, causal, scale, return_lse, softcap, sinks, packed=cu_seqlens is not None,
+                      allow_shorter_q=True)
+    B, N, Hq, D = q.shape
+    if torch.compiler.is_compiling() and k.shape[1] == N and cu_seqlens is None:
+        # the custom op (either path): it traces without a graph break; the portable path's
+        # data-dependent choice of CPU kernel would break fullgraph tracing
+        return block_sparse_attention_op(q, k, v, layout, causal=causal, scale=call.scale, return_lse=return_lse,
+                                         backend=backend, softcap=softcap, sinks=sinks)
+    return call.finish(block_sparse_call(q, k, v, layout, call, backend=backend, cu_seqlens=cu_seqlens), return_lse)
 
 
-def _block_sparse_attention(q, k, v, layout, *, causal, scale, return_lse, backend, cu_seqlens, softcap):
-    """block_sparse_attention without the sinks (softcap validated)."""
-    scale = _check_args(q, k, v, layout, causal, scale, return_lse, packed=cu_seqlens is not None,
-                        allow_shorter_q=True)
+def block_sparse_call(q, k, v, layout, call, *, backend, cu_seqlens=None):
+    """(out, lse) of block_sparse_attention on validated inputs and call (its sinks are the
+    caller's): queries at the end of the keys, packed documents, or the full sequence."""
     B, N, Hq, D = q.shape
     if k.shape[1] != N:
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens (packed documents) cannot be combined with q shorter than k, v")
-        out, lse = queries_at_the_end(q, k, v, layout, causal=causal, scale=scale, backend=backend,
-                                      path=resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype),
-                                      softcap=softcap)
-        return (out, lse) if return_lse else out
+        return queries_at_the_end(q, k, v, layout, call, backend=backend,
+                                  path=resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype))
     if cu_seqlens is not None:
-        return _packed(q, k, v, layout, cu_seqlens, causal=causal, scale=scale, return_lse=return_lse,
-                       backend=backend, softcap=softcap)
-    path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype)
-    # under torch.compile: the custom op (either path). It traces without a graph break; the
-    # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
+        return _packed(q, k, v, layout, cu_seqlens, call, backend)
     if torch.compiler.is_compiling():
-        return block_sparse_attention_op(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse,
-                                         backend=backend, softcap=softcap)
+        return block_sparse_attention_op(q, k, v, layout, causal=call.causal, scale=call.scale, return_lse=True,
+                                         backend=backend, softcap=call.softcap)
+    path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype)
     if B == 0 or N == 0:
-        return empty_result(q, k, v, return_lse)
+        return empty_result(q, k, v, True)
     layout.check_seq_len(N)
     layout.check_heads(B, Hq)
     layout = layout.to(q.device) if layout.kv_indices.device != q.device else layout
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        out, lse = _BlockSparseAttentionFn.apply(q, k, v, layout, causal, scale, softcap)
-    else:
-        out, lse = block_sparse_attention_torch(q, k, v, layout, causal=causal, scale=scale,
-                                                compute_dtype=portable_compute_dtype(q.dtype, q.device),
-                                                softcap=softcap)
-    return (out, lse) if return_lse else out
+        return _BlockSparseAttentionFn.apply(q, k, v, layout, call.without_sinks())
+    return block_sparse_attention_torch(q, k, v, layout, call, compute_dtype=portable_compute_dtype(q.dtype, q.device))
 
 
 def document_layouts(layout, bounds):
@@ -177,22 +172,22 @@ def document_layouts(layout, bounds):
     return out
 
 
-def _packed(q, k, v, layout, cu_seqlens, **kw):
-    """Documents one after another, each with its own layout (blocks restart per document)."""
+def _packed(q, k, v, layout, cu_seqlens, call, backend):
+    """(out, lse) of documents one after another, each with its own layout (blocks restart per
+    document)."""
     bounds = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     docs = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
     per_doc = [lay for lay in document_layouts(layout, bounds) if lay is not None]
-    return_lse = kw.pop("return_lse")
-    outs = [block_sparse_attention(q[:, s:e], k[:, s:e], v[:, s:e], lay, return_lse=True, **kw)
+    for lay in per_doc:
+        check_window_causal(lay, call.causal)
+    outs = [block_sparse_call(q[:, s:e], k[:, s:e], v[:, s:e], lay, call, backend=backend)
             for lay, (s, e) in zip(per_doc, docs)]
     if not outs:
-        return empty_result(q, k, v, return_lse)
-    out = torch.cat([o for o, _ in outs], dim=1)
-    lse = torch.cat([l for _, l in outs], dim=2)
-    return (out, lse) if return_lse else out
+        return empty_result(q, k, v, True)
+    return torch.cat([o for o, _ in outs], dim=1), torch.cat([l for _, l in outs], dim=2)
 
 
-def queries_at_the_end(q, k, v, layout, *, causal, scale, backend, path, softcap):
+def queries_at_the_end(q, k, v, layout, call, *, backend, path):
     """(out, lse) of q (B, Nq, Hq, D), the last Nq positions of k, v (B, Nk, Hkv, D) with every
     key row valid (DESIGN §5b), the layout covering Nk. Up to 16 queries decode (under
     torch.compile through the decode custom op); gradients on the Triton path and longer
@@ -210,45 +205,42 @@ def queries_at_the_end(q, k, v, layout, *, causal, scale, backend, path, softcap
         if torch.compiler.is_compiling():
             window = (0, 0, None) if layout.window is None else (*layout.window, layout.kv_window)
             return _block_sparse_decode(q, k, v, lengths, None, layout.kv_num_blocks, layout.kv_indices,
-                                        layout.block_size, causal, scale, path, None, None, *window,
-                                        float(softcap or 0.0))
-        return decode_layout(q, k, v, layout, lengths, causal=causal, scale=scale, path=path, softcap=softcap)
-    return chunk_rows(q, k, v, [Nk] * B, layout, Nk, causal=causal, scale=scale, backend=backend, softcap=softcap)
+                                        layout.block_size, call.causal, call.scale, path, None, None, *window,
+                                        call.softcap)
+        return decode_layout(q, k, v, layout, lengths, call, path=path)
+    return chunk_rows(q, k, v, [Nk] * B, layout, Nk, call, backend=backend)
 
 
-def chunk_rows(q, k, v, rows, layout, capacity: int, *, causal, scale, backend, softcap):
+def chunk_rows(q, k, v, rows, layout, capacity: int, call, *, backend):
     """(out, lse) through the query-offset path: per length n (rows: one per batch row, on the
     host), the training door on q padded in front over the first n rows of k, v and the
     layout's first ceil(n / block_size) blocks, the query blocks before the chunk without key
     blocks (their work is skipped). `capacity`: the positions the layout covers."""
     B = q.shape[0]
 
-    def call(qq, kk, vv, batch_rows, n, first_row):
+    def chunk(qq, kk, vv, batch_rows, n, first_row):
         first = first_row // layout.block_size
         if n != capacity or len(batch_rows) != B or first > 0:
             lay = layout.prefix(-(-n // layout.block_size), batch_rows, first_query_block=first)
         else:
             lay = layout
-        return block_sparse_attention(qq, kk, vv, lay, causal=causal, scale=scale, return_lse=True, backend=backend,
-                                      softcap=softcap)
+        return block_sparse_call(qq, kk, vv, lay, call, backend=backend)
 
-    return run_with_query_offset(call, q, k, v, rows)
+    return run_with_query_offset(chunk, q, k, v, rows)
 
 
-def decode_layout(q, k, v, layout, lengths, *, causal, scale, path, block_table=None, k_descale=None,
-                  v_descale=None, softcap=None):
+def decode_layout(q, k, v, layout, lengths, call, *, path, block_table=None, k_descale=None, v_descale=None):
     """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
     q's device) valid rows of k, v (page pools with block_table; float8_e4m3fn with k_descale,
-    v_descale), the layout (on q's device) covering the cache's capacity. softcap: None or the
-    cap c (scores s -> c * tanh(s / c))."""
+    v_descale), the layout (on q's device) covering the cache's capacity, under call (its
+    sinks are the caller's)."""
     if path == "torch":
-        return portable_descaled(lambda q_: block_sparse_decode(q_, k, v, layout, lengths, causal=causal, scale=scale,
-                                                                block_table=block_table, softcap=softcap),
+        return portable_descaled(lambda q_: block_sparse_decode(q_, k, v, layout, lengths, call,
+                                                                block_table=block_table),
                                  q, k_descale, v_descale, k.shape[2])
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-    return _decode_kernels().block_sparse_decode_forward(q, k, v, layout, lengths, causal=causal, scale=scale,
-                                                         block_table=block_table, k_descale=k_descale,
-                                                         v_descale=v_descale, softcap=softcap)
+    return _decode_kernels().block_sparse_decode_forward(q, k, v, layout, lengths, call, block_table=block_table,
+                                                         k_descale=k_descale, v_descale=v_descale)
 
 
 class _RowLists:
@@ -273,8 +265,8 @@ def _block_sparse_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: T
     0.0: no cap."""
     check_path(path)
     lists = _RowLists(kv_num_blocks, kv_indices, block_size, window, sink_tokens, kv_window)
-    return decode_layout(q, k_cache, v_cache, lists, lengths, causal=causal, scale=scale, path=path,
-                         block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap or None)
+    return decode_layout(q, k_cache, v_cache, lists, lengths, AttentionCall(causal, scale, softcap), path=path,
+                         block_table=block_table, k_descale=k_descale, v_descale=v_descale)
 
 
 @_block_sparse_decode.register_fake
@@ -300,14 +292,13 @@ def _block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Tensor, kv
     check_path(path)
     layout = _op_layout(kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, window, sink_tokens,
                         kv_window, q_window)
+    call = AttentionCall(causal, scale, softcap)
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        out, row_max, row_sum = _kernels().block_sparse_forward(q, k, v, layout, causal=causal, scale=scale,
-                                                                softcap=softcap or None)
+        out, row_max, row_sum = _kernels().block_sparse_forward(q, k, v, layout, call)
         return out, lse_from_stats(row_max, row_sum), row_max, row_sum
-    out, lse = block_sparse_attention_torch(q, k, v, layout, causal=causal, scale=scale,
-                                            compute_dtype=portable_compute_dtype(q.dtype, q.device),
-                                            softcap=softcap or None)
+    out, lse = block_sparse_attention_torch(q, k, v, layout, call, compute_dtype=portable_compute_dtype(q.dtype,
+                                                                                                     q.device))
     return fresh(out), fresh(lse), empty_stats(q), empty_stats(q)
 
 
@@ -345,17 +336,16 @@ def _block_sparse_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, 
     check_path(path)
     layout = _op_layout(kv_num_blocks, kv_indices, q_num_blocks, q_indices, block_size, window, sink_tokens,
                         kv_window, q_window)
+    call = AttentionCall(causal, scale, softcap)
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        dq, dk, dv = _kernels().block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout,
-                                                      causal=causal, scale=scale, softcap=softcap or None)
+        dq, dk, dv = _kernels().block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, call)
         return fresh(dq), fresh(dk), fresh(dv)
     compute = portable_compute_dtype(q.dtype, q.device)
     with_lse = dlse is not None
 
     def fwd(q_, k_, v_):
-        o, lse = block_sparse_attention_torch(q_, k_, v_, layout, causal=causal, scale=scale, compute_dtype=compute,
-                                              softcap=softcap or None)
+        o, lse = block_sparse_attention_torch(q_, k_, v_, layout, call, compute_dtype=compute)
         return (o, lse) if with_lse else (o,)
 
     return recompute_grads(fwd, (q, k, v), (do, dlse) if with_lse else (do,))
@@ -394,14 +384,12 @@ _block_sparse_fwd.register_autograd(_block_sparse_backward, setup_context=_block
 
 
 def block_sparse_attention_op(q, k, v, layout, *, causal=False, scale=None, return_lse=False, backend="auto",
-                              softcap=None, sinks=None):
+                              softcap=0.0, sinks=None):
     """`block_sparse_attention` through the `triton_dilated::block_sparse_fwd/_bwd` custom ops:
     same arguments and results, traceable by `torch.compile(fullgraph=True)` (the sinks join
     outside the op, in traceable tensor code). Build the layout outside the compiled region
     (builders use data-dependent shapes)."""
-    scale = _check_args(q, k, v, layout, causal, scale, return_lse, door="block_sparse_attention_op")
-    softcap = check_softcap(softcap)
-    sinks = check_sinks(sinks, q.shape[2], q.device)
+    call = check_args(q, k, v, layout, causal, scale, return_lse, softcap, sinks, door="block_sparse_attention_op")
     B, N, Hq, D = q.shape
     path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype)
     if B == 0 or N == 0:
@@ -411,8 +399,7 @@ def block_sparse_attention_op(q, k, v, layout, *, causal=False, scale=None, retu
         layout.check_heads(B, Hq)
         lists = [x.to(q.device) for x in (layout.kv_num_blocks, layout.kv_indices, layout.q_num_blocks,
                                           layout.q_indices)]
-        out, lse, _, _ = _block_sparse_fwd(q, k, v, *lists, layout.block_size, causal, scale, return_lse, path,
-                                           softcap or 0.0, *_op_window_args(layout.to(q.device)))
-    if sinks is not None:
-        out, lse = add_sinks(out, lse, sinks)
-    return (out, lse) if return_lse else out
+        out, lse, _, _ = _block_sparse_fwd(q, k, v, *lists, layout.block_size, call.causal, call.scale,
+                                           call.needs_lse(return_lse), path, call.softcap,
+                                           *_op_window_args(layout.to(q.device)))
+    return call.finish((out, lse), return_lse)

@@ -39,7 +39,7 @@ from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_r
                               program_tile, softcap_terms, softmax_grad_block, transposed_grad_step, window_keep)
 from ..common.lse import softmax_delta
 from ..common.runtime import (kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous,
-                              softcap_args, window_args)
+                              window_args)
 from ..common.window import check_window_causal
 
 
@@ -522,7 +522,8 @@ def _tiles(cfg, block_size):
 
 
 @on_tensor_device
-def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None, softcap=None):
+def block_sparse_forward(q, k, v, layout, call, *, config=None):
+    causal, scale = call.causal, call.scale
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
     block_d = padded_head_dim(D)
@@ -545,7 +546,7 @@ def block_sparse_forward(q, k, v, layout, *, causal, scale, config=None, softcap
         **_strides(q=q, k=k, v=v), N=N, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
         DOT_MODE=dot_mode, PRECISION=precision, TMA=bool(tma), WARP_SPEC=bool(warp_spec and tma),
-        **softcap_args(softcap), num_warps=cfg.get("num_warps", 4),
+        **call.kernel_args(), num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2))
     return out, row_max, row_sum
 
@@ -554,15 +555,15 @@ SOFTCAP_DKDV_STAGES = 2   # at most this many pipeline stages in the dK/dV kerne
 
 
 @on_tensor_device
-def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, causal, scale, config=None,
-                          softcap=None):
+def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, call, *, config=None):
+    causal, scale = call.causal, call.scale
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
     block_d = padded_head_dim(D)
     # one config for both kernels when given (or tuned); untuned, the dK/dV kernel has its own
     cfg = config or select_config("block_sparse_bwd", q.dtype, block_d, N, q.device)
     kv_cfg = config or select_config("block_sparse_bwd", q.dtype, block_d, N, q.device, kernel="block_sparse_bwd_dkdv")
-    if softcap:   # the cap's tanh and derivative take a pipeline stage's registers in dK/dV (perf aot, bf16:
+    if call.capped:   # the cap's tanh and derivative take a pipeline stage's registers in dK/dV (perf aot, bf16:
         # with 3 stages sm90 D = 128 spills 36 B, with 2 none)
         kv_cfg = {**kv_cfg, "num_stages": min(kv_cfg.get("num_stages", 2), SOFTCAP_DKDV_STAGES)}
     bm, bn = _tiles(cfg, layout.block_size)
@@ -574,7 +575,7 @@ def block_sparse_backward(do, dlse, q, k, v, out, row_max, row_sum, layout, *, c
     common = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
                   **_strides(q=q, k=k, v=v, do=do), N=N, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
                   HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=layout.block_size, CAUSAL=causal,
-                  DOT_MODE=dot_mode, PRECISION=precision, **softcap_args(softcap))
+                  DOT_MODE=dot_mode, PRECISION=precision, **call.kernel_args())
     dq = torch.empty(B, N, Hq, D, dtype=q.dtype, device=q.device)
     _block_sparse_bwd_dq_kernel[(triton.cdiv(N, bm) * B * Hq,)](
         **common, DQ=dq, **_forward_lists(layout, N, causal, B, Hq), HQ=Hq, BLOCK_M=bm, BLOCK_N=bn,

@@ -32,9 +32,9 @@ def _buckets(counts: torch.Tensor):
         yield rows, int(counts[rows].max())
 
 
-def block_sparse_attention_torch(q, k, v, layout, *, causal: bool, scale: float, compute_dtype=None, softcap=None):
-    """Validated inputs; returns (out like q, lse float32 (B, Hq, N)). softcap: None or the
-    score cap (ops.common.lse's explicit path)."""
+def block_sparse_attention_torch(q, k, v, layout, call, *, compute_dtype=None):
+    """Validated inputs and the AttentionCall (its sinks are the caller's); returns (out like q,
+    lse float32 (B, Hq, N))."""
     q, k, v = first_order_inputs("block_sparse_attention (portable backend)", q, k, v)
     B, N, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
@@ -72,7 +72,7 @@ def block_sparse_attention_torch(q, k, v, layout, *, causal: bool, scale: float,
             slot_ok = torch.arange(width, device=device) < counts[r, None]
             keep = (slot_ok.repeat_interleave(bs, dim=1) & (kpos < Nk)).unsqueeze(1)   # (n, 1, W*bs)
             qpos = (blk[:, None] * bs + offs)[:, :, None]                          # (n, bs, 1)
-            if causal:
+            if call.causal:
                 later_ok = kpos[:, None, :] <= qpos                                # (n, bs, W*bs)
                 keep = later_ok.logical_and_(keep)
             elif bool(keep.all()):
@@ -81,8 +81,8 @@ def block_sparse_attention_torch(q, k, v, layout, *, causal: bool, scale: float,
                 in_window = flags[r, :width].repeat_interleave(bs, dim=1)[:, None, :]
                 win_ok = ~in_window | window_keep(qpos, kpos[:, None, :], *window)
                 keep = win_ok if keep is None else win_ok.logical_and_(keep)
-            o, lse = attention_with_lse(qg[None], kg[None], vg[None], False, scale,
-                                        keep=None if keep is None else keep[None], finite=finite, softcap=softcap)
+            o, lse = attention_with_lse(qg[None], kg[None], vg[None], call, keep=None if keep is None else keep[None],
+                                        finite=finite, causal=False)
             ids.append(r)
             outs.append(o[0])
             lses.append(lse[0])

@@ -13,19 +13,16 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.kvcache import FP8_DTYPE, cache_view, capacity, check_kvcache_args, contiguous_rows, decode_step, with_sinks
+from ..common.kvcache import FP8_DTYPE, cache_view, capacity, check_kvcache_args, contiguous_rows, decode_step
 from ..common.runtime import empty_result
-from ..common.validation import check_flags, check_qkv, check_scale
-from ..common.window import check_window_causal
-from .interface import DECODE_FAMILIES, _block_sparse_decode, chunk_rows, decode_layout
-from .layout import BlockLayout
+from .interface import DECODE_FAMILIES, _block_sparse_decode, check_args, chunk_rows, decode_layout
 
 
 
 def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, layout,
                                         block_table=None, causal=True, scale=None, return_lse=False,
                                         backend="auto", validate=False, k_descale=None, v_descale=None,
-                                        softcap=None, sinks=None):
+                                        softcap=0.0, sinks=None):
     """Block-sparse attention of queries at the end of a KV cache: a decode step with no host
     sync, or chunked prefill.
 
@@ -48,15 +45,10 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     the training kernels run). Under torch.compile: the custom op
     `triton_dilated::block_sparse_decode` (build the layout outside the compiled region).
     """
-    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,
-                       softcap=softcap, sinks=sinks)
-    check_qkv(q, cache_view(k_cache, block_table, q.shape[0], q), cache_view(v_cache, block_table, q.shape[0], q),
-              allow_shorter_q=True)
-    if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
-    check_flags(causal=causal, return_lse=return_lse)
-    check_window_causal(layout, causal)
-    scale = check_scale(scale, q.shape[-1])
+    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale)
+    call = check_args(q, cache_view(k_cache, block_table, q.shape[0], q), cache_view(v_cache, block_table, q.shape[0], q),
+                      layout, causal, scale, return_lse, softcap, sinks, allow_shorter_q=True,
+                      door="")
     B, Hq = q.shape[0], q.shape[2]
     layout.check_seq_len(capacity(k_cache, block_table))
     layout.check_heads(B, Hq)
@@ -64,24 +56,24 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
                                          cache_seqlens, block_table, validate, backend, DECODE_FAMILIES, k_descale,
                                          v_descale)
     if B == 0:
-        return with_sinks(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
-                          sinks, return_lse)
+        return call.finish(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
+                           return_lse)
     if layout.kv_indices.device != q.device:
         layout = layout.to(q.device)
     if not decodes:   # chunked prefill: one host read of the lengths
         rows = [int(n) for n in lengths.tolist()]
         k_rows = contiguous_rows(k_cache, block_table, max(rows), q.dtype, k_descale)
         v_rows = contiguous_rows(v_cache, block_table, max(rows), q.dtype, v_descale)
-        out, lse = chunk_rows(q, k_rows, v_rows, rows, layout, capacity(k_cache, block_table), causal=causal,
-                              scale=scale, backend=backend, softcap=softcap)
+        out, lse = chunk_rows(q, k_rows, v_rows, rows, layout, capacity(k_cache, block_table), call,
+                              backend=backend)
     elif torch.compiler.is_compiling():
         window = (0, 0, None) if layout.window is None else (*layout.window, layout.kv_window)
         out, lse = _block_sparse_decode(q, k_cache, v_cache, lengths, block_table, layout.kv_num_blocks,
-                                        layout.kv_indices, layout.block_size, causal, scale, path, k_descale,
-                                        v_descale, *window, float(softcap or 0.0))
+                                        layout.kv_indices, layout.block_size, call.causal, call.scale, path,
+                                        k_descale, v_descale, *window, call.softcap)
     else:
-        out, lse = decode_layout(q, k_cache, v_cache, layout, lengths, causal=causal, scale=scale, path=path,
-                                 block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap)
-    return with_sinks((out, lse), sinks, return_lse)
+        out, lse = decode_layout(q, k_cache, v_cache, layout, lengths, call, path=path, block_table=block_table,
+                                 k_descale=k_descale, v_descale=v_descale)
+    return call.finish((out, lse), return_lse)
 
 

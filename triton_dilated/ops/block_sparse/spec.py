@@ -40,11 +40,12 @@ class BlockSparseProblem:
     def __init__(self, B, N, H, D, dtype, device, causal, block_size=128):
         import torch
 
+        from ..common.call import AttentionCall
         from .builders import bigbird
         gen = torch.Generator(device=device).manual_seed(0)
         self.q, self.k, self.v, self.do = (torch.randn(B, N, H, D, generator=gen, device=device).to(dtype)
                                            for _ in range(4))
-        self.causal, self.scale = causal, 1.0 / math.sqrt(D)
+        self.call = AttentionCall(causal, 1.0 / math.sqrt(D))
         bs = min(block_size, max(16, N // 4))
         self.layout = bigbird(N, bs, window=1, num_global_blocks=1, num_random=3, num_heads=H,
                               causal=causal).to(device)
@@ -53,8 +54,7 @@ class BlockSparseProblem:
 
     def forward(self, config=None):
         from .kernels import block_sparse_forward
-        return block_sparse_forward(self.q, self.k, self.v, self.layout, causal=self.causal, scale=self.scale,
-                                    config=config)
+        return block_sparse_forward(self.q, self.k, self.v, self.layout, self.call, config=config)
 
     def backward(self, config=None):
         from .kernels import block_sparse_backward
@@ -62,7 +62,7 @@ class BlockSparseProblem:
             self._stats = self.forward(None)
         out, row_max, row_sum = self._stats
         return block_sparse_backward(self.do, None, self.q, self.k, self.v, out, row_max, row_sum, self.layout,
-                                     causal=self.causal, scale=self.scale, config=config)
+                                     self.call, config=config)
 
 
 SPEC = VariantSpec(

@@ -73,12 +73,6 @@ def nonfinite_to_nan(scores):
     return scores + scores * 0
 
 
-def cap_scores(scores, softcap):
-    """Soft-capped scores, s -> softcap * tanh(s / softcap) (None: unchanged). Call it after
-    nonfinite_to_nan: tanh would make an infinite score finite; a NaN stays NaN."""
-    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
-
-
 def mark_nonfinite(out, lse):
     """DESIGN §6: a row that read a non-finite query, key or value gives NaN out and NaN lse.
     Its scores were made NaN (nonfinite_to_nan), hence its lse; a non-finite value shows in
@@ -102,13 +96,13 @@ def softmax_lse(scores):
     return e / z_safe, lse.squeeze(-1)
 
 
-def attend_key_lists(q, k, v, key_pos, key_ok, scale: float, block_table=None, softcap=None):
+def attend_key_lists(q, k, v, key_pos, key_ok, call, block_table=None):
     """Attention of each query row over its own list of keys.
 
     q: (B, Nq, Hq, D); k, v: (B, Nk, Hkv, D) (any strides); key_pos: long (B, Nq, Hq, K), the
     key positions each (query, head) reads, with key_ok (same shape) False on padding slots;
-    with block_table, k and v are page pools (cache_rows); softcap: scores s -> softcap *
-    tanh(s / softcap) (cap_scores).
+    with block_table, k and v are page pools (cache_rows); call: the AttentionCall (its scale
+    and cap; causality is in key_ok).
     GQA: query head h reads key/value head h // (Hq // Hkv). Scores, softmax and sums in
     float32. Returns out (B, Nq, Hq, D) like q and lse float32 (B, Hq, Nq); a query with no
     key gets 0 and -inf. Differentiable (a key listed twice gets both gradients)."""
@@ -136,8 +130,8 @@ def attend_key_lists(q, k, v, key_pos, key_ok, scale: float, block_table=None, s
         e = min(rows, s + chunk)
         kg = cache_rows(k, b_idx[s:e], pos[s:e], h_idx[s:e], block_table).to(acc)     # (R, K, D)
         vg = cache_rows(v, b_idx[s:e], pos[s:e], h_idx[s:e], block_table).to(acc)
-        scores = nonfinite_to_nan(torch.bmm(kg, qf[s:e].to(acc).unsqueeze(-1)).squeeze(-1) * scale)   # (R, K)
-        scores = cap_scores(scores, softcap)
+        scores = nonfinite_to_nan(torch.bmm(kg, qf[s:e].to(acc).unsqueeze(-1)).squeeze(-1) * call.scale)   # (R, K)
+        scores = call.cap_scores(scores)
         weights, lse = softmax_lse(scores.masked_fill(~ok[s:e], float("-inf")))
         out = torch.bmm(weights.unsqueeze(1), vg).squeeze(1)
         # a row with no key read its padding (any position): its output is 0 whatever that held

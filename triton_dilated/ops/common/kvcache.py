@@ -29,8 +29,7 @@ import torch
 
 from .first_order import needs_grad
 from .op_support import resolve_path
-from .lse import with_sinks  # noqa: F401 (the inference entry points import it from here)
-from .validation import check_bool, check_lengths_tensor, check_sinks, check_softcap
+from .validation import check_bool, check_lengths_tensor
 
 MAX_DECODE_QUERIES = 16   # = decode.DECODE_MAX_QUERIES: longer query blocks are chunked prefill
 FP8_DTYPE = torch.float8_e4m3fn
@@ -80,13 +79,13 @@ def check_descales(q, k_cache, v_cache, k_descale, v_descale) -> None:
 
 
 def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale=None,
-                       v_descale=None, softcap=None, sinks=None) -> None:
+                       v_descale=None) -> None:
     """Shape/dtype/device checks (no value read): q (B, Nq, Hq, D) with Nq >= 1;
     k_cache, v_cache (B, Nk, Hkv, D) like q (or float8_e4m3fn with k_descale, v_descale), or
     with block_table int32 (B, max_pages) on q's device page pools (num_pages, page_size, Hkv,
     D); k, v both or neither, (B, Nnew, Hkv, D) with Nnew <= the capacity, in the cache's dtype
     (q's for an FP8 cache: quantised on append); cache_seqlens an int32 (or int64) tensor (B,)
-    on q's device; softcap None or a positive float, sinks None or float32 (Hq,) on q's device."""
+    on q's device."""
     check_bool("validate", validate)
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(x, torch.Tensor):
@@ -142,8 +141,6 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, va
     if cache_seqlens.device != q.device:
         raise ValueError(f"cache_seqlens must be on q's device ({q.device}; a copy from elsewhere would wait for "
                          f"the host), got {cache_seqlens.device}")
-    check_softcap(softcap)
-    check_sinks(sinks, q.shape[2], q.device)
 
 
 def check_kvcache_values(cache_seqlens, num_new: int, cache_len: int, block_table=None,

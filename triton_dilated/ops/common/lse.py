@@ -49,28 +49,6 @@ def merge_partials(outs, lses):
     return out, lse
 
 
-def with_softcap_and_sinks(attend, q, k, v, *, return_lse, softcap, sinks):
-    """The front doors' part of softcap= and sinks= (DESIGN §3): validated, attend(return_lse,
-    softcap) run (with its lse when sinks need it) and the sinks added to its (out, lse)."""
-    from .validation import check_flags, check_qkv, check_sinks, check_softcap
-    check_qkv(q, k, v, allow_shorter_q=True)
-    check_flags(return_lse=return_lse)
-    softcap = check_softcap(softcap)
-    sinks = check_sinks(sinks, q.shape[2], q.device)
-    res = attend(return_lse or sinks is not None, softcap)
-    return res if sinks is None else with_sinks(res, sinks, return_lse)
-
-
-def with_sinks(res, sinks, return_lse):
-    """res = (out, lse) (a tuple, whatever return_lse) with the sinks (None: none) joined once
-    to each row's denominator (add_sinks: device arithmetic, no host sync, differentiable);
-    out alone without return_lse. Where a result is merged from parts (ring steps, patterns),
-    call it once on the merged (out, lse), never per part."""
-    if sinks is not None:
-        res = add_sinks(*res, sinks)
-    return res if return_lse else res[0]
-
-
 def add_sinks(out, lse, sinks):
     """(out, lse) of attention without sinks -> the same attention with a sink logit per head
     joining every row's denominator (no value): lse' = log(exp(lse) + exp(sink)),
@@ -141,18 +119,17 @@ def saved_inputs(ctx):
 
 # ----------------------------------------------------------------------------- explicit softmax
 
-def masked_attention_with_lse(q, k, v, mask, scale: float, softcap=None):
-    """Explicit attention over the last two dims with a boolean keep-mask, in the dtype of q
-    (callers pass float32 or float64): the oracles' softmax, plain autograd (double backward
-    works). O(L x S) memory. softcap: scores s -> softcap * tanh(s / softcap) before the mask.
+def masked_attention_with_lse(q, k, v, mask, call):
+    """Explicit attention over the last two dims with a boolean keep-mask (which alone decides
+    the pairs), in the dtype of q (callers pass float32 or float64), under the AttentionCall's
+    scale and cap (applied before the mask; its sinks are the caller's): the oracles' softmax,
+    plain autograd (double backward works). O(L x S) memory.
     Returns (out, lse); rows with no key: 0 and -inf; rows that read a non-finite input: NaN
     and NaN."""
     fix = _nonfinite_fix(q, k, v, False, mask)
     if fix is not None:
         q, k, v, mark = fix
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
+    s = call.cap_scores(torch.matmul(q, k.transpose(-1, -2)) * call.scale)
     s = s.masked_fill(~mask, float("-inf"))
     p, lse = safe_lse_weights(s, dim=-1)
     out = torch.matmul(p, v)
@@ -183,19 +160,16 @@ class _ChunkedAttention(torch.autograd.Function):
     Returns out (n, L, D) and lse (n, L) in the accumulation dtype."""
 
     @staticmethod
-    def _scores(q, k, keep, causal, scale, bs, rs, acc, softcap=None):
-        """Scores of the chunk (rows rs of batches bs), capped (softcap * tanh(s / softcap))
-        and masked; causal chunks stop at their last row's key. Returns (scores, number of
-        keys, tanh(s / softcap) or None): the backward's factor 1 - tanh^2 needs it."""
+    def _scores(q, k, keep, causal, scale, bs, rs, acc, call=None):
+        """Scores of the chunk (rows rs of batches bs), capped (call.cap_scores_; call None: no
+        cap) and masked; causal chunks stop at their last row's key. Returns (scores, number of
+        keys, tanh(s / c) or None): the backward's factor 1 - tanh^2 needs it."""
         keys = min(k.shape[1], rs.stop) if causal else k.shape[1]
         qc, kc = q[bs, rs].to(acc), k[bs, :keys].to(acc)
         s = torch.baddbmm(qc.new_empty(qc.shape[0], qc.shape[1], keys), qc, kc.transpose(1, 2), beta=0.0, alpha=scale)
         t = None
-        if softcap is not None:
-            # +-inf scores (an Inf query or key) -> NaN first: tanh would make them finite, and
-            # callers that skip the NaN rule's input scan (finite=True) rely on a NaN lse
-            t = s.add_(s * 0.0).div_(softcap).tanh_()
-            s = t * softcap
+        if call is not None:
+            s, t = call.cap_scores_(s)
         if keep is not None:
             kb = bs if keep.shape[0] > 1 else slice(None)
             kr = rs if keep.shape[1] > 1 else slice(None)
@@ -207,14 +181,14 @@ class _ChunkedAttention(torch.autograd.Function):
         return s, keys, t
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, causal, scale, softcap=None):
+    def forward(ctx, q, k, v, keep, causal, scale, call=None):
         acc = torch.promote_types(q.dtype, torch.float32)
         n, L, _ = q.shape
         out = torch.empty(n, L, v.shape[-1], dtype=acc, device=q.device)
         row_max = torch.empty(n, L, 1, dtype=acc, device=q.device)
         row_sum = torch.empty(n, L, 1, dtype=acc, device=q.device)
         for bs, rs in _score_chunks(n, L, k.shape[1]):
-            s, keys, _ = _ChunkedAttention._scores(q, k, keep, causal, scale, bs, rs, acc, softcap)
+            s, keys, _ = _ChunkedAttention._scores(q, k, keep, causal, scale, bs, rs, acc, call)
             m = s.amax(dim=-1, keepdim=True)
             m.masked_fill_(m == float("-inf"), 0.0)                       # rows with no key
             p = s.sub_(m).exp_()
@@ -223,7 +197,7 @@ class _ChunkedAttention(torch.autograd.Function):
             row_max[bs, rs], row_sum[bs, rs] = m, l_
         lse = (row_max + torch.log(row_sum)).squeeze(-1)                   # log 0 = -inf: no key
         ctx.save_for_backward(q, k, v, keep, out, row_max, row_sum)
-        ctx.causal, ctx.scale, ctx.softcap = causal, scale, softcap
+        ctx.causal, ctx.scale, ctx.call = causal, scale, call
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -242,7 +216,7 @@ class _ChunkedAttention(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         for bs, rs in _score_chunks(n, L, k.shape[1]):
-            s, keys, t = _ChunkedAttention._scores(q, k, keep, ctx.causal, ctx.scale, bs, rs, acc, ctx.softcap)
+            s, keys, t = _ChunkedAttention._scores(q, k, keep, ctx.causal, ctx.scale, bs, rs, acc, ctx.call)
             p = s.sub_(row_max[bs, rs]).exp_().mul_(inv_l[bs, rs])
             do = dout[bs, rs]
             dv[bs, :keys] += torch.matmul(p.transpose(1, 2), do)
@@ -254,14 +228,15 @@ class _ChunkedAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _chunked_attention(q, k, v, causal, scale, keep, softcap=None):
-    """_ChunkedAttention on (..., L, D) inputs and a keep-mask broadcastable to (..., L, S)."""
+def _chunked_attention(q, k, v, causal, scale, keep, call=None):
+    """_ChunkedAttention on (..., L, D) inputs and a keep-mask broadcastable to (..., L, S);
+    call: the AttentionCall whose cap applies (None: no cap)."""
     batch, L = q.shape[:-2], q.shape[-2]
     flat = lambda x: x.reshape(-1, *x.shape[-2:])  # noqa: E731
     if keep is not None:
         keep = keep.expand(*batch, *keep.shape[-2:])
         keep = keep.reshape(-1, *keep.shape[-2:]) if keep.dim() > 2 else keep.unsqueeze(0)
-    out, lse = _ChunkedAttention.apply(flat(q), flat(k), flat(v), keep, causal, scale, softcap)
+    out, lse = _ChunkedAttention.apply(flat(q), flat(k), flat(v), keep, causal, scale, call)
     return out.reshape(*batch, L, v.shape[-1]), lse.reshape(*batch, L)
 
 
@@ -347,10 +322,10 @@ def all_finite(*xs) -> bool:
     return all(math.isfinite(x.sum().item()) or bool(torch.isfinite(x).all()) for x in xs)
 
 
-def attention_with_lse(q, k, v, causal: bool, scale: float, keep=None, need_lse: bool = True,
-                       finite: bool = False, softcap=None):
-    """Attention on (B, H, L, D) queries and (B, H, S, D) keys/values (any strides) with
-    either `causal` (top-left) or a boolean keep-mask broadcastable to (B, H, L, S). Returns
+def attention_with_lse(q, k, v, call, keep=None, need_lse: bool = True, finite: bool = False, causal=None):
+    """Attention on (B, H, L, D) queries and (B, H, S, D) keys/values (any strides) under the
+    AttentionCall `call` (scale, cap; its sinks are the caller's) with either causal (top-left;
+    call.causal unless `causal` is given) or a boolean keep-mask broadcastable to (B, H, L, S). Returns
     out (B, H, L, D) and lse (B, H, L) float32 (float64 for float64 inputs; None without
     need_lse); a row with no key gets 0 and -inf, a row that reads a non-finite input NaN
     and NaN. Both are differentiable (once). On CPU this is PyTorch's fused flash kernel
@@ -358,8 +333,10 @@ def attention_with_lse(q, k, v, causal: bool, scale: float, keep=None, need_lse:
     batch slices whose scores may exceed FUSED_MAX_SCORE; without need_lse off the CPU,
     scaled_dot_product_attention; else the chunked explicit float32 softmax. No path holds
     more than ~SCORE_BUDGET scores at once (the caller's keep-mask aside). finite=True: the caller knows q, k, v are finite
-    (skips the check). softcap (scores s -> softcap * tanh(s / softcap)): always the chunked
-    explicit path (PyTorch's fused kernels have no cap)."""
+    (skips the check). A capped call always takes the chunked explicit path (PyTorch's fused
+    kernels have no cap)."""
+    causal = call.causal if causal is None else causal
+    scale = call.scale
     L, S = q.shape[-2], k.shape[-2]
     if L == 0 or S == 0 or q.shape[:-2].numel() == 0:
         acc = torch.promote_types(q.dtype, torch.float32)
@@ -368,8 +345,8 @@ def attention_with_lse(q, k, v, causal: bool, scale: float, keep=None, need_lse:
     fix = None if finite else _nonfinite_fix(q, k, v, causal, keep)
     if fix is not None:
         q, k, v, mark = fix
-    if softcap is not None:
-        out, lse = _chunked_attention(q, k, v, causal, scale, keep, softcap)
+    if call.capped:
+        out, lse = _chunked_attention(q, k, v, causal, scale, keep, call)
     else:
         out, lse = _attention(q, k, v, causal, scale, keep, need_lse)
     return _mark_nan(out, lse, mark) if fix is not None else (out, lse)

@@ -148,14 +148,6 @@ def kernel_options(dtype, device):
     return dot_mode(arch.mma), dot_precision(dtype == torch.float32, arch.vendor)
 
 
-def softcap_args(softcap) -> dict:
-    """The kernels' soft-cap keywords for a cap c (None, or 0 from a custom op's float: none):
-    HAS_SOFTCAP, the compile-time feature, and `softcap`, the run-time float32 value, so one
-    compile serves every cap (Gemma 2's 50, Grok's 30). Without a cap, softcap is None (a
-    constexpr): the uncapped kernel compiles as if the argument were not there."""
-    return dict(HAS_SOFTCAP=bool(softcap), softcap=float(softcap) if softcap else None)
-
-
 def window_args(window) -> dict:
     """The kernels' sliding-window keywords for a WindowPredicate (ops/common/window.py) or
     None: HAS_WINDOW and HAS_SINK_TOKENS, the compile-time features, and `window`,

@@ -165,38 +165,3 @@ def check_lengths_tensor(cache_seqlens, batch: int, device_note: str = "") -> No
         raise TypeError(f"cache_seqlens must be an int32 (or int64) tensor, got {cache_seqlens.dtype}")
     if tuple(cache_seqlens.shape) != (batch,):
         raise ValueError(f"cache_seqlens must have shape (B,) = ({batch},), got {tuple(cache_seqlens.shape)}")
-
-
-def check_softcap(softcap):
-    """softcap (scores s -> c * tanh(s / c) before the softmax): None (no cap) or a positive
-    finite number -> float or None. A bool, 0, a negative number, NaN and inf are a ValueError
-    (softcap=True reads as "cap on" but names no cap); other types a TypeError."""
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool):
-        raise ValueError(f"softcap must be a positive finite float (the cap c in c * tanh(s / c)) or None, "
-                         f"got a bool ({softcap!r})")
-    if not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a positive float or None, got {type(softcap).__name__} ({softcap!r})")
-    cap = float(softcap)
-    if not (0.0 < cap < float("inf")):   # NaN fails too
-        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
-    return cap
-
-
-def check_sinks(sinks, num_heads: int, device, *, allow_float64: bool = False):
-    """sinks (one learnable logit per query head, joining every row's softmax denominator):
-    None or a float32 tensor (Hq,) on q's device (the float64 oracles also take float64)."""
-    if sinks is None:
-        return None
-    if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be a float32 tensor of shape (Hq,) = ({num_heads},) or None, got "
-                        f"{type(sinks).__name__}")
-    if sinks.dtype != torch.float32 and not (allow_float64 and sinks.dtype == torch.float64):
-        raise TypeError(f"sinks must be a float32 tensor, got {sinks.dtype}")
-    if tuple(sinks.shape) != (num_heads,):
-        raise ValueError(f"sinks must have shape (Hq,) = ({num_heads},) (one logit per query head), got "
-                         f"{tuple(sinks.shape)}")
-    if sinks.device != torch.device(device):
-        raise ValueError(f"sinks must be on the device of q ({device}), got {sinks.device}")
-    return sinks

@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from ..common.decode import (DECODE_STATS, cache_rows, cap_scores, mark_nonfinite, nonfinite_to_nan, page_ok,
+from ..common.decode import (DECODE_STATS, cache_rows, mark_nonfinite, nonfinite_to_nan, page_ok,
                              query_positions, softmax_lse)
 
 
@@ -82,8 +82,7 @@ def head_sets(patterns, table, device):
     return tuple(sets)
 
 
-def attend_patterns(q, k, v, patterns, table, pos, lengths, causal: bool, scale: float, block_table=None,
-                    softcap=None):
+def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=None):
     """Each (query, head) over the multiset union of its patterns' runs, with no host sync and
     shapes that depend only on the input shapes (so a CUDA graph or torch.compile can take it).
 
@@ -96,8 +95,8 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, causal: bool, scale:
     gathered back to the slots to sum the values. Padding slots point at the query's own
     position, which every active head reads anyway (causal or not), so a NaN stored there
     spreads only where the definition spreads it. With block_table, k and v are page pools
-    (common.decode.cache_rows). softcap: scores s -> softcap * tanh(s / softcap). Returns (out
-    like q, lse float32 (B, Hq, Nq)); a query with no key gets 0 and -inf; differentiable."""
+    (common.decode.cache_rows). call: the AttentionCall (causal, scale, cap). Returns (out like
+    q, lse float32 (B, Hq, Nq)); a query with no key gets 0 and -inf; differentiable."""
     B, Nq, Hq, D = q.shape
     Nk = k.shape[1] * (1 if block_table is None else block_table.shape[1])   # the cache's capacity
     group = Hq // k.shape[2]
@@ -113,7 +112,7 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, causal: bool, scale:
         seg = p // w * w
         c = (p - seg) % r
         count = (torch.minimum(seg + w, lengths.view(B, 1, 1)) - seg - c + r - 1).div(r, rounding_mode="floor")
-        if causal:   # the query is key number (p - s - c) / r of its own run
+        if call.causal:   # the query is key number (p - s - c) / r of its own run
             count = torch.minimum(count, (p - seg - c).div(r, rounding_mode="floor") + 1)
         t = torch.arange(T, device=device)
         ok = (t < count) & (p >= 0)                                       # (B, Nq, T)
@@ -132,7 +131,7 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, causal: bool, scale:
             ok, unread = ok & fine, unread | ~fine
         kg, vg = kg.masked_fill(unread[:, :, None, :, None], 0), vg.masked_fill(unread[:, :, None, :, None], 0)
         qg = q_ext.gather(2, heads[..., None].expand(B, Nq, M, D))        # (B, Nq, M, D)
-        s_ = cap_scores(nonfinite_to_nan(torch.matmul(kg, qg[..., None]).squeeze(-1) * scale), softcap)
+        s_ = call.cap_scores(nonfinite_to_nan(torch.matmul(kg, qg[..., None]).squeeze(-1) * call.scale))
         s_ = s_.masked_fill(~ok[:, :, None, :], float("-inf"))
         full = s_.new_full((B, Nq, Hq + 1, T), float("-inf")).scatter(2, heads[..., None].expand(B, Nq, M, T), s_)
         scores.append(full[:, :, :Hq])
@@ -151,17 +150,17 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, causal: bool, scale:
     return out.to(q.dtype).contiguous(), lse.permute(0, 2, 1).float().contiguous()
 
 
-def attend_runs(q, k, v, patterns, table, pos, lengths, causal: bool, scale: float, softcap=None):
+def attend_runs(q, k, v, patterns, table, pos, lengths, call):
     """Each (query, head) over its runs, read in place as strided views of k and v: scores of
     every run in float32, one softmax over all of them (the multiset union), out = the sum
-    over runs of their weights times their values (softcap: scores capped first). Returns
+    over runs of their weights times their values (scores capped first, call.cap_scores). Returns
     (out like q, lse float32 (B, Hq, Nq)); a query with no key gets 0 and -inf, one that
     reads a non-finite query, key or value NaN and NaN."""
     B, Nq, Hq, D = q.shape
     group = Hq // k.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
     offsets = torch.tensor(table, dtype=torch.long, device=pos.device).reshape(Hq, len(patterns))
-    runs = [pattern_runs(pos, lengths, w, r, offsets[:, i], causal) for i, (w, r) in enumerate(patterns)]
+    runs = [pattern_runs(pos, lengths, w, r, offsets[:, i], call.causal) for i, (w, r) in enumerate(patterns)]
     starts = torch.stack([st for st, _ in runs], dim=-1).tolist()        # (B, Nq, Hq, m) as lists
     counts = torch.stack([c for _, c in runs], dim=-1).tolist()
     rates = [r for _, r in patterns]
@@ -179,8 +178,8 @@ def attend_runs(q, k, v, patterns, table, pos, lengths, causal: bool, scale: flo
                 views = [(st, st + r * (c - 1) + 1, r) for st, r, c in mine]
                 qv = q[b, i, h].to(acc)
                 scores = nonfinite_to_nan(torch.cat([torch.mv(k[b, s:e:r, h // group].to(acc), qv)
-                                                     for s, e, r in views]) * scale)
-                scores = cap_scores(scores, softcap)
+                                                     for s, e, r in views]) * call.scale)
+                scores = call.cap_scores(scores)
                 lse = torch.logsumexp(scores, dim=0)
                 weights = torch.exp(scores - lse).split([c for _, _, c in mine])
                 outs.append(sum(torch.mv(v[b, s:e:r, h // group].to(acc).t(), p) for (s, e, r), p in zip(views, weights)))
@@ -189,18 +188,17 @@ def attend_runs(q, k, v, patterns, table, pos, lengths, causal: bool, scale: flo
     return out.reshape(B, Nq, Hq, D).to(q.dtype), lse.reshape(B, Nq, Hq).permute(0, 2, 1).float().contiguous()
 
 
-def dilated_decode(q, k, v, patterns, table, lengths, *, causal: bool, scale: float, host_loop: bool = False,
-                   block_table=None, softcap=None):
+def dilated_decode(q, k, v, patterns, table, lengths, call, *, host_loop: bool = False, block_table=None):
     """Dilated attention of q (B, Nq, Hq, D), the last Nq positions of each row's lengths[b]
     (an integer tensor (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D).
     `patterns`: (w, r) pairs; `table`: per query head a tuple of offsets (-1: pattern unused).
     Returns (out like q, lse float32 (B, Hq, Nq)), differentiable. host_loop: read the runs
     in place as strided views (attend_runs: CPU tensors, no gradient; it reads the lengths
     on the host), else gather them with no host sync (attend_patterns; block_table: k and v
-    are page pools). softcap: None or the cap c (scores s -> c * tanh(s / c))."""
+    are page pools). call: the AttentionCall (causal, scale, cap; its sinks are the caller's)."""
     lengths = lengths.to(device=q.device, dtype=torch.long)
     pos = query_positions(lengths, q.shape[1], q.device)
     if host_loop:
         DECODE_STATS["calls"] += 1
-        return attend_runs(q, k, v, patterns, table, pos, lengths, causal, scale, softcap)
-    return attend_patterns(q, k, v, patterns, table, pos, lengths, causal, scale, block_table, softcap)
+        return attend_runs(q, k, v, patterns, table, pos, lengths, call)
+    return attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table)

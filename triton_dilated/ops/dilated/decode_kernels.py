@@ -22,7 +22,7 @@ from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, f
                                      kernel_lengths, kv_descales, merge_splits, num_splits, store_result)
 from ..common.hardware import padded_head_dim
 from ..common.kernels import softcap_terms
-from ..common.runtime import on_tensor_device, softcap_args
+from ..common.runtime import on_tensor_device
 
 CONFIG_FAMILY = "dilated_fwd"   # the family; tiles and warps: configs.KERNEL_DEFAULTS (not tuned)
 
@@ -108,15 +108,16 @@ def _pattern_tables(patterns, table, device):
 
 
 @on_tensor_device
-def dilated_decode_forward(q, k, v, patterns, table, lengths, *, causal, scale, max_length=None, splits=None,
-                           config=None, block_table=None, k_descale=None, v_descale=None, softcap=None):
+def dilated_decode_forward(q, k, v, patterns, table, lengths, call, *, max_length=None, splits=None, config=None,
+                           block_table=None, k_descale=None, v_descale=None):
     """Dilated attention of q (B, Nq, Hq, D), the last Nq positions of each row's lengths[b]
     (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with block_table
     (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv, D). Returns
     (out like q, lse float32 (B, Hq, Nq)). `splits`: the number of splits per query (default:
     common.decode_kernels.num_splits); `max_length`: max(lengths) if known (else the capacity).
     k, v float8_e4m3fn (an FP8 cache): k_descale, v_descale float32 (Hkv,) on q's device;
-    softcap: None or the cap c (scores s -> c * tanh(s / c))."""
+    call: the AttentionCall (causal, scale, cap)."""
+    causal, scale = call.causal, call.scale
     B, Nq, Hq, D = q.shape
     Hkv = k.shape[2]
     paged = block_table is not None
@@ -138,6 +139,6 @@ def dilated_decode_forward(q, k, v, patterns, table, lengths, *, causal, scale, 
         v.stride(2), bt.stride(0), k.shape[0] if paged else 0,
         Nq, Hq, Hq // Hkv, splits, scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, BLOCK_N=cfg["BLOCK_N"],
-        PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, **softcap_args(softcap),
+        PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, **call.kernel_args(),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return merge_splits(out, lse, parts, splits, num_warps=cfg.get("num_warps", 4))

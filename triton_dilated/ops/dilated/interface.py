@@ -16,13 +16,14 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..common.call import AttentionCall
 from ..common.first_order import first_order_backward, needs_grad
 from ..common.kvcache import MAX_DECODE_QUERIES, portable_descaled
-from ..common.lse import add_sinks, lse_from_stats, with_softcap_and_sinks
+from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype, resolve_backend
-from ..common.validation import check_cu_seqlens, check_flags, check_qkv, check_scale, check_sinks, check_softcap
+from ..common.validation import check_cu_seqlens, check_flags, check_qkv
 from .decode import dilated_decode
 from .patterns import check_head_slice, check_patterns, fit_patterns, head_table, warn_if_heads_first
 from .plan import QueryWindow
@@ -38,16 +39,18 @@ DECODE_FAMILIES = ("dilated_fwd",)
 
 
 def check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
-               allow_shorter_q=False, head_offset=0, total_heads=None, door="dilated_attention"):
-    """Validation shared by every dilated front door: (patterns fitted to k's length, scale,
-    (head_offset, total_heads))."""
+               softcap=0.0, sinks=None, allow_shorter_q=False, head_offset=0, total_heads=None,
+               door="dilated_attention"):
+    """Validation shared by every dilated front door: (patterns fitted to k's length, the
+    AttentionCall, (head_offset, total_heads))."""
     check_qkv(q, k, v, allow_shorter_q=allow_shorter_q, door=door)
     patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
-    check_flags(causal=causal, return_lse=return_lse)
+    check_flags(return_lse=return_lse)
+    call = AttentionCall.at_door(q, causal=causal, scale=scale, softcap=softcap, sinks=sinks)
     heads = check_head_slice(head_offset, total_heads, q.shape[2], k.shape[2])
     warn_if_heads_first(patterns, k.shape[1], heads[1])
     patterns = fit_patterns(patterns, k.shape[1], heads[1])   # w >= N is one segment: clamped to N
-    return patterns, check_scale(scale, q.shape[-1]), heads
+    return patterns, call, heads
 
 
 # ----------------------------------------------------------------------------- eager autograd
@@ -56,30 +59,29 @@ class _DilatedAttentionFn(torch.autograd.Function):
     """The Triton path: fused forward (out and the row statistics), dQ and dK/dV kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, patterns, table, causal, scale, doc_bounds=None, softcap=None):
-        out, row_max, row_sum = _kernels().dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale,
-                                                           doc_bounds=doc_bounds, softcap=softcap)
+    def forward(ctx, q, k, v, patterns, table, call, doc_bounds=None):
+        out, row_max, row_sum = _kernels().dilated_forward(q, k, v, patterns, table, call, doc_bounds=doc_bounds)
         ctx.save_for_backward(q, k, v, out, row_max, row_sum)
-        ctx.args = (patterns, table, causal, scale, doc_bounds, softcap)
+        ctx.args = (patterns, table, call, doc_bounds)
         return out, lse_from_stats(row_max, row_sum)
 
     @staticmethod
     @first_order_backward("dilated_attention (Triton path)")
     def backward(ctx, do, dlse):
         q, k, v, out, row_max, row_sum = ctx.saved_tensors
-        patterns, table, causal, scale, doc_bounds, softcap = ctx.args
+        patterns, table, call, doc_bounds = ctx.args
         if do is None:
             do = torch.zeros_like(out)
-        dq, dk, dv = _kernels().dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table,
-                                                 causal=causal, scale=scale, doc_bounds=doc_bounds, softcap=softcap)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv = _kernels().dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, call,
+                                                 doc_bounds=doc_bounds)
+        return dq, dk, dv, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- public
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
                       mode="longnet", offsets="modulo", return_lse=False, backend="auto", cu_seqlens=None,
-                      head_offset=0, total_heads=None, softcap=None, sinks=None):
+                      head_offset=0, total_heads=None, softcap=0.0, sinks=None):
     """LongNet dilated attention (arXiv 2307.02486 §2.2-2.4), exact, forward and backward.
 
     Args:
@@ -113,8 +115,8 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
             offsets and head groups follow the global index, so the result equals that head
             slice of the full call (Ulysses sequence parallelism computes one per rank).
             With GQA both must be multiples of Hq // Hkv.
-        softcap: None, or a positive float c: every scaled score s becomes c * tanh(s / c)
-            before the softmax (Gemma 2), gradients through the cap.
+        softcap: a positive float c: every scaled score s becomes c * tanh(s / c) before the
+            softmax (Gemma 2), gradients through the cap; 0.0 (or None): no cap.
         sinks: None, or a float32 tensor (Hq,) (differentiable): a per-head logit that joins
             every row's softmax denominator once (the joint denominator of all patterns)
             and contributes no value (gpt-oss). lse then includes it: a row without keys
@@ -124,58 +126,44 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
         out (B, N, Hq, D) like q, contiguous; with return_lse, (out, lse). A query with no
         key in any of its patterns gets 0 and lse = -inf.
     """
-    return with_softcap_and_sinks(
-        lambda with_lse, cap: _dilated_attention(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
-                                                 mode=mode, offsets=offsets, return_lse=with_lse, backend=backend,
-                                                 cu_seqlens=cu_seqlens, head_offset=head_offset,
-                                                 total_heads=total_heads, softcap=cap),
-        q, k, v, return_lse=return_lse, softcap=softcap, sinks=sinks)
-
-
-def _dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal, scale, mode, offsets, return_lse,
-                       backend, cu_seqlens, head_offset, total_heads, softcap):
-    """dilated_attention without the sinks (softcap validated)."""
-    patterns, scale, heads = check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-                                        return_lse, allow_shorter_q=True, head_offset=head_offset,
-                                        total_heads=total_heads)
+    patterns, call, heads = check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
+                                       return_lse, softcap, sinks, allow_shorter_q=True, head_offset=head_offset,
+                                       total_heads=total_heads)
     B, N, Hq, D = q.shape
     path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype)
     if k.shape[1] != N:
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens (packed documents) cannot be combined with q shorter than k, v")
-        out, lse = queries_at_the_end(q, k, v, patterns, segment_lengths, dilation_rates, causal=causal, scale=scale,
-                                      mode=mode, offsets=offsets, backend=backend, path=path, heads=heads,
-                                      softcap=softcap)
-        return (out, lse) if return_lse else out
+        res = queries_at_the_end(q, k, v, patterns, call, mode=mode, offsets=offsets, backend=backend, path=path,
+                                 heads=heads)
+        return call.finish(res, return_lse)
     doc_bounds = check_cu_seqlens(cu_seqlens, B, N)
     # under torch.compile: the custom op (either path). It traces without a graph break; the
     # portable path's data-dependent choice of CPU kernel would break fullgraph tracing.
     if torch.compiler.is_compiling() and doc_bounds is None:
-        return dilated_attention_op(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
-                                    offsets=offsets, return_lse=return_lse, backend=backend, head_offset=heads[0],
-                                    total_heads=heads[1], softcap=softcap)
-
+        return dilated_attention_op(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=call.scale,
+                                    mode=mode, offsets=offsets, return_lse=return_lse, backend=backend,
+                                    head_offset=heads[0], total_heads=heads[1], softcap=softcap, sinks=sinks)
     if B == 0 or N == 0:
-        return empty_result(q, k, v, return_lse)
+        return call.finish(empty_result(q, k, v, True), return_lse)
     table = head_table(Hq, patterns, mode, offsets, *heads)
-    out, lse = dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=return_lse,
-                                       backend=path, doc_bounds=doc_bounds, softcap=softcap)
-    return (out, lse) if return_lse else out
+    res = dilated_attention_table(q, k, v, patterns, table, call, need_lse=call.needs_lse(return_lse), backend=path,
+                                  doc_bounds=doc_bounds)
+    return call.finish(res, return_lse)
 
 
-def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse=True, backend="auto",
-                            doc_bounds=None, softcap=None):
+def dilated_attention_table(q, k, v, patterns, table, call, *, need_lse=True, backend="auto", doc_bounds=None):
     """dilated_attention on validated inputs with an explicit (patterns, per-head offset
-    table) and optional documents; returns (out, lse) (lse None when the portable path
-    was not asked for it)."""
+    table), the AttentionCall (its sinks are the caller's) and optional documents; returns
+    (out, lse) (lse None when the portable path was not asked for it)."""
     if resolve_backend(backend, q.device) == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        return _DilatedAttentionFn.apply(q, k, v, patterns, table, causal, scale, doc_bounds, softcap)
+        return _DilatedAttentionFn.apply(q, k, v, patterns, table, call.without_sinks(), doc_bounds)
     compute_dtype = portable_compute_dtype(q.dtype, q.device)
 
     def run(q_, k_, v_):
-        return dilated_attention_torch(q_, k_, v_, patterns, table, causal=causal, scale=scale, need_lse=need_lse,
-                                       compute_dtype=compute_dtype, softcap=softcap)
+        return dilated_attention_torch(q_, k_, v_, patterns, table, call, need_lse=need_lse,
+                                       compute_dtype=compute_dtype)
 
     if doc_bounds is None:
         return run(q, k, v)
@@ -184,8 +172,7 @@ def dilated_attention_table(q, k, v, patterns, table, *, causal, scale, need_lse
     return out, (torch.cat([p[1] for p in parts], dim=2) if need_lse else None)
 
 
-def queries_at_the_end(q, k, v, patterns, segment_lengths, dilation_rates, *, causal, scale, mode, offsets, backend,
-                       path, heads, softcap):
+def queries_at_the_end(q, k, v, patterns, call, *, mode, offsets, backend, path, heads):
     """(out, lse) of q (B, Nq, Hq, D), the last Nq positions of k, v (B, Nk, Hkv, D) with every
     key row valid (DESIGN §5b). Up to 16 queries decode (the Triton decode kernel; the portable
     decode, which on CPU tensors without gradients reads the runs in place); under
@@ -199,40 +186,37 @@ def queries_at_the_end(q, k, v, patterns, segment_lengths, dilation_rates, *, ca
     if decodes:
         lengths = torch.full((B,), Nk, dtype=torch.int32, device=q.device)
         if torch.compiler.is_compiling():
-            return _dilated_decode(q, k, v, lengths, None, [w for w, _ in patterns], [r for _, r in patterns], causal,
-                                   scale, mode, offsets, heads[0], heads[1], path, None, None, float(softcap or 0.0))
+            return _dilated_decode(q, k, v, lengths, None, [w for w, _ in patterns], [r for _, r in patterns],
+                                   call.causal, call.scale, mode, offsets, heads[0], heads[1], path, None, None,
+                                   call.softcap)
         table = head_table(Hq, patterns, mode, offsets, *heads)
         host_loop = path == "torch" and q.device.type == "cpu" and not needs_grad(q, k, v)
-        return decode_table(q, k, v, patterns, table, lengths, causal=causal, scale=scale, path=path,
-                            host_loop=host_loop, softcap=softcap)
+        return decode_table(q, k, v, patterns, table, lengths, call, path=path, host_loop=host_loop)
 
-    def call(qq, kk, vv, batch_rows, n, first_row):
-        return padded_call(qq, kk, vv, first_row, patterns, causal=causal, scale=scale, mode=mode, offsets=offsets,
-                           backend=backend, heads=heads, softcap=softcap)
+    def chunk(qq, kk, vv, batch_rows, n, first_row):
+        return padded_call(qq, kk, vv, first_row, patterns, call, mode=mode, offsets=offsets, backend=backend,
+                           heads=heads)
 
-    return run_with_query_offset(call, q, k, v, [Nk] * B)
+    return run_with_query_offset(chunk, q, k, v, [Nk] * B)
 
 
-def decode_table(q, k, v, patterns, table, lengths, *, causal, scale, path, host_loop=False, block_table=None,
-                 k_descale=None, v_descale=None, softcap=None):
+def decode_table(q, k, v, patterns, table, lengths, call, *, path, host_loop=False, block_table=None,
+                 k_descale=None, v_descale=None):
     """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
     q's device) valid rows of k, v (page pools with block_table; float8_e4m3fn with
     k_descale, v_descale): the Triton decode kernel or the portable decode (host_loop: its
     strided-view CPU variant, which reads the lengths on the host; contiguous caches only).
-    softcap: None or the cap c (scores s -> c * tanh(s / c))."""
+    call: the AttentionCall (its sinks are the caller's)."""
     if path == "torch":
-        return portable_descaled(lambda q_: dilated_decode(q_, k, v, patterns, table, lengths, causal=causal,
-                                                           scale=scale, host_loop=host_loop, block_table=block_table,
-                                                           softcap=softcap),
+        return portable_descaled(lambda q_: dilated_decode(q_, k, v, patterns, table, lengths, call,
+                                                           host_loop=host_loop, block_table=block_table),
                                  q, k_descale, v_descale, k.shape[2])
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-    return _decode_kernels().dilated_decode_forward(q, k, v, patterns, table, lengths, causal=causal, scale=scale,
-                                                    block_table=block_table, k_descale=k_descale, v_descale=v_descale,
-                                                    softcap=softcap)
+    return _decode_kernels().dilated_decode_forward(q, k, v, patterns, table, lengths, call, block_table=block_table,
+                                                    k_descale=k_descale, v_descale=v_descale)
 
 
-def padded_call(q, k, v, first_query_row, patterns, *, causal, scale, mode, offsets, backend, heads=(0, None),
-                softcap=None):
+def padded_call(q, k, v, first_query_row, patterns, call, *, mode, offsets, backend, heads=(0, None)):
     """(out, lse) of the full-sequence call on q padded with first_query_row zero rows in
     front (common/query_offset.py), of which only the rows from first_query_row on are kept.
     The Triton path plans only the work those rows need (plan.QueryWindow): forward and dQ
@@ -243,8 +227,8 @@ def padded_call(q, k, v, first_query_row, patterns, *, causal, scale, mode, offs
         return empty_result(q, k, v, True)
     path = resolve_backend(backend, q.device, CONFIG_FAMILIES, D, q.dtype)
     patterns = fit_patterns(patterns, N, heads[1] or Hq)
-    return dilated_attention_table(q, k, v, patterns, head_table(Hq, patterns, mode, offsets, *heads),
-                                   causal=causal, scale=scale, backend=path, softcap=softcap,
+    return dilated_attention_table(q, k, v, patterns, head_table(Hq, patterns, mode, offsets, *heads), call,
+                                   backend=path,
                                    doc_bounds=QueryWindow(None, first_query_row) if path == "triton" else None)
 
 
@@ -262,8 +246,8 @@ def _dilated_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor
     check_path(path)
     patterns = tuple(zip((int(w) for w in segment_lengths), (int(r) for r in dilation_rates)))
     table = head_table(q.shape[2], patterns, mode, offsets, head_offset, total_heads)
-    return decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
-                        block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap or None)
+    return decode_table(q, k_cache, v_cache, patterns, table, lengths, AttentionCall(causal, scale, softcap),
+                        path=path, block_table=block_table, k_descale=k_descale, v_descale=v_descale)
 
 
 @_dilated_decode.register_fake
@@ -296,14 +280,13 @@ def _dilated_fwd(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int], di
     check_path(path)
     patterns, table = _patterns_table(q.shape[2], segment_lengths, dilation_rates, mode, offsets, head_offset,
                                       total_heads)
-    cap = softcap or None
+    call = AttentionCall(causal, scale, softcap)
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        out, row_max, row_sum = _kernels().dilated_forward(q, k, v, patterns, table, causal=causal, scale=scale,
-                                                           softcap=cap)
+        out, row_max, row_sum = _kernels().dilated_forward(q, k, v, patterns, table, call)
         return out, lse_from_stats(row_max, row_sum), row_max, row_sum
-    out, lse = dilated_attention_torch(q, k, v, patterns, table, causal=causal, scale=scale, need_lse=need_lse,
-                                       compute_dtype=portable_compute_dtype(q.dtype, q.device), softcap=cap)
+    out, lse = dilated_attention_torch(q, k, v, patterns, table, call, need_lse=need_lse,
+                                       compute_dtype=portable_compute_dtype(q.dtype, q.device))
     if lse is None:
         lse = empty_stats(q)
     return fresh(out), fresh(lse), empty_stats(q), empty_stats(q)
@@ -328,18 +311,16 @@ def _dilated_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Te
     check_path(path)
     patterns, table = _patterns_table(q.shape[2], segment_lengths, dilation_rates, mode, offsets, head_offset,
                                       total_heads)
-    cap = softcap or None
+    call = AttentionCall(causal, scale, softcap)
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        dq, dk, dv = _kernels().dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table,
-                                                 causal=causal, scale=scale, softcap=cap)
+        dq, dk, dv = _kernels().dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, call)
         return fresh(dq), fresh(dk), fresh(dv)
     compute = portable_compute_dtype(q.dtype, q.device)
     with_lse = dlse is not None
 
     def fwd(q_, k_, v_):
-        o, lse = dilated_attention_torch(q_, k_, v_, patterns, table, causal=causal, scale=scale,
-                                         need_lse=with_lse, compute_dtype=compute, softcap=cap)
+        o, lse = dilated_attention_torch(q_, k_, v_, patterns, table, call, need_lse=with_lse, compute_dtype=compute)
         return (o, lse) if with_lse else (o,)
 
     return recompute_grads(fwd, (q, k, v), (do, dlse) if with_lse else (do,))
@@ -381,22 +362,18 @@ _dilated_fwd.register_autograd(_dilated_backward, setup_context=_dilated_setup)
 
 def dilated_attention_op(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, mode="longnet",
                          offsets="modulo", return_lse=False, backend="auto", head_offset=0, total_heads=None,
-                         softcap=None, sinks=None):
+                         softcap=0.0, sinks=None):
     """`dilated_attention` through the `triton_dilated::dilated_fwd/_bwd` custom ops: the
     same arguments, results and numerics, and traceable by `torch.compile(fullgraph=True)`
     forward and backward (the sinks join outside the op, in traceable tensor code)."""
-    patterns, scale, heads = check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-                                        return_lse, head_offset=head_offset, total_heads=total_heads,
-                                        door="dilated_attention_op")
-    softcap = check_softcap(softcap)
-    sinks = check_sinks(sinks, q.shape[2], q.device)
+    patterns, call, heads = check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
+                                       return_lse, softcap, sinks, head_offset=head_offset, total_heads=total_heads,
+                                       door="dilated_attention_op")
     path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, q.shape[-1], q.dtype)
-    need_lse = return_lse or sinks is not None
     if q.shape[0] == 0 or q.shape[1] == 0:
         out, lse = empty_result(q, k, v, True)
     else:
-        out, lse, _, _ = _dilated_fwd(q, k, v, [w for w, _ in patterns], [r for _, r in patterns], causal, scale,
-                                      mode, offsets, need_lse, path, heads[0], heads[1], softcap or 0.0)
-    if sinks is not None:
-        out, lse = add_sinks(out, lse, sinks)
-    return (out, lse) if return_lse else out
+        out, lse, _, _ = _dilated_fwd(q, k, v, [w for w, _ in patterns], [r for _, r in patterns], call.causal,
+                                      call.scale, mode, offsets, call.needs_lse(return_lse), path, heads[0], heads[1],
+                                      call.softcap)
+    return call.finish((out, lse), return_lse)

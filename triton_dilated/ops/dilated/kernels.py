@@ -52,8 +52,7 @@ from ..common.hardware import padded_head_dim
 from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
                               program_tile, softcap_terms, softmax_grad_block, transposed_grad_step)
 from ..common.lse import softmax_delta
-from ..common.runtime import (kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous,
-                              softcap_args)
+from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
 from .plan import build_items, key_unit_triples, query_unit_triples
 
 
@@ -435,10 +434,11 @@ def _device_plan(n, patterns, table, num_kv_heads, causal, block, block_inner, k
 
 
 @on_tensor_device
-def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None, doc_bounds=None, softcap=None):
+def dilated_forward(q, k, v, patterns, table, call, *, config=None, doc_bounds=None):
     """Launch the fused forward. Returns out (like q, contiguous) and the row statistics
-    (row_max, row_sum), float32 (B, Hq, N) each; see lse_from_stats. softcap: None, or the
-    cap c of the scores (s -> c * tanh(s / c)), a run-time value of the capped kernel."""
+    (row_max, row_sum), float32 (B, Hq, N) each; see lse_from_stats. call: the AttentionCall
+    (causal, scale; the cap a run-time value of the capped kernel)."""
+    causal, scale = call.causal, call.scale
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
     block_d = padded_head_dim(D)
@@ -457,15 +457,16 @@ def dilated_forward(q, k, v, patterns, table, *, causal, scale, config=None, doc
         **_strides(q=q, k=k, v=v), N=N, HQ=Hq, NUM_ITEMS=items.shape[0], HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_MODE=dot_mode, PRECISION=precision,
-        FLAT_LOOP=switch_value("dilated_fwd", cfg, "FLAT_LOOP"), **softcap_args(softcap),
+        FLAT_LOOP=switch_value("dilated_fwd", cfg, "FLAT_LOOP"), **call.kernel_args(),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return out, row_max, row_sum
 
 
 @on_tensor_device
-def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, *, causal, scale,
-                     config=None, doc_bounds=None, softcap=None):
-    """dQ, dK, dV for dO (like out) and an optional dlse (B, Hq, N); softcap as in the forward."""
+def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, call, *, config=None,
+                     doc_bounds=None):
+    """dQ, dK, dV for dO (like out) and an optional dlse (B, Hq, N); call as in the forward."""
+    causal, scale = call.causal, call.scale
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
     block_d = padded_head_dim(D)
@@ -478,7 +479,7 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     delta = softmax_delta(do, out, dlse)
     dot_mode, precision = kernel_options(q.dtype, q.device)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, DOT_MODE=dot_mode,
-                  PRECISION=precision, **softcap_args(softcap))
+                  PRECISION=precision, **call.kernel_args())
     inputs = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
                   **_strides(q=q, k=k, v=v, do=do), N=N, HEAD_GROUP=Hq // Hkv, sm_scale=scale)
 

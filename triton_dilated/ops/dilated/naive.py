@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import torch
 
+from ..common.call import AttentionCall, check_sinks, check_softcap
 from ..common.first_order import joined_to
 from ..common.lse import add_sinks, masked_attention_with_lse, merge_partials
-from ..common.validation import check_qkv, check_scale, check_sinks, check_softcap
+from ..common.validation import check_qkv, check_scale
 from .patterns import check_head_slice, check_patterns, head_offsets, head_table
 
 
 def dilated_attention_naive(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
-                            mode="longnet", offsets="modulo", head_offset=0, total_heads=None, softcap=None,
+                            mode="longnet", offsets="modulo", head_offset=0, total_heads=None, softcap=0.0,
                             sinks=None):
     """Reference dilated attention in float64. Returns (out, lse): out (B, N, Hq, D) float64,
     lse (B, Hq, N) float64 (natural log; -inf for a query with no key). Differentiable.
     head_offset, total_heads: q holds the heads [head_offset, head_offset + Hq) of a call
     with total_heads heads (offsets by global head index), as in dilated_attention.
-    softcap: scores s -> softcap * tanh(s / softcap). sinks: (Hq,) logits (float32 or
+    softcap: scores s -> softcap * tanh(s / softcap) (0.0: no cap). sinks: (Hq,) logits (float32 or
     float64) joining each row's joint denominator once, after the patterns are mixed."""
     check_qkv(q, k, v, allow_float64=True)
     softcap = check_softcap(softcap)
@@ -30,7 +31,7 @@ def dilated_attention_naive(q, k, v, segment_lengths, dilation_rates, *, causal=
     patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
     B, N, Hq, D = q.shape
     Hkv = k.shape[2]
-    scale = check_scale(scale, D)
+    call = AttentionCall(causal, check_scale(scale, D), softcap)
     table = head_table(Hq, patterns, mode, offsets, *check_head_slice(head_offset, total_heads, Hq, Hkv))
     q64, k64, v64 = q.double(), k.double(), v.double()
 
@@ -52,7 +53,7 @@ def dilated_attention_naive(q, k, v, segment_lengths, dilation_rates, *, causal=
                 if causal:
                     keep = idx[:, None] >= idx[None, :]
                 o_seg, l_seg = masked_attention_with_lse(
-                    q64[:, idx, h], k64[:, idx, kv_head], v64[:, idx, kv_head], keep, scale, softcap)
+                    q64[:, idx, h], k64[:, idx, kv_head], v64[:, idx, kv_head], keep, call)
                 out_p = out_p.index_copy(1, idx, o_seg)
                 lse_p = lse_p.index_copy(1, idx, l_seg)
             parts_out.append(out_p)

@@ -187,12 +187,11 @@ def _scatter(buf, specs, parts):
     return buf
 
 
-def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: float,
-                            need_lse: bool, compute_dtype=None, softcap=None):
+def dilated_attention_torch(q, k, v, patterns, table, call, *, need_lse: bool, compute_dtype=None):
     """Portable dilated attention on validated inputs. `patterns`: tuple of (w, r);
-    `table`: per query head a tuple of offsets (-1: pattern unused); softcap: None or the
-    score cap (ops.common.lse's explicit path). Returns (out, lse): out like q (contiguous),
-    lse float32 (B, Hq, N) or None."""
+    `table`: per query head a tuple of offsets (-1: pattern unused); call: the AttentionCall
+    (its sinks are the caller's). Returns (out, lse): out like q (contiguous), lse float32
+    (B, Hq, N) or None."""
     B, N, Hq, D = q.shape
     compute_dtype = compute_dtype or q.dtype
     q, k, v = first_order_inputs("dilated_attention (portable backend)", q, k, v)
@@ -216,8 +215,8 @@ def dilated_attention_torch(q, k, v, patterns, table, *, causal: bool, scale: fl
         results = []
         for n, (b, spec, _) in enumerate(jobs):
             # (B * nseg, Hs, L, D) each; causal inside the dilated rows is causal in positions
-            out_part, lse_part = attention_with_lse(cast(q_parts[n]), cast(k_parts[n]), cast(v_parts[n]), causal,
-                                                    scale, need_lse=want_lse or verify, finite=verify, softcap=softcap)
+            out_part, lse_part = attention_with_lse(cast(q_parts[n]), cast(k_parts[n]), cast(v_parts[n]), call,
+                                                    need_lse=want_lse or verify, finite=verify)
             if verify and not all_finite(lse_part, out_part):
                 return None
             if lse_part is not None:

@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common.kvcache import FP8_DTYPE, cache_view, check_kvcache_args, contiguous_rows, decode_step, with_sinks
+from ..common.kvcache import FP8_DTYPE, cache_view, check_kvcache_args, contiguous_rows, decode_step
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result
 from .interface import DECODE_FAMILIES, _dilated_decode, check_args, decode_table, padded_call
@@ -29,7 +29,7 @@ from .patterns import head_table
 def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
                                    segment_lengths, dilation_rates, causal=True, scale=None, mode="longnet",
                                    offsets="modulo", return_lse=False, backend="auto", validate=False,
-                                   head_offset=0, total_heads=None, k_descale=None, v_descale=None, softcap=None,
+                                   head_offset=0, total_heads=None, k_descale=None, v_descale=None, softcap=0.0,
                                    sinks=None):
     """Dilated attention of queries at the end of a KV cache: a decode step with no host sync,
     or chunked prefill.
@@ -78,37 +78,36 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     backend), so `torch.compile(fullgraph=True)` traces a decode step once for every value
     of cache_seqlens.
     """
-    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,
-                       softcap=softcap, sinks=sinks)
+    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale)
     B = q.shape[0]
-    patterns, scale, heads = check_args(q, cache_view(k_cache, block_table, B, q),
-                                        cache_view(v_cache, block_table, B, q),
-                                        segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
-                                        allow_shorter_q=True, head_offset=head_offset, total_heads=total_heads)
+    patterns, call, heads = check_args(q, cache_view(k_cache, block_table, B, q),
+                                       cache_view(v_cache, block_table, B, q),
+                                       segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
+                                       softcap, sinks, allow_shorter_q=True, head_offset=head_offset,
+                                       total_heads=total_heads)
     Hq = q.shape[2]
     path, lengths, decodes = decode_step("dilated_attention_with_kvcache", q, k_cache, v_cache, k, v,
                                          cache_seqlens, block_table, validate, backend, DECODE_FAMILIES, k_descale,
                                          v_descale)
     if B == 0:
-        return with_sinks(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
-                          sinks, return_lse)
-    cap = float(softcap or 0.0)
+        return call.finish(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
+                           return_lse)
     if not decodes:
         rows = [int(n) for n in lengths.tolist()]   # chunked prefill: one host read
         k_rows = contiguous_rows(k_cache, block_table, max(rows), q.dtype, k_descale)
         v_rows = contiguous_rows(v_cache, block_table, max(rows), q.dtype, v_descale)
 
-        def call(qq, kk, vv, batch_rows, n, first_row):
-            return padded_call(qq, kk, vv, first_row, patterns, causal=causal, scale=scale, mode=mode,
-                               offsets=offsets, backend=backend, heads=heads, softcap=softcap)
+        def chunk(qq, kk, vv, batch_rows, n, first_row):
+            return padded_call(qq, kk, vv, first_row, patterns, call, mode=mode, offsets=offsets, backend=backend,
+                               heads=heads)
 
-        out, lse = run_with_query_offset(call, q, k_rows, v_rows, rows)
+        out, lse = run_with_query_offset(chunk, q, k_rows, v_rows, rows)
     elif torch.compiler.is_compiling():
         out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
-                                   [r for _, r in patterns], causal, scale, mode, offsets, *heads, path, k_descale,
-                                   v_descale, cap)
+                                   [r for _, r in patterns], call.causal, call.scale, mode, offsets, *heads, path,
+                                   k_descale, v_descale, call.softcap)
     else:
         table = head_table(Hq, patterns, mode, offsets, *heads)
-        out, lse = decode_table(q, k_cache, v_cache, patterns, table, lengths, causal=causal, scale=scale, path=path,
-                                block_table=block_table, k_descale=k_descale, v_descale=v_descale, softcap=softcap)
-    return with_sinks((out, lse), sinks, return_lse)
+        out, lse = decode_table(q, k_cache, v_cache, patterns, table, lengths, call, path=path,
+                                block_table=block_table, k_descale=k_descale, v_descale=v_descale)
+    return call.finish((out, lse), return_lse)

@@ -42,11 +42,12 @@ class DilatedProblem:
     def __init__(self, B, N, H, D, dtype, device, causal, patterns=None, mode="longnet", offsets="modulo"):
         import torch
 
+        from ..common.call import AttentionCall
         from .patterns import head_offsets
         gen = torch.Generator(device=device).manual_seed(0)
         self.q, self.k, self.v, self.do = (torch.randn(B, N, H, D, generator=gen, device=device).to(dtype)
                                            for _ in range(4))
-        self.causal, self.scale = causal, 1.0 / math.sqrt(D)
+        self.call = AttentionCall(causal, 1.0 / math.sqrt(D))
         self.patterns = tuple(patterns or longnet_patterns(N))
         self.table = head_offsets(H, self.patterns, mode, offsets)
         ws, rs = zip(*self.patterns)
@@ -56,8 +57,7 @@ class DilatedProblem:
 
     def forward(self, config=None):
         from .kernels import dilated_forward
-        return dilated_forward(self.q, self.k, self.v, self.patterns, self.table, causal=self.causal,
-                               scale=self.scale, config=config)
+        return dilated_forward(self.q, self.k, self.v, self.patterns, self.table, self.call, config=config)
 
     def backward(self, config=None):
         from .kernels import dilated_backward
@@ -65,7 +65,7 @@ class DilatedProblem:
             self._stats = self.forward(None)
         out, row_max, row_sum = self._stats
         return dilated_backward(self.do, None, self.q, self.k, self.v, out, row_max, row_sum, self.patterns,
-                                self.table, causal=self.causal, scale=self.scale, config=config)
+                                self.table, self.call, config=config)
 
 
 class DilatedDecodeProblem:

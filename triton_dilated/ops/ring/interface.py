@@ -26,11 +26,11 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..block_sparse.layout import BlockLayout, valid_slots
+from ..common.call import AttentionCall
 from ..common.first_order import first_order_backward
-from ..common.lse import merge_partials, softmax_delta, with_sinks
+from ..common.lse import merge_partials, softmax_delta
 from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
-from ..common.validation import (check_choice, check_cu_seqlens, check_flags, check_qkv, check_scale, check_sinks,
-                                 check_softcap)
+from ..common.validation import check_choice, check_cu_seqlens, check_flags, check_qkv
 from ..common.window import check_window_causal
 from ..dilated.interface import dilated_attention_table
 from ..dilated.patterns import check_head_slice, check_patterns, fit_patterns, head_table
@@ -64,30 +64,30 @@ class _RingFn(torch.autograd.Function):
     backward's dQ stays local, dK/dV come back from the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, scale, comm, use_triton):
+    def forward(ctx, q, k, v, plan, call, comm, use_triton):
         step, (forward, _) = _step_fns(use_triton), SCHEDULES[comm]
         B, NQ, Hq, D = q.shape
         out = torch.zeros(B, NQ, Hq, D, dtype=torch.float32, device=q.device)
         lse = torch.full((B, Hq, NQ), float("-inf"), dtype=torch.float32, device=q.device)
-        forward(plan, step, q, k, v, out, lse, scale)
+        forward(plan, step, q, k, v, out, lse, call)
         last_stats["max_kv_bytes_held"] = plan.comm.max_bytes_held
         out_cast = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out_cast, lse)
-        ctx.args = (plan, scale, comm, use_triton)
+        ctx.args = (plan, call, comm, use_triton)
         return out_cast, lse
 
     @staticmethod
     @first_order_backward("ring_attention")
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        plan, scale, comm, use_triton = ctx.args
+        plan, call, comm, use_triton = ctx.args
         step, (_, backward) = _step_fns(use_triton), SCHEDULES[comm]
         if dout is None:
             dout = torch.zeros_like(out)
         dout = last_dim_contiguous(dout)
         delta = softmax_delta(dout, out, dlse)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk_rows, dv_rows = backward(plan, step, q, k, v, dout, lse, delta, dq, scale)
+        dk_rows, dv_rows = backward(plan, step, q, k, v, dout, lse, delta, dq, call)
         dk, dv = plan.scatter_rows(dk_rows, k), plan.scatter_rows(dv_rows, v)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
@@ -148,10 +148,11 @@ def _layout_fingerprint(layout: BlockLayout) -> str:
 
 def check_sequence_parallel_args(q, k, v, shards: int, *, causal, scale, return_lse, comm, balance,
                                  segment_lengths, dilation_rates, mode, offsets, layout, head_offset=0,
-                                 total_heads=None, cu_seqlens=None):
+                                 total_heads=None, cu_seqlens=None, softcap=0.0, sinks=None):
     """The argument checks of ring_attention and ulysses_attention, run by every rank before
     they agree (q, k, v: this rank's shard of a sequence cut into `shards`). Returns
-    (dilated, scale, the full length, the fitted patterns or None, (head_offset, total_heads)).
+    (dilated, the AttentionCall, the full length, the fitted patterns or None, (head_offset,
+    total_heads)).
     With cu_seqlens the layout (a per-document form) is checked by check_documents."""
     if any(type(x).__name__ == "DTensor" for x in (q, k, v)):
         raise TypeError("q, k, v must be this rank's local shards (torch.Tensor), got a DTensor: pass DTensors to "
@@ -160,14 +161,14 @@ def check_sequence_parallel_args(q, k, v, shards: int, *, causal, scale, return_
     check_choice("comm", comm, COMMS)
     if not isinstance(balance, DocumentBalance):
         check_choice("balance", balance, BALANCES)
-    check_flags(causal=causal, return_lse=return_lse)
+    check_flags(return_lse=return_lse)
+    call = AttentionCall.at_door(q, causal=causal, scale=scale, softcap=softcap, sinks=sinks)
     dilated = segment_lengths is not None or dilation_rates is not None
     if dilated and layout is not None:
         raise ValueError("give either segment_lengths/dilation_rates (dilated) or layout (block-sparse), not both")
     if layout is not None and cu_seqlens is None and not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     B, NQ, Hq, D = q.shape
-    scale = check_scale(scale, D)
     n_total = NQ * shards
     shard_positions(n_total, 0, shards, balance)          # checks N is divisible for the balance
     heads = check_head_slice(head_offset, total_heads, Hq, k.shape[2])
@@ -179,7 +180,7 @@ def check_sequence_parallel_args(q, k, v, shards: int, *, causal, scale, return_
     if layout is not None:
         for one in (layout if isinstance(layout, (list, tuple)) else [layout]):
             check_window_causal(one, causal)
-    return dilated, scale, n_total, patterns, heads
+    return dilated, call, n_total, patterns, heads
 
 
 def check_documents(cu_seqlens, layout, balance, batch, n_total, total_heads):
@@ -214,7 +215,7 @@ def _documents_fingerprint(per_doc) -> str:
 
 def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=None, layout=None, causal=False,
                    scale=None, mode="longnet", offsets="modulo", comm="p2p", balance="contiguous", return_lse=False,
-                   head_offset=0, total_heads=None, cu_seqlens=None, softcap=None, sinks=None):
+                   head_offset=0, total_heads=None, cu_seqlens=None, softcap=0.0, sinks=None):
     """Attention over a sequence sharded across the ranks of `group` (DESIGN §5).
 
     q, k, v: this rank's shard (B, N_local, H, D), as `shard(x, rank, world, balance)`
@@ -237,7 +238,7 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     balance: "contiguous", "zigzag", or a DocumentBalance (document_balance(cu_seqlens,
     world, ...)) that deals the positions so that the (query, key) pairs per rank are near
     even for any document lengths; shard and unshard take the same object.
-    softcap: None or c > 0: scores s -> c * tanh(s / c) in every ring step (as
+    softcap: c > 0: scores s -> c * tanh(s / c) in every ring step; 0.0 (or None): no cap (as
     dilated_attention). sinks: None or a float32 (Hq,) tensor, one logit per query head of q
     (differentiable), joining every row's denominator once: added after the last ring step
     and the merge of the local patterns, never per step. Pass the same sinks on every rank
@@ -251,25 +252,25 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     ring = RingComm(group)
     signature, error = dict.fromkeys(SIGNATURE), None
     try:
-        dilated, scale, n_total, patterns, heads = check_sequence_parallel_args(
+        dilated, call, n_total, patterns, heads = check_sequence_parallel_args(
             q, k, v, ring.world, causal=causal, scale=scale, return_lse=return_lse, comm=comm, balance=balance,
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode, offsets=offsets,
-            layout=layout, head_offset=head_offset, total_heads=total_heads, cu_seqlens=cu_seqlens)
+            layout=layout, head_offset=head_offset, total_heads=total_heads, cu_seqlens=cu_seqlens,
+            softcap=softcap, sinks=sinks)
         bounds, per_doc = check_documents(cu_seqlens, layout, balance, q.shape[0], n_total, heads[1])
-        softcap = check_softcap(softcap)
-        sinks = check_sinks(sinks, q.shape[2], q.device)
         signature = dict(zip(SIGNATURE, (
-            tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, causal, scale,
+            tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, call.causal,
+            call.scale,
             balance, comm, patterns, (mode, offsets) if dilated else None,
             None if layout is None else _layout_fingerprint(layout) if per_doc is None else
             _documents_fingerprint(per_doc),
             torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)), heads,
-            None if bounds is None else bounds_digest(bounds), softcap, sinks_fingerprint(sinks))))
+            None if bounds is None else bounds_digest(bounds), call.softcap, sinks_fingerprint(call.sinks))))
     except (TypeError, ValueError) as exc:
         error = exc
     ring.agree(signature, error, device=q.device if isinstance(q, torch.Tensor) else None)
     if q.shape[0] == 0 or q.shape[1] == 0:   # every rank agreed on these shapes: nothing to send
-        return with_sinks(empty_result(q, k, v, True), sinks, return_lse)
+        return call.finish(empty_result(q, k, v, True), return_lse)
 
     # the ring-step kernels' families: a GPU where their tiles do not fit (or spill: Volta/Turing
     # above D = 64) runs the portable step
@@ -279,52 +280,49 @@ def ring_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=
     parts = []
     if bounds is not None:
         parts.append(_documents_ring(q, k, v, ring, n_total, balance, bounds, per_doc, dilated, patterns, heads,
-                                     causal=causal, scale=scale, mode=mode, offsets=offsets, comm=comm,
-                                     use_triton=use_triton, softcap=softcap))
+                                     call, mode=mode, offsets=offsets, comm=comm, use_triton=use_triton))
     elif dilated:
         table = head_table(Hq, patterns, mode, offsets, *heads)
         (loc_p, loc_t), (ring_p, ring_t) = _dilated_split(patterns, table, n_total, ring.world, balance)
         if any(o >= 0 for row in loc_t for o in row):
-            parts.append(dilated_attention_table(q, k, v, loc_p, loc_t, causal=causal, scale=scale, softcap=softcap))
+            parts.append(dilated_attention_table(q, k, v, loc_p, loc_t, call))
         if any(o >= 0 for row in ring_t for o in row):
-            mask = StepMask(MASK_DILATED, causal, q.device, patterns=ring_p, table=ring_t, softcap=softcap)
+            mask = StepMask(MASK_DILATED, causal, q.device, patterns=ring_p, table=ring_t)
             plan = RingPlan(ring, n_total, balance, mask, q.device, send_rows=_residue_rows(ring_p, ring_t))
-            parts.append(_RingFn.apply(q, k, v, plan, scale, comm, use_triton))
+            parts.append(_RingFn.apply(q, k, v, plan, call.without_sinks(), comm, use_triton))
     else:
         if layout is not None:
-            mask = StepMask(MASK_LAYOUT, causal, q.device, layout=layout.heads(heads[0], heads[0] + Hq),
-                            softcap=softcap)
+            mask = StepMask(MASK_LAYOUT, causal, q.device, layout=layout.heads(heads[0], heads[0] + Hq))
         else:
-            mask = StepMask(MASK_DENSE, causal, q.device, softcap=softcap)
+            mask = StepMask(MASK_DENSE, causal, q.device)
         plan = RingPlan(ring, n_total, balance, mask, q.device)
-        parts.append(_RingFn.apply(q, k, v, plan, scale, comm, use_triton))
+        parts.append(_RingFn.apply(q, k, v, plan, call.without_sinks(), comm, use_triton))
 
     if len(parts) == 1:
         out, lse = parts[0]
     else:   # local patterns and ring patterns: one softmax over both, by their lse
         out, lse = merge_partials([p[0].transpose(1, 2) for p in parts], [p[1] for p in parts])
         out = out.transpose(1, 2).to(q.dtype).contiguous()
-    return with_sinks((out, lse), sinks, return_lse)   # once, after every step and part
+    return call.finish((out, lse), return_lse)   # the sinks once, after every step and part
 
 
-def _documents_ring(q, k, v, ring, n_total, balance, bounds, per_doc, dilated, patterns, heads, *, causal, scale,
-                    mode, offsets, comm, use_triton, softcap=None):
+def _documents_ring(q, k, v, ring, n_total, balance, bounds, per_doc, dilated, patterns, heads, call, *, mode,
+                    offsets, comm, use_triton):
     """(out, lse) of ring_attention with packed documents (documents.py). One rank: the
     single-device call with the documents' bounds (the shard is the sequence)."""
     Hq = q.shape[2]
     if dilated:
         table = head_table(Hq, patterns, mode, offsets, *heads)
         if ring.world == 1:
-            return dilated_attention_table(q, k, v, patterns, table, causal=causal, scale=scale, doc_bounds=bounds,
-                                           softcap=softcap)
-        mask = StepMask(MASK_DILATED, causal, q.device, patterns=patterns, table=table, softcap=softcap)
+            return dilated_attention_table(q, k, v, patterns, table, call, doc_bounds=bounds)
+        mask = StepMask(MASK_DILATED, call.causal, q.device, patterns=patterns, table=table)
         plan = RingPlan(ring, n_total, balance, mask, q.device, send_rows=_residue_rows(patterns, table),
                         docs=DocPositions(bounds, q.device))
     elif per_doc is not None:
         lay = virtual_layout(per_doc, bounds, (heads[0], heads[0] + Hq))
-        mask = StepMask(MASK_LAYOUT, causal, q.device, layout=lay, softcap=softcap)
+        mask = StepMask(MASK_LAYOUT, call.causal, q.device, layout=lay)
         plan = RingPlan(ring, n_total, balance, mask, q.device, docs=DocPositions(bounds, q.device, lay.block_size))
     else:
-        mask = StepMask(MASK_DENSE, causal, q.device, softcap=softcap)
+        mask = StepMask(MASK_DENSE, call.causal, q.device)
         plan = RingPlan(ring, n_total, balance, mask, q.device, docs=DocPositions(bounds, q.device))
-    return _RingFn.apply(q, k, v, plan, scale, comm, use_triton)
+    return _RingFn.apply(q, k, v, plan, call.without_sinks(), comm, use_triton)

@@ -4,8 +4,8 @@ Mask kinds: MASK_DENSE; MASK_DILATED (the weight of a pair is how many of the he
 patterns select it: p, p' in one segment, both with the head's residue; LongNet's multiset
 union); MASK_LAYOUT (a dense (n_blocks x n_blocks) block table looked up per element; a sliding
 window's blocks hold 2 there, where its predicate (ops/common/window.py) decides per element).
-Causal multiplies in p' <= p. softcap (None or c > 0): scores s -> c * tanh(s / c) before the
-weight, in every step (the cap acts per score, so it commutes with the ring's merge).
+Causal multiplies in p' <= p. The score rules (scale, soft cap) are the AttentionCall's, passed
+to every step beside the mask (the cap acts per score, so it commutes with the ring's merge).
 
 The step kernels read the whole mask from one int32 tensor, StepMask.descriptor():
 
@@ -32,11 +32,10 @@ DESC_LIST_B, DESC_LIST_H, DESC_TABLE_AT, DESC_COLS, DESC_BLOCK, DESC_WINDOW, DES
 
 class StepMask:
     """A step's mask: kind, causal, and the tables the kernels read (pattern widths, rates
-    and per-head offsets; the int8 block table) and the soft cap (None: none)."""
+    and per-head offsets; the int8 block table)."""
 
-    def __init__(self, kind, causal, device, patterns=None, table=None, layout=None, softcap=None):
+    def __init__(self, kind, causal, device, patterns=None, table=None, layout=None):
         self.kind, self.causal = kind, causal
-        self.softcap = softcap
         self.patterns, self.table = (tuple(patterns), tuple(table)) if kind == MASK_DILATED else ((), ())
         self.num_patterns = len(patterns) if patterns else 1
         # the pattern tables on the host: _pack moves them to the device with the header, in one copy

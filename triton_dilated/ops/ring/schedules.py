@@ -105,7 +105,7 @@ class RingPlan:
         return torch.zeros(like.shape, dtype=torch.float32, device=like.device).index_copy_(1, rows, x_rows)
 
 
-def p2p_forward(plan: RingPlan, step, q, k, v, out, lse, scale):
+def p2p_forward(plan: RingPlan, step, q, k, v, out, lse, call):
     comm = plan.comm
     kv = [plan.payload(k), plan.payload(v)]
     own = nbytes([k, v])
@@ -118,24 +118,24 @@ def p2p_forward(plan: RingPlan, step, q, k, v, out, lse, scale):
             incoming = comm.shift(kv, [plan.shard_shape(x, nxt) for x in kv])
         comm.note_held(own + (nbytes(kv) if i else 0) + (incoming.nbytes if incoming else 0))
         if plan.may_count(src):
-            step.forward(q, kv[0], kv[1], plan.q_pos, plan.sent_pos[src], out, lse, plan.mask, scale=scale,
+            step.forward(q, kv[0], kv[1], plan.q_pos, plan.sent_pos[src], out, lse, plan.mask, call,
                          **plan.step_docs(src))
         if incoming is not None:
             kv = incoming.wait()
 
 
-def allgather_forward(plan: RingPlan, step, q, k, v, out, lse, scale):
+def allgather_forward(plan: RingPlan, step, q, k, v, out, lse, call):
     comm = plan.comm
     sizes = [p.numel() for p in plan.sent_pos]
     ks, vs = comm.all_gather_seq(plan.payload(k), sizes), comm.all_gather_seq(plan.payload(v), sizes)
     comm.note_held(nbytes([k, v]) + nbytes(ks + vs))
     for src in range(plan.world):
         if plan.may_count(src):
-            step.forward(q, ks[src], vs[src], plan.q_pos, plan.sent_pos[src], out, lse, plan.mask, scale=scale,
+            step.forward(q, ks[src], vs[src], plan.q_pos, plan.sent_pos[src], out, lse, plan.mask, call,
                          **plan.step_docs(src))
 
 
-def p2p_backward(plan: RingPlan, step, q, k, v, dout, lse, delta, dq, scale):
+def p2p_backward(plan: RingPlan, step, q, k, v, dout, lse, delta, dq, call):
     """Returns the travelled rows of dK, dV (float32) that belong to this rank. Each step
     computes into fresh dK/dV blocks while the accumulators of the previous step are still in
     flight; it then waits for the accumulator of the shard it holds, adds its block and
@@ -157,7 +157,7 @@ def p2p_backward(plan: RingPlan, step, q, k, v, dout, lse, delta, dq, scale):
         if plan.may_count(src):
             block = zeros(src)
             step.backward(q, kv[0], kv[1], dout, lse, delta, plan.q_pos, plan.sent_pos[src], dq, block[0], block[1],
-                          plan.mask, scale=scale, **plan.step_docs(src))
+                          plan.mask, call, **plan.step_docs(src))
         if acc_in is None:   # step 0: this rank's own shard starts its accumulators here
             acc = block or zeros(src)
         else:
@@ -171,7 +171,7 @@ def p2p_backward(plan: RingPlan, step, q, k, v, dout, lse, delta, dq, scale):
     return acc_in.wait()
 
 
-def allgather_backward(plan: RingPlan, step, q, k, v, dout, lse, delta, dq, scale):
+def allgather_backward(plan: RingPlan, step, q, k, v, dout, lse, delta, dq, call):
     comm = plan.comm
     sizes = [p.numel() for p in plan.sent_pos]
     ks, vs = comm.all_gather_seq(plan.payload(k), sizes), comm.all_gather_seq(plan.payload(v), sizes)
@@ -180,7 +180,7 @@ def allgather_backward(plan: RingPlan, step, q, k, v, dout, lse, delta, dq, scal
     for src in range(plan.world):
         if plan.may_count(src):
             step.backward(q, ks[src], vs[src], dout, lse, delta, plan.q_pos, plan.sent_pos[src], dq, dks[src],
-                          dvs[src], plan.mask, scale=scale, **plan.step_docs(src))
+                          dvs[src], plan.mask, call, **plan.step_docs(src))
     return comm.reduce_to_owners(dks), comm.reduce_to_owners(dvs)
 
 

@@ -33,13 +33,14 @@ class RingStepProblem:
     def __init__(self, B, N, H, D, dtype, device, causal):
         import torch
 
+        from ..common.call import AttentionCall
         from ..dilated.patterns import head_offsets
         from ..dilated.spec import longnet_patterns
         from .mask import StepMask
         gen = torch.Generator(device=device).manual_seed(0)
         self.q, self.k, self.v, self.do = (torch.randn(B, N, H, D, generator=gen, device=device).to(dtype)
                                            for _ in range(4))
-        self.scale = 1.0 / math.sqrt(D)
+        self.call = AttentionCall(causal, 1.0 / math.sqrt(D))
         patterns = longnet_patterns(N)
         self.mask = StepMask(MASK_DILATED, causal, device, patterns=patterns,
                              table=head_offsets(H, patterns, "longnet", "modulo"))
@@ -56,7 +57,7 @@ class RingStepProblem:
     def forward(self, config=None):
         from .step_kernels import step_forward
         out, lse = self._state()
-        step_forward(self.q, self.k, self.v, self.pos, self.pos, out, lse, self.mask, scale=self.scale, config=config)
+        step_forward(self.q, self.k, self.v, self.pos, self.pos, out, lse, self.mask, self.call, config=config)
         return out, lse
 
     def backward(self, config=None):
@@ -68,7 +69,7 @@ class RingStepProblem:
         delta = softmax_delta(self.do, out.to(self.q.dtype))
         grads = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (self.q, self.k, self.v)]
         step_backward(self.q, self.k, self.v, self.do, lse, delta, self.pos, self.pos, *grads, self.mask,
-                      scale=self.scale, config=config)
+                      self.call, config=config)
         return grads
 
 

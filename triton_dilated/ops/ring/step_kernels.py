@@ -24,7 +24,7 @@ from ..common.configs import select_config
 from ..common.hardware import padded_head_dim
 from ..common.kernels import (LOG2E, dot, finalize, online_softmax_step, program_tile, softcap_terms,
                               softmax_grad_block, tanh, window_keep)
-from ..common.runtime import kernel_options, on_tensor_device, require_contiguous, softcap_args
+from ..common.runtime import kernel_options, on_tensor_device, require_contiguous
 from . import mask as step_mask
 from .mask import StepMask
 
@@ -496,10 +496,10 @@ def _indexed(launcher, name, t, shape):
 
 
 @on_tensor_device
-def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale, config=None, q_doc=None, k_doc=None):
+def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, call, *, config=None, q_doc=None, k_doc=None):
     """Fold the shard (k, v at global positions k_pos) into the running out (fp32, like q)
-    and lse (fp32 (B, Hq, Nq), contiguous) of the local queries q at q_pos, in place.
-    q_doc, k_doc: packed documents' ids (int32, per row; ring/documents.py): a pair counts
+    and lse (fp32 (B, Hq, Nq), contiguous) of the local queries q at q_pos, in place, with the
+    AttentionCall's scale and cap (causality is the mask's). q_doc, k_doc: packed documents' ids (int32, per row; ring/documents.py): a pair counts
     only within one document (positions are then the documents' mask positions)."""
     B, NQ, Hq, D = q.shape
     NK, Hkv = k.shape[1], k.shape[2]
@@ -512,14 +512,14 @@ def step_forward(q, k, v, q_pos, k_pos, out, lse, mask: StepMask, *, scale, conf
     _ring_step_fwd_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
         Q=q, K=k, V=v, OUT=o, LSE=lse, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq), **docs,
         TILES=_tile_lists(q_pos, k_pos, mask, cfg["BLOCK_M"], cfg["BLOCK_N"], False, docs),
-        **_strides(q=q, k=k, v=v), NQ=NQ, NK=NK, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
-        **softcap_args(mask.softcap), **meta)
+        **_strides(q=q, k=k, v=v), NQ=NQ, NK=NK, HQ=Hq, HEAD_GROUP=Hq // Hkv, sm_scale=call.scale,
+        **call.kernel_args(), **meta)
     if o is not out:
         out.copy_(o)
 
 
 @on_tensor_device
-def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepMask, *, scale, config=None,
+def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepMask, call, *, config=None,
                   q_doc=None, k_doc=None):
     """Add this shard's contributions to dq (fp32, local) and dk, dv (fp32, travelling);
     lse and delta (fp32 (B, Hq, Nq)) contiguous. q_doc, k_doc: as in step_forward."""
@@ -538,8 +538,8 @@ def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask: StepM
     acc = [_indexed("step_backward", name, t, shape) for name, t, shape in
            (("dq", dq, q.shape), ("dk", dk, k.shape), ("dv", dv, v.shape))]
     common = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, Q_POS=q_pos, K_POS=k_pos, **_mask_args(mask, B, Hq),
-                  **docs, **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=scale,
-                  **softcap_args(mask.softcap))
+                  **docs, **_strides(q=q, k=k, v=v, do=do), NQ=NQ, NK=NK, HEAD_GROUP=Hq // Hkv, sm_scale=call.scale,
+                  **call.kernel_args())
     _ring_step_bwd_dq_kernel[(triton.cdiv(NQ, cfg["BLOCK_M"]) * B * Hq,)](
         **common, **meta, DQ=acc[0], HQ=Hq,
         TILES=_tile_lists(q_pos, k_pos, mask, cfg["BLOCK_M"], cfg["BLOCK_N"], False, docs))

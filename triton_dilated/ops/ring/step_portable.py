@@ -71,16 +71,13 @@ def _unheads(x, G):
     return x.view(B, Hkv, G, Gn // G, D).permute(0, 3, 1, 2, 4).reshape(B, Gn // G, Hkv * G, D)
 
 
-def _scores(qh, kh, q_pos, k_pos, mask, scale, G, q_doc=None, k_doc=None):
-    """float32 scores, capped (mask.softcap: s -> c * tanh(s / c)), plus ln(weight), (B, Hq, n,
+def _scores(qh, kh, q_pos, k_pos, mask, call, G, q_doc=None, k_doc=None):
+    """float32 scores, capped (the call's cap: s -> c * tanh(s / c)), plus ln(weight), (B, Hq, n,
     Nk), from _heads(q rows) and K as (B, Hkv, Nk, D); and tanh(s / c) (None without a cap),
     whose 1 - tanh^2 the backward needs."""
     B, Hkv, Gn, _ = qh.shape
-    s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale).view(B, Hkv * G, Gn // G, kh.shape[2])
-    t = None
-    if mask.softcap is not None:   # +-inf scores -> NaN first: tanh would make them finite (NaN rule)
-        t = s.add_(s * 0.0).div_(mask.softcap).tanh_()
-        s = t * mask.softcap
+    s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(call.scale).view(B, Hkv * G, Gn // G, kh.shape[2])
+    s, t = call.cap_scores_(s)   # +-inf scores -> NaN first (NaN rule)
     log_w = pair_log_weight(q_pos, k_pos, mask, Hkv * G, B, q_doc, k_doc)
     return (s if log_w is None else s.add_(log_w)), t
 
@@ -89,11 +86,11 @@ def _rows_of(q_doc, rows):
     return None if q_doc is None else q_doc[rows]
 
 
-def step_forward(q, k, v, q_pos, k_pos, out, lse, mask, *, scale, q_doc=None, k_doc=None):
+def step_forward(q, k, v, q_pos, k_pos, out, lse, mask, call, *, q_doc=None, k_doc=None):
     B, G = q.shape[0], q.shape[2] // k.shape[2]
     kh, vh = _heads(k, 1), _heads(v, 1)                                     # (B, Hkv, Nk, D)
     for rows in query_blocks(q, k.shape[1]):
-        s, _ = _scores(_heads(q[:, rows], G), kh, q_pos[rows], k_pos, mask, scale, G, _rows_of(q_doc, rows),
+        s, _ = _scores(_heads(q[:, rows], G), kh, q_pos[rows], k_pos, mask, call, G, _rows_of(q_doc, rows),
                        k_doc)                                               # (B, Hq, n, Nk)
         n = s.shape[2]
         lse_step = torch.logsumexp(s, dim=-1)                               # -inf rows stay -inf
@@ -112,13 +109,13 @@ def step_forward(q, k, v, q_pos, k_pos, out, lse, mask, *, scale, q_doc=None, k_
         run_lse.copy_(torch.where(total == 0, torch.full_like(total, -math.inf), top_safe + torch.log(total_safe)))
 
 
-def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask, *, scale, q_doc=None, k_doc=None):
+def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask, call, *, q_doc=None, k_doc=None):
     B, G = q.shape[0], q.shape[2] // k.shape[2]
     kh, vh = _heads(k, 1), _heads(v, 1)                                     # (B, Hkv, Nk, D)
     dkh, dvh = torch.zeros_like(kh), torch.zeros_like(vh)
     for rows in query_blocks(q, k.shape[1]):
         qh, doh = _heads(q[:, rows], G), _heads(do[:, rows], G)             # (B, Hkv, G n, D)
-        s, t = _scores(qh, kh, q_pos[rows], k_pos, mask, scale, G, _rows_of(q_doc, rows), k_doc)
+        s, t = _scores(qh, kh, q_pos[rows], k_pos, mask, call, G, _rows_of(q_doc, rows), k_doc)
         n = s.shape[2]
         row_lse = lse[:, :, rows]
         row = torch.where(torch.isinf(row_lse), torch.full_like(row_lse, math.inf), row_lse)
@@ -127,8 +124,8 @@ def step_backward(q, k, v, do, lse, delta, q_pos, k_pos, dq, dk, dv, mask, *, sc
         ds = p * dp.sub_(delta[:, :, rows].reshape(B, -1, G * n, 1))
         if t is not None:   # through the cap: d(c * tanh(s / c)) / ds = 1 - tanh^2
             ds.mul_((1.0 - t * t).view(B, -1, G * n, t.shape[-1]))
-        dq[:, rows] += _unheads(torch.matmul(ds, kh), G) * scale
-        dkh.add_(torch.matmul(ds.transpose(-1, -2), qh), alpha=scale)
+        dq[:, rows] += _unheads(torch.matmul(ds, kh), G) * call.scale
+        dkh.add_(torch.matmul(ds.transpose(-1, -2), qh), alpha=call.scale)
         dvh.add_(torch.matmul(p.transpose(-1, -2), doh))
     dk += dkh.transpose(1, 2)
     dv += dvh.transpose(1, 2)

@@ -26,9 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..block_sparse.interface import block_sparse_attention
-from ..common.lse import with_sinks
 from ..common.runtime import empty_result
-from ..common.validation import check_choice, check_sinks, check_softcap
+from ..common.validation import check_choice
 from ..dilated.interface import dilated_attention
 from .comm import RingComm
 from .documents import bounds_digest
@@ -99,7 +98,7 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, world: int) -> int:
 
 def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rates=None, layout=None, causal=False,
                       scale=None, mode="longnet", offsets="modulo", balance="contiguous", return_lse=False,
-                      backend="auto", ring_group=None, comm="p2p", cu_seqlens=None, softcap=None, sinks=None):
+                      backend="auto", ring_group=None, comm="p2p", cu_seqlens=None, softcap=0.0, sinks=None):
     """Attention over a sequence sharded across the ranks of `group`, by heads (Ulysses).
 
     q, k, v: this rank's sequence shard (B, N_local, H, D), as `shard(x, rank, world,
@@ -122,7 +121,7 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
     layout may then be per document, as in block_sparse_attention. balance stays
     "contiguous" or "zigzag" here (a DocumentBalance is ring_attention's).
 
-    softcap: None or c > 0, scores s -> c * tanh(s / c) (as dilated_attention). sinks: None
+    softcap: c > 0, scores s -> c * tanh(s / c); 0.0 (or None): no cap (as dilated_attention). sinks: None
     or a float32 (Hq,) tensor of every query head's sink logit (differentiable), the same on
     every rank; each rank joins its own heads' sinks to its local call (once per row, after
     the ring with ring_group). A rank's gradient for sinks holds its heads' full-sequence
@@ -138,25 +137,23 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
     ring_world = rcomm.world if rcomm is not None else 1
     signature, error = dict.fromkeys(SIGNATURE), None
     try:
-        dilated, scale, n_total, patterns, _ = check_sequence_parallel_args(
+        dilated, call, n_total, patterns, _ = check_sequence_parallel_args(
             q, k, v, ucomm.world * ring_world, causal=causal, scale=scale, return_lse=return_lse, comm=comm,
             balance=balance, segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
-            offsets=offsets, layout=layout, cu_seqlens=cu_seqlens)
+            offsets=offsets, layout=layout, cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks)
         check_choice("balance", balance, BALANCES)
         bounds, per_doc = check_documents(cu_seqlens, layout, balance, q.shape[0], n_total, q.shape[2])
         check_choice("backend", backend, ("auto", "triton", "torch"))
-        softcap = check_softcap(softcap)
         Hq = q.shape[2]
-        sinks = check_sinks(sinks, Hq, q.device)
         repeat = check_ulysses_heads(Hq, k.shape[2], ucomm.world)
         signature = dict(zip(SIGNATURE, (
-            tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, causal, scale,
-            balance, patterns, (mode, offsets) if dilated else None,
+            tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type, call.causal,
+            call.scale, balance, patterns, (mode, offsets) if dilated else None,
             None if layout is None else _layout_fingerprint(layout) if per_doc is None else
             _documents_fingerprint(per_doc), backend,
             torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
             (ring_world, comm) if rcomm is not None else None, None if bounds is None else bounds_digest(bounds),
-            softcap, sinks_fingerprint(sinks))))
+            call.softcap, sinks_fingerprint(call.sinks))))
     except (TypeError, ValueError) as exc:
         error = exc
     device = q.device if isinstance(q, torch.Tensor) else None
@@ -168,30 +165,31 @@ def ulysses_attention(q, k, v, *, group=None, segment_lengths=None, dilation_rat
     if verdict is not None:
         raise verdict
     if q.shape[0] == 0 or q.shape[1] == 0:   # every rank agreed on these shapes: nothing to send
-        return with_sinks(empty_result(q, k, v, True), sinks, return_lse)
+        return call.finish(empty_result(q, k, v, True), return_lse)
 
     if repeat > 1:
         k, v = (x.repeat_interleave(repeat, dim=2) for x in (k, v))
     qh, kh, vh = (_SeqToHeads.apply(x, ucomm, balance) for x in (q, k, v))
     heads = Hq // ucomm.world
     first = ucomm.rank * heads
-    extra = dict(softcap=softcap, sinks=None if sinks is None else sinks[first:first + heads])
+    extra = dict(scale=call.scale, softcap=call.softcap,
+                 sinks=None if call.sinks is None else call.sinks[first:first + heads])
     if rcomm is not None:
         res = ring_attention(qh, kh, vh, group=ring_group, segment_lengths=segment_lengths,
                              dilation_rates=dilation_rates, layout=layout if per_doc is None else per_doc,
-                             causal=causal, scale=scale, mode=mode, offsets=offsets, comm=comm, balance=balance,
+                             causal=causal, mode=mode, offsets=offsets, comm=comm, balance=balance,
                              return_lse=return_lse, head_offset=first, total_heads=Hq, cu_seqlens=bounds, **extra)
     elif dilated:
-        res = dilated_attention(qh, kh, vh, segment_lengths, dilation_rates, causal=causal, scale=scale, mode=mode,
+        res = dilated_attention(qh, kh, vh, segment_lengths, dilation_rates, causal=causal, mode=mode,
                                 offsets=offsets, return_lse=return_lse, backend=backend, head_offset=first,
                                 total_heads=Hq, cu_seqlens=bounds, **extra)
     elif layout is not None:
         mine = layout.heads(first, first + heads) if per_doc is None else \
             [lay if lay is None else lay.heads(first, first + heads) for lay in per_doc]
-        res = block_sparse_attention(qh, kh, vh, mine, causal=causal, scale=scale, return_lse=return_lse,
+        res = block_sparse_attention(qh, kh, vh, mine, causal=causal, return_lse=return_lse,
                                      backend=backend, cu_seqlens=bounds, **extra)
     else:   # dense: one pattern whose segment is the whole sequence (each document's, with cu_seqlens)
-        res = dilated_attention(qh, kh, vh, [n_total], [1], causal=causal, scale=scale, return_lse=return_lse,
+        res = dilated_attention(qh, kh, vh, [n_total], [1], causal=causal, return_lse=return_lse,
                                 backend=backend, cu_seqlens=bounds, **extra)
     out, lse = res if return_lse else (res, None)
     out = _HeadsToSeq.apply(out, ucomm, balance)
