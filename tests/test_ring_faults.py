@@ -155,6 +155,7 @@ def test_portable_step_against_oracle(kind, causal, block_bytes, monkeypatch):
 
 STEP_MEMORY = textwrap.dedent("""
     import sys, torch
+    from triton_dilated.ops.common.call import AttentionCall
     from triton_dilated.ops.dilated.patterns import head_offsets
     from triton_dilated.ops.ring import step_portable as sp
     from triton_dilated.ops.ring.mask import MASK_DENSE, MASK_DILATED, StepMask
@@ -193,7 +194,8 @@ STEP_MEMORY = textwrap.dedent("""
         if backward:
             delta = (do * out).sum(-1).transpose(1, 2).contiguous()
             grads = [torch.zeros(1, n, H, D) for _ in range(3)]
-            return lambda: sp.step_backward(q, k, v, do, lse, delta, pos, pos, *grads, mask, AttentionCall(mask.causal, 0.25))
+            return lambda: sp.step_backward(q, k, v, do, lse, delta, pos, pos, *grads, mask,
+                                            AttentionCall(mask.causal, 0.25))
         return lambda: sp.step_forward(q, k, v, pos, pos, out, lse, mask, AttentionCall(mask.causal, 0.25))
 
     step("dilated", 64, True)()          # libraries loaded, allocator warm at a small size
