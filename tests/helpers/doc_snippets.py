@@ -17,13 +17,13 @@ page says which it is (tests/test_docs.py checks that)."""
 from __future__ import annotations
 
 import os
-import pathlib
 import re
 import socket
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers.paths import ROOT
+
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]

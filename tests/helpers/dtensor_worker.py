@@ -10,7 +10,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ring_worker import case_layout, errors_of, loss_of, make_inputs
+from tests.helpers.ring_worker import case_layout, errors_of, loss_of, make_inputs
 
 _MESHES: dict = {}
 

@@ -11,7 +11,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ring_worker import spawn_world
+from tests.helpers.ring_worker import spawn_world
 
 BASE = dict(B=1, N=48, Hq=2, Hkv=1, D=8, dtype="float32")
 

@@ -21,8 +21,8 @@ import importlib.util
 import pytest
 import torch
 
-from engine_worker import deepspeed_worker, one_process_losses, torchtitan_worker
-from ring_worker import spawn_world
+from tests.helpers.engine_worker import deepspeed_worker, one_process_losses, torchtitan_worker
+from tests.helpers.ring_worker import spawn_world
 
 
 def test_deepspeed_ulysses_trains_like_one_process():

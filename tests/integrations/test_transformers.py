@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import inspect
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -20,9 +19,11 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from triton_dilated.integrations import transformers as td_hf  # noqa: E402
-from reference import FLOOR, assert_rule  # noqa: E402
+from tests.helpers.paths import ROOT  # noqa: E402
+from tests.helpers.reference import FLOOR, assert_rule  # noqa: E402
+from tests.helpers.transformers_checks import check_left_padding, generate as _generate  # noqa: E402
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "triton_dilated"
+PACKAGE = ROOT / "triton_dilated"
 VOCAB = 64
 # the cache argument of forward()/generate(): `cache` from transformers 5.x on, `past_key_values` before
 CACHE = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
@@ -53,11 +54,6 @@ def _model(impl, seed=0, **attn):
 
 def _ids(shape, seed=1):
     return torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _generate(model, ids, n, **kw):
-    kw = {"max_new_tokens": n, "min_new_tokens": n, **kw}
-    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **kw)
 
 
 def _generate_logits(model, ids, n, **kw):
@@ -151,25 +147,6 @@ def test_backward_matches_the_portable_path():
     for name in g_p:
         torch.testing.assert_close(g_t[name], g_p[name], rtol=1e-4, atol=1e-6, msg=name)
     assert any(g.abs().sum() > 0 for n, g in g_p.items() if "q_proj" in n)
-
-
-def check_left_padding(model, a, b, new_tokens):
-    """Prompts a and b (1, n) in one batch, b left-padded to a's length: the logits at the real
-    positions and the greedy tokens (DynamicCache) equal those of each prompt alone. Returns
-    (ids, mask, generate kwargs) of the batch."""
-    pad = a.shape[1] - b.shape[1]
-    ids = torch.cat([a, torch.cat([torch.zeros(1, pad, dtype=torch.long), b], dim=1)])
-    mask = torch.ones_like(ids)
-    mask[1, :pad] = 0
-    with torch.no_grad():
-        batch = model(ids, attention_mask=mask).logits
-        torch.testing.assert_close(batch[0], model(a).logits[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(batch[1, pad:], model(b).logits[0], rtol=1e-5, atol=1e-5)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    out = model.generate(ids, attention_mask=mask, **kw)
-    assert torch.equal(out[0], _generate(model, a, new_tokens)[0])
-    assert torch.equal(out[1, pad:], _generate(model, b, new_tokens)[0])
-    return ids, mask, kw
 
 
 def test_left_padding_equals_each_row_alone():
@@ -299,7 +276,7 @@ def test_attention_functions_make_no_host_sync_per_layer(backend):
     lengths (what the mask function gives a static cache), and for a padded batch whose mask
     the mask function tagged with its padding groups (each group's queries end its keys: the
     serve door, whose decode step reads no length on either backend)."""
-    from test_with_kvcache import no_host_sync
+    from tests.helpers.serve_checks import no_host_sync
 
     model = _model("triton_dilated", dilated_attention={"segment_lengths": [4, 8], "dilation_rates": [1, 2],
                                                        "backend": backend})

@@ -21,8 +21,8 @@ from transformers.masking_utils import (and_masks, causal_mask_function, chunked
                                         sliding_window_causal_mask_function)
 
 from triton_dilated.integrations import transformers as td_hf  # noqa: E402
-from reference import FLOOR, assert_rule  # noqa: E402
-from test_transformers import check_left_padding  # noqa: E402
+from tests.helpers.reference import FLOOR, assert_rule  # noqa: E402
+from tests.helpers.transformers_checks import check_left_padding  # noqa: E402
 
 VOCAB, WINDOW = 64, 8
 KINDS = ["gpt_oss", "gemma2", "mistral"]

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-import dilated_attention_pytorch_reference as dap
-from reference import FLOOR, assert_rule, seeded
+from tests.helpers import dilated_attention_pytorch_reference as dap
+from tests.helpers.reference import FLOOR, assert_rule, seeded
 from triton_dilated.modules import DAP_CHECKPOINT_WARNING, DilatedAttention, MultiheadDilatedAttention
 
 COMPAT = "dilated-attention-pytorch"

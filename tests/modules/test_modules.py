@@ -7,7 +7,6 @@ import datetime
 import importlib.util
 import multiprocessing
 import os
-import pathlib
 import tempfile
 import time
 import traceback
@@ -20,9 +19,9 @@ from torch import nn
 import triton_dilated
 from triton_dilated import BlockLayout, block_sparse_attention, dilated_attention, layouts
 from triton_dilated.modules import BlockSparseAttention, DilatedAttention, MultiheadDilatedAttention
-from reference import seeded
+from tests.helpers.paths import ROOT
+from tests.helpers.reference import seeded
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 FKODOM_KEYS = {"q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
                "norm.weight", "norm.bias", "out_proj.weight", "out_proj.bias"}
 

@@ -29,9 +29,9 @@ from triton_dilated.ops.common.spec import attention_flops, dense_pairs
 from triton_dilated.perf import bench, cli, plot, results, timing
 from triton_dilated.perf import ring as perf_ring
 from triton_dilated.perf.__main__ import DTYPES, _parser, main
-from conftest import DEVICE
+from tests.conftest import DEVICE
+from tests.helpers.paths import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 ONE_CALL = timing.Timing(warmup=0, budget_s=0.0, min_reps=1, max_reps=1, max_s=0.0)
 PROVENANCE = ("machine", "arch", "device", "torch", "triton", "git_sha", "timestamp")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from doc_snippets import DOCS, ROOT, needs, python_blocks, run_snippet
+from tests.helpers.doc_snippets import DOCS, ROOT, needs, python_blocks, run_snippet
 
 BLOCKS = [(page, block) for page in DOCS for block in python_blocks(page.read_text())]
 RUNNABLE = [pytest.param(page, block, id=f"{page.name}:{block['line']}")

@@ -7,14 +7,14 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers.paths import ROOT
+
 SCRIPT = ROOT / "perf" / "gpu_check.sh"
 STAGES = ["smoke", "key", "breakdown", "configs", "flex", "ringstep", "decode", "tests"]
 

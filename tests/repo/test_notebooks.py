@@ -6,7 +6,7 @@ written back to the repository) and checks that the committed outputs are the cu
 every cell that draws has its image, and every cell's printed text is what it prints now.
 After changing a notebook, the code it calls or perf/results/, re-execute and commit them:
 
-    ./dev python tests/test_notebooks.py      # rewrites notebooks/*.ipynb with fresh outputs
+    ./dev python tests/repo/test_notebooks.py      # rewrites notebooks/*.ipynb with fresh outputs
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]   # not tests.helpers.paths: this file also runs as a script
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-REFRESH = "re-execute them: `./dev python tests/test_notebooks.py`, then commit notebooks/"
+REFRESH = "re-execute them: `./dev python tests/repo/test_notebooks.py`, then commit notebooks/"
 # the environment the notebooks run in, here and when refreshed (no kernels: no interpreter)
 ENV = {"TRITON_DILATED_RESULTS": str(ROOT / "perf" / "results"), "MPLBACKEND": "Agg"}
 

@@ -8,7 +8,9 @@ import pathlib
 import subprocess
 import sys
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "triton_dilated"
+from tests.helpers.paths import ROOT
+
+PACKAGE = ROOT / "triton_dilated"
 KERNEL_FILES = {"ops/common/kernels.py", "ops/dilated/kernels.py", "ops/block_sparse/kernels.py",
                 "ops/ring/step_kernels.py", "ops/common/decode_kernels.py", "ops/dilated/decode_kernels.py",
                 "ops/block_sparse/decode_kernels.py"}

@@ -15,8 +15,8 @@ from triton_dilated import (block_sparse_attention, block_sparse_attention_naive
 from triton_dilated.ops.block_sparse import interface as bs_interface
 from triton_dilated.ops.dilated.patterns import head_offsets
 from triton_dilated.ops.dilated.plan import QueryWindow, build_items, key_unit_triples, plan_tiles, query_unit_triples
-from conftest import DEVICE
-from reference import block_sparse_serve, check_against_oracle, dilated_serve, seeded
+from tests.conftest import DEVICE
+from tests.helpers.reference import block_sparse_serve, check_against_oracle, dilated_serve, seeded
 
 BACKENDS = ["torch", "triton"]
 WS, RS = [48, 128], [1, 2]          # a short last segment of 128 at Nk = 192

@@ -23,9 +23,9 @@ from triton_dilated.ops.dilated import decode as dl_decode, interface as dl_inte
 from triton_dilated.ops.dilated.decode import dilated_key_lists
 from triton_dilated.ops.dilated.naive import pattern_multiplicity
 from triton_dilated.ops.dilated.patterns import fit_patterns, head_offsets
-from conftest import DEVICE
-from reference import FLOOR, assert_rule, block_sparse_serve, dense_reference, dilated_serve, seeded
-from test_query_offset import _check, _definition
+from tests.conftest import DEVICE
+from tests.helpers.reference import FLOOR, assert_rule, block_sparse_serve, dense_reference, dilated_serve, seeded
+from tests.helpers.serve_checks import check_against_definition as _check, check_forward, definition as _definition
 
 BACKENDS = ["torch", "triton"]
 
@@ -116,24 +116,6 @@ def cache_inputs(B, Nq, Nk, Hq, Hkv, D, lengths, seed, dtype=torch.float32, pois
             buf_k[b, n:] = float("nan")
             buf_v[b, n:] = float("nan")
     return q, buf_k[:, :Nk, 1:], buf_v[:, :Nk, 1:]
-
-
-def check_forward(out, lse, q, k, v, lengths, oracle):
-    """out, lse against the definition (float64) with the float32 definition as the same-dtype
-    reference; rows without a key exactly 0."""
-    clean = [x.clone() for x in (k, v)]
-    for b, n in enumerate(lengths):   # the oracle slices rows [0, n): the NaN rows are never read
-        clean[0][b, n:] = 0
-        clean[1][b, n:] = 0
-    ref_out, ref_lse = _definition(oracle, q.double(), clean[0].double(), clean[1].double(), lengths)
-    same_out, same_lse = _definition(oracle, q.float(), clean[0].float(), clean[1].float(), lengths)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
-    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-    floor = FLOOR[q.dtype]
-    assert_rule("out", out.float(), ref_out, same_out.float(), factor=2, floor=floor)
-    assert_rule("lse", lse, ref_lse, same_lse.float(), factor=2, floor=floor)
-    empty = torch.isinf(ref_lse).transpose(1, 2)
-    assert (out[empty] == 0).all(), "queries without a key must output exactly 0"
 
 
 # ----------------------------------------------------------------------------- dilated

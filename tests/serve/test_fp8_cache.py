@@ -28,10 +28,9 @@ from triton_dilated import (PagedDilatedKVCache, block_sparse_attention_naive, b
 from triton_dilated.ops.block_sparse import decode_kernels as bs_kernels
 from triton_dilated.ops.common.kvcache import FP8_MAX, quantise_fp8
 from triton_dilated.ops.dilated import decode_kernels as dl_kernels
-from conftest import DEVICE, capture_cuda_graph
-from reference import seeded
-from test_decode import check_forward
-from test_with_kvcache import HostSync, _paged, _unpage, no_host_sync
+from tests.conftest import DEVICE, capture_cuda_graph
+from tests.helpers.reference import seeded
+from tests.helpers.serve_checks import HostSync, check_forward, no_host_sync, page_pools as _paged, unpage as _unpage
 
 FP8 = torch.float8_e4m3fn
 U = 2.0 ** -4          # e4m3: 3 mantissa bits, round to nearest: relative error <= 2^-4 for normals
@@ -62,7 +61,7 @@ def _fp8_cache(B, Nk, Hkv, D, lengths, seed, scale=1.0):
 
 
 def _paged_fp8(k8, v8, page_size):
-    """test_with_kvcache._paged for fp8 caches (through float32, exact): shuffled pages, spare
+    """serve_checks.page_pools for fp8 caches (through float32, exact): shuffled pages, spare
     pages NaN."""
     pool_k, pool_v, table = _paged(k8.float(), v8.float(), page_size)
     return pool_k.to(FP8), pool_v.to(FP8), table

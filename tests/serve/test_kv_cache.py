@@ -11,8 +11,8 @@ import torch
 
 from triton_dilated import DilatedKVCache, dilated_attention, dilated_attention_naive
 from triton_dilated.ops.dilated.cache import decode_rows_bound, window_start
-from conftest import DEVICE
-from reference import FLOOR, assert_rule, dense_reference, dilated_serve, multiplicity, seeded
+from tests.conftest import DEVICE
+from tests.helpers.reference import FLOOR, assert_rule, dense_reference, dilated_serve, multiplicity, seeded
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from triton_dilated import DilatedKVCache, PagedDilatedKVCache, dilated_attention_naive
-from conftest import DEVICE
-from reference import seeded
+from tests.conftest import DEVICE
+from tests.helpers.reference import seeded
 
 WS, RS = [16, 32, 64], [1, 2, 4]
 H, HKV, D, PAGE = 4, 2, 8, 16

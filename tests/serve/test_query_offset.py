@@ -14,46 +14,11 @@ from hypothesis import given, settings, strategies as st
 from triton_dilated import (block_sparse_attention, block_sparse_attention_naive,
                             block_sparse_attention_with_kvcache, dilated_attention, dilated_attention_naive,
                             dilated_attention_with_kvcache, layouts)
-from conftest import DEVICE
-from reference import FLOOR, assert_rule, block_sparse_serve, dilated_serve, seeded
+from tests.conftest import DEVICE
+from tests.helpers.reference import block_sparse_serve, dilated_serve, seeded
+from tests.helpers.serve_checks import check_against_definition as _check
 
 BACKENDS = ["torch", "triton"]
-
-
-def _definition(oracle, q, k, v, lengths):
-    """(out, lse) float64 of the last Nq positions of each row's prefix, by the oracle."""
-    B, Nq = q.shape[:2]
-    outs, lses = [], []
-    for b, n in enumerate(lengths):
-        qf = torch.cat([torch.zeros_like(q[b:b + 1, :1]).expand(1, n - Nq, -1, -1), q[b:b + 1]], dim=1)
-        out, lse = oracle(qf, k[b:b + 1, :n], v[b:b + 1, :n], n)
-        outs.append(out[:, n - Nq:])
-        lses.append(lse[:, :, n - Nq:])
-    return torch.cat(outs), torch.cat(lses)
-
-
-def _check(fn, oracle, q, k, v, lengths, dtype):
-    """Forward, lse and gradients of fn against the definition (same-dtype reference: the
-    definition computed in the test dtype through the same oracle code)."""
-    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
-    out, lse = fn(q, k, v)
-    ref_out, ref_lse = _definition(oracle, *(x.double() for x in (q, k, v)), lengths)
-    same_out, same_lse = _definition(oracle, q.float(), k.float(), v.float(), lengths)
-    floor = FLOOR[dtype]
-    assert_rule("out", out.float(), ref_out, same_out.float(), factor=2, floor=floor)
-    assert_rule("lse", lse.float(), ref_lse, same_lse.float(), factor=2, floor=floor)
-    g_out = seeded(out.shape, torch.float64, 7, out.device)
-    g_lse = seeded(lse.shape, torch.float64, 8, lse.device) * torch.isfinite(ref_lse)
-    grads = torch.autograd.grad((out.double() * g_out).sum() + (torch.nan_to_num(lse.double(), neginf=0) * g_lse)
-                                .sum(), (q, k, v))
-    qd, kd, vd = (x.detach().double().requires_grad_(True) for x in (q, k, v))
-    ro, rl = _definition(oracle, qd, kd, vd, lengths)
-    ref_grads = torch.autograd.grad((ro * g_out).sum() + (torch.nan_to_num(rl, neginf=0) * g_lse).sum(), (qd, kd, vd))
-    for name, g, r in zip("qkv", grads, ref_grads):
-        assert_rule(f"d{name}", g.double(), r, r.float().double(), factor=3, floor=floor * 10)
-        # key rows past every length get no gradient
-    for b, n in enumerate(lengths):
-        assert torch.all(grads[1][b, n:] == 0) and torch.all(grads[2][b, n:] == 0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

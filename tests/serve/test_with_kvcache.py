@@ -18,20 +18,16 @@
 """
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from triton_dilated import (block_sparse_attention_naive, block_sparse_attention_with_kvcache, dilated_attention_naive,
                             dilated_attention_with_kvcache, layouts)
-from triton_dilated.ops.block_sparse import decode_kernels as bs_kernels, serve as bs_serve
-from triton_dilated.ops.common import decode_kernels as common_kernels
-from triton_dilated.ops.dilated import decode_kernels as dl_kernels, serve as dl_serve
-from conftest import DEVICE, capture_cuda_graph
-from reference import seeded
-from test_decode import check_forward
+from triton_dilated.ops.block_sparse import serve as bs_serve
+from triton_dilated.ops.dilated import serve as dl_serve
+from tests.conftest import DEVICE, capture_cuda_graph
+from tests.helpers.reference import seeded
+from tests.helpers.serve_checks import HostSync, check_forward, no_host_sync, page_pools as _paged, unpage as _unpage
 
 BACKENDS = ["torch", "triton"]
 WS, RS = [8, 16, 48], [1, 2, 4]
@@ -261,73 +257,6 @@ def test_portable_patterns_path_every_head_layout(mode, offsets):
 
 # ----------------------------------------------------------------------------- no host sync
 
-class HostSync(RuntimeError):
-    pass
-
-
-_GUARD = {"armed": False}
-_SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "_unique",
-             "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "item")
-
-
-class _NoSyncMode(TorchDispatchMode):
-    """Raises on the aten ops that read values on the host or size an output from values."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _GUARD["armed"] and func.overloadpacket.__name__ in _SYNC_OPS:
-            raise HostSync(f"host sync: aten.{func.overloadpacket.__name__}")
-        return func(*args, **(kwargs or {}))
-
-
-def _raiser(name, original):
-    def method(self, *args, **kwargs):
-        if _GUARD["armed"]:
-            raise HostSync(f"host sync: Tensor.{name}")
-        return original(self, *args, **kwargs)
-    return method
-
-
-class _Disarmed:
-    """A Triton kernel whose launch runs with the guard off (the interpreter reads tensors
-    on the host to run the kernel; a GPU launch does not)."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            _GUARD["armed"] = False
-            try:
-                return self.kernel[grid](*args, **kwargs)
-            finally:
-                _GUARD["armed"] = True
-        return launch
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    """Every host read of a tensor's values raises HostSync while armed."""
-    patches = [(torch.Tensor, name) for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__",
-                                                 "numpy")]
-    patches += [(mod, name) for mod, name in ((dl_kernels, "_dilated_decode_kernel"),
-                                              (bs_kernels, "_block_sparse_decode_kernel"),
-                                              (common_kernels, "_decode_merge_kernel"))]
-    saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
-    equal = torch.equal
-    try:
-        for obj, name, original in saved:
-            setattr(obj, name, _Disarmed(original) if obj is not torch.Tensor else _raiser(name, original))
-        torch.equal = _raiser("equal", equal)
-        with _NoSyncMode():
-            _GUARD["armed"] = True
-            yield
-    finally:
-        _GUARD["armed"] = False
-        torch.equal = equal
-        for obj, name, original in saved:
-            setattr(obj, name, original)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
 @pytest.mark.parametrize("paged", [False, True])
@@ -467,27 +396,6 @@ def test_opcheck_decode_ops(device):
 
 
 # ----------------------------------------------------------------------------- paged cache
-
-def _paged(k_cache, v_cache, page_size, spare=3, seed=0):
-    """The same rows as page pools (num_pages, page_size, Hkv, D), pages in a shuffled order
-    with `spare` NaN pages no row uses, and the block table int32 (B, capacity / page_size)."""
-    B, N, Hkv, D = k_cache.shape
-    per_row = -(-N // page_size)
-    order = torch.randperm(B * per_row + spare, generator=torch.Generator().manual_seed(seed))
-    table = order[:B * per_row].view(B, per_row).to(torch.int32).to(k_cache.device)
-    pools = []
-    for x in (k_cache, v_cache):
-        pool = torch.full((B * per_row + spare, page_size, Hkv, D), float("nan"), dtype=x.dtype, device=x.device)
-        padded = torch.cat([x, x.new_zeros(B, per_row * page_size - N, Hkv, D)], dim=1)
-        pool[table.long().flatten()] = padded.reshape(B * per_row, page_size, Hkv, D)
-        pools.append(pool)
-    return pools[0], pools[1], table
-
-
-def _unpage(pool, table):
-    """(B, capacity, Hkv, D): the rows of each batch row read back through the block table."""
-    return pool[table.long()].flatten(1, 2)
-
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", ["dilated", "block_sparse"])

@@ -11,8 +11,8 @@ from hypothesis import given, strategies as st
 from triton_dilated import (BlockLayout, block_sparse_attention, block_sparse_attention_naive, dilated_attention,
                             layouts)
 from triton_dilated.ops.block_sparse.naive import element_mask
-from conftest import DEVICE
-from reference import check_against_oracle, dense_reference, sdpa_reference, seeded
+from tests.conftest import DEVICE
+from tests.helpers.reference import check_against_oracle, dense_reference, sdpa_reference, seeded
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import DEVICE
-from reference import (FLOOR, assert_rule_all, block_sparse_serve, check_against_oracle, dense_reference, finite,
-                       max_err, seeded)
+from tests.conftest import DEVICE
+from tests.helpers.reference import (FLOOR, assert_rule_all, block_sparse_serve, check_against_oracle, dense_reference,
+                                     finite, max_err, seeded)
 from triton_dilated import (BlockLayout, block_sparse_attention, block_sparse_attention_naive,
                             block_sparse_attention_op, block_sparse_attention_with_kvcache, layouts)
 from triton_dilated.ops.common.window import WindowPredicate
@@ -411,7 +411,7 @@ def test_ring_attention_on_a_world_of_two():
     contiguous and zigzag shards, a union with a per-head random layout) and ulysses_attention
     (per-head layout slices): every rank's shard of out, lse and the gradients against the
     float64 oracle by the tolerance rule."""
-    from ring_worker import case_layout as ring_case_layout, loss_of, make_inputs, spawn_world, worker
+    from tests.helpers.ring_worker import case_layout as ring_case_layout, loss_of, make_inputs, spawn_world, worker
     from triton_dilated import shard
     world = 2
     results = spawn_world(worker, world, lambda queue: (RING_CASES, queue, None, 60), 400)

@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-from conftest import DEVICE
-from reference import check_against_oracle, dense_reference, seeded
+from tests.conftest import DEVICE
+from tests.helpers.reference import check_against_oracle, dense_reference, seeded
 from triton_dilated import BlockLayout, block_sparse_attention_naive, layouts
 from triton_dilated.ops.common.configs import INTERPRETER_CONFIG
 from triton_dilated.ops.block_sparse import kernels

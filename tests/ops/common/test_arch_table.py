@@ -11,6 +11,7 @@ import torch
 from triton_dilated.ops.common import configs
 from triton_dilated.ops.common import hardware
 from triton_dilated.ops.common.hardware import ARCH_TABLE, Arch, arch_facts, fake_arch
+from tests.helpers.paths import ROOT
 
 FAMILIES = ("dilated_fwd", "dilated_bwd", "block_sparse_fwd", "block_sparse_bwd", "ring_step_fwd", "ring_step_bwd")
 KERNELS = (None, "dilated_bwd_dkdv", "block_sparse_bwd_dkdv", "ring_step_bwd_dkdv", "dilated_decode",
@@ -133,7 +134,6 @@ def test_rocm_device_picks_the_compiled_spill_free_config(monkeypatch, clear_arc
     committed AOT compile of the AMD defaults compiled (perf/aot/, `perf aot --arch gfx942
     gfx950`), and that compile has no VGPR spill, no scratch and fits the arch's LDS."""
     import csv
-    import pathlib
 
     from triton_dilated.perf.aot import KERNELS
     name = gcn.split(":")[0]
@@ -141,7 +141,7 @@ def test_rocm_device_picks_the_compiled_spill_free_config(monkeypatch, clear_arc
     _fake_device(monkeypatch, "6.4", major=9, minor=4 if name == "gfx942" else 5, gcnArchName=gcn,
                  shared_memory_per_block_optin=lds)
     monkeypatch.setattr(configs, "load_arch_table", lambda arch_name: {})   # no tuned table: the defaults
-    path = pathlib.Path(__file__).resolve().parents[1] / AMD_DEFAULTS_CSV
+    path = ROOT / AMD_DEFAULTS_CSV
     with open(path) as f:
         rows = [r for r in csv.DictReader(f) if r["arch"] == name and int(r["D"]) <= 128]
     seen = set()
@@ -166,9 +166,8 @@ DTYPE_LABELS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 def _all_archs_rows(dtype):
     import csv
-    import pathlib
     label = DTYPE_LABELS[dtype]
-    with open(pathlib.Path(__file__).resolve().parents[1] / ALL_ARCHS_CSV.format(label)) as f:
+    with open(ROOT / ALL_ARCHS_CSV.format(label)) as f:
         rows = list(csv.DictReader(f))
     assert rows and all(r["dtype"] == label for r in rows)
     return rows
@@ -215,12 +214,11 @@ def test_sm100_defaults_are_the_compiled_spill_free_ones(monkeypatch, clear_arch
     spill-prone case), and that compile has no spill, tcgen05 MMAs in every tile kernel and
     fits 227 KiB (the tcgen05 rows of configs.ARCH_DEFAULTS where the Hopper tiles spilled)."""
     import csv
-    import pathlib
 
     from triton_dilated.perf.aot import KERNELS
     _fake_device(monkeypatch, None, major=10, minor=0, shared_memory_per_block_optin=227 * 1024)
     monkeypatch.setattr(configs, "load_arch_table", lambda arch_name: {})   # no tuned table: the defaults
-    with open(pathlib.Path(__file__).resolve().parents[1] / SM100_DEFAULTS_CSV) as f:
+    with open(ROOT / SM100_DEFAULTS_CSV) as f:
         rows = [r for r in csv.DictReader(f) if r["arch"] == "sm100" and int(r["D"]) <= 128]
     for r in rows:
         cfg = configs.select_config(KERNELS[r["kernel"]].family, torch.bfloat16, int(r["D"]), 8192,

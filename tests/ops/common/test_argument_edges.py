@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from reference import FLOOR, assert_rule, seeded
+from tests.helpers.reference import FLOOR, assert_rule, seeded
 from triton_dilated import block_sparse_attention, dilated_attention, layouts, shard
 from triton_dilated.modules import DilatedAttention, MultiheadDilatedAttention
 from triton_dilated.ops.dilated.naive import dilated_attention_naive

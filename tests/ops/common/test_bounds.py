@@ -18,8 +18,8 @@ from triton_dilated import block_sparse_attention, dilated_attention, layouts
 from triton_dilated.ops.dilated.patterns import head_offsets
 from triton_dilated.ops.ring.mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask
 from triton_dilated.ops.ring.step_kernels import step_backward, step_forward
-from conftest import DEVICE
-from reference import seeded
+from tests.conftest import DEVICE
+from tests.helpers.reference import seeded
 
 PAD = (3, 1, 8)   # NaN frame on (sequence, head, head dim), before and after
 

@@ -11,7 +11,7 @@ from triton_dilated import block_sparse_attention, dilated_attention, layouts
 from triton_dilated import block_sparse_attention_op, dilated_attention_op
 from triton_dilated.ops.block_sparse import interface as block_sparse_interface
 from triton_dilated.ops.dilated import interface as dilated_interface
-from reference import seeded
+from tests.helpers.reference import seeded
 
 PATHS = ["torch", "triton"]
 WS, RS = [16, 32], [1, 2]

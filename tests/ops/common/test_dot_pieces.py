@@ -19,9 +19,10 @@ from triton_dilated.ops.common.hardware import ARCH_TABLE
 from triton_dilated.ops.common.kernels import dot
 from triton_dilated.ops.dilated import kernels as dilated_kernels
 from triton_dilated.ops.ring import step_kernels
-from conftest import DEVICE
-from reference import check_against_oracle, dense_reference
-from test_ring import MASK_DILATED, MASK_LAYOUT, check_step_kernel_against_oracle
+from triton_dilated.ops.ring.mask import MASK_DILATED, MASK_LAYOUT
+from tests.conftest import DEVICE
+from tests.helpers.reference import check_against_oracle, dense_reference
+from tests.helpers.ring_checks import check_step_kernel_against_oracle
 
 
 @triton.jit

@@ -13,8 +13,8 @@ import re
 
 import pytest
 import torch
-from conftest import DEVICE
-from ring_faults_worker import run_world
+from tests.conftest import DEVICE
+from tests.helpers.ring_faults_worker import run_world
 
 from triton_dilated import block_sparse_attention, dilated_attention, layouts
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import ast
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "triton_dilated"
+from tests.helpers.paths import ROOT
+
+PACKAGE = ROOT / "triton_dilated"
 MAX_PARAMETERS = 45
 # constexpr values that compiled every kernel once per value (now HAS_* booleans + run-time values)
 VALUE_CONSTEXPRS = {"SOFTCAP", "WINDOW", "SINK_TOKENS"}

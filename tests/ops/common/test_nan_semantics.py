@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from conftest import DEVICE
+from tests.conftest import DEVICE
 from triton_dilated import BlockLayout, block_sparse_attention, dilated_attention
 from triton_dilated.ops.block_sparse.naive import block_sparse_attention_naive, element_mask
 from triton_dilated.ops.common.lse import masked_attention_with_lse, merge_partials

@@ -14,14 +14,15 @@ import textwrap
 import pytest
 import torch
 
-from reference import FLOOR, assert_rule, dense_reference, multiplicity, seeded
+from tests.helpers.paths import ROOT
+from tests.helpers.reference import FLOOR, assert_rule, dense_reference, multiplicity, seeded
 from triton_dilated import (BlockLayout, DilatedAttention, block_sparse_attention, block_sparse_attention_naive,
                             dilated_attention, dilated_attention_naive, layouts)
 from triton_dilated.ops.block_sparse import portable as bs_portable
 from triton_dilated.ops.block_sparse.naive import element_mask
 from triton_dilated.ops.common import lse as lse_mod
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(ROOT)
 
 
 # ----------------------------------------------------------------------------- double backward

@@ -22,9 +22,9 @@ from triton_dilated.ops.block_sparse.naive import element_mask
 from triton_dilated.ops.dilated.naive import dilated_multiplicity
 from triton_dilated.ops.dilated.patterns import head_offsets
 from triton_dilated.ops.dilated.plan import build_items, key_unit_triples, query_unit_triples
-from conftest import DEVICE
-from reference import (FLOOR, _run, assert_rule, assert_rule_all, block_sparse_serve, dense_reference, dilated_serve,
-                       finite, max_err, seeded)
+from tests.conftest import DEVICE
+from tests.helpers.reference import (FLOOR, _run, assert_rule, assert_rule_all, block_sparse_serve, dense_reference,
+                                     dilated_serve, finite, max_err, seeded)
 
 BACKENDS = ["triton", "torch"]
 # the interpreter gets bfloat16 tl.dot wrong (DESIGN §10): bfloat16 kernels on a GPU only

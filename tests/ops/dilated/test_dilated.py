@@ -18,9 +18,9 @@ from triton_dilated import dilated_attention, dilated_attention_naive
 from triton_dilated.ops.dilated.naive import dilated_multiplicity
 from triton_dilated.ops.dilated.patterns import head_offsets
 from triton_dilated.ops.dilated.plan import build_items, key_unit_triples, query_unit_triples
-from conftest import DEVICE
-from reference import (FLOOR, assert_rule, check_against_oracle, dense_reference, dilated_serve, finite, max_err,
-                       sdpa_reference, seeded)
+from tests.conftest import DEVICE
+from tests.helpers.reference import (FLOOR, assert_rule, check_against_oracle, dense_reference, dilated_serve, finite,
+                                     max_err, sdpa_reference, seeded)
 
 BACKENDS = ["triton", "torch"]
 # the interpreter gets bfloat16 tl.dot wrong (DESIGN §10): bfloat16 kernels on a GPU only
@@ -501,7 +501,7 @@ def test_both_loop_structures_chunked_prefill(flat_loop, causal):
     """Queries shorter than keys with ragged lengths through the serve door (chunked prefill,
     a query window: the plan holds only the tiles of the last Nq rows of each row's keys)
     against the definition."""
-    from test_query_offset import _check
+    from tests.helpers.serve_checks import check_against_definition as _check
     ws, rs, lengths = [32, 64, 96], [1, 1, 3], [96, 71]
     q = seeded((2, 24, 2, 16), torch.float32, 1, DEVICE)
     k = seeded((2, 96, 1, 16), torch.float32, 2, DEVICE)

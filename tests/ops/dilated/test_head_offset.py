@@ -11,8 +11,8 @@ from hypothesis import given, strategies as st
 
 from triton_dilated import dilated_attention, dilated_attention_naive, dilated_attention_op
 from triton_dilated.ops.dilated.naive import dilated_multiplicity
-from conftest import DEVICE
-from reference import FLOOR, check_against_oracle, dense_reference, dilated_serve, finite, max_err, seeded
+from tests.conftest import DEVICE
+from tests.helpers.reference import FLOOR, check_against_oracle, dense_reference, dilated_serve, finite, max_err, seeded
 
 SCHEMES = [("longnet", "modulo"), ("longnet", "blocked"), ("head_groups", "modulo")]
 

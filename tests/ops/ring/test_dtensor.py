@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from dtensor_worker import seq_order, worker
-from reference import FLOOR, assert_rule_all
-from ring_worker import spawn_world
-from test_ring import case_references
+from tests.helpers.dtensor_worker import seq_order, worker
+from tests.helpers.reference import FLOOR, assert_rule_all
+from tests.helpers.ring_checks import case_references
+from tests.helpers.ring_worker import spawn_world
 
 C = dict(B=1, N=48, D=8)
 SEQ1, SEQ2 = ["seq"], ["seq", "seq"]

@@ -23,10 +23,10 @@ from triton_dilated.ops.ring import step_portable
 from triton_dilated.ops.ring.documents import DocPositions, position_pairs
 from triton_dilated.ops.ring.mask import MASK_DENSE, MASK_DILATED, StepMask
 from triton_dilated.ops.ring.shard import shard_positions
-from conftest import DEVICE
-from reference import FLOOR, assert_rule_all, dense_reference
-from ring_worker import case_layout, loss_of, make_inputs
-from test_ring import compare_ranks, run_world
+from tests.conftest import DEVICE
+from tests.helpers.reference import FLOOR, assert_rule_all, dense_reference
+from tests.helpers.ring_checks import compare_ranks, run_world
+from tests.helpers.ring_worker import case_layout, loss_of, make_inputs
 
 # documents: empty ones, some spanning the ranks' shards, boundaries inside segments of 8
 A = [0, 5, 5, 23, 40, 48]
@@ -384,7 +384,7 @@ def test_portable_step_with_random_documents_against_oracle(data):
 
 
 def test_documents_that_differ_or_are_invalid_raise_on_every_rank():
-    from ring_worker import documents_errors_worker, spawn_world
+    from tests.helpers.ring_worker import documents_errors_worker, spawn_world
     results = spawn_world(documents_errors_worker, 2, lambda queue: (queue,), 300)
     assert sorted(results) == [0, 1]
     errs = {rank: payload for rank, (status, payload) in results.items()}

@@ -19,8 +19,8 @@ import textwrap
 
 import pytest
 import torch
-from conftest import DEVICE
-from ring_faults_worker import run_world
+from tests.conftest import DEVICE
+from tests.helpers.ring_faults_worker import run_world
 
 from triton_dilated import (
     BlockLayout,

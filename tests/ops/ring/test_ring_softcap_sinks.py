@@ -17,10 +17,10 @@ from triton_dilated.ops.dilated.naive import dilated_multiplicity
 from triton_dilated.ops.dilated.patterns import head_offsets
 from triton_dilated.ops.ring import step_portable
 from triton_dilated.ops.ring.mask import MASK_DENSE, MASK_DILATED, MASK_LAYOUT, StepMask
-from conftest import DEVICE
-from reference import FLOOR, assert_rule, assert_rule_all, dense_reference
-from ring_worker import case_layout, case_sinks, loss_of, make_inputs
-from test_ring import run_step_shards, run_world
+from tests.conftest import DEVICE
+from tests.helpers.reference import FLOOR, assert_rule, assert_rule_all, dense_reference
+from tests.helpers.ring_checks import run_step_shards, run_world
+from tests.helpers.ring_worker import case_layout, case_sinks, loss_of, make_inputs
 
 R = dict(B=1, N=48, D=8, sink_logits=True)
 CASES = [
