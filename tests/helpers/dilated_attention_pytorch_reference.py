@@ -1,6 +1,6 @@
 """A transcription of dilated-attention-pytorch's `DilatedAttention` and
 `MultiheadDilatedAttention` (github.com/fkodom/dilated-attention-pytorch,
-dilated_attention_pytorch/dilated_attention.py, commit 87cda75), for tests/test_compat.py.
+dilated_attention_pytorch/dilated_attention.py, commit 87cda75), for tests/modules/test_compat.py.
 
 Written from that file, not from triton_dilated: the same head slices, `rearrange`
 patterns, offsets and the two normalisations (each group's output divided by its sum over

@@ -1,5 +1,5 @@
 """The pages (README.md, docs/*.md) and their Python snippets: one way to find them and one
-way to run them, for tests/test_dev.py (the README's quick start) and tests/test_docs.py
+way to run them, for tests/repo/test_dev.py (the README's quick start) and tests/repo/test_docs.py
 (every snippet of docs/ marked runnable).
 
 A ```python block directly below `<!-- runnable -->` is run as a script, as a reader would
@@ -13,7 +13,7 @@ what the block needs:
                                           (RANK, WORLD_SIZE, MASTER_ADDR, ...)
 
 A ```python block that is not run sits below `<!-- not run: why -->`, so every block of a
-page says which it is (tests/test_docs.py checks that)."""
+page says which it is (tests/repo/test_docs.py checks that)."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""Workers for tests/test_dtensor.py (imported by the spawned gloo processes):
+"""Workers for tests/ops/ring/test_dtensor.py (imported by the spawned gloo processes):
 sequence_parallel_attention on DTensors over 1-D and 2-D DeviceMeshes, and its argument
 errors."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Workers for tests/test_engines.py (imported by the spawned gloo processes): a tiny random
+"""Workers for tests/integrations/test_engines.py (imported by the spawned gloo processes): a tiny random
 Llama with attn_implementation="triton_dilated" trained for a few SGD steps under DeepSpeed
 ALST Ulysses (UlyssesSPAttentionHF through integrations.deepspeed.register_ulysses, batches
 sharded by DeepSpeed's UlyssesSPDataLoaderAdapter); and the one-process run it must equal."""

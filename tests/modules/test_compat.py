@@ -1,5 +1,5 @@
 """compat="dilated-attention-pytorch" (issue 14): DilatedAttention and MultiheadDilatedAttention
-against a transcription of that library's forward (tests/dilated_attention_pytorch_reference.py,
+against a transcription of that library's forward (tests/helpers/dilated_attention_pytorch_reference.py,
 float64 oracle; the same transcription in float32 is the same-dtype reference of the tolerance
 rule), forward and backward, after load_state_dict(strict=True) of its weights; the shapes
 compat mode refuses; that library's argument names (softmax_scale, attention_dropout,

@@ -278,6 +278,18 @@ def test_pages_dev_commands_exist():
         assert re.search(rf"^\s*(\w+\|)*{cmd}(\|\w+)*\)", dev, re.MULTILINE), f"./dev has no {cmd!r} command"
 
 
+
+def test_paths_under_tests_that_pages_and_scripts_name_exist():
+    """Issue 31 item 6 moved every test file: each tests/... path that the pages, ./dev,
+    pyproject.toml, the CI script, perf/gpu_check.sh or the tests themselves name exists."""
+    sources = [*PAGES, ROOT / "dev", ROOT / "pyproject.toml", ROOT / ".ci" / "run", ROOT / "perf" / "gpu_check.sh",
+               *sorted((ROOT / "tests").rglob("*.py"))]
+    named = {(src, path) for src in sources if src.is_file()
+             for path in re.findall(r"(?<![\w/.-])tests/(?:\w+/)*\w+(?:\.py)?", src.read_text())}
+    assert any(path.endswith(".py") for _, path in named), "no page names a test file"
+    missing = sorted(f"{src.relative_to(ROOT)}: {path}" for src, path in named if not (ROOT / path).exists())
+    assert not missing, "\n".join(missing)
+
 def test_readme_install_lines_quote_extras_and_name_no_pypi_package():
     """zsh globs an unquoted `.[hf]`; there is no package on PyPI, so every install is from the clone."""
     installs = [ln.strip() for ln in section(README_TEXT, "Install").splitlines() if "pip install" in ln]

@@ -1,6 +1,6 @@
 """The snippets of docs/*.md: every ```python block marked runnable runs as written (on this
 machine's device: the CPU here), and every other one says why it is not run
-(tests/doc_snippets.py: the marks and how a block runs)."""
+(tests/helpers/doc_snippets.py: the marks and how a block runs)."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +16,7 @@ def test_every_python_block_of_the_docs_is_marked():
     # DESIGN.md is a copy of the team's contract (shared/DESIGN.md): its blocks are signatures, kept as written
     unmarked = [f"{page.relative_to(ROOT)}:{b['line']}" for page, b in BLOCKS
                 if b["mark"] is None and page.name != "DESIGN.md"]
-    assert not unmarked, ("mark these blocks `<!-- runnable -->` (tests/test_docs.py runs them) or "
+    assert not unmarked, ("mark these blocks `<!-- runnable -->` (tests/repo/test_docs.py runs them) or "
                           f"`<!-- not run: why -->`: {unmarked}")
     assert all(b["arg"] for _, b in BLOCKS if b["mark"] == "not run"), "a `not run` mark says why"
     assert len(RUNNABLE) >= 9          # the pages' runnable snippets today; a lost mark fails here

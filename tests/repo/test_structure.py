@@ -1,6 +1,7 @@
 """The package's shape (DESIGN §9), checked: it imports and runs without triton, only the
 kernel files import triton, imports run downward (common imports no variant, no variant
-imports another's kernel file) and there is no import cycle."""
+imports another's kernel file) and there is no import cycle. And the tests' shape: folders
+that mirror the package, shared code in tests/helpers only."""
 from __future__ import annotations
 
 import ast
@@ -11,6 +12,7 @@ import sys
 from tests.helpers.paths import ROOT
 
 PACKAGE = ROOT / "triton_dilated"
+TESTS = ROOT / "tests"
 KERNEL_FILES = {"ops/common/kernels.py", "ops/dilated/kernels.py", "ops/block_sparse/kernels.py",
                 "ops/ring/step_kernels.py", "ops/common/decode_kernels.py", "ops/dilated/decode_kernels.py",
                 "ops/block_sparse/decode_kernels.py"}
@@ -143,3 +145,32 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [m])
     assert not cycles, "\n".join(cycles)
+
+
+# the tests' folders named after a package folder (beside them: serve/, modules/, repo/, helpers/)
+MIRRORED = ("ops/dilated", "ops/block_sparse", "ops/ring", "ops/common", "integrations", "perf")
+
+
+def test_tests_mirror_the_package_and_share_code_through_helpers_only():
+    """Issue 31 item 6: the test modules live in sub-folders (three at least, none at tests/
+    itself), those under ops/ and the mirrored ones named after a package folder; every folder
+    is a package (modules of the same name in two folders stay distinct); no test module
+    imports another: code the tests share lives in tests/helpers, which holds no test module
+    and imports none."""
+    modules = sorted(TESTS.rglob("test_*.py"))
+    folders = {path.parent.relative_to(TESTS).as_posix() for path in modules}
+    assert "." not in folders, [path.name for path in modules if path.parent == TESTS]
+    assert len(folders) >= 3, folders
+    assert not [f for f in folders if f == "helpers" or f.startswith("helpers/")], folders
+    for folder in MIRRORED + tuple(f for f in folders if f.startswith("ops/")):
+        assert folder in folders and (PACKAGE / folder).is_dir(), f"tests/{folder} mirrors no package folder"
+    sources = sorted(TESTS.rglob("*.py"))
+    folders_of_code = {d for path in sources for d in [path.parent, *path.parent.parents] if d == TESTS or TESTS in d.parents}
+    assert sorted(str(d.relative_to(ROOT)) for d in folders_of_code if not (d / "__init__.py").is_file()) == []
+    offenders = []
+    for path in sources:
+        for mod, line in _imports(path):
+            if mod.rsplit(".", 1)[-1].startswith("test_") or \
+                    (mod.startswith("tests.") and not mod.startswith(("tests.helpers", "tests.conftest"))):
+                offenders.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
+    assert not offenders, "\n".join(offenders)

@@ -7,7 +7,7 @@ The independent definition every check ends at: transformers' own
 `sliding_window_causal_mask_function` (masking_utils), OR'd with the sink tokens, evaluated on
 the dense (N x N) grid, joined with the other layout's dense element mask for unions
 (`definition`). The oracle is checked against it (dense_reference in float64), the kernels and
-paths against the oracle by the tolerance rule (tests/reference.py), forward and backward.
+paths against the oracle by the tolerance rule (tests/helpers/reference.py), forward and backward.
 """
 from __future__ import annotations
 

@@ -189,7 +189,7 @@ def test_bad_tma_switch_is_a_value_error(value):
 
 # WARP_SPEC (issue 20 item 4): the full-block loop as tl.range(..., warp_specialize=True), on
 # the descriptor loads (Triton partitions only those). The interpreter runs it as a plain loop
-# (what the compiler makes of it is checked by `perf aot`: tests/test_aot.py).
+# (what the compiler makes of it is checked by `perf aot`: tests/perf/test_aot.py).
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", CASES[:2] + CASES[3:], ids=lambda c: "N{}-bs{}-h{}x{}-d{}-{}x{}".format(*c))

@@ -2,7 +2,7 @@
 logit per query head joining every row's denominator, no value) on dilated and block-sparse
 attention, both backends, against the float64 oracles (issue 23 items 1-2).
 
-Every comparison applies tests/reference.py's tolerance rule to out, lse and the gradients of
+Every comparison applies tests/helpers/reference.py's tolerance rule to out, lse and the gradients of
 a loss through both (dq, dk, dv and, with sinks, d sinks); the same-dtype reference is dense
 attention over the case's multiplicities with the cap and the sinks (reference.dense_reference),
 which is also the independent float64 definition the oracles are checked against.

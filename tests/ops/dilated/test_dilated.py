@@ -1,6 +1,6 @@
 """Dilated attention, both backends against the float64 oracle `dilated_attention_naive`:
 "triton" (the fused kernels; Triton's interpreter on CPU, compiled on CUDA) and "torch" (the
-portable PyTorch path). Every comparison is tests/reference.py's check_against_oracle: out,
+portable PyTorch path). Every comparison is tests/helpers/reference.py's check_against_oracle: out,
 lse and the gradients of a loss through both, by the tolerance rule, and the rows without
 keys. The oracle itself is checked against the dense definition of DESIGN §3 (the
 multiplicity matrix), and that matrix against a derivation written here independently.
