@@ -4,7 +4,7 @@
 #
 #   perf/gpu_check.sh OUTDIR              on the GPU machine
 #   perf/gpu_check.sh --dry-run OUTDIR    every stage's logic on a CPU: tiny shapes, Triton's
-#                                         interpreter, no GPU needed (tests/test_gpu_check.py)
+#                                         interpreter, no GPU needed (tests/repo/test_gpu_check.py)
 #
 # The most valuable numbers first; each stage under its own `timeout`, writing its rows as it
 # goes (a failing or slow stage never stops the next). Stage limits add up to 440 s (+ 5 s
@@ -85,7 +85,7 @@ if [ "$DRY" = 1 ]; then
   RING_ARGS=("${SHAPE[@]}" --worlds 2 --ulysses-backend torch)
   DECODE_ARGS=(--contexts 128 --batch 1 2 --heads 1 --head-dim 16 --dtype float32 --budget 0.05
                --providers dilated dilated_kvcache dilated_kvcache_paged_fp8 dilated_kvcache_graph sdpa_dense)
-  TEST_ARGS=(tests/test_perf.py -k "plan_cli")
+  TEST_ARGS=(tests/perf/test_perf.py -k "plan_cli")
   SCALE=${GPU_CHECK_DRY_SCALE:-4}      # the interpreter on a shared CPU: longer limits
 else
   unset TRITON_INTERPRET
@@ -99,7 +99,8 @@ else
   # CPU-only suites (the gloo ring processes, notebooks, the ahead-of-time compile) run in CI:
   # not here, where the ring children would fall back to the slow interpreter and the real
   # compiles make the AOT one redundant. The ring step kernels do run here.
-  TEST_ARGS=(tests --ignore=tests/test_notebooks.py --ignore=tests/test_aot.py --ignore=tests/test_gpu_check.py
+  TEST_ARGS=(tests --ignore=tests/repo/test_notebooks.py --ignore=tests/perf/test_aot.py
+             --ignore=tests/repo/test_gpu_check.py
              -m "not gloo" -k "not (ring_matches_oracle or memory_falls or failing_rank or sequence_parallel)")
   SCALE=1
 fi

@@ -59,22 +59,22 @@ def triton_version():
 
 # The quick subset (`./dev quick`, `pytest -m quick`): each variant's float64-oracle test once, on the
 # Triton kernels (the interpreter here) and the portable path, chosen for time (under 5 minutes on the
-# 2-core machine; README: Tests). tests/test_dev.py checks that every id still names a test.
+# 2-core machine; README: Tests). tests/repo/test_dev.py checks that every id still names a test.
 QUICK = (
     # dilated attention (training door): a ragged tail with dilation on the kernels, the scaled-down
     # LongNet schedule in float16 on the portable path
-    "tests/test_dilated.py::test_matches_oracle_examples[triton-ragged-tail-dilated-fp32-causal]",
-    "tests/test_dilated.py::test_matches_oracle_examples[torch-longnet-schedule-scaled-down-fp16-causal]",
+    "tests/ops/dilated/test_dilated.py::test_matches_oracle_examples[triton-ragged-tail-dilated-fp32-causal]",
+    "tests/ops/dilated/test_dilated.py::test_matches_oracle_examples[torch-longnet-schedule-scaled-down-fp16-causal]",
     # block-sparse: random per-head layouts, ragged N, GQA, empty rows, both backends (hypothesis)
-    "tests/test_block_sparse.py::test_matches_oracle",
+    "tests/ops/block_sparse/test_block_sparse.py::test_matches_oracle",
     # ring step: the step kernel alone (dilated mask, causal) against the oracle, no processes
-    "tests/test_ring.py::test_step_kernel_alone_against_oracle[True-1]",
+    "tests/ops/ring/test_ring.py::test_step_kernel_alone_against_oracle[True-1]",
     # decode (serve path, portable): one query row against the definition, both variants (hypothesis)
-    "tests/test_decode.py::test_dilated_decode_matches_the_definition[torch]",
-    "tests/test_decode.py::test_block_sparse_decode_matches_the_definition[torch]",
+    "tests/serve/test_decode.py::test_dilated_decode_matches_the_definition[torch]",
+    "tests/serve/test_decode.py::test_block_sparse_decode_matches_the_definition[torch]",
     # with_kvcache (the serve doors): a one-token append, the decode kernels, both variants
-    "tests/test_with_kvcache.py::test_with_kvcache_matches_the_oracle[1-dilated-triton]",
-    "tests/test_with_kvcache.py::test_with_kvcache_matches_the_oracle[1-block_sparse-triton]",
+    "tests/serve/test_with_kvcache.py::test_with_kvcache_matches_the_oracle[1-dilated-triton]",
+    "tests/serve/test_with_kvcache.py::test_with_kvcache_matches_the_oracle[1-block_sparse-triton]",
 )
 
 

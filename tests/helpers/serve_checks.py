@@ -1,0 +1,163 @@
+"""The serve tests' shared checks (tests/serve/, and the integrations that drive the serve
+doors): queries at the end of longer keys against the definition (the float64 oracle on each
+row's prefix, the queries placed last), a cache's contiguous rows as shuffled page pools and
+back, and a guard that raises on every host read of a tensor's values."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from triton_dilated.ops.block_sparse import decode_kernels as bs_kernels
+from triton_dilated.ops.common import decode_kernels as common_kernels
+from triton_dilated.ops.dilated import decode_kernels as dl_kernels
+from tests.helpers.reference import FLOOR, assert_rule, seeded
+
+
+# ----------------------------------------------------------------------------- queries shorter than keys
+
+def definition(oracle, q, k, v, lengths):
+    """(out, lse) float64 of the last Nq positions of each row's prefix, by the oracle."""
+    B, Nq = q.shape[:2]
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        qf = torch.cat([torch.zeros_like(q[b:b + 1, :1]).expand(1, n - Nq, -1, -1), q[b:b + 1]], dim=1)
+        out, lse = oracle(qf, k[b:b + 1, :n], v[b:b + 1, :n], n)
+        outs.append(out[:, n - Nq:])
+        lses.append(lse[:, :, n - Nq:])
+    return torch.cat(outs), torch.cat(lses)
+
+
+def check_against_definition(fn, oracle, q, k, v, lengths, dtype):
+    """Forward, lse and gradients of fn against the definition (same-dtype reference: the
+    definition computed in the test dtype through the same oracle code)."""
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    out, lse = fn(q, k, v)
+    ref_out, ref_lse = definition(oracle, *(x.double() for x in (q, k, v)), lengths)
+    same_out, same_lse = definition(oracle, q.float(), k.float(), v.float(), lengths)
+    floor = FLOOR[dtype]
+    assert_rule("out", out.float(), ref_out, same_out.float(), factor=2, floor=floor)
+    assert_rule("lse", lse.float(), ref_lse, same_lse.float(), factor=2, floor=floor)
+    g_out = seeded(out.shape, torch.float64, 7, out.device)
+    g_lse = seeded(lse.shape, torch.float64, 8, lse.device) * torch.isfinite(ref_lse)
+    grads = torch.autograd.grad((out.double() * g_out).sum() + (torch.nan_to_num(lse.double(), neginf=0) * g_lse)
+                                .sum(), (q, k, v))
+    qd, kd, vd = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ro, rl = definition(oracle, qd, kd, vd, lengths)
+    ref_grads = torch.autograd.grad((ro * g_out).sum() + (torch.nan_to_num(rl, neginf=0) * g_lse).sum(), (qd, kd, vd))
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert_rule(f"d{name}", g.double(), r, r.float().double(), factor=3, floor=floor * 10)
+        # key rows past every length get no gradient
+    for b, n in enumerate(lengths):
+        assert torch.all(grads[1][b, n:] == 0) and torch.all(grads[2][b, n:] == 0)
+
+
+def check_forward(out, lse, q, k, v, lengths, oracle):
+    """out, lse against the definition (float64) with the float32 definition as the same-dtype
+    reference; rows without a key exactly 0."""
+    clean = [x.clone() for x in (k, v)]
+    for b, n in enumerate(lengths):   # the oracle slices rows [0, n): the NaN rows are never read
+        clean[0][b, n:] = 0
+        clean[1][b, n:] = 0
+    ref_out, ref_lse = definition(oracle, q.double(), clean[0].double(), clean[1].double(), lengths)
+    same_out, same_lse = definition(oracle, q.float(), clean[0].float(), clean[1].float(), lengths)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    floor = FLOOR[q.dtype]
+    assert_rule("out", out.float(), ref_out, same_out.float(), factor=2, floor=floor)
+    assert_rule("lse", lse, ref_lse, same_lse.float(), factor=2, floor=floor)
+    empty = torch.isinf(ref_lse).transpose(1, 2)
+    assert (out[empty] == 0).all(), "queries without a key must output exactly 0"
+
+
+# ----------------------------------------------------------------------------- no host sync
+
+class HostSync(RuntimeError):
+    pass
+
+
+_GUARD = {"armed": False}
+_SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "_unique",
+             "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "item")
+
+
+class _NoSyncMode(TorchDispatchMode):
+    """Raises on the aten ops that read values on the host or size an output from values."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _GUARD["armed"] and func.overloadpacket.__name__ in _SYNC_OPS:
+            raise HostSync(f"host sync: aten.{func.overloadpacket.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+def _raiser(name, original):
+    def method(self, *args, **kwargs):
+        if _GUARD["armed"]:
+            raise HostSync(f"host sync: Tensor.{name}")
+        return original(self, *args, **kwargs)
+    return method
+
+
+class _Disarmed:
+    """A Triton kernel whose launch runs with the guard off (the interpreter reads tensors
+    on the host to run the kernel; a GPU launch does not)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _GUARD["armed"] = False
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                _GUARD["armed"] = True
+        return launch
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Every host read of a tensor's values raises HostSync while armed."""
+    patches = [(torch.Tensor, name) for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__",
+                                                 "numpy")]
+    patches += [(mod, name) for mod, name in ((dl_kernels, "_dilated_decode_kernel"),
+                                              (bs_kernels, "_block_sparse_decode_kernel"),
+                                              (common_kernels, "_decode_merge_kernel"))]
+    saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
+    equal = torch.equal
+    try:
+        for obj, name, original in saved:
+            setattr(obj, name, _Disarmed(original) if obj is not torch.Tensor else _raiser(name, original))
+        torch.equal = _raiser("equal", equal)
+        with _NoSyncMode():
+            _GUARD["armed"] = True
+            yield
+    finally:
+        _GUARD["armed"] = False
+        torch.equal = equal
+        for obj, name, original in saved:
+            setattr(obj, name, original)
+
+
+# ----------------------------------------------------------------------------- paged cache
+
+def page_pools(k_cache, v_cache, page_size, spare=3, seed=0):
+    """The same rows as page pools (num_pages, page_size, Hkv, D), pages in a shuffled order
+    with `spare` NaN pages no row uses, and the block table int32 (B, capacity / page_size)."""
+    B, N, Hkv, D = k_cache.shape
+    per_row = -(-N // page_size)
+    order = torch.randperm(B * per_row + spare, generator=torch.Generator().manual_seed(seed))
+    table = order[:B * per_row].view(B, per_row).to(torch.int32).to(k_cache.device)
+    pools = []
+    for x in (k_cache, v_cache):
+        pool = torch.full((B * per_row + spare, page_size, Hkv, D), float("nan"), dtype=x.dtype, device=x.device)
+        padded = torch.cat([x, x.new_zeros(B, per_row * page_size - N, Hkv, D)], dim=1)
+        pool[table.long().flatten()] = padded.reshape(B * per_row, page_size, Hkv, D)
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+def unpage(pool, table):
+    """(B, capacity, Hkv, D): the rows of each batch row read back through the block table."""
+    return pool[table.long()].flatten(1, 2)
