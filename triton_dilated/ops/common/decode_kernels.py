@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .hardware import device_arch, get_arch, padded_head_dim
 from .kernels import LOG2E, tanh
-from .runtime import on_tensor_device
+from .runtime import last_dim_contiguous, on_tensor_device
 
 MIN_KEYS_PER_SPLIT = 64
 MERGE_CHUNK: tl.constexpr = tl.constexpr(16)   # splits the merge kernel reads per step
@@ -57,19 +57,14 @@ def fp8_operands(k, v, mode: int):
     return (k.view(torch.uint8), v.view(torch.uint8)) if mode == 2 else (k, v)
 
 
-def kernel_lengths(lengths, device) -> torch.Tensor:
-    """The per-row lengths as the decode kernels read them: int32 (B,), contiguous, on `device`.
-    The kernels load LENS + b, so a strided or expanded tensor (cache_seqlens[::2], a
-    stride-0 expand) would read the wrong rows, or past the tensor."""
-    return lengths.to(device=device, dtype=torch.int32).contiguous()
-
-
 @triton.jit
-def decode_program(Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                   NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr):
+def decode_program(Q, K, V, LENS, lens_add, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb,
+                   stride_vh, NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """What a decode program works on: batch row b, query row `row`, head h (also as int64),
-    split; the row's length and the query's position p = length - NUM_ROWS + row; its query
+    split; the row's length LENS[b] + lens_add (the rows a fused append adds: the serve doors
+    pass cache_seqlens and Nnew, no add op per call) and the query's position
+    p = length - NUM_ROWS + row; its query
     (float32, (BLOCK_D,)) and the [1, BLOCK_D] bases of its key head's K and V rows: of its
     batch row in a contiguous cache, of the page pool in a paged one (PAGE_SIZE > 0: then
     stride_kb, stride_vb step from page to page; fold_run). Heads vary fastest over the
@@ -81,7 +76,7 @@ def decode_program(Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, st
     b = (pid // (NUM_HEADS * NUM_SPLITS * NUM_ROWS)).to(tl.int64)
     h64 = h.to(tl.int64)
     kvh = (h // HEAD_GROUP).to(tl.int64)
-    length = tl.load(LENS + b)
+    length = tl.load(LENS + b) + lens_add
     p = length - NUM_ROWS + row
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -271,9 +266,115 @@ def decode_buffers(q, splits: int):
 @on_tensor_device
 def merge_splits(out, lse, parts, splits: int, num_warps: int = 4):
     """Combine the partials of decode_buffers into out and lse (nothing to do for one split)."""
-    if splits == 1:
-        return out, lse
+    if splits > 1:
+        merge_launch(out, lse, parts, splits, num_warps)
+    return out, lse
+
+
+def merge_launch(out, lse, parts, splits: int, num_warps: int = 4) -> None:
+    """merge_splits' launch for several splits, with q's CUDA device already current."""
     B, Nq, Hq, D = out.shape
     _decode_merge_kernel[(B * Nq * Hq,)](parts, out, lse, Nq, Hq, splits, HEAD_DIM=D, BLOCK_D=padded_head_dim(D),
                                          num_warps=num_warps)
-    return out, lse
+
+
+# ----------------------------------------------------------------------------- the fused append
+
+@triton.jit
+def e4m3_bits(y):
+    """float32 y with |y| <= 448 or NaN -> its float8_e4m3fn byte (int32), bit for bit as
+    c10's fp8e4m3fn_from_fp32_value (torch's .to(float8_e4m3fn)): round to nearest-even; a
+    magnitude below 2^-6 (subnormal) rounds through the float add |y| + 2^14, whose ulp is
+    e4m3's subnormal step 2^-9; NaN becomes S.1111.111."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 128
+    mag = bits & 0x7FFFFFFF
+    sub = (mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+    norm = (mag - (120 << 23) + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+    out = tl.where(mag < (121 << 23), sub, norm)
+    return tl.where(mag >= (1087 << 20), 127, out) | sign
+
+
+@triton.jit
+def _append_rows_kernel(K_CACHE, V_CACHE, K, V, LENS, BLOCK_TABLE, K_DESCALE, V_DESCALE,
+                        stride_ckb, stride_ckn, stride_ckh, stride_cvb, stride_cvn, stride_cvh,
+                        stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_btb,
+                        NUM_NEW, NUM_KV_HEADS, CAPACITY, NUM_PAGES,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                        KV_FP8: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program per (batch row b, new row j, key/value head h): k[b, j, h], v[b, j, h]
+    written at row LENS[b] + j of the cache (through the block table for a page pool), into
+    an FP8 cache (KV_FP8 > 0: the caches as bytes) quantised as kvcache.quantise_fp8 does:
+    x / descale[h] in float32 (div_rn: IEEE division, as torch's), saturated to +-448, a
+    non-finite x kept NaN, e4m3_bits. A batch row whose rows do not lie in [0, CAPACITY), or
+    (paged) one of whose pages lies outside [0, NUM_PAGES), writes nothing (kvcache.append_rows)."""
+    pid = tl.program_id(0)
+    h = (pid % NUM_KV_HEADS).to(tl.int64)
+    j = (pid // NUM_KV_HEADS) % NUM_NEW
+    b = (pid // (NUM_KV_HEADS * NUM_NEW)).to(tl.int64)
+    start = tl.load(LENS + b).to(tl.int64)
+    ok = (start >= 0) & (start + NUM_NEW <= CAPACITY)
+    start = tl.where(ok, start, 0)
+    row = start + j
+    if PAGE_SIZE > 0:   # every page the batch row's new rows use must lie in the pool
+        bt = BLOCK_TABLE + b * stride_btb
+        last = tl.where(ok, (start + NUM_NEW - 1) // PAGE_SIZE, -1)   # -1: no page checked
+        for p0 in range(start // PAGE_SIZE, last + 1, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            page = tl.load(bt + p, mask=p <= last, other=0)
+            ok = ok & (tl.sum(((p <= last) & ((page < 0) | (page >= NUM_PAGES))).to(tl.int32), 0) == 0)
+        page = tl.load(bt + row // PAGE_SIZE).to(tl.int64)   # in the table: row < NUM_NEW <= CAPACITY when not ok
+        dst_k = page * stride_ckb + (row % PAGE_SIZE) * stride_ckn + h * stride_ckh
+        dst_v = page * stride_cvb + (row % PAGE_SIZE) * stride_cvn + h * stride_cvh
+    else:
+        dst_k = b * stride_ckb + row * stride_ckn + h * stride_ckh
+        dst_v = b * stride_cvb + row * stride_cvn + h * stride_cvh
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    k = tl.load(K + b * stride_kb + j * stride_kn + h * stride_kh + d, mask=d_ok, other=0.0)
+    v = tl.load(V + b * stride_vb + j * stride_vn + h * stride_vh + d, mask=d_ok, other=0.0)
+    if KV_FP8 > 0:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+        ks = tl.math.div_rn(k, tl.full([BLOCK_D], 1.0, tl.float32) * tl.load(K_DESCALE + h))
+        vs = tl.math.div_rn(v, tl.full([BLOCK_D], 1.0, tl.float32) * tl.load(V_DESCALE + h))
+        # saturate (NaN stays NaN), then x * 0: NaN exactly where x is not finite
+        ks = tl.where(ks != ks, ks, tl.minimum(tl.maximum(ks, -448.0), 448.0)) + k * 0.0
+        vs = tl.where(vs != vs, vs, tl.minimum(tl.maximum(vs, -448.0), 448.0)) + v * 0.0
+        k, v = e4m3_bits(ks).to(tl.uint8), e4m3_bits(vs).to(tl.uint8)
+    write = d < tl.where(ok, HEAD_DIM, 0)   # no element of a row that writes nothing
+    tl.store(K_CACHE + dst_k + d, k, mask=write)
+    tl.store(V_CACHE + dst_v + d, v, mask=write)
+
+
+class AppendLaunch:
+    """The Triton append (one launch for keys and values; kvcache.append_kv) planned for the
+    shapes of k_cache (a cache, or a page pool with block_table) and k (B, Nnew, Hkv, D);
+    `run` launches it with a call's tensors."""
+
+    def __init__(self, k_cache, k, block_table=None):
+        B, n, Hkv, D = k.shape
+        paged = block_table is not None
+        self.fp8 = k_cache.dtype == torch.float8_e4m3fn
+        self.grid = (B * n * Hkv,)
+        self.sizes = dict(NUM_NEW=n, NUM_KV_HEADS=Hkv,
+                          CAPACITY=k_cache.shape[1] * block_table.shape[1] if paged else k_cache.shape[1],
+                          NUM_PAGES=k_cache.shape[0] if paged else 0,
+                          HEAD_DIM=D, BLOCK_D=padded_head_dim(D), PAGE_SIZE=k_cache.shape[1] if paged else 0,
+                          KV_FP8=int(self.fp8), BLOCK_P=16, num_warps=1)
+
+    def run(self, k_cache, v_cache, k, v, lengths, block_table=None, k_descale=None, v_descale=None) -> None:
+        """lengths: int32 (B,) contiguous on the caches' device (kvcache.kernel_lengths); caches
+        with a unit stride on the head dim. Nothing is read on the host."""
+        if not self.grid[0]:
+            return
+        if self.fp8:   # bytes: the kernel encodes e4m3 itself (e4m3_bits), on every device
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        ck, cv, sk, sv = k_cache.stride(), v_cache.stride(), k.stride(), v.stride()
+        if sk[3] != 1 or sv[3] != 1:
+            k, v = last_dim_contiguous(k), last_dim_contiguous(v)
+            sk, sv = k.stride(), v.stride()
+        bt = lengths if block_table is None else block_table   # not read when contiguous (PAGE_SIZE = 0)
+        _append_rows_kernel[self.grid](
+            k_cache, v_cache, k, v, lengths, bt, k_descale if self.fp8 else lengths,
+            v_descale if self.fp8 else lengths, ck[0], ck[1], ck[2], cv[0], cv[1], cv[2], sk[0], sk[1], sk[2],
+            sv[0], sv[1], sv[2], bt.stride(0), **self.sizes)

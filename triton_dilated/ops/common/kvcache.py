@@ -25,11 +25,17 @@ float32, which is the attention over the dequantised rows.
 """
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from .first_order import needs_grad
-from .op_support import resolve_path
+from .op_support import check_path, lazy_module, resolve_path
 from .validation import check_bool, check_lengths_tensor
+
+_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
 
 MAX_DECODE_QUERIES = 16   # = decode.DECODE_MAX_QUERIES: longer query blocks are chunked prefill
 FP8_DTYPE = torch.float8_e4m3fn
@@ -214,19 +220,124 @@ def append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_desca
     return cache_seqlens + n
 
 
+# ----------------------------------------------------------------------------- plans
+
+class PlanCache:
+    """Serve plans keyed by what their checks and tables read (serve_key), built at a key's
+    first call: a bounded dict, the oldest plan dropped first. `builds` counts the plans built."""
+
+    def __init__(self, size: int = 256):
+        self.plans, self.size, self.builds = {}, size, 0
+
+    def get(self, key, build):
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = build()
+            if len(self.plans) >= self.size:
+                del self.plans[next(iter(self.plans))]
+            self.plans[key] = plan
+            self.builds += 1
+        return plan
+
+    def clear(self) -> None:
+        self.plans.clear()
+
+
+_PLAIN = frozenset((bool, int, float, str, type(None)))   # immutable values a key may hold
+
+
+def serve_key(tensors, lists, scalars):
+    """A serve call's plan key: each tensor's (shape, dtype, device) (what the argument checks
+    read of it; None stays None), the integer lists as tuples and the other keywords, with
+    every value's type (causal=1 must not find causal=True's plan: its check refuses it). None
+    (no plan kept) where a value is not a plain bool, int, float, str or None (a tensor or an
+    array could change in place), or a list not a list or tuple; on a CPU tensor the key holds
+    TRITON_INTERPRET, which decides the path there."""
+    key = [(x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else (x if x is None else type(x))
+           for x in tensors]
+    types = [*map(type, scalars)]
+    for x in lists:
+        if type(x) not in (list, tuple):
+            return None
+        key.append(tuple(x))
+        types += map(type, x)
+    if not _PLAIN.issuperset(types):
+        return None
+    key += (scalars, tuple(types))
+    if key[0][2].type == "cpu":
+        key.append(os.environ.get("TRITON_INTERPRET"))
+    return tuple(key)
+
+
+def kernel_lengths(lengths, device) -> torch.Tensor:
+    """The per-row lengths as the Triton kernels read them: int32 (B,), contiguous, on `device`.
+    The kernels load LENS + b, so a strided or expanded tensor (cache_seqlens[::2], a
+    stride-0 expand) would read the wrong rows, or past the tensor."""
+    return lengths.to(device=device, dtype=torch.int32).contiguous()
+
+
+def append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_descale=None, v_descale=None,
+              lens=None, launch=None, grads=None):
+    """Append k, v (None: nothing) at rows cache_seqlens[b] + j of the caches, in place, without
+    a host sync, as append_rows (rows out of range write nothing). On the Triton path, into
+    caches with a unit stride on the head dim and with nothing for autograd to record (grads:
+    needs_grad of the caches and rows, when the caller knows it; gradients through appended
+    rows take append_rows), the Triton append kernel (`lens`: cache_seqlens as kernel_lengths
+    gives it, `launch`: the AppendLaunch of these shapes, when the caller has them); else
+    append_rows' aten ops. Under torch.compile the mutating custom op
+    `triton_dilated::append_kv` (mutates k_cache, v_cache), so that the traced graph holds one
+    opaque in-place op rather than index_put_ on the cache, which functionalisation turns into
+    an out-of-place index_put (a copy of the whole cache) and a copy_ back."""
+    if k is None:
+        return
+    if grads is None:
+        grads = needs_grad(k_cache, v_cache, k, v)
+    if grads:
+        append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+    elif torch.compiler.is_compiling():
+        _append_kv_op(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, path)
+    elif path == "triton" and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1:
+        lens = kernel_lengths(cache_seqlens, k_cache.device) if lens is None else lens
+        launch = launch or plan_append(k_cache, k, block_table)
+        launch.run(k_cache, v_cache, k, v, lens, block_table, k_descale, v_descale)
+    else:
+        append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+
+
+def plan_append(k_cache, k, block_table=None):
+    """The Triton append planned for the shapes of k_cache and k (decode_kernels.AppendLaunch),
+    for append_kv's `launch`."""
+    return _kernels().AppendLaunch(k_cache, k, block_table)
+
+
+@torch.library.custom_op("triton_dilated::append_kv", mutates_args=("k_cache", "v_cache"))
+def _append_kv_op(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, cache_seqlens: Tensor,
+                  block_table: Optional[Tensor], k_descale: Optional[Tensor], v_descale: Optional[Tensor],
+                  path: str) -> None:
+    """append_kv's eager work, as one op that writes k_cache and v_cache in place."""
+    check_path(path)
+    append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+
+
+@_append_kv_op.register_fake
+def _(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, path):
+    return None
+
+
 def decode_step(what: str, q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, backend, families,
                 k_descale=None, v_descale=None):
     """What both serve doors do after checking their own arguments: pick the path
     (op_support.resolve_path: the same eager and under torch.compile), run the value checks
     when asked (always for chunked prefill, which reads the lengths anyway) and append k, v
-    (quantised into an FP8 cache). Returns (path, the lengths after the append, whether the
-    call decodes: serve_route)."""
+    (quantised into an FP8 cache; append_kv). Returns (path, the lengths after the append,
+    whether the call decodes: serve_route)."""
     path = resolve_path(backend, str(q.device), families, q.shape[-1], q.dtype)
     decodes = serve_route(q, path, k_cache, v_cache, k, v)
     if validate or not decodes:
         check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], capacity(k_cache, block_table),
                              block_table, k_cache.shape[0], (k_descale, v_descale))
-    return path, append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale), decodes
+    append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+    return path, cache_seqlens if k is None else cache_seqlens + k.shape[1], decodes
 
 
 def serve_route(q, path, *tensors) -> bool:

@@ -113,6 +113,17 @@ def on_tensor_device(launcher):
     return wrapper
 
 
+_NO_SWITCH = contextlib.nullcontext()
+
+
+def cuda_device(index):
+    """A context with CUDA device `index` current for a launch (None: a CPU tensor, nothing to
+    switch; the device already current: nothing either, the common case, at no cost)."""
+    if index is None or torch.cuda.current_device() == index:
+        return _NO_SWITCH
+    return torch.cuda.device(index)
+
+
 def dot_precision(float32: bool, vendor: str = "nvidia") -> str:
     """The kernels' tl.dot input_precision. float32 inputs use "tf32x3" (three tf32 products:
     float32-level accuracy on tensor cores; "ieee" would mean plain FMA loops and compiles of

@@ -18,11 +18,12 @@ import triton
 import triton.language as tl
 
 from ..common.configs import select_config
-from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, fp8_mode, fp8_operands,
-                                     kernel_lengths, kv_descales, merge_splits, num_splits, store_result)
+from ..common.decode_kernels import (decode_program, fold_run, fp8_mode, fp8_operands, kv_descales, merge_launch,
+                                     num_splits, store_result)
 from ..common.hardware import padded_head_dim
+from ..common.kvcache import kernel_lengths
 from ..common.kernels import softcap_terms
-from ..common.runtime import on_tensor_device
+from ..common.runtime import cuda_device, last_dim_contiguous, on_tensor_device
 
 CONFIG_FAMILY = "dilated_fwd"   # the family; tiles and warps: configs.KERNEL_DEFAULTS (not tuned)
 
@@ -46,14 +47,14 @@ def _pattern_run(p, length, w, r, o, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _dilated_decode_kernel(
-        Q, K, V, O, LSE, PARTS, LENS, PAT_W, PAT_R, PAT_OFF, BLOCK_TABLE, K_DESCALE, V_DESCALE,
+        Q, K, V, O, LSE, PARTS, LENS, lens_add, PAT_W, PAT_R, PAT_OFF, BLOCK_TABLE, K_DESCALE, V_DESCALE,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_btb, NUM_PAGES,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
-        Q, K, V, LENS, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+        Q, K, V, LENS, lens_add, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D, PAGE_SIZE)
     bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb: from page to page)
     k_scale, v_scale = kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8)   # FP8 cache: descales
@@ -107,38 +108,77 @@ def _pattern_tables(patterns, table, device):
     return as_dev([w for w, _ in patterns]), as_dev([r for _, r in patterns]), as_dev(table).reshape(-1)
 
 
+class DecodeLaunch:
+    """The decode step's launch planned once for its shapes (the serve door caches it per
+    schedule and shapes): config, splits, pattern tables on the device and every
+    launch argument that does not change between calls; `run` launches the decode kernel and
+    the split merge with the call's tensors."""
+
+    def __init__(self, q, k, patterns, table, call, *, max_pages: int = 0, max_length=None, splits=None,
+                 config=None):
+        """q, k: tensors of the call's shapes, dtypes and device (k: the cache, or the page pool
+        when max_pages, the block table's width, is not 0)."""
+        B, Nq, Hq, D = q.shape
+        Hkv = k.shape[2]
+        paged = max_pages > 0
+        self.B, self.Nq, self.Hq, self.D = B, Nq, Hq, D
+        self.cuda_index = q.device.index if q.device.type == "cuda" else None
+        page_size = k.shape[1] if paged else 0
+        cap = page_size * max_pages if paged else k.shape[1]
+        block_d = padded_head_dim(D)
+        cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, cap, q.device, kernel="dilated_decode")
+        longest = longest_key_list(patterns, table, max_length or cap)
+        self.splits = splits or num_splits(q.device, B * Nq * Hq, longest)
+        self.kv_fp8 = fp8_mode(k)
+        self.pat_w, self.pat_r, self.pat_off = _pattern_tables(patterns, table, q.device)
+        self.out_shape, self.lse_shape = (B, Nq, Hq, D), (B, Hq, Nq)
+        self.parts_numel = B * Nq * Hq * self.splits * (D + 2) if self.splits > 1 else 0
+        self.grid = (B * Nq * Hq * self.splits,)
+        self.num_pages = k.shape[0] if paged else 0
+        self.scalars = dict(NUM_ROWS=Nq, NUM_HEADS=Hq, HEAD_GROUP=Hq // Hkv, NUM_SPLITS=self.splits,
+                            sm_scale=call.scale)
+        self.constants = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=call.causal,
+                              BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page_size, KV_FP8=self.kv_fp8, **call.kernel_args(),
+                              num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+        self.merge_warps = cfg.get("num_warps", 4)
+
+    def run(self, q, k, v, lengths, lens_add=0, block_table=None, k_descale=None, v_descale=None):
+        """(out, lse) for q, k, v of the planned shapes; lengths int32 (B,) contiguous on q's
+        device (kvcache.kernel_lengths), lens_add the rows appended since they were counted.
+        A tensor without a unit stride on the head dim is copied (last_dim_contiguous)."""
+        device = q.device
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        parts = torch.empty(self.parts_numel, dtype=torch.float32, device=device) if self.splits > 1 else lse
+        if self.kv_fp8 == 2:
+            k, v = fp8_operands(k, v, 2)
+        bt = lengths if block_table is None else block_table   # not read when contiguous (PAGE_SIZE = 0)
+        sq, sk, sv = q.stride(), k.stride(), v.stride()
+        if sq[3] != 1 or sk[3] != 1 or sv[3] != 1:
+            q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+            sq, sk, sv = q.stride(), k.stride(), v.stride()
+        with cuda_device(self.cuda_index):
+            _dilated_decode_kernel[self.grid](
+                q, k, v, out, lse, parts, lengths, lens_add, self.pat_w, self.pat_r, self.pat_off, bt,
+                lengths if k_descale is None else k_descale, lengths if v_descale is None else v_descale,
+                sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt.stride(0), self.num_pages,
+                **self.scalars, **self.constants)
+            if self.splits > 1:
+                merge_launch(out, lse, parts, self.splits, self.merge_warps)
+        return out, lse
+
+
 @on_tensor_device
 def dilated_decode_forward(q, k, v, patterns, table, lengths, call, *, max_length=None, splits=None, config=None,
-                           block_table=None, k_descale=None, v_descale=None):
+                           block_table=None, k_descale=None, v_descale=None, lens_add: int = 0):
     """Dilated attention of q (B, Nq, Hq, D), the last Nq positions of each row's lengths[b]
-    (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with block_table
-    (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv, D). Returns
-    (out like q, lse float32 (B, Hq, Nq)). `splits`: the number of splits per query (default:
-    common.decode_kernels.num_splits); `max_length`: max(lengths) if known (else the capacity).
-    k, v float8_e4m3fn (an FP8 cache): k_descale, v_descale float32 (Hkv,) on q's device;
-    call: the AttentionCall (causal, scale, cap)."""
-    causal, scale = call.causal, call.scale
-    B, Nq, Hq, D = q.shape
-    Hkv = k.shape[2]
+    (+ lens_add; int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with
+    block_table (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv, D).
+    Returns (out like q, lse float32 (B, Hq, Nq)). `splits`: the number of splits per query
+    (default: common.decode_kernels.num_splits); `max_length`: max(lengths) if known (else the
+    capacity). k, v float8_e4m3fn (an FP8 cache): k_descale, v_descale float32 (Hkv,) on q's
+    device; call: the AttentionCall (causal, scale, cap). One DecodeLaunch, planned and run."""
     paged = block_table is not None
-    cap = k.shape[1] * block_table.shape[1] if paged else k.shape[1]
-    block_d = padded_head_dim(D)
-    cfg = config or select_config(CONFIG_FAMILY, q.dtype, block_d, cap, q.device, kernel="dilated_decode")
-    longest = longest_key_list(patterns, table, max_length or cap)
-    splits = splits or num_splits(q.device, B * Nq * Hq, longest)
-    out, lse, parts = decode_buffers(q, splits)
-    kv_fp8 = fp8_mode(k)
-    k, v = fp8_operands(k, v, kv_fp8)
-    pat_w, pat_r, pat_off = _pattern_tables(patterns, table, q.device)
-    lengths = kernel_lengths(lengths, q.device)
-    bt = block_table if paged else lengths       # not read when contiguous (PAGE_SIZE = 0)
-    _dilated_decode_kernel[(B * Nq * Hq * splits,)](
-        q, k, v, out, lse, parts, lengths, pat_w, pat_r, pat_off, bt,
-        lengths if k_descale is None else k_descale, lengths if v_descale is None else v_descale,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), bt.stride(0), k.shape[0] if paged else 0,
-        Nq, Hq, Hq // Hkv, splits, scale,
-        HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, BLOCK_N=cfg["BLOCK_N"],
-        PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, **call.kernel_args(),
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
-    return merge_splits(out, lse, parts, splits, num_warps=cfg.get("num_warps", 4))
+    plan = DecodeLaunch(q, k, patterns, table, call, max_pages=block_table.shape[1] if paged else 0,
+                        max_length=max_length, splits=splits, config=config)
+    return plan.run(q, k, v, kernel_lengths(lengths, q.device), lens_add, block_table, k_descale, v_descale)

@@ -15,16 +15,21 @@ on the host once.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import dataclasses
 
 import torch
-from torch import Tensor
 
-from ..common.kvcache import FP8_DTYPE, cache_view, check_kvcache_args, contiguous_rows, decode_step
+from ..common.kvcache import (FP8_DTYPE, PlanCache, append_kv, cache_view, capacity, check_kvcache_args,
+                              check_kvcache_values, contiguous_rows, kernel_lengths, plan_append, serve_key,
+                              serve_route)
+from ..common.op_support import lazy_module, resolve_path
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result
 from .interface import DECODE_FAMILIES, _dilated_decode, check_args, decode_table, padded_call
-from .patterns import head_table
+from .patterns import head_table, warn_if_heads_first
+
+_decode_kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
+
 
 def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
                                    segment_lengths, dilation_rates, causal=True, scale=None, mode="longnet",
@@ -74,40 +79,109 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
         Differentiable in eager mode (a decode step with gradients on the Triton path takes
         the training kernels: the decode kernel has no backward).
 
-    Under torch.compile it runs as the custom op `triton_dilated::dilated_decode` (either
-    backend), so `torch.compile(fullgraph=True)` traces a decode step once for every value
-    of cache_seqlens.
+    Under torch.compile it runs as the custom ops `triton_dilated::append_kv` (in place) and
+    `triton_dilated::dilated_decode` (either backend), so `torch.compile(fullgraph=True)` traces
+    a decode step once for every value of cache_seqlens.
+
+    Host time: what depends only on the schedule, the shapes, dtypes and devices and the
+    keywords (the argument checks, the pattern and offset tables, the launch configuration) is
+    checked and planned once per key (ServePlan, cached); a call then builds its key, appends
+    (the Triton path: one fused kernel) and launches.
     """
-    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale)
-    B = q.shape[0]
-    patterns, call, heads = check_args(q, cache_view(k_cache, block_table, B, q),
-                                       cache_view(v_cache, block_table, B, q),
-                                       segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
-                                       softcap, sinks, allow_shorter_q=True, head_offset=head_offset,
-                                       total_heads=total_heads)
-    Hq = q.shape[2]
-    path, lengths, decodes = decode_step("dilated_attention_with_kvcache", q, k_cache, v_cache, k, v,
-                                         cache_seqlens, block_table, validate, backend, DECODE_FAMILIES, k_descale,
-                                         v_descale)
-    if B == 0:
-        return call.finish(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
-                           return_lse)
-    if not decodes:
-        rows = [int(n) for n in lengths.tolist()]   # chunked prefill: one host read
-        k_rows = contiguous_rows(k_cache, block_table, max(rows), q.dtype, k_descale)
-        v_rows = contiguous_rows(v_cache, block_table, max(rows), q.dtype, v_descale)
+    args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks)
+    scalars = (causal, scale, mode, offsets, return_lse, backend, validate, head_offset, total_heads, softcap)
+    key = None
+    if not torch.compiler.is_compiling() and isinstance(q, torch.Tensor):   # traced: checked as traced, no cache
+        key = serve_key(args, (segment_lengths, dilation_rates), scalars)
+    if key is None:
+        return ServePlan(*args, segment_lengths, dilation_rates, *scalars)(*args)
+    return _PLANS.get(key, lambda: ServePlan(*args, segment_lengths, dilation_rates, *scalars))(*args)
 
-        def chunk(qq, kk, vv, batch_rows, n, first_row):
-            return padded_call(qq, kk, vv, first_row, patterns, call, mode=mode, offsets=offsets, backend=backend,
-                               heads=heads)
 
-        out, lse = run_with_query_offset(chunk, q, k_rows, v_rows, rows)
-    elif torch.compiler.is_compiling():
-        out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
-                                   [r for _, r in patterns], call.causal, call.scale, mode, offsets, *heads, path,
-                                   k_descale, v_descale, call.softcap)
-    else:
-        table = head_table(Hq, patterns, mode, offsets, *heads)
-        out, lse = decode_table(q, k_cache, v_cache, patterns, table, lengths, call, path=path,
-                                block_table=block_table, k_descale=k_descale, v_descale=v_descale)
-    return call.finish((out, lse), return_lse)
+_PLANS = PlanCache()
+
+
+class ServePlan:
+    """Everything a dilated serve call needs that depends only on its key (kvcache.serve_key:
+    the schedule, keywords, and the shapes, dtypes and devices of its tensors): the checked
+    patterns, AttentionCall and head slice, the path, the offset table and, on the Triton
+    path, the decode launch (DecodeLaunch, planned at the first decode). Built by checking the
+    arguments of a first call; `__call__` runs a call with the same key."""
+
+    def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks,
+                 segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse, backend, validate,
+                 head_offset, total_heads, softcap):
+        check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale)
+        B, Nq, Hq, D = q.shape
+        self.patterns, call, self.heads = check_args(q, cache_view(k_cache, block_table, B, q),
+                                                     cache_view(v_cache, block_table, B, q),
+                                                     segment_lengths, dilation_rates, causal, scale, mode, offsets,
+                                                     return_lse, softcap, sinks, allow_shorter_q=True,
+                                                     head_offset=head_offset, total_heads=total_heads)
+        self.call = call.without_sinks()   # a call's sinks join at its end (finish)
+        self.path = resolve_path(backend, str(q.device), DECODE_FAMILIES, D, q.dtype)
+        self.mode, self.offsets, self.backend, self.return_lse, self.validate = mode, offsets, backend, return_lse, \
+            validate
+        self.num_new = 0 if k is None else k.shape[1]
+        self.capacity = capacity(k_cache, block_table)
+        self.fp8 = k_cache.dtype == FP8_DTYPE
+        # the heads-first warning (patterns.warn_if_heads_first: check_args gave it to this first
+        # call) is given to every later call with this key too
+        self.heads_first = self.heads[1] > self.capacity > 0 and all(w >= self.capacity for w, _ in self.patterns)
+        self.fresh = True
+        self.table = None if torch.compiler.is_compiling() else head_table(Hq, self.patterns, mode, offsets,
+                                                                           *self.heads)
+        self.fast = self.path == "triton" and B > 0   # decode steps: decode_step
+        self.append = self.launch = None
+
+    def decode_step(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, call):
+        """(out, lse) of a decode step on the Triton path without gradients: the append (one
+        kernel) and the decode launch, planned at the first step. One length tensor serves both
+        kernels: the append writes at cache_seqlens, the decode reads cache_seqlens + Nnew rows
+        (lens_add: no add op)."""
+        lens = kernel_lengths(cache_seqlens, q.device)
+        if self.launch is None:
+            self.launch = _decode_kernels().DecodeLaunch(q, k_cache, self.patterns, self.table, call,
+                                                        max_pages=0 if block_table is None else block_table.shape[1])
+            self.append = None if k is None else plan_append(k_cache, k, block_table)
+        if k is not None:
+            append_kv(self.path, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, lens,
+                      self.append, grads=False)
+        return self.launch.run(q, k_cache, v_cache, lens, self.num_new, block_table, k_descale, v_descale)
+
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks):
+        if self.heads_first and not self.fresh:
+            warn_if_heads_first(self.patterns, self.capacity, self.heads[1])
+        self.fresh = False
+        call = self.call if sinks is None else dataclasses.replace(self.call, sinks=sinks)
+        n = self.num_new
+        compiling = torch.compiler.is_compiling()
+        decodes = serve_route(q, self.path, k_cache, v_cache, k, v)
+        if self.validate or not decodes:
+            check_kvcache_values(cache_seqlens, n, self.capacity, block_table, k_cache.shape[0], (k_descale, v_descale))
+        if self.fast and decodes and not compiling:
+            return call.finish(self.decode_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale,
+                                                v_descale, call), self.return_lse)
+        append_kv(self.path, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+        lengths = cache_seqlens + n if n else cache_seqlens
+        if q.shape[0] == 0:
+            return call.finish(empty_result(q, *((q, q) if self.fp8 else (k_cache, v_cache)), True), self.return_lse)
+        patterns, mode, offsets, heads = self.patterns, self.mode, self.offsets, self.heads
+        if not decodes:
+            rows = [int(n) for n in lengths.tolist()]   # chunked prefill: one host read
+            k_rows = contiguous_rows(k_cache, block_table, max(rows), q.dtype, k_descale)
+            v_rows = contiguous_rows(v_cache, block_table, max(rows), q.dtype, v_descale)
+
+            def chunk(qq, kk, vv, batch_rows, n, first_row):
+                return padded_call(qq, kk, vv, first_row, patterns, call, mode=mode, offsets=offsets,
+                                   backend=self.backend, heads=heads)
+
+            out, lse = run_with_query_offset(chunk, q, k_rows, v_rows, rows)
+        elif compiling:
+            out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
+                                       [r for _, r in patterns], call.causal, call.scale, mode, offsets, *heads,
+                                       self.path, k_descale, v_descale, call.softcap)
+        else:
+            out, lse = decode_table(q, k_cache, v_cache, patterns, self.table, lengths, call, path=self.path,
+                                    block_table=block_table, k_descale=k_descale, v_descale=v_descale)
+        return call.finish((out, lse), self.return_lse)
