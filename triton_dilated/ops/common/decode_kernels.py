@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .hardware import device_arch, get_arch, padded_head_dim
 from .kernels import LOG2E, tanh
-from .runtime import last_dim_contiguous, on_tensor_device
+from .runtime import on_tensor_device
 
 MIN_KEYS_PER_SPLIT = 64
 MERGE_CHUNK: tl.constexpr = tl.constexpr(16)   # splits the merge kernel reads per step
@@ -297,8 +297,9 @@ def e4m3_bits(y):
 
 @triton.jit
 def _append_rows_kernel(K_CACHE, V_CACHE, K, V, LENS, BLOCK_TABLE, K_DESCALE, V_DESCALE,
-                        stride_ckb, stride_ckn, stride_ckh, stride_cvb, stride_cvn, stride_cvh,
-                        stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_btb,
+                        stride_ckb, stride_ckn, stride_ckh, stride_ckd, stride_cvb, stride_cvn, stride_cvh, stride_cvd,
+                        stride_kb, stride_kn, stride_kh, stride_kd, stride_vb, stride_vn, stride_vh, stride_vd,
+                        stride_btb,
                         NUM_NEW, NUM_KV_HEADS, CAPACITY, NUM_PAGES,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                         KV_FP8: tl.constexpr, BLOCK_P: tl.constexpr):
@@ -331,8 +332,8 @@ def _append_rows_kernel(K_CACHE, V_CACHE, K, V, LENS, BLOCK_TABLE, K_DESCALE, V_
         dst_v = b * stride_cvb + row * stride_cvn + h * stride_cvh
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    k = tl.load(K + b * stride_kb + j * stride_kn + h * stride_kh + d, mask=d_ok, other=0.0)
-    v = tl.load(V + b * stride_vb + j * stride_vn + h * stride_vh + d, mask=d_ok, other=0.0)
+    k = tl.load(K + b * stride_kb + j * stride_kn + h * stride_kh + d * stride_kd, mask=d_ok, other=0.0)
+    v = tl.load(V + b * stride_vb + j * stride_vn + h * stride_vh + d * stride_vd, mask=d_ok, other=0.0)
     if KV_FP8 > 0:
         k, v = k.to(tl.float32), v.to(tl.float32)
         ks = tl.math.div_rn(k, tl.full([BLOCK_D], 1.0, tl.float32) * tl.load(K_DESCALE + h))
@@ -342,8 +343,8 @@ def _append_rows_kernel(K_CACHE, V_CACHE, K, V, LENS, BLOCK_TABLE, K_DESCALE, V_
         vs = tl.where(vs != vs, vs, tl.minimum(tl.maximum(vs, -448.0), 448.0)) + v * 0.0
         k, v = e4m3_bits(ks).to(tl.uint8), e4m3_bits(vs).to(tl.uint8)
     write = d < tl.where(ok, HEAD_DIM, 0)   # no element of a row that writes nothing
-    tl.store(K_CACHE + dst_k + d, k, mask=write)
-    tl.store(V_CACHE + dst_v + d, v, mask=write)
+    tl.store(K_CACHE + dst_k + d * stride_ckd, k, mask=write)
+    tl.store(V_CACHE + dst_v + d * stride_cvd, v, mask=write)
 
 
 class AppendLaunch:
@@ -363,18 +364,15 @@ class AppendLaunch:
                           KV_FP8=int(self.fp8), BLOCK_P=16, num_warps=1)
 
     def run(self, k_cache, v_cache, k, v, lengths, block_table=None, k_descale=None, v_descale=None) -> None:
-        """lengths: int32 (B,) contiguous on the caches' device (kvcache.kernel_lengths); caches
-        with a unit stride on the head dim. Nothing is read on the host."""
+        """lengths: int32 (B,) contiguous on the caches' device (kvcache.kernel_lengths); any
+        strides; an FP8 cache as float8_e4m3fn or already viewed as uint8. Nothing is read on
+        the host."""
         if not self.grid[0]:
             return
-        if self.fp8:   # bytes: the kernel encodes e4m3 itself (e4m3_bits), on every device
+        if self.fp8 and k_cache.dtype != torch.uint8:   # bytes: the kernel encodes e4m3 itself (e4m3_bits)
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        ck, cv, sk, sv = k_cache.stride(), v_cache.stride(), k.stride(), v.stride()
-        if sk[3] != 1 or sv[3] != 1:
-            k, v = last_dim_contiguous(k), last_dim_contiguous(v)
-            sk, sv = k.stride(), v.stride()
         bt = lengths if block_table is None else block_table   # not read when contiguous (PAGE_SIZE = 0)
         _append_rows_kernel[self.grid](
             k_cache, v_cache, k, v, lengths, bt, k_descale if self.fp8 else lengths,
-            v_descale if self.fp8 else lengths, ck[0], ck[1], ck[2], cv[0], cv[1], cv[2], sk[0], sk[1], sk[2],
-            sv[0], sv[1], sv[2], bt.stride(0), **self.sizes)
+            v_descale if self.fp8 else lengths, *k_cache.stride(), *v_cache.stride(), *k.stride(), *v.stride(),
+            bt.stride(0), **self.sizes)

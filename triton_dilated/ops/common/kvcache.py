@@ -279,8 +279,8 @@ def kernel_lengths(lengths, device) -> torch.Tensor:
 def append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_descale=None, v_descale=None,
               lens=None, launch=None, grads=None):
     """Append k, v (None: nothing) at rows cache_seqlens[b] + j of the caches, in place, without
-    a host sync, as append_rows (rows out of range write nothing). On the Triton path, into
-    caches with a unit stride on the head dim and with nothing for autograd to record (grads:
+    a host sync, as append_rows (rows out of range write nothing). On the Triton path, with
+    nothing for autograd to record (grads:
     needs_grad of the caches and rows, when the caller knows it; gradients through appended
     rows take append_rows), the Triton append kernel (`lens`: cache_seqlens as kernel_lengths
     gives it, `launch`: the AppendLaunch of these shapes, when the caller has them); else
@@ -296,7 +296,7 @@ def append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_d
         append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
     elif torch.compiler.is_compiling():
         _append_kv_op(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, path)
-    elif path == "triton" and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1:
+    elif path == "triton":
         lens = kernel_lengths(cache_seqlens, k_cache.device) if lens is None else lens
         launch = launch or plan_append(k_cache, k, block_table)
         launch.run(k_cache, v_cache, k, v, lens, block_table, k_descale, v_descale)
@@ -348,8 +348,9 @@ def serve_route(q, path, *tensors) -> bool:
     custom op; chunked prefill reads the lengths on the host, which fullgraph cannot trace)."""
     if torch.compiler.is_compiling():
         return True
-    return q.shape[1] <= MAX_DECODE_QUERIES and not (path == "triton" and needs_grad(q, *(t for t in tensors
-                                                                                             if t is not None)))
+    if q.shape[1] > MAX_DECODE_QUERIES:
+        return False
+    return path != "triton" or not needs_grad(q, *(t for t in tensors if t is not None))
 
 
 def contiguous_rows(cache, block_table, rows: int, dtype, descale=None):

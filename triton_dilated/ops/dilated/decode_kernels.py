@@ -121,7 +121,6 @@ class DecodeLaunch:
         B, Nq, Hq, D = q.shape
         Hkv = k.shape[2]
         paged = max_pages > 0
-        self.B, self.Nq, self.Hq, self.D = B, Nq, Hq, D
         self.cuda_index = q.device.index if q.device.type == "cuda" else None
         page_size = k.shape[1] if paged else 0
         cap = page_size * max_pages if paged else k.shape[1]
@@ -135,11 +134,10 @@ class DecodeLaunch:
         self.parts_numel = B * Nq * Hq * self.splits * (D + 2) if self.splits > 1 else 0
         self.grid = (B * Nq * Hq * self.splits,)
         self.num_pages = k.shape[0] if paged else 0
-        self.scalars = dict(NUM_ROWS=Nq, NUM_HEADS=Hq, HEAD_GROUP=Hq // Hkv, NUM_SPLITS=self.splits,
-                            sm_scale=call.scale)
-        self.constants = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=call.causal,
-                              BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page_size, KV_FP8=self.kv_fp8, **call.kernel_args(),
-                              num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+        self.sizes = dict(NUM_ROWS=Nq, NUM_HEADS=Hq, HEAD_GROUP=Hq // Hkv, NUM_SPLITS=self.splits, sm_scale=call.scale,
+                          HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=call.causal,
+                          BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page_size, KV_FP8=self.kv_fp8, **call.kernel_args(),
+                          num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
         self.merge_warps = cfg.get("num_warps", 4)
 
     def run(self, q, k, v, lengths, lens_add=0, block_table=None, k_descale=None, v_descale=None):
@@ -150,7 +148,7 @@ class DecodeLaunch:
         out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
         parts = torch.empty(self.parts_numel, dtype=torch.float32, device=device) if self.splits > 1 else lse
-        if self.kv_fp8 == 2:
+        if self.kv_fp8 == 2 and k.dtype != torch.uint8:   # (an FP8 cache's owner may pass it as bytes)
             k, v = fp8_operands(k, v, 2)
         bt = lengths if block_table is None else block_table   # not read when contiguous (PAGE_SIZE = 0)
         sq, sk, sv = q.stride(), k.stride(), v.stride()
@@ -162,7 +160,7 @@ class DecodeLaunch:
                 q, k, v, out, lse, parts, lengths, lens_add, self.pat_w, self.pat_r, self.pat_off, bt,
                 lengths if k_descale is None else k_descale, lengths if v_descale is None else v_descale,
                 sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt.stride(0), self.num_pages,
-                **self.scalars, **self.constants)
+                **self.sizes)
             if self.splits > 1:
                 merge_launch(out, lse, parts, self.splits, self.merge_warps)
         return out, lse

@@ -13,7 +13,10 @@ runs (one more for steps of several tokens).
 
 Host-side bookkeeping (Python ints, the free list) happens once per step in `begin`, which
 builds the block table and the lengths on the device; the attention of each layer then runs
-with no host sync.
+with no host sync. FlashInfer's plan/run shape: a step is planned once (the block table, the
+lengths, and at its first attend the serve door's plan: argument checks, tables, launch
+configuration, ops/dilated/serve.py ServePlan), and each layer's attend then runs that plan on
+the layer's pools: the append and decode launches and little else.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 
 from ..common.validation import check_int
 from .cache import decode_rows_bound, window_start
-from .serve import dilated_attention_with_kvcache
+from .serve import dilated_attention_with_kvcache, serve_plan
 from .patterns import check_patterns
 
 POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
@@ -40,10 +43,13 @@ class PagedStep:
         self.cache, self.seq_ids, self.num_new = cache, list(seq_ids), num_new
         self.block_table, self.cache_seqlens = block_table, cache_seqlens
         self.admissions = [cache.admission[s] for s in self.seq_ids]
+        self.evictions = cache.evictions   # unchanged: no sequence evicted since, the step is current
         self.done = False
+        self.plan, self.plan_key = None, None   # the serve plan of the layers' attends (attend)
 
     def _check_current(self, what: str) -> None:
-        """Host-side checks only (Python ints): no device sync."""
+        """Host-side checks only (Python ints): no device sync. (attend checks the admissions
+        only when a sequence was evicted since begin: `evictions` counts them.)"""
         if self.done:
             raise ValueError(f"{what}: this PagedStep has ended; call cache.begin for the next step")
         for s, admission in zip(self.seq_ids, self.admissions):
@@ -53,14 +59,29 @@ class PagedStep:
 
     def attend(self, q, k_new, v_new, layer: int = 0, **kwargs):
         """dilated_attention_with_kvcache of q (B, Nq, Hq, D) for this step's sequences, k_new,
-        v_new (B, num_new, Hkv, D) written into the pool of `layer` first."""
-        self._check_current("PagedStep.attend")
+        v_new (B, num_new, Hkv, D) written into the pool of `layer` first. The first attend
+        plans the step (the door's ServePlan); later layers with the same q, k_new, v_new
+        shapes, dtypes and devices and no keywords run that plan without a check."""
+        if self.done or self.cache.evictions != self.evictions:
+            self._check_current("PagedStep.attend")
         c = self.cache
-        descales = {} if c.k_descale is None else dict(k_descale=c.k_descale[layer], v_descale=c.v_descale[layer])
-        return dilated_attention_with_kvcache(q, c.k_pools[layer], c.v_pools[layer], k_new, v_new,
-                                              cache_seqlens=self.cache_seqlens, block_table=self.block_table,
-                                              segment_lengths=c.segment_lengths, dilation_rates=c.dilation_rates,
-                                              causal=True, mode=c.mode, offsets=c.offsets, **descales, **kwargs)
+        k_pool, v_pool = c.k_pools[layer], c.v_pools[layer]
+        k_descale, v_descale = c.layer_descales[layer]
+        args = (q, k_pool, v_pool, k_new, v_new, self.cache_seqlens, self.block_table, k_descale, v_descale, None)
+        if kwargs or not (isinstance(q, torch.Tensor) and isinstance(k_new, torch.Tensor) and
+                          isinstance(v_new, torch.Tensor)):
+            return dilated_attention_with_kvcache(*args[:5], cache_seqlens=self.cache_seqlens,
+                                                  block_table=self.block_table, segment_lengths=c.segment_lengths,
+                                                  dilation_rates=c.dilation_rates, causal=True, mode=c.mode,
+                                                  offsets=c.offsets, k_descale=k_descale, v_descale=v_descale,
+                                                  **kwargs)
+        key = (q.shape, q.dtype, q.device, k_new.shape, k_new.dtype, k_new.device, v_new.shape, v_new.dtype,
+               v_new.device)
+        if key != self.plan_key:
+            self.plan = serve_plan(args, c.segment_lengths, c.dilation_rates,
+                                   (True, None, c.mode, c.offsets, False, "auto", False, 0, None, 0.0))
+            self.plan_key = key
+        return self.plan(*args, c.byte_pools[layer])
 
     def end(self) -> None:
         """The step's tokens are written (every layer): advance the sequences."""
@@ -126,6 +147,12 @@ class PagedDilatedKVCache:
         self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.device = self.k_pools[0].device
         self.k_descale, self.v_descale = self._descales(dtype, num_layers, shape[2], k_descale, v_descale)
+        # each layer's (k_descale, v_descale) rows, (None, None) for a 16/32-bit pool: no indexing per attend
+        self.layer_descales = [(None, None) if self.k_descale is None else (self.k_descale[i], self.v_descale[i])
+                               for i in range(num_layers)]
+        # an FP8 pool's bytes, which the Triton kernels read and write (ServePlan.decode_step): no view per attend
+        self.byte_pools = [None if dtype != torch.float8_e4m3fn else (k.view(torch.uint8), v.view(torch.uint8))
+                           for k, v in zip(self.k_pools, self.v_pools)]
         # the dropped prefix: whole pages and a multiple of every segment length
         self.step = math.lcm(math.lcm(*self.segment_lengths), self.page_size)
         self.rows_bound = decode_rows_bound(self.segment_lengths)
@@ -136,6 +163,7 @@ class PagedDilatedKVCache:
         self.admission: dict = {}    # sequence -> a number unique to this admission (stale steps)
         self.open_steps: dict = {}   # sequence -> its PagedStep not yet ended
         self._admissions = 0
+        self.evictions = 0           # evictions so far (a step begun since is current)
 
     def _descales(self, dtype, num_layers, num_kv_heads, k_descale, v_descale):
         """(k, v) descales float32 (num_layers, Hkv) on the pools' device for an FP8 pool, else
@@ -189,6 +217,7 @@ class PagedDilatedKVCache:
     def evict(self, seq) -> None:
         """Drop a sequence; its pages go back to the pool."""
         self._known(seq)
+        self.evictions += 1
         self.free += reversed(self.pages.pop(seq))
         del self.base[seq], self.seen[seq], self.admission[seq]
         self.open_steps.pop(seq, None)   # that step is stale now (PagedStep checks its admissions)

@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from ..common.kvcache import (FP8_DTYPE, PlanCache, append_kv, cache_view, capacity, check_kvcache_args,
+from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_kv, cache_view, capacity, check_kvcache_args,
                               check_kvcache_values, contiguous_rows, kernel_lengths, plan_append, serve_key,
                               serve_route)
 from ..common.op_support import lazy_module, resolve_path
@@ -90,12 +90,20 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     """
     args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks)
     scalars = (causal, scale, mode, offsets, return_lse, backend, validate, head_offset, total_heads, softcap)
+    return serve_plan(args, segment_lengths, dilation_rates, scalars)(*args)
+
+
+def serve_plan(args, segment_lengths, dilation_rates, scalars) -> "ServePlan":
+    """The ServePlan of a dilated_attention_with_kvcache call (args: its tensors, q to sinks;
+    scalars: causal to softcap, in the door's order): from the cache when the call has a key,
+    else built (and the arguments checked) for this call alone (under torch.compile: checked as
+    traced)."""
     key = None
-    if not torch.compiler.is_compiling() and isinstance(q, torch.Tensor):   # traced: checked as traced, no cache
+    if not torch.compiler.is_compiling() and isinstance(args[0], torch.Tensor):
         key = serve_key(args, (segment_lengths, dilation_rates), scalars)
     if key is None:
-        return ServePlan(*args, segment_lengths, dilation_rates, *scalars)(*args)
-    return _PLANS.get(key, lambda: ServePlan(*args, segment_lengths, dilation_rates, *scalars))(*args)
+        return ServePlan(*args, segment_lengths, dilation_rates, *scalars)
+    return _PLANS.get(key, lambda: ServePlan(*args, segment_lengths, dilation_rates, *scalars))
 
 
 _PLANS = PlanCache()
@@ -131,37 +139,47 @@ class ServePlan:
         self.fresh = True
         self.table = None if torch.compiler.is_compiling() else head_table(Hq, self.patterns, mode, offsets,
                                                                            *self.heads)
-        self.fast = self.path == "triton" and B > 0   # decode steps: decode_step
+        # decode_step: a decode step (serve_route) on the Triton path, values unchecked (gradients: per call)
+        self.fast = self.path == "triton" and B > 0 and Nq <= MAX_DECODE_QUERIES and not validate
         self.append = self.launch = None
 
-    def decode_step(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, call):
+    def decode_step(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, call,
+                    byte_caches=None):
         """(out, lse) of a decode step on the Triton path without gradients: the append (one
         kernel) and the decode launch, planned at the first step. One length tensor serves both
         kernels: the append writes at cache_seqlens, the decode reads cache_seqlens + Nnew rows
-        (lens_add: no add op)."""
+        (lens_add: no add op). byte_caches: an FP8 cache's (k, v) viewed as uint8, kept by their
+        owner (PagedDilatedKVCache), which both kernels take without a view per call."""
         lens = kernel_lengths(cache_seqlens, q.device)
         if self.launch is None:
             self.launch = _decode_kernels().DecodeLaunch(q, k_cache, self.patterns, self.table, call,
                                                         max_pages=0 if block_table is None else block_table.shape[1])
             self.append = None if k is None else plan_append(k_cache, k, block_table)
-        if k is not None:
-            append_kv(self.path, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, lens,
-                      self.append, grads=False)
+        if byte_caches is not None:
+            k_cache, v_cache = byte_caches if self.launch.kv_fp8 == 2 else (k_cache, v_cache)
+        else:
+            byte_caches = (k_cache, v_cache)
+        if k is not None:   # (the Triton path without gradients: append_kv's Triton append)
+            self.append.run(*byte_caches, k, v, lens, block_table, k_descale, v_descale)
         return self.launch.run(q, k_cache, v_cache, lens, self.num_new, block_table, k_descale, v_descale)
 
-    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks):
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks,
+                 byte_caches=None):
+        """The call (its tensors as the door takes them; byte_caches: decode_step's)."""
         if self.heads_first and not self.fresh:
             warn_if_heads_first(self.patterns, self.capacity, self.heads[1])
         self.fresh = False
         call = self.call if sinks is None else dataclasses.replace(self.call, sinks=sinks)
-        n = self.num_new
         compiling = torch.compiler.is_compiling()
+        if self.fast and not compiling and not (torch.is_grad_enabled() and (
+                q.requires_grad or k_cache.requires_grad or v_cache.requires_grad or
+                k is not None and (k.requires_grad or v.requires_grad))):
+            return call.finish(self.decode_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale,
+                                                v_descale, call, byte_caches), self.return_lse)
+        n = self.num_new
         decodes = serve_route(q, self.path, k_cache, v_cache, k, v)
         if self.validate or not decodes:
             check_kvcache_values(cache_seqlens, n, self.capacity, block_table, k_cache.shape[0], (k_descale, v_descale))
-        if self.fast and decodes and not compiling:
-            return call.finish(self.decode_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale,
-                                                v_descale, call), self.return_lse)
         append_kv(self.path, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
         lengths = cache_seqlens + n if n else cache_seqlens
         if q.shape[0] == 0:
