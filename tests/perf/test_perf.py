@@ -736,12 +736,14 @@ def test_decode_sweep_batches_paged_fp8_graph_and_host_rows():
     assert len(err) == 9 and all(v == 0 for (b, n, p), v in err.items() if p == "dilated_kvcache_paged")
     assert all(0 < v < 0.1 for (b, n, p), v in err.items() if p.endswith("fp8"))
     assert {r["dtype"] for r in rows if r["provider"].endswith("fp8")} == {"float8_e4m3fn"}
-    # the CPU host rows (3 (B, N) x 4 serving steps) stub the Triton launches, which needs the
-    # kernels defined under the interpreter: the CPU suite's (conftest); a CUDA suite defined
-    # them compiled, and the sweep then writes none for CPU tensors (stubbed_launches)
+    # the CPU host rows (3 (B, N) x (4 serving steps + the aten-op unit)) stub the Triton
+    # launches, which needs the kernels defined under the interpreter: the CPU suite's
+    # (conftest); a CUDA suite defined them compiled, and the sweep then writes none for CPU
+    # tensors (stubbed_launches)
     stubbed = DEVICE == "cpu"
     host = [r for r in rows if r["metric"] == "host_ms"]
-    assert len(host) == (12 if stubbed else 0) and all(r["value"] > 0 and r["flags"].startswith("CPU") for r in host)
+    assert len(host) == (15 if stubbed else 0) and all(r["value"] > 0 and r["flags"].startswith("CPU") for r in host)
+    assert sum(r["provider"] == "aten_op" for r in host) == (3 if stubbed else 0)
     table = perf_decode.decode_table(rows)
     assert "batch 3 (CPU)" in table and "fp8: the quantisation error" in table
     assert ("launches stubbed" in table) == stubbed

@@ -70,12 +70,17 @@ def paths(variant, splits=None):
             stack.enter_context(_spy(bs_decode, "attend_key_lists", seen))
         if DEVICE == "cuda" or _interpreted():
             kernels = serve._decode_kernels()
-            stack.enter_context(_spy(kernels, f"{portable}_forward", seen))
+            if variant == "dilated":   # every dilated decode launch (the serve door's planned one too) runs it
+                stack.enter_context(_spy(kernels.DecodeLaunch, "run", seen))
+            else:
+                stack.enter_context(_spy(kernels, f"{portable}_forward", seen))
             if splits is not None:
                 stack.enter_context(_patch(kernels, "num_splits", lambda *a: splits))
+                stack.callback(dl_serve._PLANS.clear)   # plans built under the forced splits
+                dl_serve._PLANS.clear()                  # (and none built before them)
         yield seen
     names = {"run_with_query_offset": "general", portable: "portable", f"{portable}_forward": "triton",
-             "attend_key_lists": "gather", "attend_runs": "runs", "attend_patterns": "patterns"}
+             "run": "triton", "attend_key_lists": "gather", "attend_runs": "runs", "attend_patterns": "patterns"}
     seen[:] = [names[n] for n in seen]
 
 

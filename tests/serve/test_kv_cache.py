@@ -323,7 +323,7 @@ def test_decode_sweep_rows_and_table(tmp_path):
     # interpreter: so in the CPU suite (conftest sets TRITON_INTERPRET=1 first); a CUDA suite
     # defined them compiled, and the sweep writes no host rows for CPU tensors (stubbed_launches)
     serving = ("dilated_kvcache", "dilated_kvcache_paged", "dilated_kvcache_fp8", "dilated_kvcache_paged_fp8")
-    host_serving = serving if DEVICE == "cpu" else ()
+    host_serving = serving + ("aten_op",) if DEVICE == "cpu" else ()   # aten_op: the unit, one aten op
     assert len(written) == len(rows) == 2 * len(decode.PROVIDERS) + 2 * 3 + 2 * len(host_serving) + 3 * 3
     ms = {(r["N"], r["provider"]): r["value"] for r in written if r["metric"] == "ms"}
     assert set(ms) == {(n, p) for n in (64, 128) for p in decode.PROVIDERS}

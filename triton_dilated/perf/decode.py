@@ -22,9 +22,11 @@ Providers, all on one cache per (batch size, context) (transformers' layout (B, 
 
 Host time per call (metric host_ms, Python + launches): on a GPU, HOST_CALLS calls queued
 back to back (host_ms); on a CPU, for the dilated_kvcache providers, the Python from the call
-to the kernel launch with the launches stubbed out (the Triton path's launch path; Triton
+to the kernel launches with every launch stubbed out (the Triton path's launch path; Triton
 only decides interpreted or compiled when the kernels are defined, so this needs them
-undefined or interpreted: flag "CPU").
+undefined or interpreted: flag "CPU"), as the thread's CPU time, the least-disturbed of
+CPU_HOST_ROUNDS rounds, next to provider aten_op: one small aten op's host time measured the
+same way (the unit to read them in).
 
 A query at position t reads about sum(w / r) keys whatever N (4,267 for the LongNet schedule),
 so a decode path that reads only those keys has a flat time per token; dense decoding grows
@@ -36,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -55,7 +56,8 @@ PROVIDERS = ("dilated", "dilated_kvcache", "dilated_kvcache_paged", "dilated_kvc
 KVCACHE = {"dilated_kvcache": (False, False), "dilated_kvcache_paged": (True, False),
            "dilated_kvcache_fp8": (False, True), "dilated_kvcache_paged_fp8": (True, True)}
 HOST_CALLS = 20   # calls queued back to back for the host time (metric host_ms, GPU)
-CPU_HOST_CALLS = 200   # calls timed for the CPU launch path (host_ms, launches stubbed)
+CPU_HOST_CALLS = 40    # calls per round for the CPU launch path (host_ms, launches stubbed)
+CPU_HOST_ROUNDS = 15   # rounds: the least-disturbed one counts
 PAGE_SIZE = 64
 OP = "decode"
 
@@ -162,36 +164,33 @@ def _calls(q, k_full, v_full, bounded_rows, ws, rs, heads, kv_heads, providers=P
     return {p: c for p, c in calls.items() if p in providers}
 
 
-class _NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 @contextlib.contextmanager
 def stubbed_launches():
-    """The decode kernels' launches (dilated decode, split merge) replaced by no-ops, and the
-    Triton path chosen for CPU tensors (TRITON_INTERPRET=1 while inside; nothing is
-    interpreted): what is left of a call is its Python up to the launch, what a GPU's host
-    spends before its queue gets the kernel. Yields False (and changes nothing) when the
-    kernels were already defined compiled, which TRITON_INTERPRET cannot switch any more."""
+    """Every Triton launch made a no-op (the interpreter's InterpretedFunction.run patched, so
+    nothing executes: the decode kernel, the split merge, the append), and the Triton path
+    chosen for CPU tensors (TRITON_INTERPRET=1 while inside): what is left of a call is its
+    Python up to the launches, what a GPU's host spends before its queue gets the kernels.
+    Yields False (and changes nothing) when the kernels were already defined compiled, which
+    TRITON_INTERPRET cannot switch any more."""
     saved_env = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        from ..ops.common import decode_kernels as common_kernels
+        from triton.runtime import interpreter
+
         from ..ops.common.runtime import interpreter_enabled
-        from ..ops.dilated import decode_kernels as dl_kernels
+        enabled = interpreter_enabled()
     except ImportError:   # no triton
-        common_kernels = dl_kernels = None
-    if dl_kernels is None or not interpreter_enabled():
+        enabled = False
+    if not enabled:
         _restore_env(saved_env)
         yield False
         return
-    saved = (dl_kernels._dilated_decode_kernel, common_kernels._decode_merge_kernel)
-    dl_kernels._dilated_decode_kernel = common_kernels._decode_merge_kernel = _NoLaunch()
+    run = interpreter.InterpretedFunction.run
+    interpreter.InterpretedFunction.run = lambda self, *args, **kwargs: None
     try:
         yield True
     finally:
-        dl_kernels._dilated_decode_kernel, common_kernels._decode_merge_kernel = saved
+        interpreter.InterpretedFunction.run = run
         _restore_env(saved_env)
 
 
@@ -202,20 +201,35 @@ def _restore_env(value):
         os.environ["TRITON_INTERPRET"] = value
 
 
+def thread_cpu_us(call, rounds: int = CPU_HOST_ROUNDS, calls: int = CPU_HOST_CALLS) -> float:
+    """µs of the calling thread's CPU time per call of `call` (time.thread_time: what other jobs
+    on a shared machine cannot add by descheduling it), the least-disturbed of `rounds` rounds
+    of `calls` calls, after a warm-up (plans, tables)."""
+    for _ in range(3):
+        call()
+    best = math.inf
+    for _ in range(rounds):
+        t0 = time.thread_time()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.thread_time() - t0) / calls)
+    return best * 1e6
+
+
+def aten_op_us() -> float:
+    """The host time of one small aten op on this machine (an add of two (8, 16, 128) float32
+    tensors, thread_cpu_us): the unit the launch-path rows compare with."""
+    x = torch.zeros(8, 16, 128)
+    return thread_cpu_us(lambda: torch.add(x, x))
+
+
 def cpu_host_ms(call, calls: int = CPU_HOST_CALLS) -> float | None:
-    """CPU: the launch path of `call` (stubbed_launches), ms per call (median of 5 rounds), or
-    None where the Triton path cannot be taken."""
+    """CPU: the launch path of `call` (stubbed_launches), thread CPU ms per call (thread_cpu_us),
+    or None where the Triton path cannot be taken."""
     with stubbed_launches() as ok:
         if not ok:
             return None
-        call()   # warm-up: cached tables
-        rounds = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(max(1, calls // 5)):
-                call()
-            rounds.append((time.perf_counter() - t0) / max(1, calls // 5) * 1e3)
-    return statistics.median(rounds)
+        return thread_cpu_us(call, calls=calls) / 1e3
 
 
 def host_ms(call, device) -> float:
@@ -368,14 +382,19 @@ def run_decode(contexts=None, *, heads=16, kv_heads=None, head_dim=128, dtype=No
                         t_sorted = sorted(t)
                         row(p, "ms", sig(t_sorted[len(t) // 2]), spread_pct=sig(spread_pct(t)), rounds=len(t),
                             other_cores=sig(load.cores))
+                    stubbed = False
                     for p, c in calls.items():
                         if device == "cuda":   # queued calls: the host's share
                             row(p, "host_ms", sig(host_ms(c, device)), rounds=HOST_CALLS)
                         elif p in KVCACHE:     # CPU: the launch path, launches stubbed
                             ms = cpu_host_ms(c)
                             if ms is not None:
-                                row(p, "host_ms", sig(ms), rounds=CPU_HOST_CALLS,
-                                    flags="CPU: Python up to the launch, launches stubbed")
+                                stubbed = True
+                                row(p, "host_ms", sig(ms), rounds=CPU_HOST_ROUNDS,
+                                    flags="CPU: Python up to the launch, launches stubbed; thread CPU time")
+                    if stubbed:   # the unit: one aten op's host time on this machine
+                        row("aten_op", "host_ms", sig(aten_op_us() / 1e3), rounds=CPU_HOST_ROUNDS,
+                            flags="CPU: one aten op (add, 8x16x128 float32); thread CPU time")
                 for r in new:
                     unit = {"ms": "ms", "host_ms": "ms host", "max_abs_err": "max |err|"}[r["metric"]]
                     say(f"B={B:>3} N={n:>8} {r['provider']:26} {r['value'] if r['value'] != '' else '-':>12} {unit}  "
@@ -430,7 +449,7 @@ def decode_table(rows) -> str:
             lines.append(f"{n:>9} " + " ".join(cells))
         lines.append("")
     if host:
-        hp = [p for p in provs if any(k[2] == p for k in host)]
+        hp = [p for p in provs + ["aten_op"] if any(k[2] == p for k in host)]
         how = "CPU: Python up to the launch, launches stubbed" if any("CPU" in f for _, f in host.values()) else \
             f"{HOST_CALLS} calls queued"
         lines += [f"host time per call (Python + launches; {how}), ms",
