@@ -252,7 +252,7 @@ def serve_key(tensors, lists, scalars):
     every value's type (causal=1 must not find causal=True's plan: its check refuses it). None
     (no plan kept) where a value is not a plain bool, int, float, str or None (a tensor or an
     array could change in place), or a list not a list or tuple; on a CPU tensor the key holds
-    TRITON_INTERPRET, which decides the path there."""
+    TRITON_INTERPRET, which decides the path there. tensors[0] (q) is a tensor."""
     key = [(x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else (x if x is None else type(x))
            for x in tensors]
     types = [*map(type, scalars)]
@@ -276,37 +276,30 @@ def kernel_lengths(lengths, device) -> torch.Tensor:
     return lengths.to(device=device, dtype=torch.int32).contiguous()
 
 
-def append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_descale=None, v_descale=None,
-              lens=None, launch=None, grads=None):
+def append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_descale=None, v_descale=None):
     """Append k, v (None: nothing) at rows cache_seqlens[b] + j of the caches, in place, without
-    a host sync, as append_rows (rows out of range write nothing). On the Triton path, with
-    nothing for autograd to record (grads:
-    needs_grad of the caches and rows, when the caller knows it; gradients through appended
-    rows take append_rows), the Triton append kernel (`lens`: cache_seqlens as kernel_lengths
-    gives it, `launch`: the AppendLaunch of these shapes, when the caller has them); else
-    append_rows' aten ops. Under torch.compile the mutating custom op
-    `triton_dilated::append_kv` (mutates k_cache, v_cache), so that the traced graph holds one
-    opaque in-place op rather than index_put_ on the cache, which functionalisation turns into
-    an out-of-place index_put (a copy of the whole cache) and a copy_ back."""
+    a host sync, as append_rows (rows out of range write nothing): on the Triton path the
+    append kernel (one launch, decode_kernels.AppendLaunch), else append_rows' aten ops, which
+    also take any append autograd must record (gradients through the appended rows). Under
+    torch.compile the custom op `triton_dilated::append_kv`, which mutates k_cache and v_cache:
+    one opaque in-place op in the traced graph (Inductor runs it in place; aot_eager, as it did
+    index_put_, on copies of the caches copied back)."""
     if k is None:
         return
-    if grads is None:
-        grads = needs_grad(k_cache, v_cache, k, v)
-    if grads:
+    if needs_grad(k_cache, v_cache, k, v):
         append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
     elif torch.compiler.is_compiling():
         _append_kv_op(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, path)
     elif path == "triton":
-        lens = kernel_lengths(cache_seqlens, k_cache.device) if lens is None else lens
-        launch = launch or plan_append(k_cache, k, block_table)
-        launch.run(k_cache, v_cache, k, v, lens, block_table, k_descale, v_descale)
+        plan_append(k_cache, k, block_table).run(k_cache, v_cache, k, v, kernel_lengths(cache_seqlens, k_cache.device),
+                                                 block_table, k_descale, v_descale)
     else:
         append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
 
 
 def plan_append(k_cache, k, block_table=None):
-    """The Triton append planned for the shapes of k_cache and k (decode_kernels.AppendLaunch),
-    for append_kv's `launch`."""
+    """The Triton append planned for the shapes of k_cache and k (decode_kernels.AppendLaunch:
+    `run` launches it; a serve plan keeps one)."""
     return _kernels().AppendLaunch(k_cache, k, block_table)
 
 

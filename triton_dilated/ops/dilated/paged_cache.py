@@ -20,6 +20,8 @@ the layer's pools: the append and decode launches and little else.
 """
 from __future__ import annotations
 
+import array
+import itertools
 import math
 
 import torch
@@ -157,7 +159,8 @@ class PagedDilatedKVCache:
         self.step = math.lcm(math.lcm(*self.segment_lengths), self.page_size)
         self.rows_bound = decode_rows_bound(self.segment_lengths)
         self.free = list(range(num_pages - 1, -1, -1))   # pop() hands out low page ids first
-        self.pages: dict = {}    # sequence -> physical pages, logical page j holding rows base + j*page_size ...
+        self.pages: dict = {}    # sequence -> physical pages (an int32 array), logical page j holding rows
+        #                          base + j*page_size ...
         self.base: dict = {}     # sequence -> position of its first kept row
         self.seen: dict = {}     # sequence -> tokens written
         self.admission: dict = {}    # sequence -> a number unique to this admission (stale steps)
@@ -210,7 +213,7 @@ class PagedDilatedKVCache:
         """A new, empty sequence."""
         if seq in self.pages:
             raise ValueError(f"sequence {seq!r} is already admitted")
-        self.pages[seq], self.base[seq], self.seen[seq] = [], 0, 0
+        self.pages[seq], self.base[seq], self.seen[seq] = array.array("i"), 0, 0
         self._admissions += 1
         self.admission[seq] = self._admissions
 
@@ -251,11 +254,15 @@ class PagedDilatedKVCache:
             if need > len(self.free):
                 raise ValueError(f"the page pool is exhausted: sequence {s!r} needs {need} more pages, {len(self.free)} "
                                  f"are free (evict sequences or build the cache with more num_pages)")
-            self.pages[s] += [self.free.pop() for _ in range(need)]
+            self.pages[s].extend([self.free.pop() for _ in range(need)])
         width = max(len(self.pages[s]) for s in seq_ids)
-        table = [self.pages[s] + [self.pages[s][0]] * (width - len(self.pages[s])) for s in seq_ids]
-        block_table = torch.tensor(table, dtype=torch.int32).to(self.device)
-        lengths = torch.tensor([self.seen[s] - self.base[s] for s in seq_ids], dtype=torch.int32).to(self.device)
+        table = array.array("i")   # int32, flat (the pages are int32 arrays too: memcpy), read without a copy
+        for s in seq_ids:
+            table.extend(self.pages[s])
+            table.extend(itertools.repeat(self.pages[s][0], width - len(self.pages[s])))
+        lengths = array.array("i", [self.seen[s] - self.base[s] for s in seq_ids])
+        block_table = torch.frombuffer(table, dtype=torch.int32).view(len(seq_ids), width).to(self.device)
+        lengths = torch.frombuffer(lengths, dtype=torch.int32).to(self.device)
         step = PagedStep(self, seq_ids, num_new, block_table, lengths)
         self.open_steps.update(dict.fromkeys(seq_ids, step))
         return step

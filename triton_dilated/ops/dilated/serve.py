@@ -12,6 +12,10 @@ queries), and gradients on the Triton path, take the query-offset path
 planning only the chunk's tiles (plan.QueryWindow: forward and dQ cost the chunk, dK/dV skip
 the key tiles no chunk row reads), the portable path a full-length call; it reads the lengths
 on the host once.
+
+Per call (issue 35): `serve_plan` finds the call's ServePlan by its key (kvcache.serve_key) or
+builds it, checking the arguments; a decode step on the Triton path then runs one append launch
+and the planned decode launch (ServePlan.decode_step).
 """
 from __future__ import annotations
 
@@ -19,9 +23,9 @@ import dataclasses
 
 import torch
 
-from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_kv, cache_view, capacity, check_kvcache_args,
-                              check_kvcache_values, contiguous_rows, kernel_lengths, plan_append, serve_key,
-                              serve_route)
+from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_kv, cache_view, capacity,
+                              check_kvcache_args, check_kvcache_values, contiguous_rows, kernel_lengths, plan_append,
+                              serve_key, serve_route)
 from ..common.op_support import lazy_module, resolve_path
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result
