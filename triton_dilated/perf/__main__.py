@@ -174,7 +174,9 @@ def _parser():
                    help="skip a (batch, context) whose caches (with the paged and FP8 copies) take more (default: "
                         "half the GPU's memory, 4 on a CPU)")
     p.add_argument("--graph-backend", default="aot_eager",
-                   help="torch.compile backend of the CUDA-graph provider (default: %(default)s; inductor works too)")
+                   help="torch.compile backend of the CUDA-graph provider (default: %(default)s, which runs the "
+                        "append on copies of the caches, a replay that grows with the context; inductor runs it in "
+                        "place)")
     p.add_argument("--heads", type=positive_int, default=16, help="query heads (default: %(default)s)")
     p.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: --heads)")
     p.add_argument("--head-dim", type=head_dim, default=128, help="default: %(default)s")

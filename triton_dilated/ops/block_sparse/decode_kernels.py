@@ -25,7 +25,7 @@ CONFIG_FAMILY = "block_sparse_fwd"   # the family; tiles and warps: configs.KERN
 
 @triton.jit(do_not_specialize=["window", "sink_tokens"])   # one compile for every window and sink count
 def _block_sparse_decode_kernel(
-        Q, K, V, O, LSE, PARTS, LENS, lens_add, KV_COUNT, KV_INDEX, BLOCK_TABLE, K_DESCALE, V_DESCALE,
+        Q, K, V, O, LSE, PARTS, LENS, KV_COUNT, KV_INDEX, BLOCK_TABLE, K_DESCALE, V_DESCALE,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_cb, stride_ch, WIDTH, stride_btb, NUM_PAGES,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale, softcap,
@@ -34,7 +34,7 @@ def _block_sparse_decode_kernel(
         KV_WIN=None, window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False,
         HAS_SINK_TOKENS: tl.constexpr = False):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
-        Q, K, V, LENS, lens_add, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+        Q, K, V, LENS, 0, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D, PAGE_SIZE)
 
     bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb: from page to page)
@@ -83,14 +83,13 @@ def _block_sparse_decode_kernel(
 
 @on_tensor_device
 def block_sparse_decode_forward(q, k, v, layout, lengths, call, *, splits=None, config=None, block_table=None,
-                                k_descale=None, v_descale=None, lens_add: int = 0):
+                                k_descale=None, v_descale=None):
     """Block-sparse attention of q (B, Nq, Hq, D), the last Nq positions of each row's
     lengths[b] (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with
     block_table (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv,
     D); the layout (on q's device) covers the capacity. k, v float8_e4m3fn (an FP8 cache):
     k_descale, v_descale float32 (Hkv,) on q's device; call: the AttentionCall (causal, scale,
-    cap). lens_add: rows appended after `lengths` counted them (the lengths are lengths +
-    lens_add). Returns (out like q, lse float32 (B, Hq, Nq))."""
+    cap). Returns (out like q, lse float32 (B, Hq, Nq))."""
     causal, scale = call.causal, call.scale
     B, Nq, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -117,7 +116,7 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, call, *, splits=None, 
     lengths = kernel_lengths(lengths, q.device)
     bt = block_table if paged else lengths       # not read when contiguous (PAGE_SIZE = 0)
     _block_sparse_decode_kernel[(B * Nq * Hq * splits,)](
-        q, k, v, out, lse, parts, lengths, lens_add, counts, index, bt,
+        q, k, v, out, lse, parts, lengths, counts, index, bt,
         lengths if k_descale is None else k_descale, lengths if v_descale is None else v_descale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), **lists, stride_btb=bt.stride(0), NUM_PAGES=k.shape[0] if paged else 0,
