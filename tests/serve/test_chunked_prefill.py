@@ -218,16 +218,16 @@ def _spy_layouts(monkeypatch, backend):
         kernels = bs_interface._kernels()
         fwd = kernels.block_sparse_forward
 
-        def spy(q, k, v, layout, **kw):
+        def spy(q, k, v, layout, *args, **kw):
             seen.append(layout)
-            return fwd(q, k, v, layout, **kw)
+            return fwd(q, k, v, layout, *args, **kw)
         monkeypatch.setattr(kernels, "block_sparse_forward", spy)
     else:
         portable = bs_interface.block_sparse_attention_torch
 
-        def spy(q, k, v, layout, **kw):
+        def spy(q, k, v, layout, *args, **kw):
             seen.append(layout)
-            return portable(q, k, v, layout, **kw)
+            return portable(q, k, v, layout, *args, **kw)
         monkeypatch.setattr(bs_interface, "block_sparse_attention_torch", spy)
     return seen
 
