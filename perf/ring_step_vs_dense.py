@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from triton_dilated.ops.common.call import AttentionCall
 from triton_dilated.ops.ring.mask import MASK_DENSE, StepMask
 from triton_dilated.ops.ring.step_kernels import step_forward
 from triton_dilated.perf.timing import Timing, interleaved, median_ms, paired_ratio
@@ -57,7 +58,7 @@ def main():
             lse = torch.full((B, H, N), float("-inf"), device=dev)
             for s in torch.arange(N).chunk(world):
                 sl = slice(int(s[0]), int(s[-1]) + 1)
-                step_forward(q, k[:, sl], v[:, sl], pos, pos[sl], out, lse, mask, scale=scale)
+                step_forward(q, k[:, sl], v[:, sl], pos, pos[sl], out, lse, mask, AttentionCall(causal, scale))
             return out
 
         one = median_ms(lambda: steps(1), dev.type, timing)

@@ -14,6 +14,7 @@ import torch
 from tests.conftest import DEVICE
 from tests.helpers.reference import check_against_oracle, dense_reference, seeded
 from triton_dilated import BlockLayout, block_sparse_attention_naive, layouts
+from triton_dilated.ops.common.call import AttentionCall
 from triton_dilated.ops.common.configs import INTERPRETER_CONFIG
 from triton_dilated.ops.block_sparse import kernels
 from triton_dilated.ops.block_sparse.naive import element_mask
@@ -42,7 +43,7 @@ def descriptors(monkeypatch):
 
 
 def _forward(q, k, v, layout, causal, cfg):
-    return kernels.block_sparse_forward(q, k, v, layout, causal=causal, scale=q.shape[-1] ** -0.5, config=cfg)
+    return kernels.block_sparse_forward(q, k, v, layout, AttentionCall(causal, q.shape[-1] ** -0.5), config=cfg)
 
 
 def _check(q, k, v, layout, causal, cfg):
