@@ -109,7 +109,7 @@ def test_dry_run_runs_every_stage_in_order_and_each_writes_its_rows(tmp_path):
         "skipped: CUDA graphs need a GPU (CPU run)"}
     assert {r["provider"] for r in decode if r["metric"] == "max_abs_err"} == {"dilated_kvcache_paged_fp8"}
     assert {r["provider"] for r in decode if r["metric"] == "host_ms"} == {"dilated_kvcache",
-                                                                         "dilated_kvcache_paged_fp8"}
+                                                                         "dilated_kvcache_paged_fp8", "aten_op"}
     assert " passed" in (out / "tests.log").read_text()
     assert "== results ==" in proc.stdout
     # every result row in one file named after the card (the dry run's "machine" is the CPU)
