@@ -8,10 +8,7 @@ that every kernel does the chunk's work only.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
-from torch import Tensor
 
 from ..common.kvcache import FP8_DTYPE, cache_view, capacity, check_kvcache_args, contiguous_rows, decode_step
 from ..common.runtime import empty_result

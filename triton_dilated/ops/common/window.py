@@ -19,8 +19,6 @@ fully visible); see BlockLayout.window_blocks.
 """
 from __future__ import annotations
 
-import torch
-
 from .validation import check_int
 
 
