@@ -67,11 +67,11 @@ class AttentionCall:
     sinks: Optional[torch.Tensor] = None      # float32 (Hq,), or None
 
     @classmethod
-    def at_door(cls, q, *, causal, scale, softcap, sinks, allow_float64_sinks: bool = False) -> "AttentionCall":
+    def at_door(cls, q, *, causal, scale, softcap, sinks) -> "AttentionCall":
         """Validate a door's keywords (q: (B, N, Hq, D), already checked)."""
         check_bool("causal", causal)
         return cls(causal, check_scale(scale, q.shape[-1]), check_softcap(softcap),
-                   check_sinks(sinks, q.shape[2], q.device, allow_float64=allow_float64_sinks))
+                   check_sinks(sinks, q.shape[2], q.device))
 
     @property
     def capped(self) -> bool:
