@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common.kvcache import FP8_DTYPE, cache_view, capacity, check_kvcache_args, contiguous_rows, decode_step
+from ..common.kvcache import FP8_DTYPE, append_and_route, cache_view, capacity, check_kvcache_args, contiguous_rows
+from ..common.op_support import resolve_path
 from ..common.runtime import empty_result
 from .interface import DECODE_FAMILIES, _block_sparse_decode, check_args, chunk_rows, decode_layout
 
@@ -49,9 +50,9 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     B, Hq = q.shape[0], q.shape[2]
     layout.check_seq_len(capacity(k_cache, block_table))
     layout.check_heads(B, Hq)
-    path, lengths, decodes = decode_step("block_sparse_attention_with_kvcache", q, k_cache, v_cache, k, v,
-                                         cache_seqlens, block_table, validate, backend, DECODE_FAMILIES, k_descale,
-                                         v_descale)
+    path = resolve_path(backend, str(q.device), DECODE_FAMILIES, q.shape[-1], q.dtype)
+    lengths, decodes = append_and_route(q, path, k_cache, v_cache, k, v, cache_seqlens, block_table, validate,
+                                        k_descale, v_descale)
     if B == 0:
         return call.finish(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
                            return_lse)

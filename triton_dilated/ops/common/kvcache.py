@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .first_order import needs_grad
-from .op_support import check_path, lazy_module, resolve_path
+from .op_support import check_path, lazy_module
 from .validation import check_bool, check_lengths_tensor
 
 _kernels = lazy_module(__package__ + ".decode_kernels")   # imports triton
@@ -317,20 +317,19 @@ def _(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, 
     return None
 
 
-def decode_step(what: str, q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, backend, families,
-                k_descale=None, v_descale=None):
-    """What both serve doors do after checking their own arguments: pick the path
-    (op_support.resolve_path: the same eager and under torch.compile), run the value checks
+def append_and_route(q, path, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale=None,
+                     v_descale=None):
+    """What both serve doors do once their arguments are checked and their path picked
+    (op_support.resolve_path: the same eager and under torch.compile): run the value checks
     when asked (always for chunked prefill, which reads the lengths anyway) and append k, v
-    (quantised into an FP8 cache; append_kv). Returns (path, the lengths after the append,
-    whether the call decodes: serve_route)."""
-    path = resolve_path(backend, str(q.device), families, q.shape[-1], q.dtype)
+    (quantised into an FP8 cache; append_kv). Returns (the lengths after the append, whether
+    the call decodes: serve_route)."""
     decodes = serve_route(q, path, k_cache, v_cache, k, v)
     if validate or not decodes:
         check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], capacity(k_cache, block_table),
                              block_table, k_cache.shape[0], (k_descale, v_descale))
     append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
-    return path, cache_seqlens if k is None else cache_seqlens + k.shape[1], decodes
+    return (cache_seqlens if k is None else cache_seqlens + k.shape[1]), decodes
 
 
 def serve_route(q, path, *tensors) -> bool:

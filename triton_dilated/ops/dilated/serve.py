@@ -23,9 +23,8 @@ import dataclasses
 
 import torch
 
-from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_kv, cache_view, capacity,
-                              check_kvcache_args, check_kvcache_values, contiguous_rows, kernel_lengths, plan_append,
-                              serve_key, serve_route)
+from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_and_route, cache_view, capacity,
+                              check_kvcache_args, contiguous_rows, kernel_lengths, plan_append, serve_key)
 from ..common.op_support import lazy_module, resolve_path
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result
@@ -180,12 +179,8 @@ class ServePlan:
                 k is not None and (k.requires_grad or v.requires_grad))):
             return call.finish(self.decode_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale,
                                                 v_descale, call, byte_caches), self.return_lse)
-        n = self.num_new
-        decodes = serve_route(q, self.path, k_cache, v_cache, k, v)
-        if self.validate or not decodes:
-            check_kvcache_values(cache_seqlens, n, self.capacity, block_table, k_cache.shape[0], (k_descale, v_descale))
-        append_kv(self.path, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
-        lengths = cache_seqlens + n if n else cache_seqlens
+        lengths, decodes = append_and_route(q, self.path, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                            self.validate, k_descale, v_descale)
         if q.shape[0] == 0:
             return call.finish(empty_result(q, *((q, q) if self.fp8 else (k_cache, v_cache)), True), self.return_lse)
         patterns, mode, offsets, heads = self.patterns, self.mode, self.offsets, self.heads
