@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 # test that sets TRITON_INTERPRET=0 for a while cannot decide it for the tests after it.
 for _module in ("ops.common.kernels", "ops.common.decode_kernels", "ops.dilated.kernels",
                 "ops.dilated.decode_kernels", "ops.block_sparse.kernels", "ops.block_sparse.decode_kernels",
-                "ops.ring.step_kernels"):
+                "ops.ring.step_kernels", "ops.indexed.kernels"):
     try:
         importlib.import_module("triton_dilated." + _module)
     except ImportError:      # no triton: the portable backend's tests still run

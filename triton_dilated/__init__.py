@@ -1,4 +1,5 @@
-"""triton_dilated: Triton kernels for long-context sparse attention (dilated, block-sparse, ring).
+"""triton_dilated: Triton kernels for long-context sparse attention (dilated, block-sparse, ring,
+indexed).
 
 Imports without triton (the portable PyTorch backend then serves every call)."""
 from . import layouts
@@ -7,11 +8,13 @@ from .ops.block_sparse import (BlockLayout, block_sparse_attention, block_sparse
                                block_sparse_attention_op, block_sparse_attention_with_kvcache)
 from .ops.dilated import (DilatedKVCache, PagedDilatedKVCache, dilated_attention, dilated_attention_naive,
                           dilated_attention_op, dilated_attention_with_kvcache)
+from .ops.indexed import indexed_attention, indexed_attention_naive
 from .ops.ring import document_balance, ring_attention, sequence_parallel_attention, shard, ulysses_attention, unshard
 
 __all__ = ["dilated_attention", "dilated_attention_naive", "block_sparse_attention", "block_sparse_attention_naive",
            "BlockLayout", "layouts", "ring_attention", "ulysses_attention", "sequence_parallel_attention", "shard",
            "unshard", "document_balance", "DilatedAttention",
            "MultiheadDilatedAttention", "BlockSparseAttention", "dilated_attention_op", "block_sparse_attention_op",
-           "DilatedKVCache", "PagedDilatedKVCache", "dilated_attention_with_kvcache", "block_sparse_attention_with_kvcache"]
+           "DilatedKVCache", "PagedDilatedKVCache", "dilated_attention_with_kvcache", "block_sparse_attention_with_kvcache",
+           "indexed_attention", "indexed_attention_naive"]
 __version__ = "0.1.0"

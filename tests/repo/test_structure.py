@@ -15,7 +15,7 @@ PACKAGE = ROOT / "triton_dilated"
 TESTS = ROOT / "tests"
 KERNEL_FILES = {"ops/common/kernels.py", "ops/dilated/kernels.py", "ops/block_sparse/kernels.py",
                 "ops/ring/step_kernels.py", "ops/common/decode_kernels.py", "ops/dilated/decode_kernels.py",
-                "ops/block_sparse/decode_kernels.py"}
+                "ops/block_sparse/decode_kernels.py", "ops/indexed/kernels.py"}
 TOOLS = {"perf/aot.py"}   # compiles the kernels: imports triton lazily, inside functions
 
 NO_TRITON = r"""
@@ -97,7 +97,7 @@ def test_only_kernel_files_import_triton():
 
 def test_imports_run_downward():
     offenders = []
-    variants = ("dilated", "block_sparse", "ring")
+    variants = ("dilated", "block_sparse", "ring", "indexed")
     for path in _package_files():
         name = path.relative_to(PACKAGE).as_posix()
         for mod, line in _imports(path):

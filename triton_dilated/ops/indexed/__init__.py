@@ -1,0 +1,7 @@
+"""Indexed (token-level top-k) sparse attention, DeepSeek Sparse Attention's attention: interface
+(public function, autograd), kernels (Triton), portable (PyTorch), naive (float64 oracle) and
+indices (what the indices mean)."""
+from .interface import indexed_attention
+from .naive import indexed_attention_naive
+
+__all__ = ["indexed_attention", "indexed_attention_naive"]

@@ -1,0 +1,153 @@
+"""What indexed attention does with its `indices` (DESIGN §5c), in one place: the argument
+checks, the canonical slot lists every path reads, the inverse lists the dK/dV kernel walks,
+and the dense mask the float64 oracle builds.
+
+Semantics (tested in tests/ops/indexed):
+* `indices` int32 (or int64) (B, Nq, Hkv, topk), one row per kv head, or (B, Nq, topk), one row
+  shared by every head. Query i of head h attends to the keys of row [b, i, h // (Hq // Hkv)].
+* A slot is unused when its value is outside [0, Nk) (-1 by convention; any other value too:
+  it is never read), and under causal=True when it lies past the query's position. Queries
+  are bottom-right aligned: query i sits at position i + Nk - Nq (flash-attn's convention for
+  Nq < Nk; with Nq > Nk the first Nq - Nk queries sit before position 0 and see nothing).
+* A key listed twice in one row counts once: a row is a set of keys, as transformers'
+  DeepseekV32 folds indices into a boolean mask (FlashMLA's gather would count it twice).
+* A row with no used slot outputs 0 with lse -inf (sinks: 0 and lse = the sink).
+
+Canonical slots (`canonical_slots`): each row's used keys, deduplicated, ascending, first;
+-1 after them; and their count. Kernels and the portable path read only these, so duplicates,
+causal cuts and out-of-range values are settled once, by device sorts (no host sync).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..common.validation import MAX_HEAD_DIM, SUPPORTED_DTYPES
+
+# The absorbed-MLA shape (DeepSeek's decode: Dqk 576 = 512 latent + 64 RoPE, Dv 512) is the
+# widest head the indexed kernels take.
+MAX_INDEXED_HEAD_DIM = 576
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_inputs(q, k, v, indices, *, allow_float64: bool = False) -> None:
+    """Shapes and types of an indexed-attention call: q (B, Nq, Hq, Dqk), k (B, Nk, Hkv, Dqk),
+    v (B, Nk, Hkv, Dv), Hq % Hkv == 0, indices int32/int64 (B, Nq, Hkv, topk) or (B, Nq, topk),
+    all on one device. No value is read."""
+    dtypes = SUPPORTED_DTYPES + ((torch.float64,) if allow_float64 else ())
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (B, N, H, D), got shape {tuple(x.shape)}")
+        if x.dtype not in dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise TypeError(f"{name} must have one of the dtypes {names}, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    (B, Nq, Hq, D), (Bk, Nk, Hkv, Dk) = q.shape, k.shape
+    if Bk != B or v.shape[0] != B:
+        raise ValueError(f"k and v must have the batch size of q ({B}), got k: {Bk}, v: {v.shape[0]}")
+    if tuple(v.shape[1:3]) != (Nk, Hkv):
+        raise ValueError(f"v must have the length and heads of k ({Nk}, {Hkv}), got {tuple(v.shape[1:3])}")
+    if Dk != D:
+        raise ValueError(f"k must have the head dim of q ({D}), got {Dk} (v may differ)")
+    for name, dim in (("q and k", D), ("v", v.shape[3])):
+        if dim < 1 or dim > MAX_INDEXED_HEAD_DIM:
+            raise ValueError(f"the head dim of {name} must be in [1, {MAX_INDEXED_HEAD_DIM}], got {dim}")
+    if Hq < 1:
+        raise ValueError(f"q must have at least one head, got {Hq}")
+    if Hkv < 1 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a positive multiple of key/value heads ({Hkv})")
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be an int32 tensor (B, Nq, Hkv, topk) or (B, Nq, topk), got "
+                        f"{type(indices).__name__}")
+    if indices.dtype not in INDEX_DTYPES:
+        raise TypeError(f"indices must be an int32 (or int64) tensor, got {indices.dtype}")
+    if indices.device != q.device:
+        raise ValueError(f"indices must be on the device of q ({q.device}), got {indices.device}")
+    if indices.dim() == 3:
+        ok = tuple(indices.shape[:2]) == (B, Nq)
+    elif indices.dim() == 4:
+        ok = tuple(indices.shape[:3]) == (B, Nq, Hkv)
+    else:
+        ok = False
+    if not ok:
+        raise ValueError(f"indices must have shape (B, Nq, Hkv, topk) = ({B}, {Nq}, {Hkv}, topk) or (B, Nq, topk) = "
+                         f"({B}, {Nq}, topk), got {tuple(indices.shape)}")
+
+
+def kernel_head_dims(q, v) -> bool:
+    """Whether the Triton kernels take these head dims (up to 256; wider heads, the absorbed-MLA
+    shape, run on the portable path)."""
+    return q.shape[-1] <= MAX_HEAD_DIM and v.shape[-1] <= MAX_HEAD_DIM
+
+
+def validate_values(indices, Nk: int) -> None:
+    """validate=True: every slot is -1 (unused) or in [0, Nk). Reads the values (a host sync)."""
+    bad = (indices != -1) & ((indices < 0) | (indices >= Nk))
+    if bool(bad.any()):
+        where = tuple(int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"indices must be -1 (unused) or in [0, Nk) = [0, {Nk}): indices{list(where)} = "
+                         f"{int(indices[where])}")
+
+
+def as_rows(indices) -> torch.Tensor:
+    """indices as (B, Nq, G, topk): G = Hkv, or 1 for a row shared by every head (a view)."""
+    return indices.unsqueeze(2) if indices.dim() == 3 else indices
+
+
+def used_slots(indices, Nq: int, Nk: int, causal: bool) -> torch.Tensor:
+    """bool like as_rows(indices): the slots that name a key the query may read (in [0, Nk),
+    and at or before its position i + Nk - Nq under causal). Duplicates not settled."""
+    idx = as_rows(indices)
+    used = (idx >= 0) & (idx < Nk)
+    if causal:
+        pos = torch.arange(Nq, device=idx.device) + (Nk - Nq)
+        used &= idx <= pos.view(1, Nq, 1, 1)
+    return used
+
+
+def canonical_slots(indices, Nq: int, Nk: int, causal: bool):
+    """(slots int32 (B, Nq, G, topk), count int32 (B, Nq, G)), contiguous: each row's used keys
+    once each, ascending, in its first `count` slots, -1 after them. Two sorts on the device."""
+    idx = as_rows(indices).long()
+    key = torch.where(used_slots(indices, Nq, Nk, causal), idx, Nk)
+    key, _ = torch.sort(key, dim=-1)
+    repeat = torch.zeros_like(key, dtype=torch.bool)
+    repeat[..., 1:] = key[..., 1:] == key[..., :-1]
+    key, _ = torch.sort(key.masked_fill(repeat, Nk), dim=-1)
+    used = key < Nk
+    slots = torch.where(used, key, -1).to(torch.int32).contiguous()
+    return slots, used.sum(-1, dtype=torch.int32).contiguous()
+
+
+def query_lists(slots, Nk: int):
+    """The inverse of the canonical slots, for the dK/dV kernel (no atomics): for each (batch
+    row b, slot row g, key t), the queries whose row lists t, ascending. Returns (start int32
+    (B * G * Nk + 1,), queries int32 (B * Nq * G * topk,)): list (b, g, t) is queries[start[r] :
+    start[r + 1]], r = (b * G + g) * Nk + t. A stable sort and a search on the device: no host
+    sync, the same lists every run."""
+    B, Nq, G, T = slots.shape
+    dev = slots.device
+    row = (torch.arange(B, device=dev).view(B, 1, 1, 1) * G + torch.arange(G, device=dev).view(1, 1, G, 1)) * Nk
+    unused = B * G * Nk
+    key = torch.where(slots >= 0, row + slots.long(), unused).flatten()
+    key, order = torch.sort(key, stable=True)
+    queries = (order // (G * T) % Nq).to(torch.int32)
+    start = torch.searchsorted(key, torch.arange(B * G * Nk + 1, device=dev, dtype=key.dtype)).to(torch.int32)
+    return start, queries
+
+
+def dense_mask(indices, Nq: int, Nk: int, num_heads: int, causal: bool) -> torch.Tensor:
+    """bool (B, Hq, Nq, Nk): the pairs (query, key) the call computes, a key listed twice set
+    once (a scatter into a boolean mask, as transformers' eager path folds indices)."""
+    idx = as_rows(indices).long()
+    B, _, G, _ = idx.shape
+    used = used_slots(indices, Nq, Nk, causal)
+    mask = torch.zeros(B, Nq, G, Nk + 1, dtype=torch.bool, device=idx.device)
+    mask.scatter_(-1, torch.where(used, idx, Nk), True)
+    mask = mask[..., :Nk]
+    mask = mask.expand(B, Nq, num_heads, Nk) if G == 1 else mask.repeat_interleave(num_heads // G, dim=2)
+    return mask.permute(0, 2, 1, 3)

@@ -1,0 +1,267 @@
+"""Triton indexed attention kernels and their launchers: the forward and dQ gather each query's
+listed key rows, dK/dV walk each key's inverse list (deterministic, no atomics). The public
+function and its autograd are in interface.py; the slot lists in indices.py.
+
+Forward and dQ: a program owns one query i of one kv head and BLOCK_H of the query heads
+that share its indices row: q is a [BLOCK_H, BLOCK_D] tile (the heads are the M dimension of
+the dots), and the program gathers the canonical slots BLOCK_K at a time (their keys as a
+[BLOCK_K, BLOCK_D] tile, unused slots masked and never read) through the shared online
+softmax. The canonical lists put a row's used keys first, so a program walks ceil(count /
+BLOCK_K) tiles, not topk.
+
+dK/dV: a program owns one key t of one kv head and walks the queries whose rows list it
+(indices.query_lists: a stable device sort), BLOCK_R (query, head) rows at a time, with P and
+dS recomputed from the forward's row statistics. Every key's sums run in one program in a
+fixed order: no atomics, the same bits every run.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.hardware import padded_head_dim
+from ..common.kernels import (LOG2E, dot, finalize, load_row_stats, online_softmax_step, softcap_terms,
+                              softmax_grad_block, tanh)
+from ..common.lse import softmax_delta
+from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
+from .indices import query_lists
+from .tiles import indexed_tiles
+
+
+@triton.jit
+def _query_program(NQ, HKV, N_HT):
+    """(head tile, query i, kv head, batch row) of a forward or dQ program; int64 but the tile."""
+    pid = tl.program_id(0)
+    ht = pid % N_HT
+    rest = (pid // N_HT).to(tl.int64)
+    i = rest % NQ
+    rest = rest // NQ
+    return ht, i, rest % HKV, rest // HKV
+
+
+@triton.jit
+def _gather(K, V, stride_kn, stride_vn, slot_row, j0, count, NK, d, d_ok, e, e_ok, BLOCK_K: tl.constexpr):
+    """Slots [j0, j0 + BLOCK_K) of a canonical row: their key rows [BLOCK_K, BLOCK_D], value rows
+    [BLOCK_K, BLOCK_DV] and which slots are used. An unused slot (past count, -1 or outside
+    [0, NK)) reads nothing and loads zeros: 0 * a NaN value would spread it."""
+    t = j0 + tl.arange(0, BLOCK_K)
+    idx = tl.load(slot_row + t, mask=t < count, other=-1)
+    ok = (idx >= 0) & (idx < NK)
+    pos = tl.where(ok, idx, 0).to(tl.int64)
+    k = tl.load(K + pos[:, None] * stride_kn + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(V + pos[:, None] * stride_vn + e[None, :], mask=ok[:, None] & e_ok[None, :], other=0.0)
+    return k, v, ok
+
+
+@triton.jit
+def _indexed_fwd_kernel(
+        Q, K, V, O, ROW_MAX, ROW_SUM, SLOTS, COUNT,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_sb, stride_sn, stride_sg, stride_cb, stride_cn, stride_cg,
+        NQ, NK, HQ, HKV, GROUP, sm_scale, softcap,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr):
+    ht, i, kvh, b = _query_program(NQ, HKV, tl.cdiv(GROUP, BLOCK_H))
+    cap = softcap_terms(softcap, HAS_SOFTCAP)
+    hh = ht * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = hh < GROUP
+    h = kvh * GROUP + hh                                                                   # [BLOCK_H] int64
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    e = tl.arange(0, BLOCK_DV)
+    e_ok = e < HEAD_DIM_V
+    q = tl.load(Q + b * stride_qb + i * stride_qn + h[:, None] * stride_qh + d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)                          # [BLOCK_H, BLOCK_D]
+    slot_row = SLOTS + b * stride_sb + i * stride_sn + kvh * stride_sg
+    count = tl.load(COUNT + b * stride_cb + i * stride_cn + kvh * stride_cg)
+    K += b * stride_kb + kvh * stride_kh
+    V += b * stride_vb + kvh * stride_vh
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for j0 in range(0, count, BLOCK_K):
+        k, v, ok = _gather(K, V, stride_kn, stride_vn, slot_row, j0, count, NK, d, d_ok, e, e_ok, BLOCK_K)
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, h_ok[:, None] & ok[None, :], True,
+                                            DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
+    out, row_max, row_sum = finalize(acc, m_i, l_i, q)                                 # [BLOCK_H, BLOCK_DV]
+    tl.store(O + ((b * NQ + i) * HQ + h[:, None]) * HEAD_DIM_V + e[None, :], out.to(O.dtype.element_ty),
+             mask=h_ok[:, None] & e_ok[None, :])
+    stats = (b * HQ + h) * NQ + i
+    tl.store(ROW_MAX + stats, row_max, mask=h_ok)
+    tl.store(ROW_SUM + stats, row_sum, mask=h_ok)
+
+
+@triton.jit
+def _indexed_bwd_dq_kernel(
+        Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, SLOTS, COUNT,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_don, stride_doh,
+        stride_sb, stride_sn, stride_sg, stride_cb, stride_cn, stride_cg,
+        NQ, NK, HQ, HKV, GROUP, sm_scale, softcap,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr):
+    ht, i, kvh, b = _query_program(NQ, HKV, tl.cdiv(GROUP, BLOCK_H))
+    cap = softcap_terms(softcap, HAS_SOFTCAP)
+    hh = ht * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = hh < GROUP
+    h = kvh * GROUP + hh
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    e = tl.arange(0, BLOCK_DV)
+    e_ok = e < HEAD_DIM_V
+    q = tl.load(Q + b * stride_qb + i * stride_qn + h[:, None] * stride_qh + d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)                          # [BLOCK_H, BLOCK_D]
+    do = tl.load(DO + b * stride_dob + i * stride_don + h[:, None] * stride_doh + e[None, :],
+                 mask=h_ok[:, None] & e_ok[None, :], other=0.0)                         # [BLOCK_H, BLOCK_DV]
+    stats = (b * HQ + h) * NQ + i
+    row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats, h_ok)                  # empty rows: P = 0
+    delta = tl.load(DELTA + stats, mask=h_ok, other=0.0)
+    slot_row = SLOTS + b * stride_sb + i * stride_sn + kvh * stride_sg
+    count = tl.load(COUNT + b * stride_cb + i * stride_cn + kvh * stride_cg)
+    K += b * stride_kb + kvh * stride_kh
+    V += b * stride_vb + kvh * stride_vh
+
+    dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for j0 in range(0, count, BLOCK_K):
+        k, v, ok = _gather(K, V, stride_kn, stride_vn, slot_row, j0, count, NK, d, d_ok, e, e_ok, BLOCK_K)
+        p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, h_ok[:, None] & ok[None, :],
+                                   True, DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
+        dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
+    tl.store(DQ + ((b * NQ + i) * HQ + h[:, None]) * HEAD_DIM + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=h_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _indexed_bwd_dkdv_kernel(
+        Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DK, DV, Q_START, Q_LIST,
+        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_don, stride_doh,
+        NQ, NK, HQ, HKV, GROUP, SLOT_ROWS, sm_scale, softcap,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid % NK
+    rest = pid // NK
+    kvh = rest % HKV
+    b = rest // HKV
+    cap = softcap_terms(softcap, HAS_SOFTCAP)
+    lst = (b * SLOT_ROWS + kvh % SLOT_ROWS) * NK + t        # SLOT_ROWS: Hkv, or 1 for shared rows
+    start = tl.load(Q_START + lst)
+    end = tl.load(Q_START + lst + 1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    e = tl.arange(0, BLOCK_DV)
+    e_ok = e < HEAD_DIM_V
+    k = tl.load(K + b * stride_kb + t * stride_kn + kvh * stride_kh + d, mask=d_ok, other=0.0).to(tl.float32)
+    v = tl.load(V + b * stride_vb + t * stride_vn + kvh * stride_vh + e, mask=e_ok, other=0.0).to(tl.float32)
+    dk = tl.zeros([BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_DV], tl.float32)
+    # rows r of a step: query (r // BLOCK_H) of the list, head (r % BLOCK_H) of the head tile
+    r = tl.arange(0, BLOCK_R)
+    r_q = r // BLOCK_H
+    r_h = r % BLOCK_H
+    per_step = BLOCK_R // BLOCK_H
+    for h0 in range(0, GROUP, BLOCK_H):
+        hh = h0 + r_h
+        h = kvh * GROUP + hh
+        for j0 in range(start, end, per_step):
+            j = j0 + r_q
+            ok = (j < end) & (hh < GROUP)
+            qi = tl.load(Q_LIST + j, mask=j < end, other=0).to(tl.int64)
+            qrow = tl.load(Q + b * stride_qb + qi[:, None] * stride_qn + h[:, None] * stride_qh + d[None, :],
+                           mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)        # [BLOCK_R, BLOCK_D]
+            dorow = tl.load(DO + b * stride_dob + qi[:, None] * stride_don + h[:, None] * stride_doh + e[None, :],
+                            mask=ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)      # [BLOCK_R, BLOCK_DV]
+            stats = (b * HQ + h) * NQ + qi
+            row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats, ok)              # masked rows: P = 0
+            delta = tl.load(DELTA + stats, mask=ok, other=0.0)
+            s = tl.sum(qrow * k[None, :], 1) * sm_scale
+            if HAS_SOFTCAP:
+                c, inv_c, _ = cap
+                th = tanh(s * inv_c, Q.dtype.element_ty == tl.float32)
+                s = th * c
+            p = tl.math.exp2((s - row_max) * LOG2E - row_log2l)                          # [BLOCK_R]
+            dv += tl.sum(p[:, None] * dorow, 0)
+            ds = p * (tl.sum(dorow * v[None, :], 1) - delta)
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - th * th)
+            dk += tl.sum(ds[:, None] * qrow, 0)
+    tl.store(DK + ((b * NK + t) * HKV + kvh) * HEAD_DIM + d, (dk * sm_scale).to(DK.dtype.element_ty), mask=d_ok)
+    tl.store(DV + ((b * NK + t) * HKV + kvh) * HEAD_DIM_V + e, dv.to(DV.dtype.element_ty), mask=e_ok)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _strides(**tensors):
+    """stride_<name>b, stride_<name>n, stride_<name>h of (B, N, H, D) tensors, as kernel keywords."""
+    return {f"stride_{name}{axis}": t.stride(i) for name, t in tensors.items() for i, axis in enumerate("bnh")}
+
+
+def _slot_strides(slots, count):
+    """The canonical rows' strides; the row axis 0 where one row serves every kv head."""
+    shared = slots.shape[2] == 1
+    return dict(stride_sb=slots.stride(0), stride_sn=slots.stride(1), stride_sg=0 if shared else slots.stride(2),
+                stride_cb=count.stride(0), stride_cn=count.stride(1), stride_cg=0 if shared else count.stride(2))
+
+
+def _shape(q, k, v):
+    B, Nq, Hq, D = q.shape
+    Nk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    return B, Nq, Hq, D, Nk, Hkv, Dv
+
+
+@on_tensor_device
+def indexed_forward(q, k, v, slots, count, call):
+    """(out (B, Nq, Hq, Dv) like q, row_max, row_sum float32 (B, Hq, Nq)) on canonical slots
+    (indices.canonical_slots) under the AttentionCall (its sinks are the caller's)."""
+    B, Nq, Hq, D, Nk, Hkv, Dv = _shape(q, k, v)
+    group = Hq // Hkv
+    tiles = indexed_tiles(group, D, Dv, q.device)
+    out = torch.empty(B, Nq, Hq, Dv, dtype=q.dtype, device=q.device)
+    row_max = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    row_sum = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    dot_mode, precision = kernel_options(q.dtype, q.device)
+    grid = (B * Nq * Hkv * triton.cdiv(group, tiles["BLOCK_H"]),)
+    _indexed_fwd_kernel[grid](
+        Q=q, K=k, V=v, O=out, ROW_MAX=row_max, ROW_SUM=row_sum, SLOTS=slots, COUNT=count,
+        **_strides(q=q, k=k, v=v), **_slot_strides(slots, count), NQ=Nq, NK=Nk, HQ=Hq, HKV=Hkv, GROUP=group,
+        sm_scale=call.scale, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=padded_head_dim(D), BLOCK_DV=padded_head_dim(Dv),
+        BLOCK_H=tiles["BLOCK_H"], BLOCK_K=tiles["BLOCK_K"], DOT_MODE=dot_mode, PRECISION=precision,
+        **call.kernel_args(), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+    return out, row_max, row_sum
+
+
+@on_tensor_device
+def indexed_backward(do, dlse, q, k, v, out, row_max, row_sum, slots, count, call):
+    """(dq, dk, dv) like q, k, v: dQ per query (the forward's tiling), dK/dV per key over its
+    inverse list (indices.query_lists), no atomics."""
+    B, Nq, Hq, D, Nk, Hkv, Dv = _shape(q, k, v)
+    group = Hq // Hkv
+    tiles = indexed_tiles(group, D, Dv, q.device)
+    for name, t in (("row_max", row_max), ("row_sum", row_sum)):
+        require_contiguous("indexed_backward", name, t, (B, Hq, Nq))
+    do = last_dim_contiguous(do)
+    delta = softmax_delta(do, out, dlse)
+    dot_mode, precision = kernel_options(q.dtype, q.device)
+    common = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
+                  **_strides(q=q, k=k, v=v, do=do), NQ=Nq, NK=Nk, HQ=Hq, HKV=Hkv, GROUP=group, sm_scale=call.scale,
+                  HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=padded_head_dim(D), BLOCK_DV=padded_head_dim(Dv),
+                  BLOCK_H=tiles["BLOCK_H"], **call.kernel_args(), num_warps=tiles["num_warps"],
+                  num_stages=tiles["num_stages"])
+    dq = torch.empty(B, Nq, Hq, D, dtype=q.dtype, device=q.device)
+    _indexed_bwd_dq_kernel[(B * Nq * Hkv * triton.cdiv(group, tiles["BLOCK_H"]),)](
+        **common, DQ=dq, SLOTS=slots, COUNT=count, **_slot_strides(slots, count), BLOCK_K=tiles["BLOCK_K"],
+        DOT_MODE=dot_mode, PRECISION=precision)
+    start, queries = query_lists(slots, Nk)
+    dk = torch.empty(B, Nk, Hkv, D, dtype=k.dtype, device=q.device)
+    dv = torch.empty(B, Nk, Hkv, Dv, dtype=v.dtype, device=q.device)
+    # no dot here: the head tile needs no padding to 16, and BLOCK_R is a multiple of it
+    heads = min(tiles["BLOCK_R"], 1 << (group - 1).bit_length())
+    _indexed_bwd_dkdv_kernel[(B * Hkv * Nk,)](
+        **{**common, "BLOCK_H": heads}, DK=dk, DV=dv, Q_START=start, Q_LIST=queries, SLOT_ROWS=slots.shape[2],
+        BLOCK_R=tiles["BLOCK_R"])
+    return dq, dk, dv
