@@ -265,3 +265,58 @@ def indexed_backward(do, dlse, q, k, v, out, row_max, row_sum, slots, count, cal
         **{**common, "BLOCK_H": heads}, DK=dk, DV=dv, Q_START=start, Q_LIST=queries, SLOT_ROWS=slots.shape[2],
         BLOCK_R=tiles["BLOCK_R"])
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- the indexer
+
+@triton.jit
+def _indexer_scores_kernel(
+        Q, K, W, SCORES, stride_qb, stride_qs, stride_qh, stride_kb, stride_kt, stride_wb, stride_ws, stride_wh,
+        S, T, H, FIRST_POS, sm_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HH: tl.constexpr, BLOCK_T: tl.constexpr,
+        CAUSAL: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr):
+    """SCORES[b, s, t] = sum_h W[b, s, h] * relu(sm_scale * Q[b, s, h] . K[b, t]) (DeepSeek's
+    lightning indexer) for the BLOCK_T keys of a program, float32, -inf past the query's position
+    FIRST_POS + s under CAUSAL. SCORES: contiguous (B, S, T), one chunk of queries."""
+    pid = tl.program_id(0)
+    n_t = tl.cdiv(T, BLOCK_T)
+    tt = pid % n_t
+    rest = (pid // n_t).to(tl.int64)
+    s = rest % S
+    b = rest // S
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    t = tt * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    k = tl.load(K + b * stride_kb + t.to(tl.int64)[:, None] * stride_kt + d[None, :],
+                mask=t_ok[:, None] & d_ok[None, :], other=0.0)                           # [BLOCK_T, BLOCK_D]
+    score = tl.zeros([BLOCK_T], tl.float32)
+    for h0 in range(0, H, BLOCK_HH):
+        h = h0 + tl.arange(0, BLOCK_HH)
+        h_ok = h < H
+        q = tl.load(Q + b * stride_qb + s * stride_qs + h[:, None] * stride_qh + d[None, :],
+                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)                       # [BLOCK_HH, BLOCK_D]
+        w = tl.load(W + b * stride_wb + s * stride_ws + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32)
+        logits = tl.maximum(dot(q, tl.trans(k), DOT_MODE, PRECISION) * sm_scale, 0.0)   # [BLOCK_HH, BLOCK_T]
+        score += tl.sum(w[:, None] * logits, 0)
+    if CAUSAL:
+        score = tl.where(t <= FIRST_POS + s, score, float("-inf"))
+    tl.store(SCORES + (b * S + s) * T + t, score, mask=t_ok)
+
+
+@on_tensor_device
+def indexer_scores(q, k, weights, first_pos, scale, causal):
+    """float32 (B, S, T) indexer scores of queries q (B, S, H, D) at positions first_pos + s
+    against keys k (B, T, D), weights (B, S, H)."""
+    B, S, H, D = q.shape
+    T = k.shape[1]
+    scores = torch.empty(B, S, T, dtype=torch.float32, device=q.device)
+    block_t = 32 if q.device.type != "cuda" else 64
+    dot_mode, precision = kernel_options(q.dtype, q.device)
+    _indexer_scores_kernel[(B * S * triton.cdiv(T, block_t),)](
+        Q=q, K=k, W=weights, SCORES=scores, stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
+        stride_kb=k.stride(0), stride_kt=k.stride(1), stride_wb=weights.stride(0), stride_ws=weights.stride(1),
+        stride_wh=weights.stride(2), S=S, T=T, H=H, FIRST_POS=first_pos, sm_scale=scale, HEAD_DIM=D,
+        BLOCK_D=padded_head_dim(D), BLOCK_HH=min(64, max(16, 1 << (H - 1).bit_length())), BLOCK_T=block_t,
+        CAUSAL=causal, DOT_MODE=dot_mode, PRECISION=precision, num_warps=4, num_stages=2 if q.device.type == "cuda" else 1)
+    return scores
