@@ -8,7 +8,8 @@ from .ops.block_sparse import (BlockLayout, block_sparse_attention, block_sparse
                                block_sparse_attention_op, block_sparse_attention_with_kvcache)
 from .ops.dilated import (DilatedKVCache, PagedDilatedKVCache, dilated_attention, dilated_attention_naive,
                           dilated_attention_op, dilated_attention_with_kvcache)
-from .ops.indexed import indexed_attention, indexed_attention_naive, indexer_topk
+from .ops.indexed import (indexed_attention, indexed_attention_naive, indexed_attention_with_kvcache,
+                          indexer_topk)
 from .ops.ring import document_balance, ring_attention, sequence_parallel_attention, shard, ulysses_attention, unshard
 
 __all__ = ["dilated_attention", "dilated_attention_naive", "block_sparse_attention", "block_sparse_attention_naive",
@@ -16,5 +17,5 @@ __all__ = ["dilated_attention", "dilated_attention_naive", "block_sparse_attenti
            "unshard", "document_balance", "DilatedAttention",
            "MultiheadDilatedAttention", "BlockSparseAttention", "dilated_attention_op", "block_sparse_attention_op",
            "DilatedKVCache", "PagedDilatedKVCache", "dilated_attention_with_kvcache", "block_sparse_attention_with_kvcache",
-           "indexed_attention", "indexed_attention_naive", "indexer_topk"]
+           "indexed_attention", "indexed_attention_naive", "indexer_topk", "indexed_attention_with_kvcache"]
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton_dilated.ops.block_sparse import decode_kernels as bs_kernels
 from triton_dilated.ops.common import decode_kernels as common_kernels
 from triton_dilated.ops.dilated import decode_kernels as dl_kernels
+from triton_dilated.ops.indexed import kernels as idx_kernels
 from tests.helpers.reference import FLOOR, assert_rule, seeded
 
 
@@ -123,7 +124,8 @@ def no_host_sync():
                                                  "numpy")]
     patches += [(mod, name) for mod, name in ((dl_kernels, "_dilated_decode_kernel"),
                                               (bs_kernels, "_block_sparse_decode_kernel"),
-                                              (common_kernels, "_decode_merge_kernel"))]
+                                              (common_kernels, "_decode_merge_kernel"),
+                                              (idx_kernels, "_indexed_fwd_kernel"))]
     saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
     equal = torch.equal
     try:

@@ -72,7 +72,8 @@ def test_chunks_of_queries_bound_memory_and_change_nothing(backend, monkeypatch)
     seen = []
     if backend == "torch":
         real = indexer_module.indexer_scores_torch
-        monkeypatch.setattr(indexer_module, "indexer_scores_torch", lambda q_, *a: seen.append(q_.shape[1]) or real(q_, *a))
+        monkeypatch.setattr(indexer_module, "indexer_scores_torch",
+                            lambda q_, *a: seen.append(q_.shape[1]) or real(q_, *a))
     else:
         kern = indexer_module._kernels()
         real = kern.indexer_scores

@@ -98,22 +98,25 @@ def as_rows(indices) -> torch.Tensor:
     return indices.unsqueeze(2) if indices.dim() == 3 else indices
 
 
-def used_slots(indices, Nq: int, Nk: int, causal: bool) -> torch.Tensor:
+def used_slots(indices, Nq: int, Nk: int, causal: bool, lengths=None) -> torch.Tensor:
     """bool like as_rows(indices): the slots that name a key the query may read (in [0, Nk),
-    and at or before its position i + Nk - Nq under causal). Duplicates not settled."""
+    and at or before its position i + Nk - Nq under causal). `lengths` (B,) on the device (the
+    serve door): row b holds lengths[b] keys instead of Nk. Duplicates not settled."""
     idx = as_rows(indices)
-    used = (idx >= 0) & (idx < Nk)
+    n = Nk if lengths is None else lengths.view(-1, 1, 1, 1).long()
+    used = (idx >= 0) & (idx < n)
     if causal:
-        pos = torch.arange(Nq, device=idx.device) + (Nk - Nq)
-        used &= idx <= pos.view(1, Nq, 1, 1)
+        pos = torch.arange(Nq, device=idx.device).view(1, Nq, 1, 1) + (n - Nq)
+        used &= idx <= pos
     return used
 
 
-def canonical_slots(indices, Nq: int, Nk: int, causal: bool):
+def canonical_slots(indices, Nq: int, Nk: int, causal: bool, lengths=None):
     """(slots int32 (B, Nq, G, topk), count int32 (B, Nq, G)), contiguous: each row's used keys
-    once each, ascending, in its first `count` slots, -1 after them. Two sorts on the device."""
+    once each, ascending, in its first `count` slots, -1 after them. Two sorts on the device.
+    `lengths`: as used_slots (Nk then bounds every row's length)."""
     idx = as_rows(indices).long()
-    key = torch.where(used_slots(indices, Nq, Nk, causal), idx, Nk)
+    key = torch.where(used_slots(indices, Nq, Nk, causal, lengths), idx, Nk)
     key, _ = torch.sort(key, dim=-1)
     repeat = torch.zeros_like(key, dtype=torch.bool)
     repeat[..., 1:] = key[..., 1:] == key[..., :-1]

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.decode_kernels import fp8_mode, fp8_operands, load_cache
 from ..common.hardware import padded_head_dim
 from ..common.kernels import (LOG2E, dot, finalize, load_row_stats, online_softmax_step, softcap_terms,
                               softmax_grad_block, tanh)
@@ -41,16 +42,41 @@ def _query_program(NQ, HKV, N_HT):
 
 
 @triton.jit
-def _gather(K, V, stride_kn, stride_vn, slot_row, j0, count, NK, d, d_ok, e, e_ok, BLOCK_K: tl.constexpr):
+def _gather(K, V, stride_kb, stride_kn, stride_vb, stride_vn, b, slot_row, j0, count, NK, d, d_ok, e, e_ok, BT,
+            NUM_PAGES, BLOCK_K: tl.constexpr, PAGE_SIZE: tl.constexpr = 0, PHYSICAL: tl.constexpr = False,
+            KV_FP8: tl.constexpr = 0):
     """Slots [j0, j0 + BLOCK_K) of a canonical row: their key rows [BLOCK_K, BLOCK_D], value rows
     [BLOCK_K, BLOCK_DV] and which slots are used. An unused slot (past count, -1 or outside
-    [0, NK)) reads nothing and loads zeros: 0 * a NaN value would spread it."""
+    [0, NK)) reads nothing and loads zeros: 0 * a NaN value would spread it. K, V: the kv head's
+    rows (batch offset not applied). PAGE_SIZE > 0 (the serve door's page pools): position p at
+    row p % PAGE_SIZE of page BT[p // PAGE_SIZE] (BT: the batch row's block table; a page
+    outside [0, NUM_PAGES) reads nothing), or with PHYSICAL the slot is the pool row itself
+    (FlashMLA's page * PAGE_SIZE + offset). KV_FP8 > 0: float8 rows, returned as float32
+    (decode_kernels.load_cache)."""
     t = j0 + tl.arange(0, BLOCK_K)
     idx = tl.load(slot_row + t, mask=t < count, other=-1)
     ok = (idx >= 0) & (idx < NK)
     pos = tl.where(ok, idx, 0).to(tl.int64)
-    k = tl.load(K + pos[:, None] * stride_kn + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-    v = tl.load(V + pos[:, None] * stride_vn + e[None, :], mask=ok[:, None] & e_ok[None, :], other=0.0)
+    if PAGE_SIZE == 0:
+        k_rows = b * stride_kb + pos * stride_kn
+        v_rows = b * stride_vb + pos * stride_vn
+    else:
+        if PHYSICAL:
+            page = pos // PAGE_SIZE
+        else:
+            page = tl.load(BT + pos // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+            ok = ok & (page >= 0) & (page < NUM_PAGES)
+            page = tl.where(ok, page, 0)
+        k_rows = page * stride_kb + (pos % PAGE_SIZE) * stride_kn
+        v_rows = page * stride_vb + (pos % PAGE_SIZE) * stride_vn
+    k_mask = ok[:, None] & d_ok[None, :]
+    v_mask = ok[:, None] & e_ok[None, :]
+    if KV_FP8 > 0:
+        k = load_cache(K + k_rows[:, None] + d[None, :], k_mask, KV_FP8)
+        v = load_cache(V + v_rows[:, None] + e[None, :], v_mask, KV_FP8)
+    else:
+        k = tl.load(K + k_rows[:, None] + d[None, :], mask=k_mask, other=0.0)
+        v = tl.load(V + v_rows[:, None] + e[None, :], mask=v_mask, other=0.0)
     return k, v, ok
 
 
@@ -62,12 +88,20 @@ def _indexed_fwd_kernel(
         NQ, NK, HQ, HKV, GROUP, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr):
+        HAS_SOFTCAP: tl.constexpr, BLOCK_TABLE=None, stride_btb=0, NUM_PAGES=0, K_DESCALE=None, V_DESCALE=None,
+        PAGE_SIZE: tl.constexpr = 0, PHYSICAL: tl.constexpr = False, KV_FP8: tl.constexpr = 0):
     ht, i, kvh, b = _query_program(NQ, HKV, tl.cdiv(GROUP, BLOCK_H))
     cap = softcap_terms(softcap, HAS_SOFTCAP)
     hh = ht * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = hh < GROUP
     h = kvh * GROUP + hh                                                                   # [BLOCK_H] int64
+    bt = BLOCK_TABLE
+    if PAGE_SIZE > 0:
+        if not PHYSICAL:
+            bt = BLOCK_TABLE + b * stride_btb
+    if KV_FP8 > 0:
+        k_descale = tl.load(K_DESCALE + kvh)
+        v_descale = tl.load(V_DESCALE + kvh)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     e = tl.arange(0, BLOCK_DV)
@@ -76,14 +110,18 @@ def _indexed_fwd_kernel(
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)                          # [BLOCK_H, BLOCK_D]
     slot_row = SLOTS + b * stride_sb + i * stride_sn + kvh * stride_sg
     count = tl.load(COUNT + b * stride_cb + i * stride_cn + kvh * stride_cg)
-    K += b * stride_kb + kvh * stride_kh
-    V += b * stride_vb + kvh * stride_vh
+    K += kvh * stride_kh
+    V += kvh * stride_vh
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for j0 in range(0, count, BLOCK_K):
-        k, v, ok = _gather(K, V, stride_kn, stride_vn, slot_row, j0, count, NK, d, d_ok, e, e_ok, BLOCK_K)
+        k, v, ok = _gather(K, V, stride_kb, stride_kn, stride_vb, stride_vn, b, slot_row, j0, count, NK, d, d_ok, e,
+                           e_ok, bt, NUM_PAGES, BLOCK_K, PAGE_SIZE, PHYSICAL, KV_FP8)
+        if KV_FP8 > 0:   # the dequantised rows, rounded to q's dtype as a dequantised cache would be
+            k = (k * k_descale).to(Q.dtype.element_ty)
+            v = (v * v_descale).to(Q.dtype.element_ty)
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, h_ok[:, None] & ok[None, :], True,
                                             DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
     out, row_max, row_sum = finalize(acc, m_i, l_i, q)                                 # [BLOCK_H, BLOCK_DV]
@@ -122,12 +160,13 @@ def _indexed_bwd_dq_kernel(
     delta = tl.load(DELTA + stats, mask=h_ok, other=0.0)
     slot_row = SLOTS + b * stride_sb + i * stride_sn + kvh * stride_sg
     count = tl.load(COUNT + b * stride_cb + i * stride_cn + kvh * stride_cg)
-    K += b * stride_kb + kvh * stride_kh
-    V += b * stride_vb + kvh * stride_vh
+    K += kvh * stride_kh
+    V += kvh * stride_vh
 
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for j0 in range(0, count, BLOCK_K):
-        k, v, ok = _gather(K, V, stride_kn, stride_vn, slot_row, j0, count, NK, d, d_ok, e, e_ok, BLOCK_K)
+        k, v, ok = _gather(K, V, stride_kb, stride_kn, stride_vb, stride_vn, b, slot_row, j0, count, NK, d, d_ok, e,
+                           e_ok, None, 0, BLOCK_K)
         p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, h_ok[:, None] & ok[None, :],
                                    True, DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
         dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
@@ -215,23 +254,38 @@ def _shape(q, k, v):
 
 
 @on_tensor_device
-def indexed_forward(q, k, v, slots, count, call):
+def indexed_forward(q, k, v, slots, count, call, *, block_table=None, physical=False, k_descale=None, v_descale=None):
     """(out (B, Nq, Hq, Dv) like q, row_max, row_sum float32 (B, Hq, Nq)) on canonical slots
-    (indices.canonical_slots) under the AttentionCall (its sinks are the caller's)."""
-    B, Nq, Hq, D, Nk, Hkv, Dv = _shape(q, k, v)
+    (indices.canonical_slots) under the AttentionCall (its sinks are the caller's). The serve
+    door's caches: k, v page pools (num_pages, page_size, Hkv, D) with block_table (B, pages),
+    the slots positions (or with `physical` pool rows page * page_size + offset); float8_e4m3fn
+    rows with k_descale, v_descale (Hkv,)."""
+    B, Nq, Hq, D = q.shape
+    Hkv, Dv = k.shape[2], v.shape[3]
     group = Hq // Hkv
+    paged = block_table is not None or physical
+    num_pages, page_size = (k.shape[0], k.shape[1]) if paged else (0, 0)
+    Nk = num_pages * page_size if physical else (block_table.shape[1] * page_size if paged else k.shape[1])
     tiles = indexed_tiles(group, D, Dv, q.device)
     out = torch.empty(B, Nq, Hq, Dv, dtype=q.dtype, device=q.device)
     row_max = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     row_sum = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     dot_mode, precision = kernel_options(q.dtype, q.device)
+    fp8 = fp8_mode(k)
+    strides = _strides(q=q, k=k, v=v)
+    k, v = fp8_operands(k, v, fp8)
+    serve = {}
+    if paged or fp8:
+        serve = dict(BLOCK_TABLE=block_table, stride_btb=0 if block_table is None else block_table.stride(0),
+                     NUM_PAGES=num_pages, K_DESCALE=k_descale, V_DESCALE=v_descale, PAGE_SIZE=page_size,
+                     PHYSICAL=physical, KV_FP8=fp8)
     grid = (B * Nq * Hkv * triton.cdiv(group, tiles["BLOCK_H"]),)
     _indexed_fwd_kernel[grid](
         Q=q, K=k, V=v, O=out, ROW_MAX=row_max, ROW_SUM=row_sum, SLOTS=slots, COUNT=count,
-        **_strides(q=q, k=k, v=v), **_slot_strides(slots, count), NQ=Nq, NK=Nk, HQ=Hq, HKV=Hkv, GROUP=group,
+        **strides, **_slot_strides(slots, count), NQ=Nq, NK=Nk, HQ=Hq, HKV=Hkv, GROUP=group,
         sm_scale=call.scale, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=padded_head_dim(D), BLOCK_DV=padded_head_dim(Dv),
         BLOCK_H=tiles["BLOCK_H"], BLOCK_K=tiles["BLOCK_K"], DOT_MODE=dot_mode, PRECISION=precision,
-        **call.kernel_args(), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+        **call.kernel_args(), **serve, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
     return out, row_max, row_sum
 
 
@@ -318,5 +372,6 @@ def indexer_scores(q, k, weights, first_pos, scale, causal):
         stride_kb=k.stride(0), stride_kt=k.stride(1), stride_wb=weights.stride(0), stride_ws=weights.stride(1),
         stride_wh=weights.stride(2), S=S, T=T, H=H, FIRST_POS=first_pos, sm_scale=scale, HEAD_DIM=D,
         BLOCK_D=padded_head_dim(D), BLOCK_HH=min(64, max(16, 1 << (H - 1).bit_length())), BLOCK_T=block_t,
-        CAUSAL=causal, DOT_MODE=dot_mode, PRECISION=precision, num_warps=4, num_stages=2 if q.device.type == "cuda" else 1)
+        CAUSAL=causal, DOT_MODE=dot_mode, PRECISION=precision, num_warps=4,
+        num_stages=2 if q.device.type == "cuda" else 1)
     return scores

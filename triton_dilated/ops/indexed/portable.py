@@ -14,13 +14,16 @@ from ..common.lse import safe_lse_weights
 GATHER_BUDGET = 1 << 24   # float32 elements per chunk: gathered keys and values, scores
 
 
-def indexed_attention_torch(q, k, v, slots, count, call):
+def indexed_attention_torch(q, k, v, slots, count, call, *, block_table=None, physical=False, k_descale=None,
+                            v_descale=None):
     """Validated q (B, Nq, Hq, Dqk), k (B, Nk, Hkv, Dqk), v (B, Nk, Hkv, Dv), canonical slots
     (B, Nq, G, topk) (indices.canonical_slots; count unused here: unused slots hold -1) and the
     AttentionCall (its sinks are the caller's). Returns (out like q with Dv, lse float32
-    (B, Hq, Nq))."""
+    (B, Hq, Nq)). The serve door's caches as kernels.indexed_forward takes them (page pools with
+    block_table, or physical pool rows; float8 rows with their descales)."""
     del count
     q, k, v = first_order_inputs("indexed_attention (portable backend)", q, k, v)
+    rows = _cache_rows(k, v, block_table, physical, k_descale, v_descale)
     B, Nq, Hq, D = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     T = slots.shape[3]
@@ -33,10 +36,8 @@ def indexed_attention_torch(q, k, v, slots, count, call):
     for s in range(0, Nq, step):
         e = min(Nq, s + step)
         sl = slots[:, s:e].expand(B, e - s, Hkv, T)
-        used = sl >= 0
-        idx = sl.clamp(min=0).long()
-        kg = k[bi, idx, hi].to(acc)                                              # (B, n, Hkv, T, D)
-        vg = v[bi, idx, hi].to(acc).masked_fill(~used.unsqueeze(-1), 0.0)       # (B, n, Hkv, T, Dv)
+        kg, vg, used = rows(bi, sl, hi, acc, q.dtype)                           # (B, n, Hkv, T, D | Dv)
+        vg = vg.masked_fill(~used.unsqueeze(-1), 0.0)
         qg = q[:, s:e].reshape(B, e - s, Hkv, group, D).to(acc)
         scores = torch.einsum("bnhgd,bnhtd->bnhgt", qg, kg) * call.scale
         scores = call.cap_scores(scores + scores * 0.0)   # +-inf (an infinite q or k) -> NaN, never a dropped key
@@ -52,3 +53,26 @@ def indexed_attention_torch(q, k, v, slots, count, call):
     out = torch.cat(outs, dim=1).to(q.dtype).contiguous()
     lse = torch.cat(lses, dim=1).transpose(1, 2).float()
     return joined_to(out, q, k, v), joined_to(lse, q, k, v)
+
+
+def _cache_rows(k, v, block_table, physical, k_descale, v_descale):
+    """gather(bi, slots, hi, acc, dtype) -> (key rows, value rows in acc, used) of the slots:
+    rows of a contiguous k, v, or of page pools through block_table (a page outside the pool
+    reads nothing: unused), or the pool rows themselves (physical); float8 rows dequantised and
+    rounded to q's dtype (as the kernels read them)."""
+    def gather(bi, sl, hi, acc, dtype):
+        used = sl >= 0
+        idx = sl.clamp(min=0).long()
+        if block_table is None and not physical:
+            where = (bi, idx)
+        else:
+            page_size = k.shape[1]
+            page = idx // page_size if physical else block_table[bi, idx // page_size].long()
+            used = used & (page >= 0) & (page < k.shape[0])
+            where = (page.clamp(0, k.shape[0] - 1), idx % page_size)
+        kg, vg = k[(*where, hi)], v[(*where, hi)]
+        if k_descale is not None:
+            kg = (kg.float() * k_descale[hi].unsqueeze(-1)).to(dtype)
+            vg = (vg.float() * v_descale[hi].unsqueeze(-1)).to(dtype)
+        return kg.to(acc), vg.to(acc), used
+    return gather

@@ -1,0 +1,144 @@
+"""The serve door of indexed attention: `indexed_attention_with_kvcache` (FlashAttention's
+`flash_attn_with_kvcache` shape, DESIGN §5b): new rows appended in place, per-row lengths
+`cache_seqlens`, contiguous or paged caches, FP8 caches, no host sync.
+
+Indexed attention reads only the keys a query lists, so one path serves decode steps and
+chunked prefill alike: the slots are made canonical against each row's length on the device
+(indices.canonical_slots with lengths), and the forward kernel (or the portable gather) reads
+the listed rows where they live (a page of the pool, float8 rows dequantised). Gradients (a
+contiguous cache in q's dtype) take the portable path: the Triton serve path has no backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..common.call import AttentionCall
+from ..common.first_order import needs_grad
+from ..common.kvcache import FP8_DTYPE, append_rows, cache_view, capacity, check_descales, check_kvcache_values
+from ..common.lse import lse_from_stats
+from ..common.op_support import lazy_module, resolve_path
+from ..common.validation import check_bool, check_flags, check_lengths_tensor
+from .indices import canonical_slots, check_inputs, validate_values
+from .portable import indexed_attention_torch
+
+_kernels = lazy_module(__package__ + ".kernels")   # imports triton
+
+
+def check_serve_args(q, k_cache, v_cache, indices, k, v, cache_seqlens, block_table, physical_slots, causal):
+    """Shapes, dtypes and devices (no value read): q (B, Nq, Hq, Dqk); k_cache (B, Nk, Hkv, Dqk),
+    v_cache (B, Nk, Hkv, Dv) (any strides with a unit last one: v may be a view of k's first Dv
+    values), or with block_table int32 (B, pages) page pools (num_pages, page_size, Hkv, D);
+    new rows k, v (B, Nnew, Hkv, Dqk | Dv) both or neither; cache_seqlens int32 (B,)."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
+    B, Nq = q.shape[:2]
+    if Nq < 1:
+        raise ValueError(f"q must hold at least one query row per batch row, got {Nq}")
+    if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]):
+        raise ValueError(f"k_cache and v_cache must agree but for the head dim, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    if block_table is not None:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+            got = block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table).__name__
+            raise TypeError(f"block_table must be an int32 tensor (B, max_pages), got {got}")
+        if block_table.dim() != 2 or block_table.shape[0] != B or block_table.shape[1] < 1:
+            raise ValueError(f"block_table must have shape (B, max_pages) = ({B}, max_pages >= 1), got "
+                             f"{tuple(block_table.shape)}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table must be on q's device ({q.device}), got {block_table.device}")
+    elif k_cache.shape[0] != B:
+        raise ValueError(f"k_cache and v_cache must have the batch size of q ({B}), got {k_cache.shape[0]}")
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError(f"k_cache and v_cache must be on q's device ({q.device}), got {k_cache.device}, "
+                         f"{v_cache.device}")
+    if k_cache.dtype != FP8_DTYPE and not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache and v_cache must share one dtype (or the caches be float8_e4m3fn), got "
+                        f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check_inputs(q, cache_view(k_cache, block_table, B, q), cache_view(v_cache, block_table, B, q), indices)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new rows to append) or both be None")
+    if k is not None:
+        new_dtype = q.dtype
+        for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(x).__name__}")
+            if x.dim() != 4 or x.shape[0] != B or tuple(x.shape[2:]) != tuple(cache.shape[2:]):
+                raise ValueError(f"{name} (new rows) must have shape (B, Nnew, Hkv, D) = ({B}, Nnew, "
+                                 f"{', '.join(map(str, cache.shape[2:]))}), got {tuple(x.shape)}")
+            if x.dtype != new_dtype or x.device != q.device:
+                raise TypeError(f"{name} must have q's dtype and device ({new_dtype}, {q.device}), got {x.dtype}, "
+                                f"{x.device}")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"k and v must hold the same number of new rows, got {k.shape[1]} and {v.shape[1]}")
+        if k.shape[1] > capacity(k_cache, block_table):
+            raise ValueError(f"k holds {k.shape[1]} new rows, more than the cache's {capacity(k_cache, block_table)}")
+    check_lengths_tensor(cache_seqlens, B, " on q's device")
+    if cache_seqlens.device != q.device:
+        raise ValueError(f"cache_seqlens must be on q's device ({q.device}), got {cache_seqlens.device}")
+    check_bool("physical_slots", physical_slots)
+    if physical_slots and block_table is None:
+        raise ValueError("physical_slots=True reads indices as page pool rows (page * page_size + offset): it needs "
+                         "a paged cache (block_table)")
+    if physical_slots and causal:
+        raise ValueError("physical_slots=True: pool rows carry no position, so causal=True cannot cut them; pass "
+                         "causal=False with indices that are causal already (as FlashMLA's sparse kernels take them)")
+
+
+def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None, *, cache_seqlens, block_table=None,
+                                   causal=True, scale=None, softcap=None, sinks=None, return_lse=False,
+                                   backend="auto", validate=False, k_descale=None, v_descale=None,
+                                   physical_slots=False):
+    """Indexed attention of queries at the end of a KV cache, with no host sync.
+
+    Args:
+        q: (B, Nq, Hq, Dqk), the last Nq positions of each row's L_b = cache_seqlens[b] + Nnew
+            valid rows (query i at L_b - Nq + i); any Nq >= 1 (decode or chunked prefill).
+        k_cache, v_cache: (B, Nk, Hkv, Dqk) and (B, Nk, Hkv, Dv) in q's dtype (v may be a view
+            of k's first Dv values, the absorbed-MLA cache: Dqk 576, Dv 512, one kv head), or
+            page pools (num_pages, page_size, Hkv, D) with block_table int32 (B, max_pages); or
+            float8_e4m3fn with float32 k_descale, v_descale (Hkv,) (the stored value times it).
+        indices: int32 (B, Nq, Hkv, topk) or (B, Nq, topk): token positions in the sequence;
+            -1, a value outside [0, L_b) or (causal) past the query's position is unused. With
+            physical_slots=True (a paged cache, causal=False): pool rows page * page_size +
+            offset, as FlashMLA takes them (what vLLM and SGLang pass); a value outside the
+            pool is unused.
+        k, v: new rows (B, Nnew, Hkv, D) in q's dtype, written in place at rows
+            cache_seqlens[b] .. + Nnew - 1 (quantised into an FP8 cache) before attending.
+        cache_seqlens: int32 (B,) on q's device: the valid rows before the append.
+        causal (default True), scale, softcap, sinks, return_lse, backend: as
+            indexed_attention.
+        validate: check the lengths, pages, descales and indices on the host (a sync).
+
+    Returns out (B, Nq, Hq, Dv) like q (and lse float32 (B, Hq, Nq)); rows with no used slot:
+    0 and -inf. Differentiable in eager mode through the portable path (contiguous caches).
+    """
+    check_serve_args(q, k_cache, v_cache, indices, k, v, cache_seqlens, block_table, physical_slots, causal)
+    check_descales(q, k_cache, v_cache, k_descale, v_descale)
+    check_flags(return_lse=return_lse, validate=validate)
+    call = AttentionCall.at_door(q, causal=causal, scale=scale, softcap=softcap, sinks=sinks)
+    B, Nq, _, D = q.shape
+    cap = capacity(k_cache, block_table)
+    pool_rows = k_cache.shape[0] * k_cache.shape[1]
+    if validate:
+        check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], cap, block_table, k_cache.shape[0],
+                             (k_descale, v_descale))
+        validate_values(indices, pool_rows if physical_slots else cap)
+    path = resolve_path(backend, str(q.device), (), D, q.dtype)
+    if path == "triton" and needs_grad(*(x for x in (q, k_cache, v_cache, k, v) if x is not None)):
+        path = "torch"   # no backward on the Triton serve path
+    lengths = append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+    if physical_slots:
+        slots, count = canonical_slots(indices, Nq, pool_rows, False)
+    else:
+        slots, count = canonical_slots(indices, Nq, cap, call.causal, lengths)
+    caches = dict(block_table=block_table, physical=physical_slots, k_descale=k_descale, v_descale=v_descale)
+    if path == "triton":
+        out, row_max, row_sum = _kernels().indexed_forward(q, k_cache, v_cache, slots, count, call.without_sinks(),
+                                                           **caches)
+        res = out, lse_from_stats(row_max, row_sum)
+    else:
+        res = indexed_attention_torch(q, k_cache, v_cache, slots, count, call, **caches)
+    return call.finish(res, return_lse)
