@@ -3,15 +3,20 @@ backend dispatch), and the autograd Function over the Triton launchers. What the
 (unused slots, causal cut, duplicates) is settled once, in indices.py.
 
 The Triton kernels (kernels.py) are imported only when used: the package runs without triton.
+Under torch.compile the door runs through the custom ops `triton_dilated::indexed_fwd/_bwd`
+(either path; the canonical slots are torch code before them, traced as they are).
 """
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
+from torch import Tensor
 
 from ..common.call import AttentionCall
 from ..common.first_order import first_order_backward, joined_to
 from ..common.lse import lse_from_stats
-from ..common.op_support import lazy_module, resolve_path
+from ..common.op_support import check_path, empty_stats, fresh, lazy_module, recompute_grads, resolve_path
 from ..common.runtime import last_dim_contiguous
 from ..common.validation import check_flags
 from .indices import canonical_slots, check_inputs, kernel_head_dims, validate_values
@@ -97,6 +102,9 @@ def indexed_call(q, k, v, indices, call, *, backend):
     if Nk == 0 or indices.shape[-1] == 0 or B * Nq == 0:
         return _no_keys(q, k, v)
     slots, count = canonical_slots(indices, Nq, Nk, call.causal)
+    if torch.compiler.is_compiling():
+        out, lse, _, _ = _indexed_fwd(q, k, v, slots, count, call.scale, call.softcap, path)
+        return out, lse
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         return _IndexedAttentionFn.apply(q, k, v, slots, count, call.without_sinks())
@@ -110,3 +118,69 @@ def _no_keys(q, k, v):
     out = torch.zeros(B, Nq, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((B, Hq, Nq), float("-inf"), dtype=torch.float32, device=q.device)
     return joined_to(out, q, k, v), joined_to(lse, q, k, v)
+
+
+# ----------------------------------------------------------------------------- custom ops
+# What torch.compile traces: the kernels (or the portable path) on canonical slots. The row
+# statistics are zero-length on the portable path, whose backward op recomputes its forward.
+# Double backward is not supported (the backward op has no autograd formula).
+
+@torch.library.custom_op("triton_dilated::indexed_fwd", mutates_args=())
+def _indexed_fwd(q: Tensor, k: Tensor, v: Tensor, slots: Tensor, count: Tensor, scale: float, softcap: float,
+                 path: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, row_max, row_sum) on canonical slots (indices.canonical_slots)."""
+    check_path(path)
+    call = AttentionCall(False, scale, softcap)   # the causal cut is in the slots
+    if path == "triton":
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        out, row_max, row_sum = _kernels().indexed_forward(q, k, v, slots, count, call)
+        return out, lse_from_stats(row_max, row_sum), row_max, row_sum
+    out, lse = indexed_attention_torch(q, k, v, slots, count, call)
+    return fresh(out), fresh(lse), empty_stats(q), empty_stats(q)
+
+
+@_indexed_fwd.register_fake
+def _(q, k, v, slots, count, scale, softcap, path):
+    B, Nq, Hq, _ = q.shape
+    stats = Nq if path == "triton" else 0
+    return (q.new_empty((B, Nq, Hq, v.shape[-1])), q.new_empty((B, Hq, Nq), dtype=torch.float32),
+            q.new_empty((B, Hq, stats), dtype=torch.float32), q.new_empty((B, Hq, stats), dtype=torch.float32))
+
+
+@torch.library.custom_op("triton_dilated::indexed_bwd", mutates_args=())
+def _indexed_bwd(do: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor,
+                 row_sum: Tensor, slots: Tensor, count: Tensor, scale: float, softcap: float,
+                 path: str) -> Tuple[Tensor, Tensor, Tensor]:
+    check_path(path)
+    call = AttentionCall(False, scale, softcap)
+    if path == "triton":
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        dq, dk, dv = _kernels().indexed_backward(do, dlse, q, k, v, out, row_max, row_sum, slots, count, call)
+        return fresh(dq), fresh(dk), fresh(dv)
+    return recompute_grads(lambda q_, k_, v_: indexed_attention_torch(q_, k_, v_, slots, count, call), (q, k, v),
+                           (do, dlse))
+
+
+@_indexed_bwd.register_fake
+def _(do, dlse, q, k, v, out, row_max, row_sum, slots, count, scale, softcap, path):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _indexed_setup(ctx, inputs, output):
+    q, k, v, slots, count, scale, softcap, path = inputs
+    out, _, row_max, row_sum = output
+    ctx.save_for_backward(q, k, v, out, row_max, row_sum, slots, count)
+    ctx.mark_non_differentiable(row_max, row_sum)
+    ctx.args = (scale, softcap, path)
+
+
+def _indexed_backward(ctx, do, dlse, _dmax, _dsum):
+    q, k, v, out, row_max, row_sum, slots, count = ctx.saved_tensors
+    do = torch.zeros_like(out) if do is None else do
+    dlse = torch.zeros(out.shape[0], out.shape[2], out.shape[1], dtype=torch.float32, device=out.device) \
+        if dlse is None else dlse
+    dq, dk, dv = _indexed_bwd(do, dlse, q, k, v, out, row_max, row_sum, slots, count, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_indexed_fwd.register_autograd(_indexed_backward, setup_context=_indexed_setup)

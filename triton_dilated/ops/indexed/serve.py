@@ -7,16 +7,22 @@ chunked prefill alike: the slots are made canonical against each row's length on
 (indices.canonical_slots with lengths), and the forward kernel (or the portable gather) reads
 the listed rows where they live (a page of the pool, float8 rows dequantised). Gradients (a
 contiguous cache in q's dtype) take the portable path: the Triton serve path has no backward.
+Under torch.compile the read is the custom op `triton_dilated::indexed_serve_fwd` (the append
+and the canonical slots are torch code, traced as they are; cache_seqlens is a tensor, so new
+lengths do not recompile).
 """
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
+from torch import Tensor
 
 from ..common.call import AttentionCall
 from ..common.first_order import needs_grad
 from ..common.kvcache import FP8_DTYPE, append_rows, cache_view, capacity, check_descales, check_kvcache_values
 from ..common.lse import lse_from_stats
-from ..common.op_support import lazy_module, resolve_path
+from ..common.op_support import check_path, fresh, lazy_module, resolve_path
 from ..common.validation import check_bool, check_flags, check_lengths_tensor
 from .indices import canonical_slots, check_inputs, validate_values
 from .portable import indexed_attention_torch
@@ -134,11 +140,36 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
         slots, count = canonical_slots(indices, Nq, pool_rows, False)
     else:
         slots, count = canonical_slots(indices, Nq, cap, call.causal, lengths)
-    caches = dict(block_table=block_table, physical=physical_slots, k_descale=k_descale, v_descale=v_descale)
-    if path == "triton":
-        out, row_max, row_sum = _kernels().indexed_forward(q, k_cache, v_cache, slots, count, call.without_sinks(),
-                                                           **caches)
-        res = out, lse_from_stats(row_max, row_sum)
+    if torch.compiler.is_compiling():
+        res = _indexed_serve_fwd(q, k_cache, v_cache, slots, count, block_table, k_descale, v_descale, call.scale,
+                                 call.softcap, physical_slots, path)
     else:
-        res = indexed_attention_torch(q, k_cache, v_cache, slots, count, call, **caches)
+        res = serve_read(q, k_cache, v_cache, slots, count, block_table, k_descale, v_descale, call.without_sinks(),
+                         physical_slots, path)
     return call.finish(res, return_lse)
+
+
+def serve_read(q, k_cache, v_cache, slots, count, block_table, k_descale, v_descale, call, physical, path):
+    """(out, lse) of the canonical slots read from the caches (call without sinks)."""
+    caches = dict(block_table=block_table, physical=physical, k_descale=k_descale, v_descale=v_descale)
+    if path == "triton":
+        out, row_max, row_sum = _kernels().indexed_forward(q, k_cache, v_cache, slots, count, call, **caches)
+        return out, lse_from_stats(row_max, row_sum)
+    return indexed_attention_torch(q, k_cache, v_cache, slots, count, call, **caches)
+
+
+@torch.library.custom_op("triton_dilated::indexed_serve_fwd", mutates_args=())
+def _indexed_serve_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, count: Tensor,
+                       block_table: Optional[Tensor], k_descale: Optional[Tensor], v_descale: Optional[Tensor],
+                       scale: float, softcap: float, physical: bool, path: str) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of the serve door's read (no autograd: gradients run eagerly)."""
+    check_path(path)
+    out, lse = serve_read(q, k_cache, v_cache, slots, count, block_table, k_descale, v_descale,
+                          AttentionCall(False, scale, softcap), physical, path)
+    return fresh(out), fresh(lse)
+
+
+@_indexed_serve_fwd.register_fake
+def _(q, k_cache, v_cache, slots, count, block_table, k_descale, v_descale, scale, softcap, physical, path):
+    B, Nq, Hq, _ = q.shape
+    return q.new_empty((B, Nq, Hq, v_cache.shape[-1])), q.new_empty((B, Hq, Nq), dtype=torch.float32)
