@@ -266,7 +266,7 @@ def indexed_forward(q, k, v, slots, count, call, *, block_table=None, physical=F
     paged = block_table is not None or physical
     num_pages, page_size = (k.shape[0], k.shape[1]) if paged else (0, 0)
     Nk = num_pages * page_size if physical else (block_table.shape[1] * page_size if paged else k.shape[1])
-    tiles = indexed_tiles(group, D, Dv, q.device)
+    tiles = indexed_tiles(group, D, Dv, q.dtype, q.device)
     out = torch.empty(B, Nq, Hq, Dv, dtype=q.dtype, device=q.device)
     row_max = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     row_sum = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
@@ -295,7 +295,7 @@ def indexed_backward(do, dlse, q, k, v, out, row_max, row_sum, slots, count, cal
     inverse list (indices.query_lists), no atomics."""
     B, Nq, Hq, D, Nk, Hkv, Dv = _shape(q, k, v)
     group = Hq // Hkv
-    tiles = indexed_tiles(group, D, Dv, q.device)
+    tiles = indexed_tiles(group, D, Dv, q.dtype, q.device)
     for name, t in (("row_max", row_max), ("row_sum", row_sum)):
         require_contiguous("indexed_backward", name, t, (B, Hq, Nq))
     do = last_dim_contiguous(do)
