@@ -44,6 +44,11 @@ layers the configured dilated patterns or block layout; the modules' `softcap` (
 `s_aux` sink logits (gpt-oss) pass through as softcap= and sinks=. The mask functions accept
 transformers' sliding-window causal mask (also from a sliding cache that dropped rows: a window
 is translation-invariant) and refuse it with a static cache.
+DeepSeek Sparse Attention (transformers' DeepseekV32): attn_implementation="triton_indexed" runs
+indexed_attention on the `indices` the model's indexer hands its attention, with the model's
+mask folded into them (its mask function is transformers' sdpa_mask, which the indexer scores
+against); config.indexed_attention = {"backend": ...} is optional.
+
 Refused with a clear error: attention dropout > 0, non-causal modules, packed sequences
 (flash-attn's cu_seq_lens) and other mask overlays, 4-d masks, right padding.
 `output_attentions` gives None for the weights.
@@ -58,16 +63,18 @@ import json
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from .. import layouts
 from ..ops.block_sparse import block_sparse_attention, block_sparse_attention_with_kvcache
 from ..ops.dilated import dilated_attention, dilated_attention_with_kvcache
 from ..ops.dilated.cache import KeptRows, quiet_heads_warning
 from ..ops.dilated.patterns import check_patterns
+from ..ops.indexed import indexed_attention
 
 DILATED = "triton_dilated"
 BLOCK_SPARSE = "triton_block_sparse"
+INDEXED = "triton_indexed"
 BUILDERS = ("local", "dilated", "global_tokens", "random", "bigbird", "hierarchical", "causal")
 _DILATED_KEYS = ("segment_lengths", "dilation_rates", "mode", "offsets", "backend", "window_block_size")
 _UNSUPPORTED = {"cu_seq_lens_q": "packed sequences (cu_seq_lens)", "cu_seq_lens_k": "packed sequences (cu_seq_lens)",
@@ -76,12 +83,14 @@ WINDOW_BLOCK_SIZE = 64   # the sliding layers' block size by default (gpt-oss's 
 
 
 def register() -> None:
-    """Register "triton_dilated" and "triton_block_sparse" with transformers (attention
-    functions and their padding-mask functions). Idempotent; importing this module calls it."""
+    """Register "triton_dilated", "triton_block_sparse" and "triton_indexed" with transformers
+    (attention functions and their mask functions). Idempotent; importing this module calls it."""
     AttentionInterface.register(DILATED, dilated_attention_forward)
     AttentionInterface.register(BLOCK_SPARSE, block_sparse_attention_forward)
     AttentionMaskInterface.register(DILATED, dilated_attention_mask)
     AttentionMaskInterface.register(BLOCK_SPARSE, block_sparse_attention_mask)
+    AttentionInterface.register(INDEXED, indexed_attention_forward)
+    AttentionMaskInterface.register(INDEXED, sdpa_mask)   # the DSA indexer scores against the model's mask
 
 
 # ----------------------------------------------------------------------------- config
@@ -403,6 +412,33 @@ def block_sparse_attention_forward(module, query, key, value, attention_mask, dr
                                                    scale=scaling, backend=backend, **extra)   # decode: no host sync
 
     return _run(BLOCK_SPARSE, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs), None
+
+
+def indexed_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, indices=None,
+                              softcap=None, **kwargs):
+    """"triton_indexed": DeepSeek Sparse Attention models (transformers' DeepseekV32) hand their
+    attention the indexer's top-k `indices` (B, S, topk); this runs indexed_attention on them
+    (Dqk 192, Dv 128 as the model's non-absorbed MLA gives them). The model's boolean (or additive)
+    mask (B, 1, S, T) is folded into the indices: a slot whose key the mask hides (a future key the
+    top-k picked for an early query, padding) is unused, as eager's dense-mask folding drops it."""
+    if indices is None:
+        raise ValueError(f"{INDEXED} runs the indices of a DeepSeek Sparse Attention model (transformers' "
+                         f"DeepseekV32 passes indices=); {type(module).__name__} passed none")
+    if dropout:
+        raise ValueError(f"{INDEXED} has no attention dropout: set config.attention_dropout = 0.0 (got {dropout})")
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    B, S, T = q.shape[0], q.shape[1], k.shape[1]
+    causal = True
+    if isinstance(attention_mask, torch.Tensor):
+        keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(
+            attention_mask.dtype).min
+        keep = keep[:, 0].expand(B, S, T)
+        seen = keep.gather(-1, indices.clamp(min=0).long().view(B, S, -1))
+        indices = torch.where(seen, indices.view(B, S, -1), -1)
+        causal = False   # the mask holds the causal cut (and any padding)
+    backend = (getattr(getattr(module, "config", None), "indexed_attention", None) or {}).get("backend", "auto")
+    out = indexed_attention(q, k, v, indices, causal=causal, scale=scaling, softcap=softcap, backend=backend)
+    return out, None
 
 
 # ----------------------------------------------------------------------------- mask functions
