@@ -181,14 +181,13 @@ def test_canonical_slots_and_query_lists():
     assert lists == [[1], [1], [0], [1], [], []]   # key 5 is past query 0's position 4
 
 
-def test_portable_head_dims_of_absorbed_mla():
-    """Dqk 576, Dv 512 (the absorbed-MLA decode shape): the portable path under "auto"; the
-    Triton kernels (up to 256) refuse it clearly."""
-    q, k, v = make_inputs(1, 2, 8, 4, 1, 576, 512, torch.float32, 4)
-    idx = random_indices(1, 2, 8, None, 4, 4)
-    check_indexed(q, k, v, idx, causal=False, backend="auto", grads=False)
-    with pytest.raises(ValueError, match="head dims up to 256"):
-        indexed_attention(q, k, v, idx, backend="triton")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_absorbed_mla_head_dims(backend):
+    """Dqk 576, Dv 512, one kv head for every query head (the absorbed-MLA shape), forward and
+    backward."""
+    q, k, v = make_inputs(1, 3, 10, 16, 1, 576, 512, torch.float32, 4)
+    idx = random_indices(1, 3, 10, None, 6, 4)
+    check_indexed(q, k, v, idx, causal=True, backend=backend, scale=0.05)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -79,9 +79,12 @@ def check_inputs(q, k, v, indices, *, allow_float64: bool = False) -> None:
 
 
 def kernel_head_dims(q, v) -> bool:
-    """Whether the Triton kernels take these head dims (up to 256; wider heads, the absorbed-MLA
-    shape, run on the portable path)."""
-    return q.shape[-1] <= MAX_HEAD_DIM and v.shape[-1] <= MAX_HEAD_DIM
+    """Whether the Triton kernels take these head dims: up to 256 everywhere; wider heads (the
+    absorbed-MLA shape, Dqk 576 and Dv 512) on GPUs with the shared memory of sm80 and newer
+    (the dQ kernel's tiles take about 90 KB there; perf aot, sm80/sm90), else the portable path."""
+    if q.shape[-1] <= MAX_HEAD_DIM and v.shape[-1] <= MAX_HEAD_DIM:
+        return True
+    return q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) >= (8, 0)
 
 
 def validate_values(indices, Nk: int) -> None:

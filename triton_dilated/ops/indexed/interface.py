@@ -64,7 +64,8 @@ def indexed_attention(q, k, v, indices, *, causal=False, scale=None, softcap=Non
     Args:
         q: (B, Nq, Hq, Dqk); k: (B, Nk, Hkv, Dqk); v: (B, Nk, Hkv, Dv), Dv may differ from Dqk
             (non-absorbed MLA: 192 and 128); Hq % Hkv == 0 (GQA, MQA); float16, bfloat16 or
-            float32. Head dims up to 256 on the Triton kernels, up to 576 on the portable path.
+            float32. Head dims up to 576 (the absorbed-MLA shape; over 256 on the Triton kernels
+            from sm80 on, else the portable path).
         indices: int32 (or int64) (B, Nq, Hkv, topk), a row per kv head, or (B, Nq, topk), one
             row for every head (what transformers' DeepseekV32 passes). Key positions; -1 marks
             an unused slot, and so does any value outside [0, Nk) (never read). A key listed
@@ -96,8 +97,9 @@ def indexed_call(q, k, v, indices, call, *, backend):
     path = resolve_path(backend, str(q.device), (), D, q.dtype)
     if path == "triton" and not kernel_head_dims(q, v):
         if backend == "triton":
-            raise ValueError(f"backend='triton': the indexed kernels take head dims up to 256, got Dqk = {D}, "
-                             f"Dv = {v.shape[-1]}; use backend='auto' or 'torch' (the portable path)")
+            raise ValueError(f"backend='triton': the indexed kernels take head dims over 256 (Dqk = {D}, Dv = "
+                             f"{v.shape[-1]}) on sm80 and newer only; use backend='auto' or 'torch' (the portable "
+                             f"path)")
         path = "torch"
     if Nk == 0 or indices.shape[-1] == 0 or B * Nq == 0:
         return _no_keys(q, k, v)
