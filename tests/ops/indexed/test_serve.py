@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.helpers.indexed_checks import make_inputs, random_indices
 from tests.helpers.reference import seeded
@@ -163,3 +165,45 @@ def test_validate_and_bad_input():
         indexed_attention_with_kvcache(q, k_cache, v_cache, idx, cache_seqlens=[3, 4])
     with pytest.raises(ValueError, match="physical_slots=True reads indices as page pool rows"):
         indexed_attention_with_kvcache(q, k_cache, v_cache, idx, physical_slots=True, causal=False, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=8)
+@given(data=st.data())
+def test_serve_rows_random_lengths_and_caches(backend, data):
+    """Random per-row lengths (some shorter than the queries: queries before position 0 see
+    nothing), page sizes, FP8, appends, shared or per-head rows, causal or not: each row equals
+    the training door on its prefix."""
+    B = data.draw(st.integers(1, 3))
+    Nq = data.draw(st.sampled_from([1, 2, 5, 17]))
+    new = data.draw(st.integers(0, 3))
+    page_size = data.draw(st.sampled_from([0, 4, 8]))
+    fp8 = data.draw(st.booleans())
+    causal = data.draw(st.booleans())
+    rows = data.draw(st.sampled_from([None, 2]))
+    seed = data.draw(st.integers(0, 1000))
+    cap = 32
+    before = [data.draw(st.integers(0, cap - new)) for _ in range(B)]
+    dtype = torch.bfloat16 if fp8 else torch.float32
+    q, k, v = make_inputs(B, Nq, cap, 4, 2, 16, 8, dtype, seed)
+    descales = (torch.tensor([0.7, 1.3]), torch.tensor([1.1, 0.9])) if fp8 else None
+    if fp8:
+        k = (quantise_fp8(k, descales[0]).float() * descales[0][:, None]).to(dtype)
+        v = (quantise_fp8(v, descales[1]).float() * descales[1][:, None]).to(dtype)
+    lens = torch.tensor(before, dtype=torch.int32)
+    new_k = torch.stack([k[b, n:n + new] for b, n in enumerate(before)]) if new else None
+    new_v = torch.stack([v[b, n:n + new] for b, n in enumerate(before)]) if new else None
+    k_cache, v_cache = k.clone(), v.clone()
+    kw = dict(cache_seqlens=lens)
+    if fp8:
+        k_cache, v_cache = quantise_fp8(k_cache, descales[0]), quantise_fp8(v_cache, descales[1])
+        kw.update(k_descale=descales[0], v_descale=descales[1])
+    if page_size:
+        k_cache, _, table = page_pools(k_cache, k_cache, page_size, seed=seed)
+        v_cache, _, _ = page_pools(v_cache, v_cache, page_size, seed=seed)
+        kw["block_table"] = table
+    idx = random_indices(B, Nq, cap, rows, 7, seed)
+    got = indexed_attention_with_kvcache(q, k_cache, v_cache, idx, new_k, new_v, causal=causal, return_lse=True,
+                                         backend=backend, **kw)
+    ref = training_rows(q, k, v, idx, [n + new for n in before], causal=causal, backend=backend)
+    assert_same(got, ref, dtype)
