@@ -207,3 +207,15 @@ def test_serve_rows_random_lengths_and_caches(backend, data):
                                          backend=backend, **kw)
     ref = training_rows(q, k, v, idx, [n + new for n in before], causal=causal, backend=backend)
     assert_same(got, ref, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_row_or_no_slot(backend):
+    for B, topk in ((0, 4), (2, 0)):
+        q = torch.randn(B, 1, 4, 16)
+        k_cache, v_cache = torch.randn(B, 8, 2, 16), torch.randn(B, 8, 2, 8)
+        idx = torch.zeros(B, 1, topk, dtype=torch.int32)
+        lens = torch.full((B,), 3, dtype=torch.int32)
+        out, lse = indexed_attention_with_kvcache(q, k_cache, v_cache, idx, cache_seqlens=lens, return_lse=True,
+                                                  backend=backend)
+        assert out.shape == (B, 1, 4, 8) and (out == 0).all() and torch.isneginf(lse).all()

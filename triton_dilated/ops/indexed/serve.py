@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..common.call import AttentionCall
-from ..common.first_order import needs_grad
+from ..common.first_order import joined_to, needs_grad
 from ..common.kvcache import FP8_DTYPE, append_rows, cache_view, capacity, check_descales, check_kvcache_values
 from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, fresh, lazy_module, resolve_path
@@ -136,6 +136,9 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
     if path == "triton" and needs_grad(*(x for x in (q, k_cache, v_cache, k, v) if x is not None)):
         path = "torch"   # no backward on the Triton serve path
     lengths = append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+    if B == 0 or indices.shape[-1] == 0:   # no row, or no slot: 0 and -inf
+        out = joined_to(q.new_zeros((*q.shape[:3], v_cache.shape[-1])), q)
+        return call.finish((out, q.new_full((B, q.shape[2], Nq), float("-inf"), dtype=torch.float32)), return_lse)
     if physical_slots:
         slots, count = canonical_slots(indices, Nq, pool_rows, False)
     else:
