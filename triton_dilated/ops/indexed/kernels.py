@@ -12,7 +12,12 @@ BLOCK_K) tiles, not topk.
 dK/dV: a program owns one key t of one kv head and walks the queries whose rows list it
 (indices.query_lists: a stable device sort), BLOCK_R (query, head) rows at a time, with P and
 dS recomputed from the forward's row statistics. Every key's sums run in one program in a
-fixed order: no atomics, the same bits every run.
+fixed order: no atomics, the same bits every run. One key row feeds no dot: this is vector
+work (a product and a sum per row), memory-bound on the query rows it reads.
+
+The serve door's caches go through the forward kernel's gather: page pools through the
+block table (PAGE_SIZE > 0), FlashMLA's physical pool rows (PHYSICAL), float8 rows dequantised
+with the per-kv-head descales (KV_FP8). The indexer's scoring kernel is at the end.
 """
 from __future__ import annotations
 
