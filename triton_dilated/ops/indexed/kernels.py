@@ -89,8 +89,7 @@ def _gather(K, V, stride_kb, stride_kn, stride_vb, stride_vn, b, slot_row, j0, c
 def _indexed_fwd_kernel(
         Q, K, V, O, ROW_MAX, ROW_SUM, SLOTS, COUNT,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        stride_sb, stride_sn, stride_sg, stride_cb, stride_cn, stride_cg,
-        NQ, NK, HQ, HKV, GROUP, sm_scale, softcap,
+        NQ, NK, HQ, HKV, GROUP, SLOT_ROWS, TOPK, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, BLOCK_TABLE=None, stride_btb=0, NUM_PAGES=0, K_DESCALE=None, V_DESCALE=None,
@@ -113,8 +112,9 @@ def _indexed_fwd_kernel(
     e_ok = e < HEAD_DIM_V
     q = tl.load(Q + b * stride_qb + i * stride_qn + h[:, None] * stride_qh + d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)                          # [BLOCK_H, BLOCK_D]
-    slot_row = SLOTS + b * stride_sb + i * stride_sn + kvh * stride_sg
-    count = tl.load(COUNT + b * stride_cb + i * stride_cn + kvh * stride_cg)
+    row = (b * NQ + i) * SLOT_ROWS + kvh % SLOT_ROWS     # SLOT_ROWS: Hkv, or 1 for rows shared by the heads
+    slot_row = SLOTS + row * TOPK
+    count = tl.load(COUNT + row)
     K += kvh * stride_kh
     V += kvh * stride_vh
 
@@ -142,8 +142,7 @@ def _indexed_bwd_dq_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, SLOTS, COUNT,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh,
-        stride_sb, stride_sn, stride_sg, stride_cb, stride_cn, stride_cg,
-        NQ, NK, HQ, HKV, GROUP, sm_scale, softcap,
+        NQ, NK, HQ, HKV, GROUP, SLOT_ROWS, TOPK, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr):
@@ -163,8 +162,9 @@ def _indexed_bwd_dq_kernel(
     stats = (b * HQ + h) * NQ + i
     row_max, row_log2l = load_row_stats(ROW_MAX, ROW_SUM, stats, h_ok)                  # empty rows: P = 0
     delta = tl.load(DELTA + stats, mask=h_ok, other=0.0)
-    slot_row = SLOTS + b * stride_sb + i * stride_sn + kvh * stride_sg
-    count = tl.load(COUNT + b * stride_cb + i * stride_cn + kvh * stride_cg)
+    row = (b * NQ + i) * SLOT_ROWS + kvh % SLOT_ROWS     # SLOT_ROWS: Hkv, or 1 for rows shared by the heads
+    slot_row = SLOTS + row * TOPK
+    count = tl.load(COUNT + row)
     K += kvh * stride_kh
     V += kvh * stride_vh
 
@@ -245,11 +245,13 @@ def _strides(**tensors):
     return {f"stride_{name}{axis}": t.stride(i) for name, t in tensors.items() for i, axis in enumerate("bnh")}
 
 
-def _slot_strides(slots, count):
-    """The canonical rows' strides; the row axis 0 where one row serves every kv head."""
-    shared = slots.shape[2] == 1
-    return dict(stride_sb=slots.stride(0), stride_sn=slots.stride(1), stride_sg=0 if shared else slots.stride(2),
-                stride_cb=count.stride(0), stride_cn=count.stride(1), stride_cg=0 if shared else count.stride(2))
+def _slot_rows(slots, count):
+    """The canonical rows' shape: rows per (batch, query) (Hkv, or 1 shared by the kv heads) and
+    their width; the kernels index slots (B, Nq, rows, topk) and count (B, Nq, rows) from it."""
+    B, Nq, rows, topk = slots.shape
+    require_contiguous("indexed kernels", "slots", slots, (B, Nq, rows, topk))
+    require_contiguous("indexed kernels", "count", count, (B, Nq, rows))
+    return dict(SLOT_ROWS=rows, TOPK=topk)
 
 
 def _shape(q, k, v):
@@ -287,7 +289,7 @@ def indexed_forward(q, k, v, slots, count, call, *, block_table=None, physical=F
     grid = (B * Nq * Hkv * triton.cdiv(group, tiles["BLOCK_H"]),)
     _indexed_fwd_kernel[grid](
         Q=q, K=k, V=v, O=out, ROW_MAX=row_max, ROW_SUM=row_sum, SLOTS=slots, COUNT=count,
-        **strides, **_slot_strides(slots, count), NQ=Nq, NK=Nk, HQ=Hq, HKV=Hkv, GROUP=group,
+        **strides, **_slot_rows(slots, count), NQ=Nq, NK=Nk, HQ=Hq, HKV=Hkv, GROUP=group,
         sm_scale=call.scale, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=padded_head_dim(D), BLOCK_DV=padded_head_dim(Dv),
         BLOCK_H=tiles["BLOCK_H"], BLOCK_K=tiles["BLOCK_K"], DOT_MODE=dot_mode, PRECISION=precision,
         **call.kernel_args(), **serve, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
@@ -313,7 +315,7 @@ def indexed_backward(do, dlse, q, k, v, out, row_max, row_sum, slots, count, cal
                   num_stages=tiles["num_stages"])
     dq = torch.empty(B, Nq, Hq, D, dtype=q.dtype, device=q.device)
     _indexed_bwd_dq_kernel[(B * Nq * Hkv * triton.cdiv(group, tiles["BLOCK_H"]),)](
-        **common, DQ=dq, SLOTS=slots, COUNT=count, **_slot_strides(slots, count), BLOCK_K=tiles["BLOCK_K"],
+        **common, DQ=dq, SLOTS=slots, COUNT=count, **_slot_rows(slots, count), BLOCK_K=tiles["BLOCK_K"],
         DOT_MODE=dot_mode, PRECISION=precision)
     start, queries = query_lists(slots, Nk)
     dk = torch.empty(B, Nk, Hkv, D, dtype=k.dtype, device=q.device)

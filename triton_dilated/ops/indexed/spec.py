@@ -12,8 +12,6 @@ from ..common.spec import KernelSpec, VariantSpec
 _MODULE = "triton_dilated.ops.indexed.kernels"
 _STATS = {"ROW_MAX": "fp32", "ROW_SUM": "fp32"}
 _SLOTS = {"SLOTS": "i32", "COUNT": "i32"}
-# the canonical slots' strides (in entries: topk, 0 for rows shared by the kv heads)
-_SLOT_STRIDES = frozenset({"stride_sb", "stride_sn", "stride_sg", "stride_cb", "stride_cn", "stride_cg"})
 
 
 def count_pairs(B, N, H, causal, *, indices) -> int:
@@ -74,10 +72,10 @@ SPEC = VariantSpec(
         KernelSpec("indexed_fwd", _MODULE, "_indexed_fwd_kernel", "indexed_fwd",
                    pointers={"Q": "act", "K": "act", "V": "act", "O": "act", **_STATS, **_SLOTS,
                              "BLOCK_TABLE": "i32", "K_DESCALE": "fp32", "V_DESCALE": "fp32"},
-                   odd_strides=_SLOT_STRIDES | {"stride_btb"}),
+                   odd_strides=frozenset({"stride_btb"})),
         KernelSpec("indexed_bwd_dq", _MODULE, "_indexed_bwd_dq_kernel", "indexed_bwd",
                    pointers={"Q": "act", "K": "act", "V": "act", "DO": "act", "DQ": "act", "DELTA": "fp32", **_STATS,
-                             **_SLOTS}, odd_strides=_SLOT_STRIDES),
+                             **_SLOTS}),
         KernelSpec("indexed_bwd_dkdv", _MODULE, "_indexed_bwd_dkdv_kernel", "indexed_bwd",
                    pointers={"Q": "act", "K": "act", "V": "act", "DO": "act", "DK": "act", "DV": "act",
                              "DELTA": "fp32", **_STATS, "Q_START": "i32", "Q_LIST": "i32"}),
