@@ -90,6 +90,9 @@ WINDOW_POINTERS = {"KV_WIN": "i8"}   # the block-sparse decode kernel's window f
 VARIANTS.update({f"{name}_window": (name, dict(WINDOW_AOT))
                  for name in ("block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv")})
 VARIANTS["block_sparse_decode_window"] = ("block_sparse_decode", dict(WINDOW_AOT))
+# window_size= on dilated attention: the window predicate without sink tokens
+VARIANTS.update({f"{name}_window": (name, {"HAS_WINDOW": True})
+                 for name in ("dilated_fwd", "dilated_bwd_dq", "dilated_bwd_dkdv")})
 VARIANTS.update({f"{name}_{kind}": (name, {"MASK_KIND": 2, **(WINDOW_AOT if kind == "window" else {})})
                  for name in ("ring_step_fwd", "ring_step_bwd_dq", "ring_step_bwd_dkdv", "ring_step_lists")
                  for kind in ("layout", "window")})

@@ -24,7 +24,7 @@ from tests.helpers.reference import (FLOOR, assert_rule_all, block_sparse_serve,
 from triton_dilated.ops.common.call import AttentionCall
 from triton_dilated import (BlockLayout, block_sparse_attention, block_sparse_attention_naive,
                             block_sparse_attention_op, block_sparse_attention_with_kvcache, layouts)
-from triton_dilated.ops.common.window import WindowPredicate
+from triton_dilated.ops.common.masks import WindowPredicate
 
 masking_utils = pytest.importorskip("transformers.masking_utils")
 
@@ -480,6 +480,6 @@ def test_huge_windows_and_sink_counts_are_clamped():
     got = block_sparse_attention(q, k, v, huge[2].to(DEVICE), causal=True, backend="triton")
     want = block_sparse_attention(q, k, v, huge[2].to(DEVICE), causal=True, backend="torch")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    for w, s, name in ((2 ** 31, 0, "window"), (5, 2 ** 31, "sinks")):
+    for w, s, name in ((2 ** 31, 0, "window"), (5, 2 ** 31, "sink_tokens")):
         with pytest.raises(ValueError, match=f"{name} must be below 2\\^31"):
             WindowPredicate(w, s)

@@ -66,6 +66,7 @@ def record(self, *args, grid, warmup, **kwargs):
 jit.JITFunction.run = record
 
 from triton_dilated.ops.common.call import AttentionCall
+from triton_dilated.ops.common.masks import WindowPredicate
 from triton_dilated import layouts
 from triton_dilated.ops.block_sparse.decode_kernels import block_sparse_decode_forward
 from triton_dilated.ops.block_sparse.kernels import block_sparse_backward, block_sparse_forward
@@ -85,17 +86,19 @@ table = head_offsets(Hq, pats, "longnet", "modulo")
 lengths = torch.full((B,), N, dtype=torch.int32)
 pos = torch.arange(N, dtype=torch.int32)
 
-def calls(softcap, layout):
-    # one launch of every kernel family: (name, launcher call) for a cap and a block layout
+def calls(softcap, layout, window):
+    # one launch of every kernel family: (name, launcher call) for a cap, a block layout and
+    # a window (dilated: window_size's WindowPredicate in the call)
     call = AttentionCall(True, 0.125, softcap or 0.0)
+    windowed = AttentionCall(True, 0.125, softcap or 0.0, window=window and WindowPredicate(window))
 
     def ring(kind):
         mask = StepMask(kind, True, "cpu", patterns=pats, table=table, layout=layout)
         acc = [torch.zeros(B, N, h, D) for h in (Hq, Hq, Hkv, Hkv)]
         step_forward(q, k, v, pos, pos, acc[0], stats.clone(), mask, call)
         step_backward(q, k, v, do, stats, stats, pos, pos, acc[1], acc[2], acc[3], mask, call)
-    yield "dilated", lambda: (dilated_forward(q, k, v, pats, table, call),
-                              dilated_backward(do, None, q, k, v, q, stats, stats, pats, table, call))
+    yield "dilated", lambda: (dilated_forward(q, k, v, pats, table, windowed),
+                              dilated_backward(do, None, q, k, v, q, stats, stats, pats, table, windowed))
     yield "block_sparse", lambda: (block_sparse_forward(q, k, v, layout, call),
                                    block_sparse_backward(do, None, q, k, v, q, stats, stats, layout, call))
     yield "ring_dilated", lambda: ring(MASK_DILATED)
@@ -105,9 +108,9 @@ def calls(softcap, layout):
     yield "block_sparse_decode", lambda: block_sparse_decode_forward(q[:, :2], k, v, layout, lengths, call,
                                                                      splits=2)
 
-def keys(softcap, layout):
+def keys(softcap, layout, window=None):
     out = {}
-    for name, call in calls(softcap, layout):
+    for name, call in calls(softcap, layout, window):
         launches.clear()
         call()
         out[name] = list(launches)
@@ -116,8 +119,8 @@ def keys(softcap, layout):
 local = layouts.local(N, 32, 1, causal=True)
 print(json.dumps({
     "cap30": keys(30.0, local), "cap50": keys(50.0, local), "uncapped": keys(None, local),
-    "window64": keys(None, layouts.sliding_window(N, 32, window=64, sinks=4)),
-    "window100": keys(None, layouts.sliding_window(N, 32, window=100, sinks=16)),
+    "window64": keys(None, layouts.sliding_window(N, 32, window=64, sinks=4), 64),
+    "window100": keys(None, layouts.sliding_window(N, 32, window=100, sinks=16), 100),
 }))
 """
 
@@ -142,8 +145,9 @@ def test_feature_values_share_one_compile(cache_keys, first, second):
     the launch (each argument's type and integer/alignment specialization, every constexpr's
     value) plus the options. Two caps (Grok's 30, Gemma 2's 50), and two windows with two sink
     counts (64 with 4, 100 with 16: different values, and ones Triton would specialize
-    differently, 100 and 4 not being multiples of 16, were they ordinary int arguments), give
-    every launch of every kernel family (dilated, block-sparse, ring step over dilated and
+    differently, 100 and 4 not being multiples of 16, were they ordinary int arguments; dilated
+    attention's window_size windows 64 and 100), give every launch of every kernel family
+    (dilated, block-sparse, ring step over dilated and
     layout masks, both decode kernels, forward and backward) the same key, computed by Triton's
     own binder for an sm90 target with no GPU (JITFunction.run replaced by a recorder). With the
     cap, window and sink count as constexpr values (before issue 31) the keys differed."""

@@ -149,7 +149,7 @@ def test_ring_documents_refuse_sink_tokens_they_cannot_place():
     from triton_dilated import layouts
     from triton_dilated.ops.ring.documents import virtual_layout
     per_doc = [layouts.sliding_window(n, 16, 20, sinks=4) for n in (17, 33)]
-    with pytest.raises(ValueError, match="sink tokens.*sinks=4"):
+    with pytest.raises(ValueError, match="sink tokens.*sink_tokens=4"):
         virtual_layout(per_doc, [0, 17, 50], (0, 1))
     one = virtual_layout(per_doc[1:], [0, 33], (0, 1))
     assert one.window == per_doc[1].window

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from ..common.masks import WindowPredicate
 from ..common.validation import check_bool, check_int
 from .layout import BlockLayout, check_block_size
 
@@ -78,7 +79,6 @@ def sliding_window(seq_len: int, block_size: int = 128, window: int = 128, sinks
     layouts by `|` (their blocks are visible whole) and `&`. Cost per query block: about
     window / block_size + 1 key blocks (+ ceil(sinks / block_size)). A window or sink count past
     seq_len means the same as seq_len and is clamped to it (constant time and memory)."""
-    from ..common.window import WindowPredicate
     nb, block_size = _num_blocks(seq_len, block_size)
     pred = WindowPredicate(min(check_int("window", window, 1), nb * block_size),
                            min(check_int("sinks", sinks, 0), nb * block_size))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..common.decode import attend_key_lists, query_positions
-from ..common.window import window_keep
+from ..common.masks import causal as causal_pred
 
 
 def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
@@ -34,10 +34,10 @@ def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
     slot_ok = (torch.arange(width, device=device) < counts[..., None]).repeat_interleave(bs, dim=-1)
     key_ok = slot_ok & (key_pos < lengths.view(B, 1, 1, 1)) & (pos >= 0).view(B, Nq, 1, 1)
     if causal:
-        key_ok &= key_pos <= pos.view(B, Nq, 1, 1)
+        key_ok &= causal_pred(pos.view(B, Nq, 1, 1), key_pos)
     if getattr(layout, "window", None) is not None:   # a sliding window's predicate in its window blocks
         flags = layout.kv_window.to(device)[bi, hi, rows][..., :width].repeat_interleave(bs, dim=-1)
-        key_ok &= ~flags | window_keep(pos.view(B, Nq, 1, 1), key_pos, *layout.window)
+        key_ok &= ~flags | layout.window(pos.view(B, Nq, 1, 1), key_pos)
     return torch.where(key_ok, key_pos, torch.zeros((), dtype=torch.long, device=device)), key_ok
 
 

@@ -25,7 +25,8 @@ from ..common.op_support import check_path, empty_stats, fresh, lazy_module, rec
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result, last_dim_contiguous, portable_compute_dtype
 from ..common.validation import check_cu_seqlens, check_flags, check_qkv
-from ..common.window import WindowPredicate, check_window_causal
+from ..common.masks import WindowPredicate, check_window_causal
+from .builders import sliding_window
 from .decode import block_sparse_decode
 from .layout import BlockLayout
 from .portable import block_sparse_attention_torch
@@ -40,15 +41,17 @@ DECODE_FAMILIES = ("block_sparse_fwd",)
 
 
 def check_args(q, k, v, layout, causal, scale, return_lse, softcap=0.0, sinks=None, *, packed=False,
-               allow_shorter_q=False, door="block_sparse_attention"):
-    """Validation shared by the block-sparse doors: the AttentionCall."""
+               allow_shorter_q=False, door="block_sparse_attention", window_size=None):
+    """Validation shared by the block-sparse doors: the AttentionCall (a window_size's window is
+    folded into the layout by with_window)."""
     check_qkv(q, k, v, allow_shorter_q=allow_shorter_q, door=door)
     if not packed and not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     check_flags(return_lse=return_lse)
-    call = AttentionCall.at_door(q, causal=causal, scale=scale, softcap=softcap, sinks=sinks)
+    call = AttentionCall.at_door(q, causal=causal, scale=scale, softcap=softcap, sinks=sinks,
+                                 window_size=window_size)
     if not packed:
-        check_window_causal(layout, causal)
+        check_window_causal(layout, call.causal)
     return call
 
 
@@ -78,7 +81,7 @@ class _BlockSparseAttentionFn(torch.autograd.Function):
 # ----------------------------------------------------------------------------- public
 
 def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_lse=False, backend="auto",
-                           cu_seqlens=None, softcap=0.0, sinks=None):
+                           cu_seqlens=None, softcap=0.0, sinks=None, window_size=None):
     """Exact attention over the active blocks of a BlockLayout (DESIGN §4).
 
     Args:
@@ -107,18 +110,39 @@ def block_sparse_attention(q, k, v, layout, *, causal=False, scale=None, return_
         sinks: None, or a float32 tensor (Hq,) (differentiable): a per-head logit joining
             every row's softmax denominator, no value. lse then includes it: a row without
             keys gets 0 and lse = its head's sink.
+        window_size: FlashAttention's (left, right), -1 for an unbounded side (None: (-1, -1)):
+            query p sees keys p - left <= p' <= p + right, intersected with the layout
+            (`layout & layouts.sliding_window(N, block_size, left + 1)`, exact per element).
+            Causal windows only: right = 0, or causal=True (which sets right to 0, as
+            FlashAttention does); (left, 0) computes causal attention whatever `causal` says.
 
     Returns out (B, N, Hq, D) like q (and lse). Rows with no active key: 0, lse = -inf.
     """
     call = check_args(q, k, v, layout, causal, scale, return_lse, softcap, sinks, packed=cu_seqlens is not None,
-                      allow_shorter_q=True)
+                      allow_shorter_q=True, window_size=window_size)
+    layout, call = with_window(layout, call.window), call.without_window()
     B, N, Hq, D = q.shape
     if torch.compiler.is_compiling() and k.shape[1] == N and cu_seqlens is None:
         # the custom op (either path): it traces without a graph break; the portable path's
         # data-dependent choice of CPU kernel would break fullgraph tracing
-        return block_sparse_attention_op(q, k, v, layout, causal=causal, scale=call.scale, return_lse=return_lse,
+        return block_sparse_attention_op(q, k, v, layout, causal=call.causal, scale=call.scale, return_lse=return_lse,
                                          backend=backend, softcap=softcap, sinks=sinks)
     return call.finish(block_sparse_call(q, k, v, layout, call, backend=backend, cu_seqlens=cu_seqlens), return_lse)
+
+
+def with_window(layout, window):
+    """layout & the sliding window `window` (a WindowPredicate, or None: layout itself), per
+    document for the packed forms (a list of layouts, a builder). Other objects are returned
+    as they came, for check_args to name."""
+    if window is None:
+        return layout
+    if isinstance(layout, BlockLayout):
+        return layout & sliding_window(layout.n_q_blocks * layout.block_size, layout.block_size, window.window)
+    if isinstance(layout, (list, tuple)):
+        return [lay if lay is None else with_window(lay, window) for lay in layout]
+    if callable(layout):
+        return lambda n: with_window(layout(n), window)
+    return layout
 
 
 def block_sparse_call(q, k, v, layout, call, *, backend, cu_seqlens=None):

@@ -40,7 +40,7 @@ from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_r
 from ..common.lse import softmax_delta
 from ..common.runtime import (kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous,
                               window_args)
-from ..common.window import check_window_causal
+from ..common.masks import check_window_causal
 
 
 # Q, K, V and dO may come with any strides (unit stride on the head dim): their (batch,

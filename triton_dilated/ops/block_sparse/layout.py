@@ -19,7 +19,8 @@ import math
 import torch
 
 from ..common.validation import check_int
-from ..common.window import WindowPredicate, window_keep
+from ..common import masks
+from ..common.masks import WindowPredicate
 
 
 def check_block_size(block_size) -> int:
@@ -113,7 +114,7 @@ class BlockLayout:
     or a builder from `triton_dilated.layouts`; combine with `|` and `&`.
 
     Sliding windows (`layouts.sliding_window`): `window` is then a WindowPredicate (window,
-    sink_tokens; ops/common/window.py) and `kv_window` / `q_window` (bool, like kv_indices /
+    sink_tokens; ops/common/masks.py) and `kv_window` / `q_window` (bool, like kv_indices /
     q_indices) flag the active blocks where that element predicate applies (blocks cut by the
     band's edge); the other active blocks are visible whole (then only `causal` and N cut
     them). `window` is None and the flags None for every other layout. Combinations: a union
@@ -258,9 +259,9 @@ class BlockLayout:
         mask = expand(self.to_dense())
         pos = torch.arange(seq_len, device=mask.device)
         if causal:
-            mask = mask & (pos[None, :] <= pos[:, None])
+            mask = mask & masks.causal(pos[:, None], pos[None, :])
         if self.window is not None:
-            mask = mask & (~expand(self.window_blocks_dense()) | self.window.keep(pos[:, None], pos[None, :]))
+            mask = mask & (~expand(self.window_blocks_dense()) | self.window(pos[:, None], pos[None, :]))
         return mask
 
     # ------------------------------------------------------------------ properties
@@ -433,10 +434,10 @@ class BlockLayout:
         def mask_mod(b, h, q_idx, kv_idx):
             ok = dense[b % dense.shape[0], h % dense.shape[1], q_idx // bs, kv_idx // bs]
             ok = ok & (kv_idx < seq_len)
-            if win is not None:   # the window predicate in its blocks (ops/common/window.py)
+            if win is not None:   # the window predicate in its blocks
                 in_win = win[b % win.shape[0], h % win.shape[1], q_idx // bs, kv_idx // bs]
-                ok = ok & (~in_win | window_keep(q_idx, kv_idx, *self.window))
-            return ok & (q_idx >= kv_idx) if causal else ok
+                ok = ok & (~in_win | self.window(q_idx, kv_idx))
+            return ok & masks.causal(q_idx, kv_idx) if causal else ok
 
         return BlockMask.from_kv_blocks(partial_counts, partial_idx, full_counts, full_idx,
                                         BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(seq_len, seq_len))

@@ -8,7 +8,7 @@ import torch
 from ..common.call import AttentionCall, check_sinks, check_softcap
 from ..common.lse import add_sinks, masked_attention_with_lse
 from ..common.validation import check_qkv, check_scale
-from ..common.window import check_window_causal
+from ..common.masks import check_window_causal
 from .layout import BlockLayout
 
 

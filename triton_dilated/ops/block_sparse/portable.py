@@ -16,7 +16,7 @@ import torch
 
 from ..common.first_order import first_order_inputs
 from ..common.lse import all_finite, attention_with_lse
-from ..common.window import window_keep
+from ..common.masks import causal as causal_pred
 
 GATHER_BUDGET = 1 << 25   # elements per chunk: gathered keys and values, the (bs x W*bs) mask and bias
 
@@ -73,13 +73,13 @@ def block_sparse_attention_torch(q, k, v, layout, call, *, compute_dtype=None):
             keep = (slot_ok.repeat_interleave(bs, dim=1) & (kpos < Nk)).unsqueeze(1)   # (n, 1, W*bs)
             qpos = (blk[:, None] * bs + offs)[:, :, None]                          # (n, bs, 1)
             if call.causal:
-                later_ok = kpos[:, None, :] <= qpos                                # (n, bs, W*bs)
+                later_ok = causal_pred(qpos, kpos[:, None, :])                     # (n, bs, W*bs)
                 keep = later_ok.logical_and_(keep)
             elif bool(keep.all()):
                 keep = None
             if window is not None:
                 in_window = flags[r, :width].repeat_interleave(bs, dim=1)[:, None, :]
-                win_ok = ~in_window | window_keep(qpos, kpos[:, None, :], *window)
+                win_ok = ~in_window | window(qpos, kpos[:, None, :])
                 keep = win_ok if keep is None else win_ok.logical_and_(keep)
             o, lse = attention_with_lse(qg[None], kg[None], vg[None], call, keep=None if keep is None else keep[None],
                                         finite=finite, causal=False)

@@ -10,6 +10,10 @@ cap); the PyTorch paths through `cap_scores`.
 
 Sinks: a float32 logit per query head joining every row's softmax denominator once. They are
 added to the door's merged (out, lse) (`finish`), never inside the kernels or per part.
+
+Window: FlashAttention's `window_size=(left, right)` read once (masks.window_from_size) into a
+causal WindowPredicate of left + 1 keys. Dilated attention evaluates it in its kernels and
+paths; the block-sparse doors fold it into the layout (layout & layouts.sliding_window).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Optional
 import torch
 
 from .lse import add_sinks
+from .masks import WindowPredicate, window_from_size
 from .validation import check_bool, check_scale
 
 
@@ -65,13 +70,17 @@ class AttentionCall:
     scale: float
     softcap: float = 0.0                      # 0.0: no cap
     sinks: Optional[torch.Tensor] = None      # float32 (Hq,), or None
+    window: Optional[WindowPredicate] = None  # a causal sliding window (ops/common/masks.py), or None
 
     @classmethod
-    def at_door(cls, q, *, causal, scale, softcap, sinks) -> "AttentionCall":
-        """Validate a door's keywords (q: (B, N, Hq, D), already checked)."""
+    def at_door(cls, q, *, causal, scale, softcap, sinks, window_size=None) -> "AttentionCall":
+        """Validate a door's keywords (q: (B, N, Hq, D), already checked). window_size:
+        FlashAttention's (left, right) (masks.window_from_size: a causal window, which makes
+        the call causal)."""
         check_bool("causal", causal)
+        causal, window = window_from_size(window_size, causal)
         return cls(causal, check_scale(scale, q.shape[-1]), check_softcap(softcap),
-                   check_sinks(sinks, q.shape[2], q.device))
+                   check_sinks(sinks, q.shape[2], q.device), window)
 
     @property
     def capped(self) -> bool:
@@ -83,6 +92,14 @@ class AttentionCall:
 
     def without_sinks(self) -> "AttentionCall":
         return dataclasses.replace(self, sinks=None)
+
+    def without_window(self) -> "AttentionCall":
+        return dataclasses.replace(self, window=None)
+
+    @property
+    def window_keys(self) -> int:
+        """The window's number of keys for custom-op schemas and kernels (0: no window)."""
+        return 0 if self.window is None else self.window.window
 
     def cap_scores(self, scores):
         """The PyTorch paths' cap, s -> c * tanh(s / c) (no cap: unchanged). Apply it after

@@ -140,7 +140,7 @@ def load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0, key_end, r
 
 @triton.jit
 def window_keep(q_pos, k_pos, window, sink_tokens, HAS_SINK_TOKENS: tl.constexpr):
-    """The sliding-window predicate of ops/common/window.py (one definition; this is its
+    """The sliding-window predicate of ops/common/masks.py (one definition; this is its
     Triton form): key k_pos visible to query q_pos iff k_pos <= q_pos and (k_pos > q_pos -
     window or k_pos < sink_tokens). window, sink_tokens: run-time integers (one compile for
     every window); without HAS_SINK_TOKENS the sink term is not compiled (sink_tokens unread).

@@ -160,7 +160,7 @@ def kernel_options(dtype, device):
 
 
 def window_args(window) -> dict:
-    """The kernels' sliding-window keywords for a WindowPredicate (ops/common/window.py) or
+    """The kernels' sliding-window keywords for a WindowPredicate (ops/common/masks.py) or
     None: HAS_WINDOW and HAS_SINK_TOKENS, the compile-time features, and `window`,
     `sink_tokens`, run-time int32 values the kernels do not specialize on (one compile for
     every window and sink count: gpt-oss's 128, Mistral's 4096). None where unused."""

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..common.call import AttentionCall
+from ..common.masks import WindowPredicate
 from ..common.first_order import first_order_backward, needs_grad
 from ..common.kvcache import MAX_DECODE_QUERIES, portable_descaled
 from ..common.lse import lse_from_stats
@@ -40,13 +41,17 @@ DECODE_FAMILIES = ("dilated_fwd",)
 
 def check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
                softcap=0.0, sinks=None, allow_shorter_q=False, head_offset=0, total_heads=None,
-               door="dilated_attention"):
+               door="dilated_attention", window_size=None):
     """Validation shared by every dilated front door: (patterns fitted to k's length, the
     AttentionCall, (head_offset, total_heads))."""
     check_qkv(q, k, v, allow_shorter_q=allow_shorter_q, door=door)
     patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
     check_flags(return_lse=return_lse)
-    call = AttentionCall.at_door(q, causal=causal, scale=scale, softcap=softcap, sinks=sinks)
+    call = AttentionCall.at_door(q, causal=causal, scale=scale, softcap=softcap, sinks=sinks,
+                                 window_size=window_size)
+    if call.window is not None and k.shape[1] != q.shape[1]:
+        raise ValueError(f"window_size with q shorter than k ({q.shape[1]} queries, {k.shape[1]} keys) is not "
+                         f"supported on {door}: pass queries and keys of one length")
     heads = check_head_slice(head_offset, total_heads, q.shape[2], k.shape[2])
     warn_if_heads_first(patterns, k.shape[1], heads[1])
     patterns = fit_patterns(patterns, k.shape[1], heads[1])   # w >= N is one segment: clamped to N
@@ -81,7 +86,7 @@ class _DilatedAttentionFn(torch.autograd.Function):
 
 def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
                       mode="longnet", offsets="modulo", return_lse=False, backend="auto", cu_seqlens=None,
-                      head_offset=0, total_heads=None, softcap=0.0, sinks=None):
+                      head_offset=0, total_heads=None, softcap=0.0, sinks=None, window_size=None):
     """LongNet dilated attention (arXiv 2307.02486 §2.2-2.4), exact, forward and backward.
 
     Args:
@@ -121,6 +126,10 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
             every row's softmax denominator once (the joint denominator of all patterns)
             and contributes no value (gpt-oss). lse then includes it: a row without keys
             gets 0 and lse = its head's sink.
+        window_size: FlashAttention's (left, right), -1 for an unbounded side (None: (-1,
+            -1)): each pattern's keys cut to p - left <= p' <= p + right. Causal windows
+            only: right = 0, or causal=True (which sets right to 0, as FlashAttention does);
+            (left, 0) computes causal attention whatever `causal` says. q and k of one length.
 
     Returns:
         out (B, N, Hq, D) like q, contiguous; with return_lse, (out, lse). A query with no
@@ -128,7 +137,7 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     """
     patterns, call, heads = check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
                                        return_lse, softcap, sinks, allow_shorter_q=True, head_offset=head_offset,
-                                       total_heads=total_heads)
+                                       total_heads=total_heads, window_size=window_size)
     B, N, Hq, D = q.shape
     path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, D, q.dtype)
     if k.shape[1] != N:
@@ -143,7 +152,8 @@ def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False,
     if torch.compiler.is_compiling() and doc_bounds is None:
         return dilated_attention_op(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=call.scale,
                                     mode=mode, offsets=offsets, return_lse=return_lse, backend=backend,
-                                    head_offset=heads[0], total_heads=heads[1], softcap=softcap, sinks=sinks)
+                                    head_offset=heads[0], total_heads=heads[1], softcap=softcap, sinks=sinks,
+                                    window_size=window_size)
     if B == 0 or N == 0:
         return call.finish(empty_result(q, k, v, True), return_lse)
     table = head_table(Hq, patterns, mode, offsets, *heads)
@@ -271,16 +281,21 @@ def _patterns_table(num_heads, segment_lengths, dilation_rates, mode, offsets, h
     return patterns, head_table(num_heads, patterns, mode, offsets, head_offset, total)
 
 
+def _op_call(causal, scale, softcap, window):
+    """The AttentionCall of a custom op's plain values (checked at the door)."""
+    return AttentionCall(causal, scale, softcap, window=WindowPredicate(window) if window else None)
+
+
 @torch.library.custom_op("triton_dilated::dilated_fwd", mutates_args=())
 def _dilated_fwd(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int], dilation_rates: List[int],
                  causal: bool, scale: float, mode: str, offsets: str, need_lse: bool,
                  path: str, head_offset: int = 0, total_heads: int = -1,
-                 softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, row_max, row_sum). softcap 0.0: no cap."""
+                 softcap: float = 0.0, window: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, row_max, row_sum). softcap 0.0: no cap; window 0: no sliding window."""
     check_path(path)
     patterns, table = _patterns_table(q.shape[2], segment_lengths, dilation_rates, mode, offsets, head_offset,
                                       total_heads)
-    call = AttentionCall(causal, scale, softcap)
+    call = _op_call(causal, scale, softcap, window)
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         out, row_max, row_sum = _kernels().dilated_forward(q, k, v, patterns, table, call)
@@ -294,7 +309,7 @@ def _dilated_fwd(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int], di
 
 @_dilated_fwd.register_fake
 def _(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, need_lse, path, head_offset=0,
-      total_heads=-1, softcap=0.0):
+      total_heads=-1, softcap=0.0, window=0):
     B, N, Hq, D = q.shape
     out = q.new_empty((B, N, Hq, D))
     stats = N if path == "triton" else 0
@@ -306,12 +321,12 @@ def _(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, ne
 def _dilated_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                  row_max: Tensor, row_sum: Tensor, segment_lengths: List[int], dilation_rates: List[int],
                  causal: bool, scale: float, mode: str, offsets: str, path: str, head_offset: int = 0,
-                 total_heads: int = -1, softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
+                 total_heads: int = -1, softcap: float = 0.0, window: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous. dlse: None, or float32 (B, Hq, N)."""
     check_path(path)
     patterns, table = _patterns_table(q.shape[2], segment_lengths, dilation_rates, mode, offsets, head_offset,
                                       total_heads)
-    call = AttentionCall(causal, scale, softcap)
+    call = _op_call(causal, scale, softcap, window)
     if path == "triton":
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         dq, dk, dv = _kernels().dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, call)
@@ -328,18 +343,18 @@ def _dilated_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Te
 
 @_dilated_bwd.register_fake
 def _(do, dlse, q, k, v, out, row_max, row_sum, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-      path, head_offset=0, total_heads=-1, softcap=0.0):
+      path, head_offset=0, total_heads=-1, softcap=0.0, window=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _dilated_setup(ctx, inputs, output):
     q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, need_lse, path, *rest = inputs
-    heads, softcap = rest[:2], (rest[2] if len(rest) > 2 else 0.0)
+    heads, softcap, window = rest[:2], (rest[2] if len(rest) > 2 else 0.0), (rest[3] if len(rest) > 3 else 0)
     out, lse, row_max, row_sum = output
     ctx.save_for_backward(q, k, v, out, row_max, row_sum)
     ctx.mark_non_differentiable(row_max, row_sum)
     ctx.args = (list(segment_lengths), list(dilation_rates), causal, scale, mode, offsets, path, *heads)
-    ctx.softcap = softcap
+    ctx.softcap, ctx.window = softcap, window
     ctx.n_inputs = len(inputs)   # the trailing defaults may be left out
     ctx.lse_len = lse.shape[-1]
     ctx.need_lse = need_lse
@@ -353,7 +368,7 @@ def _dilated_backward(ctx, do, dlse, _dmax, _dsum):
     if dlse is not None and (not ctx.need_lse or ctx.lse_len == 0):
         dlse = None   # the caller never saw lse: its gradient is the materialised zero
     dq, dk, dv = _dilated_bwd(do, dlse, q, k, v, out, row_max, row_sum, segment_lengths, dilation_rates,
-                              causal, scale, mode, offsets, path, *heads, softcap=ctx.softcap)
+                              causal, scale, mode, offsets, path, *heads, softcap=ctx.softcap, window=ctx.window)
     return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
@@ -362,18 +377,18 @@ _dilated_fwd.register_autograd(_dilated_backward, setup_context=_dilated_setup)
 
 def dilated_attention_op(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, mode="longnet",
                          offsets="modulo", return_lse=False, backend="auto", head_offset=0, total_heads=None,
-                         softcap=0.0, sinks=None):
+                         softcap=0.0, sinks=None, window_size=None):
     """`dilated_attention` through the `triton_dilated::dilated_fwd/_bwd` custom ops: the
     same arguments, results and numerics, and traceable by `torch.compile(fullgraph=True)`
     forward and backward (the sinks join outside the op, in traceable tensor code)."""
     patterns, call, heads = check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets,
                                        return_lse, softcap, sinks, head_offset=head_offset, total_heads=total_heads,
-                                       door="dilated_attention_op")
+                                       door="dilated_attention_op", window_size=window_size)
     path = resolve_path(backend, str(q.device), CONFIG_FAMILIES, q.shape[-1], q.dtype)
     if q.shape[0] == 0 or q.shape[1] == 0:
         out, lse = empty_result(q, k, v, True)
     else:
         out, lse, _, _ = _dilated_fwd(q, k, v, [w for w, _ in patterns], [r for _, r in patterns], call.causal,
                                       call.scale, mode, offsets, call.needs_lse(return_lse), path, heads[0], heads[1],
-                                      call.softcap)
+                                      call.softcap, call.window_keys)
     return call.finish((out, lse), return_lse)

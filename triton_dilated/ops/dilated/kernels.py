@@ -50,7 +50,7 @@ import triton.language as tl
 from ..common.configs import select_config, switch_value
 from ..common.hardware import padded_head_dim
 from ..common.kernels import (bnhd_offset, dot, finalize, load_key_block, load_row_stats, online_softmax_step,
-                              program_tile, softcap_terms, softmax_grad_block, transposed_grad_step)
+                              program_tile, softcap_terms, softmax_grad_block, transposed_grad_step, window_keep)
 from ..common.lse import softmax_delta
 from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
 from .plan import build_items, key_unit_triples, query_unit_triples
@@ -90,12 +90,15 @@ def _segment(first_row, w, doc_start, doc_end):
 
 
 @triton.jit
-def _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row, rows, row_ok, T, doc_start, doc_end,
-                  CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+def _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row, rows, row_ok, T, doc_start, doc_end, window,
+                  CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
     """Pattern i, at offset o >= 0 for this head, seen from a query tile: its keys are
     key0 + r*t for t < key_end (causal: up to the tile's last row), and t < full_end (a
-    multiple of BLOCK_N) need no element mask. Returns key0, r, key_end, full_end and
-    row_active [BLOCK_M], the tile's rows the pattern selects."""
+    multiple of BLOCK_N) need no element mask; the masked blocks start at mask_start.
+    With a sliding window (HAS_WINDOW, causal) every block is masked and they start at the
+    first key the tile's first row reaches (p' > first_row - window). Returns key0, r,
+    key_end, full_end, mask_start and row_active [BLOCK_M], the tile's rows the pattern
+    selects."""
     w = tl.load(PAT_W + i)
     r = tl.load(PAT_R + i)
     seg, seg_end = _segment(first_row, w, doc_start, doc_end)
@@ -111,15 +114,20 @@ def _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row, rows, row_ok, T, doc_
         full_end = tl.minimum(n_keys, tl.maximum((first_row - seg - o) // r + 1, 0))
     full_end = tl.where(uniform_active, (full_end // BLOCK_N) * BLOCK_N, 0)
     key_end = tl.where(uniform_idle, 0, key_end)
-    return seg + o, r, key_end, full_end, row_active
+    mask_start = full_end
+    if HAS_WINDOW:   # key seg + o + r*t with t > (first_row - window - seg - o) / r (kept >= 0: no negative division)
+        reach = first_row - window - seg - o
+        full_end = 0
+        mask_start = tl.minimum(tl.where(reach >= 0, reach // r + 1, 0), key_end)
+    return seg + o, r, key_end, full_end, mask_start, row_active
 
 
 @triton.jit
-def _runs(PAT_W, PAT_R, PAT_OFF, h, first_row, last_row, rows, row_ok, T, doc_start, doc_end,
-          NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+def _runs(PAT_W, PAT_R, PAT_OFF, h, first_row, last_row, rows, row_ok, T, doc_start, doc_end, window,
+          NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
     """FLAT_LOOP: the key blocks of all the head's patterns, seen from a query tile, as the
     runs of two flat loops: the unmasked blocks [0, full_end) of every pattern, then the
-    masked ones [full_end, key_end) (_pattern_span). Pattern i is slot i of small vectors
+    masked ones [mask_start, key_end) (_pattern_span). Pattern i is slot i of small vectors
     (padded to a power of two): in each loop its run is the blocks j in [start_i, end_i),
     at keys key0_i + r_i*t for t = j*BLOCK_N - shift_i + [0, BLOCK_N), t < key_end_i.
     Returns n_full, full_runs, n_masked, masked_runs; runs = (start, end, shift, key0, r, key_end)."""
@@ -137,16 +145,17 @@ def _runs(PAT_W, PAT_R, PAT_OFF, h, first_row, last_row, rows, row_ok, T, doc_st
     n_masked = 0
     for i in tl.static_range(NUM_PATTERNS):   # unrolled: independent table loads, no loop to drain
         o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
-        key0, r, key_end, full_end, _ = _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row, rows, row_ok, T,
-                                                      doc_start, doc_end, CAUSAL, BLOCK_N)
+        key0, r, key_end, full_end, mask_start, _ = _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row, rows,
+                                                                  row_ok, T, doc_start, doc_end, window, CAUSAL,
+                                                                  HAS_WINDOW, BLOCK_N)
         used = o >= 0   # o < 0: the head does not use pattern i
         here = slot == i
         full_start = tl.where(here, n_full, full_start)
         n_full += tl.where(used, full_end // BLOCK_N, 0)   # full_end: a multiple of BLOCK_N
         full_stop = tl.where(here, n_full, full_stop)
         masked_start = tl.where(here, n_masked, masked_start)
-        masked_shift = tl.where(here, n_masked * BLOCK_N - full_end, masked_shift)
-        n_masked += tl.where(used, (key_end - full_end + BLOCK_N - 1) // BLOCK_N, 0)
+        masked_shift = tl.where(here, n_masked * BLOCK_N - mask_start, masked_shift)
+        n_masked += tl.where(used, (key_end - mask_start + BLOCK_N - 1) // BLOCK_N, 0)
         masked_stop = tl.where(here, n_masked, masked_stop)
         key0s = tl.where(here, key0, key0s)
         rs = tl.where(here, r, rs)
@@ -170,13 +179,23 @@ def _run_at(j, runs, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _window_cut(mask, rows, key0, r, t0, window, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A masked block's mask [BLOCK_M, BLOCK_N] cut to the sliding window (window_keep, no sink
+    tokens) of the query rows, for the keys key0 + r*(t0 + [0, BLOCK_N))."""
+    if HAS_WINDOW:
+        kpos = key0 + r * (t0 + tl.arange(0, BLOCK_N))
+        mask = mask & window_keep(rows[:, None], kpos[None, :], window, 0, False)
+    return mask
+
+
+@triton.jit(do_not_specialize=["window"])   # one compile for every window
 def _dilated_fwd_kernel(
         Q, K, V, O, ROW_MAX, ROW_SUM, ITEMS, PAT_W, PAT_R, PAT_OFF,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale, softcap,
+        N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale, softcap, window,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        FLAT_LOOP: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+        FLAT_LOOP: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
     b, h, kvh, T, doc_start, doc_end, first_row, rows, row_ok, last_row = _item_tile(ITEMS, NUM_ITEMS, HEAD_GROUP,
                                                                                     BLOCK_M)
     cap = softcap_terms(softcap, HAS_SOFTCAP)
@@ -195,7 +214,8 @@ def _dilated_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if FLAT_LOOP:   # the unmasked blocks of all patterns in one loop, then the masked ones
         n_full, full_runs, n_masked, masked_runs = _runs(PAT_W, PAT_R, PAT_OFF, h, first_row, last_row, rows, row_ok,
-                                                         T, doc_start, doc_end, NUM_PATTERNS, CAUSAL, BLOCK_N)
+                                                         T, doc_start, doc_end, window, NUM_PATTERNS, CAUSAL,
+                                                         HAS_WINDOW, BLOCK_N)
         for j in range(n_full):
             key0, r, t0, key_end = _run_at(j, full_runs, BLOCK_N)
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
@@ -207,23 +227,25 @@ def _dilated_fwd_kernel(
             row_active = row_ok & ((rows - key0) % r == 0)   # the rows of the block's pattern
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                         key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
+            mask = _window_cut(mask, rows, key0, r, t0, window, HAS_WINDOW, BLOCK_N)
             acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
                                                 True, DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
     else:   # per pattern: an unmasked and a masked loop each
         for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
             o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
             if o >= 0:
-                key0, r, key_end, full_end, row_active = _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row,
-                                                                       rows, row_ok, T, doc_start, doc_end,
-                                                                       CAUSAL, BLOCK_N)
+                key0, r, key_end, full_end, mask_start, row_active = _pattern_span(
+                    PAT_W, PAT_R, i, o, first_row, last_row, rows, row_ok, T, doc_start, doc_end, window, CAUSAL,
+                    HAS_WINDOW, BLOCK_N)
                 for t0 in range(0, full_end, BLOCK_N):
                     k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                                 key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
                     acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
                                                         False, DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
-                for t0 in range(full_end, key_end, BLOCK_N):
+                for t0 in range(mask_start, key_end, BLOCK_N):
                     k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                                 key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
+                    mask = _window_cut(mask, rows, key0, r, t0, window, HAS_WINDOW, BLOCK_N)
                     acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, sm_scale, mask,
                                                         True, DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
     out, row_max, row_sum = finalize(acc, m_i, l_i, q)                                  # [BLOCK_M, BLOCK_D]
@@ -236,15 +258,15 @@ def _dilated_fwd_kernel(
     tl.store(ROW_SUM + rows, row_sum, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])   # one compile for every window
 def _dilated_bwd_dq_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DQ, ITEMS, PAT_W, PAT_R, PAT_OFF,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh,
-        N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale, softcap,
+        N, HQ, NUM_ITEMS, HEAD_GROUP, sm_scale, softcap, window,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        FLAT_LOOP: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+        FLAT_LOOP: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
     b, h, kvh, T, doc_start, doc_end, first_row, rows, row_ok, last_row = _item_tile(ITEMS, NUM_ITEMS, HEAD_GROUP,
                                                                                     BLOCK_M)
     cap = softcap_terms(softcap, HAS_SOFTCAP)
@@ -266,7 +288,8 @@ def _dilated_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if FLAT_LOOP:   # as the forward: all unmasked blocks in one loop, then the masked ones
         n_full, full_runs, n_masked, masked_runs = _runs(PAT_W, PAT_R, PAT_OFF, h, first_row, last_row, rows, row_ok,
-                                                         T, doc_start, doc_end, NUM_PATTERNS, CAUSAL, BLOCK_N)
+                                                         T, doc_start, doc_end, window, NUM_PATTERNS, CAUSAL,
+                                                         HAS_WINDOW, BLOCK_N)
         for j in range(n_full):
             key0, r, t0, key_end = _run_at(j, full_runs, BLOCK_N)
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
@@ -280,6 +303,7 @@ def _dilated_bwd_dq_kernel(
             row_active = row_ok & ((rows - key0) % r == 0)
             k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                         key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
+            mask = _window_cut(mask, rows, key0, r, t0, window, HAS_WINDOW, BLOCK_N)
             p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
                                        True, DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
             dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
@@ -287,9 +311,9 @@ def _dilated_bwd_dq_kernel(
         for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
             o = tl.load(PAT_OFF + h * NUM_PATTERNS + i)
             if o >= 0:
-                key0, r, key_end, full_end, row_active = _pattern_span(PAT_W, PAT_R, i, o, first_row, last_row,
-                                                                       rows, row_ok, T, doc_start, doc_end,
-                                                                       CAUSAL, BLOCK_N)
+                key0, r, key_end, full_end, mask_start, row_active = _pattern_span(
+                    PAT_W, PAT_R, i, o, first_row, last_row, rows, row_ok, T, doc_start, doc_end, window, CAUSAL,
+                    HAS_WINDOW, BLOCK_N)
                 for t0 in range(0, full_end, BLOCK_N):
                     k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                                 key_end, rows, row_ok, d_ok, CAUSAL, False, BLOCK_N)
@@ -297,9 +321,10 @@ def _dilated_bwd_dq_kernel(
                                                False, DOT_MODE, PRECISION, cap=cap,
                                        HAS_SOFTCAP=HAS_SOFTCAP)                      # [BLOCK_M, BLOCK_N]
                     dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
-                for t0 in range(full_end, key_end, BLOCK_N):
+                for t0 in range(mask_start, key_end, BLOCK_N):
                     k, v, mask = load_key_block(k_base, v_base, stride_kn, stride_vn, key0, r, t0,
                                                 key_end, rows, row_active, d_ok, CAUSAL, True, BLOCK_N)
+                    mask = _window_cut(mask, rows, key0, r, t0, window, HAS_WINDOW, BLOCK_N)
                     p, ds = softmax_grad_block(q, k, v, do, row_max, row_log2l, delta, sm_scale, mask,
                                                True, DOT_MODE, PRECISION, cap=cap, HAS_SOFTCAP=HAS_SOFTCAP)
                     dq += dot(ds.to(k.dtype), k, DOT_MODE, PRECISION)
@@ -308,15 +333,15 @@ def _dilated_bwd_dq_kernel(
              mask=tile_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])   # one compile for every window
 def _dilated_bwd_dkdv_kernel(
         Q, K, V, DO, ROW_MAX, ROW_SUM, DELTA, DK, DV, ITEMS, PAT_W, PAT_R, PAT_OFF,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_dob, stride_don, stride_doh,
-        N, HKV, NUM_ITEMS, HEAD_GROUP, sm_scale, softcap,
+        N, HKV, NUM_ITEMS, HEAD_GROUP, sm_scale, softcap, window,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr):
+        HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
     # BLOCK_M: the key tile this program owns (the M dimension of every dot); BLOCK_N: the
     # query blocks it walks.
     b, kvh, _, T, doc_start, doc_end, first_key, keys, key_ok, last_key = _item_tile(ITEMS, NUM_ITEMS, 1, BLOCK_M)
@@ -362,18 +387,27 @@ def _dilated_bwd_dkdv_kernel(
                 full_lo = tl.minimum(full_lo, n_q)
                 full_hi = tl.where(uniform_active, full_lo + ((n_q - full_lo) // BLOCK_N) * BLOCK_N, n_q)
                 query0 = seg + o
+                q_stop = n_q
+                if HAS_WINDOW:   # every block masked, up to the last query the tile's last key reaches
+                    reach = last_key + window - 1 - query0
+                    q_stop = tl.minimum(n_q, tl.where(reach >= 0, reach // r + 1, 0))
+                    full_lo = tl.maximum(q_stop, q_begin)
+                    full_hi = full_lo
                 for t0 in range(q_begin, full_lo, BLOCK_N):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d, d_ok, stride_qn, stride_don,
-                                         sm_scale, CAUSAL, True, DOT_MODE, PRECISION, cap, HAS_SOFTCAP)
+                                         sm_scale, window, CAUSAL, HAS_WINDOW, True, DOT_MODE, PRECISION, cap,
+                                         HAS_SOFTCAP)
                 for t0 in range(full_lo, full_hi, BLOCK_N):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d, d_ok, stride_qn, stride_don,
-                                         sm_scale, CAUSAL, False, DOT_MODE, PRECISION, cap, HAS_SOFTCAP)
-                for t0 in range(full_hi, n_q, BLOCK_N):
+                                         sm_scale, window, CAUSAL, HAS_WINDOW, False, DOT_MODE, PRECISION, cap,
+                                         HAS_SOFTCAP)
+                for t0 in range(full_hi, q_stop, BLOCK_N):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t0 + t_off,
                                          query0, r, n_q, keys, key_active, d, d_ok, stride_qn, stride_don,
-                                         sm_scale, CAUSAL, True, DOT_MODE, PRECISION, cap, HAS_SOFTCAP)
+                                         sm_scale, window, CAUSAL, HAS_WINDOW, True, DOT_MODE, PRECISION, cap,
+                                         HAS_SOFTCAP)
     DK += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
     DV += bnhd_offset(b, kvh, N, HKV, HEAD_DIM)
     tl.store(DK + keys64[:, None] * (HKV * HEAD_DIM) + d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
@@ -383,8 +417,9 @@ def _dilated_bwd_dkdv_kernel(
 
 @triton.jit
 def _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t, query0, r, n_q, keys, key_active,
-                d, d_ok, stride_qn, stride_don, sm_scale, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                DOT_MODE: tl.constexpr, PRECISION: tl.constexpr, cap, HAS_SOFTCAP: tl.constexpr):
+                d, d_ok, stride_qn, stride_don, sm_scale, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                HAS_MASK: tl.constexpr, DOT_MODE: tl.constexpr, PRECISION: tl.constexpr, cap,
+                HAS_SOFTCAP: tl.constexpr):
     """Add one block of dilated queries (positions query0 + r*t) to the key tile's dK, dV
     [BLOCK_M, BLOCK_D]; q_head, do_head point at the head's row 0, stats is the head's
     offset into ROW_MAX, ROW_SUM, DELTA. Transposed scores: the key tile is the M
@@ -405,6 +440,8 @@ def _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t
         mask = key_active[:, None] & q_ok[None, :]
         if CAUSAL:
             mask = mask & (keys[:, None] <= qpos[None, :])
+        if HAS_WINDOW:
+            mask = mask & window_keep(qpos[None, :], keys[:, None], window, 0, False)
         s_t = tl.where(mask, s_t, float("-inf"))
     return transposed_grad_step(dk, dv, s_t, v, qT, do, row_max, row_log2l, delta, DOT_MODE, PRECISION, cap,
                                 HAS_SOFTCAP)
@@ -415,6 +452,14 @@ def _dkdv_block(dk, dv, k, v, q_head, do_head, ROW_MAX, ROW_SUM, DELTA, stats, t
 def _strides(**tensors):
     """stride_<name>b, stride_<name>n, stride_<name>h of (B, N, H, D) tensors, as kernel keywords."""
     return {f"stride_{name}{axis}": t.stride(i) for name, t in tensors.items() for i, axis in enumerate("bnh")}
+
+
+def _window_args(call):
+    """The sliding window's keywords: HAS_WINDOW (compile-time) and its key count (run-time:
+    one compile for every window). The dilated kernels take no sink tokens."""
+    if call.window is not None and call.window.sink_tokens:
+        raise ValueError(f"the dilated kernels take a sliding window without sink tokens, got {call.window}")
+    return dict(HAS_WINDOW=call.window is not None, window=call.window_keys or None)
 
 
 def _launch(cfg):
@@ -457,7 +502,7 @@ def dilated_forward(q, k, v, patterns, table, call, *, config=None, doc_bounds=N
         **_strides(q=q, k=k, v=v), N=N, HQ=Hq, NUM_ITEMS=items.shape[0], HEAD_GROUP=Hq // Hkv, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_MODE=dot_mode, PRECISION=precision,
-        FLAT_LOOP=switch_value("dilated_fwd", cfg, "FLAT_LOOP"), **call.kernel_args(),
+        FLAT_LOOP=switch_value("dilated_fwd", cfg, "FLAT_LOOP"), **call.kernel_args(), **_window_args(call),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return out, row_max, row_sum
 
@@ -479,7 +524,7 @@ def dilated_backward(do, dlse, q, k, v, out, row_max, row_sum, patterns, table, 
     delta = softmax_delta(do, out, dlse)
     dot_mode, precision = kernel_options(q.dtype, q.device)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=causal, DOT_MODE=dot_mode,
-                  PRECISION=precision, **call.kernel_args())
+                  PRECISION=precision, **call.kernel_args(), **_window_args(call))
     inputs = dict(Q=q, K=k, V=v, DO=do, ROW_MAX=row_max, ROW_SUM=row_sum, DELTA=delta,
                   **_strides(q=q, k=k, v=v, do=do), N=N, HEAD_GROUP=Hq // Hkv, sm_scale=scale)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common import masks
 from ..common.call import AttentionCall, check_sinks, check_softcap
 from ..common.first_order import joined_to
 from ..common.lse import add_sinks, masked_attention_with_lse, merge_partials
@@ -18,14 +19,17 @@ from .patterns import check_head_slice, check_patterns, head_offsets, head_table
 
 def dilated_attention_naive(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
                             mode="longnet", offsets="modulo", head_offset=0, total_heads=None, softcap=0.0,
-                            sinks=None):
+                            sinks=None, window_size=None):
     """Reference dilated attention in float64. Returns (out, lse): out (B, N, Hq, D) float64,
     lse (B, Hq, N) float64 (natural log; -inf for a query with no key). Differentiable.
     head_offset, total_heads: q holds the heads [head_offset, head_offset + Hq) of a call
     with total_heads heads (offsets by global head index), as in dilated_attention.
     softcap: scores s -> softcap * tanh(s / softcap) (0.0: no cap). sinks: (Hq,) logits (float32 or
-    float64) joining each row's joint denominator once, after the patterns are mixed."""
+    float64) joining each row's joint denominator once, after the patterns are mixed.
+    window_size: FlashAttention's (left, right) (ops/common/masks.py window_from_size): each
+    pattern's keys cut by the window's predicate on positions."""
     check_qkv(q, k, v, allow_float64=True)
+    causal, window = masks.window_from_size(window_size, causal)
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q.shape[2], q.device, allow_float64=True)
     patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
@@ -51,7 +55,9 @@ def dilated_attention_naive(q, k, v, segment_lengths, dilation_rates, *, causal=
                 idx = torch.tensor(rows, dtype=torch.long, device=q.device)
                 keep = torch.ones(idx.numel(), idx.numel(), dtype=torch.bool, device=q.device)
                 if causal:
-                    keep = idx[:, None] >= idx[None, :]
+                    keep = masks.causal(idx[:, None], idx[None, :])
+                if window is not None:
+                    keep = keep & window(idx[:, None], idx[None, :])
                 o_seg, l_seg = masked_attention_with_lse(
                     q64[:, idx, h], k64[:, idx, kv_head], v64[:, idx, kv_head], keep, call)
                 out_p = out_p.index_copy(1, idx, o_seg)
@@ -80,7 +86,7 @@ def pattern_multiplicity(q_pos, k_pos, patterns, table, *, causal=False) -> torc
             k_on = (kp - kp // w * w) % r == o
             counts[h] += ((qp // w == kp // w) & q_on & k_on).double()
     if causal:
-        counts *= (kp <= qp).double()
+        counts *= masks.causal(qp, kp).double()
     return counts
 
 

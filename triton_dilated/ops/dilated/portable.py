@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..common import masks
 from ..common.first_order import first_order_inputs, joined_to, needs_grad
 from ..common.lse import all_finite, attention_with_lse, merge_partials
 
@@ -187,6 +188,14 @@ def _scatter(buf, specs, parts):
     return buf
 
 
+def _window_band(rows: int, r: int, window, device):
+    """bool (rows, rows): the sliding window among one segment's dilated rows (row i at
+    position s + o + r*i): key row j kept iff 0 <= r*(i - j) < window, a causal band of
+    (window - 1) // r + 1 rows in row space."""
+    i = torch.arange(rows, device=device)
+    return (masks.causal & masks.Band((window.window - 1) // r, 0))(i[:, None], i[None, :])
+
+
 def dilated_attention_torch(q, k, v, patterns, table, call, *, need_lse: bool, compute_dtype=None):
     """Portable dilated attention on validated inputs. `patterns`: tuple of (w, r);
     `table`: per query head a tuple of offsets (-1: pattern unused); call: the AttentionCall
@@ -215,8 +224,10 @@ def dilated_attention_torch(q, k, v, patterns, table, call, *, need_lse: bool, c
         results = []
         for n, (b, spec, _) in enumerate(jobs):
             # (B * nseg, Hs, L, D) each; causal inside the dilated rows is causal in positions
+            band = None if call.window is None else _window_band(q_parts[n].shape[-2], spec.r, call.window, q.device)
             out_part, lse_part = attention_with_lse(cast(q_parts[n]), cast(k_parts[n]), cast(v_parts[n]), call,
-                                                    need_lse=want_lse or verify, finite=verify)
+                                                    keep=band, need_lse=want_lse or verify, finite=verify,
+                                                    causal=None if band is None else False)   # band: causal too
             if verify and not all_finite(lse_part, out_part):
                 return None
             if lse_part is not None:

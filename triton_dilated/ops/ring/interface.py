@@ -31,7 +31,7 @@ from ..common.first_order import first_order_backward
 from ..common.lse import merge_partials, softmax_delta
 from ..common.runtime import empty_result, last_dim_contiguous, resolve_backend
 from ..common.validation import check_choice, check_cu_seqlens, check_flags, check_qkv
-from ..common.window import check_window_causal
+from ..common.masks import check_window_causal
 from ..dilated.interface import dilated_attention_table
 from ..dilated.patterns import check_head_slice, check_patterns, fit_patterns, head_table
 from . import step_portable

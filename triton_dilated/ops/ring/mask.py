@@ -3,8 +3,9 @@
 Mask kinds: MASK_DENSE; MASK_DILATED (the weight of a pair is how many of the head's
 patterns select it: p, p' in one segment, both with the head's residue; LongNet's multiset
 union); MASK_LAYOUT (a dense (n_blocks x n_blocks) block table looked up per element; a sliding
-window's blocks hold 2 there, where its predicate (ops/common/window.py) decides per element).
-Causal multiplies in p' <= p. The score rules (scale, soft cap) are the AttentionCall's, passed
+window's blocks hold 2 there, where its predicate (ops/common/masks.py) decides per element):
+the kind picks the tables the kernels read. Causal and, with packed documents, the same
+document are element predicates (ops/common/masks.py; StepMask.predicate) that multiply in. The score rules (scale, soft cap) are the AttentionCall's, passed
 to every step beside the mask (the cap acts per score, so it commutes with the ring's merge).
 
 The step kernels read the whole mask from one int32 tensor, StepMask.descriptor():
@@ -23,6 +24,8 @@ pat_w, pat_r, pat_off and layout are views of it (the portable step reads them).
 from __future__ import annotations
 
 import torch
+
+from ..common import masks
 
 MASK_DENSE, MASK_DILATED, MASK_LAYOUT = 0, 1, 2
 # the descriptor's header words (module docstring)
@@ -57,6 +60,12 @@ class StepMask:
         self._pack()
 
     window = None   # the sliding window (WindowPredicate) of a MASK_LAYOUT, if any
+
+    def predicate(self, documents=False):
+        """The element predicates (ops/common/masks.py) the step applies beside its tables:
+        causal, and with packed documents the same document. None: none applies."""
+        parts = [p for p, on in ((masks.causal, self.causal), (masks.same_document, documents)) if on]
+        return None if not parts else parts[0] if len(parts) == 1 else masks.AllOf(*parts)
 
     def list_shape(self):
         """(LB, LH) of the tile lists and the block table: what the mask varies over (the

@@ -10,7 +10,6 @@ import math
 
 import torch
 
-from ..common.window import window_keep
 from ..dilated.naive import pattern_multiplicity
 from .mask import MASK_DILATED, MASK_LAYOUT
 
@@ -29,29 +28,24 @@ def query_blocks(q, n_keys, block_bytes=None):
 
 def pair_log_weight(q_pos, k_pos, mask, num_heads, batch, q_doc=None, k_doc=None):
     """(B|1, Hq|1, Nq, Nk) ln(weight), -inf where a pair does not count; None when every
-    pair counts once (dense, not causal). q_doc, k_doc: packed documents' ids per row
-    (ring/documents.py): a pair across documents does not count."""
-    log_w = _pair_log_weight(q_pos, k_pos, mask)
-    if q_doc is None:
-        return log_w
-    apart = q_doc.long()[:, None] != k_doc.long()[None, :]
-    if log_w is None:
-        return torch.zeros(apart.shape, dtype=torch.float32, device=apart.device).masked_fill_(apart, -math.inf)
-    return log_w.masked_fill(apart, -math.inf)
-
-
-def _pair_log_weight(q_pos, k_pos, mask):
+    pair counts once (dense, not causal). The weight: the dilated multiplicity, or the block
+    table's entry (its window blocks: the window predicate per element), times the step's
+    element predicates (causal; with q_doc, k_doc, packed documents' ids per row
+    (ring/documents.py), the same document)."""
     qp, kp = q_pos.long()[:, None], k_pos.long()[None, :]
+    pred = mask.predicate(documents=q_doc is not None)
+    ok = None if pred is None else pred(qp, kp, *(() if q_doc is None else (q_doc.long()[:, None],
+                                                                           k_doc.long()[None, :])))
     if mask.kind == MASK_DILATED:
-        c = pattern_multiplicity(q_pos, k_pos, mask.patterns, mask.table, causal=mask.causal).float()[None]
-        return torch.where(c > 0, torch.log(c.clamp_min(1.0)), torch.full_like(c, -math.inf))
-    ok = (kp <= qp) if mask.causal else None
+        c = pattern_multiplicity(q_pos, k_pos, mask.patterns, mask.table).float()[None]
+        ok = c > 0 if ok is None else ok & (c > 0)
+        return torch.where(ok, torch.log(c.clamp_min(1.0)), torch.full_like(c, -math.inf))
     if mask.kind == MASK_LAYOUT:
         bs = mask.layout_block
         table = mask.layout[:, :, q_pos.long() // bs][:, :, :, k_pos.long() // bs]
         active = table != 0
         if mask.window is not None:   # 2: a sliding window's block, its predicate per element
-            active &= (table != 2) | window_keep(qp, kp, *mask.window)
+            active &= (table != 2) | mask.window(qp, kp)
         ok = active if ok is None else ok & active
     if ok is None:
         return None
