@@ -161,7 +161,7 @@ def test_dev_quick_runs_the_quick_marker(tmp_path, pytest_rc, dev_rc):
 
 def test_quick_subset_names_each_variants_oracle_test_and_skips_say_why():
     """conftest.QUICK: every id still names a test (collected with -m quick: exactly those), one
-    per variant at least (dilated, block-sparse, ring step, decode, with_kvcache) on both paths;
+    per variant at least (dilated, block-sparse, indexed, ring step, decode, with_kvcache) on both paths;
     the markers are registered (--strict-markers) and skipped tests print their reason (-rs)."""
     from tests.conftest import QUICK
     options = _pyproject()["tool"]["pytest"]["ini_options"]
@@ -169,7 +169,8 @@ def test_quick_subset_names_each_variants_oracle_test_and_skips_say_why():
     assert any(m.startswith("quick: ") for m in options["markers"])
     files = sorted({q.split("::")[0] for q in QUICK})
     assert files == ["tests/ops/block_sparse/test_block_sparse.py", "tests/ops/dilated/test_dilated.py",
-                     "tests/ops/ring/test_ring.py", "tests/serve/test_decode.py", "tests/serve/test_with_kvcache.py"]
+                     "tests/ops/indexed/test_indexed.py", "tests/ops/ring/test_ring.py", "tests/serve/test_decode.py",
+                     "tests/serve/test_with_kvcache.py"]
     assert any("[triton" in q or "triton]" in q for q in QUICK) and any("torch" in q for q in QUICK)
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "quick", "-p", "no:cacheprovider",
                            *files], cwd=ROOT, capture_output=True, text=True, timeout=300)
