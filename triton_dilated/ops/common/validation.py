@@ -16,11 +16,9 @@ def check_choice(name: str, value, choices) -> str:
     return value
 
 
-def check_qkv(q, k, v, *, allow_float64: bool = False, allow_shorter_q: bool = False, door: str = "") -> None:
-    """Shapes per DESIGN §2: q (B, N, Hq, D), k/v (B, N, Hkv, D), Hq % Hkv == 0.
-    The float64 oracles also take float64 (allow_float64); with allow_shorter_q, q may have
-    Nq <= N rows, the last Nq positions of the sequence (DESIGN §5b). `door`: the training
-    door's name, which the error for different lengths points to its serve door from."""
+def check_qkv_tensors(q, k, v, *, allow_float64: bool = False) -> None:
+    """q, k, v: 4-D tensors (B, N, H, D) of one supported dtype (float64 too with
+    allow_float64: the oracles) on one device. Shapes across them are the caller's."""
     dtypes = SUPPORTED_DTYPES + ((torch.float64,) if allow_float64 else ())
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -34,6 +32,14 @@ def check_qkv(q, k, v, *, allow_float64: bool = False, allow_shorter_q: bool = F
         raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+
+
+def check_qkv(q, k, v, *, allow_float64: bool = False, allow_shorter_q: bool = False, door: str = "") -> None:
+    """Shapes per DESIGN §2: q (B, N, Hq, D), k/v (B, N, Hkv, D), Hq % Hkv == 0.
+    The float64 oracles also take float64 (allow_float64); with allow_shorter_q, q may have
+    Nq <= N rows, the last Nq positions of the sequence (DESIGN §5b). `door`: the training
+    door's name, which the error for different lengths points to its serve door from."""
+    check_qkv_tensors(q, k, v, allow_float64=allow_float64)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
     (B, N, Hq, D), (Bk, Nk, Hkv, Dk) = q.shape, k.shape

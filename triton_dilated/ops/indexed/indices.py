@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.validation import MAX_HEAD_DIM, SUPPORTED_DTYPES
+from ..common.validation import MAX_HEAD_DIM, check_qkv_tensors
 
 # The absorbed-MLA shape (DeepSeek's decode: Dqk 576 = 512 latent + 64 RoPE, Dv 512) is the
 # widest head the indexed kernels take.
@@ -33,19 +33,7 @@ def check_inputs(q, k, v, indices, *, allow_float64: bool = False) -> None:
     """Shapes and types of an indexed-attention call: q (B, Nq, Hq, Dqk), k (B, Nk, Hkv, Dqk),
     v (B, Nk, Hkv, Dv), Hq % Hkv == 0, indices int32/int64 (B, Nq, Hkv, topk) or (B, Nq, topk),
     all on one device. No value is read."""
-    dtypes = SUPPORTED_DTYPES + ((torch.float64,) if allow_float64 else ())
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (B, N, H, D), got shape {tuple(x.shape)}")
-        if x.dtype not in dtypes:
-            names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-            raise TypeError(f"{name} must have one of the dtypes {names}, got {x.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    check_qkv_tensors(q, k, v, allow_float64=allow_float64)
     (B, Nq, Hq, D), (Bk, Nk, Hkv, Dk) = q.shape, k.shape
     if Bk != B or v.shape[0] != B:
         raise ValueError(f"k and v must have the batch size of q ({B}), got k: {Bk}, v: {v.shape[0]}")
