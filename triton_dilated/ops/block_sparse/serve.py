@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common.kvcache import FP8_DTYPE, append_and_route, cache_view, capacity, check_kvcache_args, contiguous_rows
+from ..common.kvcache import (FP8_DTYPE, append_and_route, batch_rows_table, cache_view, capacity, check_kvcache_args,
+                              contiguous_rows, lse_flag)
 from ..common.op_support import resolve_path
 from ..common.runtime import empty_result
 from .interface import DECODE_FAMILIES, _block_sparse_decode, check_args, chunk_rows, decode_layout
@@ -20,7 +21,7 @@ from .interface import DECODE_FAMILIES, _block_sparse_decode, check_args, chunk_
 def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, layout,
                                         block_table=None, causal=True, scale=None, return_lse=False,
                                         backend="auto", validate=False, k_descale=None, v_descale=None,
-                                        softcap=0.0, sinks=None):
+                                        softcap=0.0, sinks=None, cache_batch_idx=None, return_softmax_lse=None):
     """Block-sparse attention of queries at the end of a KV cache: a decode step with no host
     sync, or chunked prefill.
 
@@ -37,12 +38,17 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
             gpt-oss / Mistral sliding layers decode exactly).
         causal (default True), scale, return_lse, backend, softcap, sinks: as
             block_sparse_attention (the sinks join each row's denominator after the kernel).
+        cache_batch_idx, return_softmax_lse: as `dilated_attention_with_kvcache`
+            (FlashAttention's: batch row b reads and writes cache row cache_batch_idx[b] of a
+            contiguous cache; FlashAttention's name for return_lse).
 
     Returns out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq); rows with
     no active key: 0 and -inf. Differentiable in eager mode (with gradients on the Triton path
     the training kernels run). Under torch.compile: the custom op
     `triton_dilated::block_sparse_decode` (build the layout outside the compiled region).
     """
+    return_lse = lse_flag(return_lse, return_softmax_lse)
+    block_table = batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate)
     check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale)
     call = check_args(q, cache_view(k_cache, block_table, q.shape[0], q), cache_view(v_cache, block_table, q.shape[0], q),
                       layout, causal, scale, return_lse, softcap, sinks, allow_shorter_q=True,

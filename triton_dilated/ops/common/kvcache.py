@@ -58,6 +58,57 @@ def cache_view(k_cache, block_table, batch: int, q=None):
     return k_cache[:1, :1].expand(batch, capacity(k_cache, block_table), -1, -1)
 
 
+def check_row_index(name: str, x, q, what: str) -> None:
+    """A per-batch-row index tensor (cache_batch_idx, cache_leftpad): int32 (B,) on q's device
+    (type, dtype, shape and device only; no value read)."""
+    B = q.shape[0]
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.int32:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{name} must be an int32 tensor (B,) = ({B},) on q's device ({what}), got {got}")
+    if tuple(x.shape) != (B,):
+        raise ValueError(f"{name} must have shape (B,) = ({B},) ({what}), got {tuple(x.shape)}")
+    if x.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}; a copy from elsewhere would wait for the "
+                         f"host), got {x.device}")
+
+
+def batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate):
+    """The block table a call with cache_batch_idx runs with (FlashAttention's argument: batch
+    row b reads and writes row cache_batch_idx[b] of a contiguous cache (B_cache, Nk, Hkv, D)):
+    the cache seen as a page pool of B_cache pages of Nk rows and cache_batch_idx as a block
+    table of one page per row, (B, 1), a view. Every path then takes the paged route (append,
+    decode kernels, portable gather, chunked prefill), which reads and writes exactly those
+    rows; an index outside [0, B_cache) reads and writes nothing (a page outside the pool).
+    Refused with block_table (a paged cache maps its rows there; FlashAttention refuses both).
+    validate=True checks the indices on the host. Without cache_batch_idx: block_table."""
+    if cache_batch_idx is None:
+        return block_table
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        return block_table   # check_kvcache_args names the argument
+    if block_table is not None:
+        raise ValueError("cache_batch_idx maps batch rows to rows of a contiguous cache; a paged cache maps them "
+                         "through block_table: give one of them (as FlashAttention), not both")
+    check_row_index("cache_batch_idx", cache_batch_idx, q, "the cache row each batch row reads and writes")
+    if validate:
+        for b, i in enumerate(cache_batch_idx.tolist()):
+            if not 0 <= i < k_cache.shape[0]:
+                raise ValueError(f"cache_batch_idx[{b}] = {i}, outside the cache's rows [0, {k_cache.shape[0]})")
+    return cache_batch_idx.view(-1, 1)
+
+
+def lse_flag(return_lse, return_softmax_lse) -> bool:
+    """return_lse, or FlashAttention's name for it, return_softmax_lse (None: not given);
+    both given must agree."""
+    check_bool("return_lse", return_lse)
+    if return_softmax_lse is None:
+        return return_lse
+    check_bool("return_softmax_lse", return_softmax_lse)
+    if return_lse and not return_softmax_lse:
+        raise ValueError("return_softmax_lse is FlashAttention's name for return_lse: give one of them, got "
+                         "return_lse=True and return_softmax_lse=False")
+    return return_softmax_lse
+
+
 def check_descales(q, k_cache, v_cache, k_descale, v_descale) -> None:
     """An FP8 cache (both caches float8_e4m3fn) needs both descales, float32 (Hkv,) on q's
     device; any other cache takes none."""

@@ -23,8 +23,9 @@ import dataclasses
 
 import torch
 
-from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_and_route, cache_view, capacity,
-                              check_kvcache_args, contiguous_rows, kernel_lengths, plan_append, serve_key)
+from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_and_route, batch_rows_table, cache_view,
+                              capacity, check_kvcache_args, contiguous_rows, kernel_lengths, lse_flag, plan_append,
+                              serve_key)
 from ..common.op_support import lazy_module, resolve_path
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result
@@ -38,7 +39,7 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
                                    segment_lengths, dilation_rates, causal=True, scale=None, mode="longnet",
                                    offsets="modulo", return_lse=False, backend="auto", validate=False,
                                    head_offset=0, total_heads=None, k_descale=None, v_descale=None, softcap=0.0,
-                                   sinks=None):
+                                   sinks=None, cache_batch_idx=None, return_softmax_lse=None):
     """Dilated attention of queries at the end of a KV cache: a decode step with no host sync,
     or chunked prefill.
 
@@ -76,6 +77,13 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
             (reads the lengths on the host: a device sync; for debugging; chunked prefill
             always checks). Without it values are not checked on a decode step: an append
             outside [0, Nk) writes nothing, a key on a page outside the pool is not read.
+        cache_batch_idx: None, or int32 (B,) on q's device (FlashAttention's): batch row b
+            reads and writes row cache_batch_idx[b] of a contiguous cache (B_cache, Nk, Hkv,
+            D), any B_cache; cache_seqlens, k, v, q stay indexed by b. An index outside
+            [0, B_cache) reads and writes nothing (out 0, lse -inf; validate=True refuses it);
+            two batch rows with one index both read it, and an append from either may land.
+            Not with block_table (a paged cache maps rows there), as FlashAttention.
+        return_softmax_lse: FlashAttention's name for return_lse (either; both must agree).
 
     Returns:
         out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq).
@@ -91,6 +99,8 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     checked and planned once per key (ServePlan, cached); a call then builds its key, appends
     (the Triton path: one fused kernel) and launches.
     """
+    return_lse = lse_flag(return_lse, return_softmax_lse)
+    block_table = batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate)
     args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks)
     scalars = (causal, scale, mode, offsets, return_lse, backend, validate, head_offset, total_heads, softcap)
     return serve_plan(args, segment_lengths, dilation_rates, scalars)(*args)
