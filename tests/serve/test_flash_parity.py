@@ -6,6 +6,10 @@ zero-stride expand), on both doors and both backends, decode steps and chunked p
   cache; equal bit for bit to the door on the gathered rows, the mapped cache rows hold the
   appended rows and the unmapped ones are untouched, and the result meets the float64 oracle;
   no host sync and one compile for several index values;
+* cache_leftpad: row b's keys start at cache row cache_leftpad[b] and positions count from
+  there (FlashAttention's rule); equal to the door on the rows shifted to the front, the
+  appended rows at cache_seqlens[b] (from cache row 0), the float64 oracle on the shifted
+  rows; with cache_batch_idx and with a paged cache too; no host sync, one compile;
 * argument errors name the argument.
 """
 from __future__ import annotations
@@ -17,7 +21,7 @@ from triton_dilated import (block_sparse_attention_naive, block_sparse_attention
                             dilated_attention_with_kvcache, layouts)
 from tests.conftest import DEVICE
 from tests.helpers.reference import seeded
-from tests.helpers.serve_checks import check_forward, no_host_sync
+from tests.helpers.serve_checks import check_forward, no_host_sync, page_pools
 
 BACKENDS = ["torch", "triton"]
 WS, RS = [8, 16, 48], [1, 2, 4]
@@ -162,3 +166,144 @@ def test_cache_batch_idx_and_return_softmax_lse_errors():
             fn(q, kc[:2], vc[:2], cache_seqlens=lens, return_lse=True, return_softmax_lse=False)
         out = fn(q, kc[:2], vc[:2], cache_seqlens=lens, return_lse=True, return_softmax_lse=True)
         assert isinstance(out, tuple) and out[1].shape == (2, HQ, 1)
+
+
+# ----------------------------------------------------------------------------- cache_leftpad
+
+def _shifted(kc, pads):
+    """Each row b of kc moved pads[b] rows to the front, NaN after (the rows a padded row's
+    positions 0, 1, ... are)."""
+    out = torch.full_like(kc, float("nan"))
+    for b, p in enumerate(pads):
+        out[b, :kc.shape[1] - p] = kc[b, p:]
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+@pytest.mark.parametrize("nq, append, mapped", [(1, 1, False), (3, 0, True), (2, 2, False), (18, 2, True),
+                                                (4, 1, "paged")])
+def test_cache_leftpad_counts_positions_from_the_pad(backend, variant, nq, append, mapped):
+    """3 rows padded by [5, 0, 12] rows (NaN: never read), cache_seqlens [30, 41, 21] from cache
+    row 0: out and lse equal the door on the rows shifted to the front (lengths less the
+    pads) bit for bit, the new rows land at cache_seqlens, the float64 oracle agrees; with
+    cache_batch_idx (rows [2, 0, 3] of 4) and with a paged cache (pages of 16) too; decode
+    steps and chunked prefill (Nq = 18)."""
+    fn, oracle = _door(variant)
+    before, pads = [30, 41, 21], [5, 0, 12 if nq < 12 else 3]
+    kc, vc = _cache(3, before, seed=50)
+    for b, p in enumerate(pads):
+        kc[b, :p], vc[b, :p] = float("nan"), float("nan")
+    q = seeded((3, nq, HQ, D), torch.float32, 51, DEVICE)
+    k_new = seeded((3, append, HKV, D), torch.float32, 52, DEVICE) if append else None
+    v_new = seeded((3, append, HKV, D), torch.float32, 53, DEVICE) if append else None
+    lens, leftpad = _lens(before), _lens(pads)
+    for causal in (True, False):
+        ref_k, ref_v = _shifted(kc, pads), _shifted(vc, pads)
+        want = fn(q, ref_k, ref_v, k_new, v_new, cache_seqlens=lens - leftpad, causal=causal, return_lse=True,
+                  backend=backend)
+        kw = dict(cache_seqlens=lens, cache_leftpad=leftpad, causal=causal, return_lse=True, backend=backend,
+                  validate=nq == 2)
+        if mapped == "paged":
+            pool_k, pool_v, table = page_pools(kc, vc, 16)
+            got = fn(q, pool_k, pool_v, k_new, v_new, block_table=table, **kw)
+            got_k, got_v = (pool[table.long()].flatten(1, 2) for pool in (pool_k, pool_v))
+        elif mapped:
+            big_k, big_v = (torch.full((4, *x.shape[1:]), float("nan"), device=DEVICE) for x in (kc, vc))
+            big_k[[2, 0, 3]], big_v[[2, 0, 3]] = kc, vc
+            got = fn(q, big_k, big_v, k_new, v_new, cache_batch_idx=_lens([2, 0, 3]), **kw)
+            got_k, got_v = big_k[[2, 0, 3]], big_v[[2, 0, 3]]
+            assert big_k[1].isnan().all()
+        else:
+            got_k, got_v = kc.clone(), vc.clone()
+            got = fn(q, got_k, got_v, k_new, v_new, **kw)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (g - w).abs().max()
+        torch.testing.assert_close((_shifted(got_k, pads), _shifted(got_v, pads)), (ref_k, ref_v), rtol=0, atol=0,
+                                   equal_nan=True)
+        check_forward(*got, q, ref_k, ref_v, [n + append - p for n, p in zip(before, pads)], oracle(causal))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+def test_cache_leftpad_without_host_sync_and_compiled_once(backend, variant):
+    """A decode step with cache_leftpad (and an append) runs under the no-host-sync guard, and
+    torch.compile(fullgraph=True) serves three (lengths, pads) pairs with one frame, equal to
+    eager; a negative pad counts as 0 (validate=False)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    fn, _ = _door(variant)
+    q = seeded((2, 2, HQ, D), torch.float32, 1, DEVICE)
+    k_new, v_new = (seeded((2, 1, HKV, D), torch.float32, s, DEVICE) for s in (2, 3))
+    kc, vc = (seeded((2, NK, HKV, D), torch.float32, s, DEVICE) for s in (4, 5))
+    lens, pads = _lens([20, 33]), _lens([3, 30])
+    kc2, vc2 = kc.clone(), vc.clone()
+    fn(q, kc2.clone(), vc2.clone(), k_new, v_new, cache_seqlens=lens, cache_leftpad=pads, backend=backend)
+    with no_host_sync():
+        out = fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, cache_leftpad=pads, backend=backend, return_lse=True)
+    want = fn(q, kc2, vc2, k_new, v_new, cache_seqlens=lens, cache_leftpad=pads, backend=backend, return_lse=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close((kc, vc), (kc2, vc2), rtol=0, atol=0)
+    torch.testing.assert_close(fn(q, kc, vc, cache_seqlens=lens, cache_leftpad=pads * 0 - 4, backend=backend),
+                               fn(q, kc, vc, cache_seqlens=lens, backend=backend), rtol=0, atol=0)
+
+    def step(q, kc, vc, k, v, lens, pads):
+        return fn(q, kc, vc, k, v, cache_seqlens=lens, cache_leftpad=pads, return_lse=True, backend=backend)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for before, pad in (([5, 30], [0, 7]), ([17, 9], [16, 1]), ([46, 0], [40, 0])):
+        kc, vc = (seeded((2, NK, HKV, D), torch.float32, s, DEVICE) for s in (6, 7))
+        kc2, vc2 = kc.clone(), vc.clone()
+        got = compiled(q, kc, vc, k_new, v_new, _lens(before), _lens(pad))
+        torch.testing.assert_close(got, step(q, kc2, vc2, k_new, v_new, _lens(before), _lens(pad)), rtol=1e-6,
+                                   atol=1e-6)
+        torch.testing.assert_close((kc, vc), (kc2, vc2), rtol=0, atol=0)
+    assert counter.frame_count == 1, f"{counter.frame_count} compiles for 3 cache_leftpad values"
+
+
+def test_cache_leftpad_errors():
+    q = seeded((2, 1, HQ, D), torch.float32, 1, DEVICE)
+    kc, vc = (seeded((2, NK, HKV, D), torch.float32, s, DEVICE) for s in (2, 3))
+    lens = _lens([3, 9])
+    for fn, _ in (_door("dilated"), _door("block_sparse")):
+        with pytest.raises(TypeError, match=r"cache_leftpad must be an int32 tensor \(B,\) = \(2,\)"):
+            fn(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens.long())
+        with pytest.raises(ValueError, match=r"cache_leftpad must have shape \(B,\) = \(2,\) .* got \(1,\)"):
+            fn(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens[:1])
+        with pytest.raises(ValueError, match=r"cache_leftpad\[1\] = 10 must lie in \[0, cache_seqlens\[1\]\] = "
+                                             r"\[0, 9\]"):
+            fn(q, kc, vc, cache_seqlens=lens, cache_leftpad=_lens([0, 10]), validate=True)
+        with pytest.raises(ValueError, match=r"cache_leftpad\[0\] = -1 must lie in"):
+            fn(q, kc, vc, cache_seqlens=lens, cache_leftpad=_lens([-1, 0]), validate=True)
+
+
+# ----------------------------------------------------------------------------- k, v broadcast over the batch
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+@pytest.mark.parametrize("nq", [2, 18])
+def test_new_rows_broadcast_over_the_batch(backend, variant, nq):
+    """k, v of one batch row expanded over the batch (stride 0 on the batch dim, as an engine
+    appending one shared prompt's rows to several caches): accepted, and the caches and results
+    equal those of the materialised copy (a decode step and chunked prefill; with
+    cache_batch_idx too)."""
+    fn, _ = _door(variant)
+    before = [20, 33, 7]
+    kc, vc = _cache(3, before, seed=60)
+    q = seeded((3, nq, HQ, D), torch.float32, 61, DEVICE)
+    k1, v1 = (seeded((1, 3, HKV, D), torch.float32, s, DEVICE) for s in (62, 63))
+    k_new, v_new = k1.expand(3, -1, -1, -1), v1.expand(3, -1, -1, -1)
+    assert k_new.stride(0) == 0
+    for extra in ({}, {"cache_batch_idx": _lens([1, 2, 0])}):
+        lens = _lens(before if not extra else [before[i] for i in (1, 2, 0)])
+        kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        got = fn(q, kc1, vc1, k_new, v_new, cache_seqlens=lens, return_lse=True, backend=backend, **extra)
+        want = fn(q, kc2, vc2, k_new.contiguous(), v_new.contiguous(), cache_seqlens=lens, return_lse=True,
+                  backend=backend, **extra)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (g - w).abs().max()
+        torch.testing.assert_close((kc1, vc1), (kc2, vc2), rtol=0, atol=0, equal_nan=True)
+        for b, n in enumerate(before):
+            assert torch.equal(kc1[b, n:n + 3], k1[0])

@@ -41,12 +41,16 @@ def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
     return torch.where(key_ok, key_pos, torch.zeros((), dtype=torch.long, device=device)), key_ok
 
 
-def block_sparse_decode(q, k, v, layout, lengths, call, *, block_table=None):
+def block_sparse_decode(q, k, v, layout, lengths, call, *, block_table=None, leftpad=None):
     """Block-sparse attention of q (B, Nq, Hq, D), the last Nq positions of each row's
     lengths[b] (an integer tensor (B,)) valid positions, over k, v (B, Nk, Hkv, D), the layout covering Nk (absolute
     positions; with block_table, k and v are page pools). Returns (out like q, lse float32
-    (B, Hq, Nq)), differentiable, under the AttentionCall (its sinks are the caller's)."""
+    (B, Hq, Nq)), differentiable, under the AttentionCall (its sinks are the caller's);
+    leftpad (cache_leftpad) as ops/dilated/decode.dilated_decode's."""
     lengths = lengths.to(device=q.device, dtype=torch.long)
+    pad = None if leftpad is None else leftpad.to(device=q.device, dtype=torch.long).clamp(min=0)
+    if pad is not None:
+        lengths = lengths - pad
     pos = query_positions(lengths, q.shape[1], q.device)
     key_pos, key_ok = block_key_lists(pos, lengths, layout, q.shape[2], call.causal)
-    return attend_key_lists(q, k, v, key_pos, key_ok, call, block_table)
+    return attend_key_lists(q, k, v, key_pos, key_ok, call, block_table, pad)

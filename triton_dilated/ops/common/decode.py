@@ -96,13 +96,14 @@ def softmax_lse(scores):
     return e / z_safe, lse.squeeze(-1)
 
 
-def attend_key_lists(q, k, v, key_pos, key_ok, call, block_table=None):
+def attend_key_lists(q, k, v, key_pos, key_ok, call, block_table=None, key_offset=None):
     """Attention of each query row over its own list of keys.
 
     q: (B, Nq, Hq, D); k, v: (B, Nk, Hkv, D) (any strides); key_pos: long (B, Nq, Hq, K), the
     key positions each (query, head) reads, with key_ok (same shape) False on padding slots;
     with block_table, k and v are page pools (cache_rows); call: the AttentionCall (its scale
-    and cap; causality is in key_ok).
+    and cap; causality is in key_ok); key_offset: None or long (B,), added to every key position
+    of its batch row to address the cache (cache_leftpad: positions count from the pad).
     GQA: query head h reads key/value head h // (Hq // Hkv). Scores, softmax and sums in
     float32. Returns out (B, Nq, Hq, D) like q and lse float32 (B, Hq, Nq); a query with no
     key gets 0 and -inf. Differentiable (a key listed twice gets both gradients)."""
@@ -117,11 +118,13 @@ def attend_key_lists(q, k, v, key_pos, key_ok, call, block_table=None):
     h_idx = (torch.arange(Hq, device=q.device) // group).view(1, 1, Hq).expand(B, Nq, Hq).reshape(rows, 1)
     qf = q.reshape(rows, D)
     ok = key_ok.reshape(rows, K)
-    if block_table is not None:   # keys on pages outside the pool: masked
-        ok = ok & page_ok(block_table, b_idx, key_pos.reshape(rows, K), k.shape[0], k.shape[1])
     # padding slots point at a key the row reads (its first), so whatever a padded position
     # holds (NaN included) spreads nowhere: their scores become -inf, their weights 0
     pos = key_pos.reshape(rows, K)
+    if key_offset is not None:
+        pos = pos + key_offset[b_idx]
+    if block_table is not None:   # keys on pages outside the pool: masked
+        ok = ok & page_ok(block_table, b_idx, pos, k.shape[0], k.shape[1])
     pos = torch.where(ok, pos, pos.gather(1, ok.int().argmax(dim=1, keepdim=True)))
     nonempty = ok.any(dim=1, keepdim=True)
     chunk = max(1, GATHER_BUDGET // max(1, K * D))

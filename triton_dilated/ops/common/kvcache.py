@@ -89,7 +89,7 @@ def batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate):
         raise ValueError("cache_batch_idx maps batch rows to rows of a contiguous cache; a paged cache maps them "
                          "through block_table: give one of them (as FlashAttention), not both")
     check_row_index("cache_batch_idx", cache_batch_idx, q, "the cache row each batch row reads and writes")
-    if validate:
+    if validate or (q.shape[1] > MAX_DECODE_QUERIES and not torch.compiler.is_compiling()):   # as chunked prefill
         for b, i in enumerate(cache_batch_idx.tolist()):
             if not 0 <= i < k_cache.shape[0]:
                 raise ValueError(f"cache_batch_idx[{b}] = {i}, outside the cache's rows [0, {k_cache.shape[0]})")
@@ -136,13 +136,13 @@ def check_descales(q, k_cache, v_cache, k_descale, v_descale) -> None:
 
 
 def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale=None,
-                       v_descale=None) -> None:
+                       v_descale=None, cache_leftpad=None) -> None:
     """Shape/dtype/device checks (no value read): q (B, Nq, Hq, D) with Nq >= 1;
     k_cache, v_cache (B, Nk, Hkv, D) like q (or float8_e4m3fn with k_descale, v_descale), or
     with block_table int32 (B, max_pages) on q's device page pools (num_pages, page_size, Hkv,
     D); k, v both or neither, (B, Nnew, Hkv, D) with Nnew <= the capacity, in the cache's dtype
     (q's for an FP8 cache: quantised on append); cache_seqlens an int32 (or int64) tensor (B,)
-    on q's device."""
+    on q's device; cache_leftpad None or int32 (B,) on q's device."""
     check_bool("validate", validate)
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(x, torch.Tensor):
@@ -198,14 +198,18 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, va
     if cache_seqlens.device != q.device:
         raise ValueError(f"cache_seqlens must be on q's device ({q.device}; a copy from elsewhere would wait for "
                          f"the host), got {cache_seqlens.device}")
+    if cache_leftpad is not None:
+        check_row_index("cache_leftpad", cache_leftpad, q, "the cache row where each batch row's keys start")
 
 
 def check_kvcache_values(cache_seqlens, num_new: int, cache_len: int, block_table=None,
-                         num_pages: int = 0, descales=()) -> None:
+                         num_pages: int = 0, descales=(), cache_leftpad=None) -> None:
     """validate=True: every row's length after the append, cache_seqlens[b] + Nnew, must lie
     in [0, capacity] (no row past the cache; queries before position 0 read nothing),
     cache_seqlens >= 0,
-    the pages those rows use must be in [0, num_pages), and FP8 descales finite and positive.
+    the pages those rows use must be in [0, num_pages), FP8 descales finite and positive, and
+    cache_leftpad[b] in [0, cache_seqlens[b]] (FlashAttention's rule: the pad lies before the
+    row's end).
     Reads the values on the host (a sync: for debugging, not the hot path)."""
     for name, x in zip(("k_descale", "v_descale"), descales):
         if x is not None and not bool(torch.isfinite(x).all() & (x > 0).all()):
@@ -215,6 +219,11 @@ def check_kvcache_values(cache_seqlens, num_new: int, cache_len: int, block_tabl
         if n < 0 or n + num_new > cache_len:
             raise ValueError(f"cache_seqlens[{b}] = {n}: with {num_new} new rows the row holds {n + num_new}, which "
                              f"must lie in [0, {cache_len}] (no row past the cache) with cache_seqlens >= 0")
+    if cache_leftpad is not None:
+        for b, (pad, n) in enumerate(zip(cache_leftpad.tolist(), lengths)):
+            if not 0 <= pad <= n:
+                raise ValueError(f"cache_leftpad[{b}] = {pad} must lie in [0, cache_seqlens[{b}]] = [0, {n}] (the "
+                                 f"row's keys start there)")
     if block_table is None:
         return
     page_size = cache_len // block_table.shape[1]
@@ -369,7 +378,7 @@ def _(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, 
 
 
 def append_and_route(q, path, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale=None,
-                     v_descale=None):
+                     v_descale=None, cache_leftpad=None):
     """What both serve doors do once their arguments are checked and their path picked
     (op_support.resolve_path: the same eager and under torch.compile): run the value checks
     when asked (always for chunked prefill, which reads the lengths anyway) and append k, v
@@ -378,7 +387,7 @@ def append_and_route(q, path, k_cache, v_cache, k, v, cache_seqlens, block_table
     decodes = serve_route(q, path, k_cache, v_cache, k, v)
     if validate or not decodes:
         check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], capacity(k_cache, block_table),
-                             block_table, k_cache.shape[0], (k_descale, v_descale))
+                             block_table, k_cache.shape[0], (k_descale, v_descale), cache_leftpad)
     append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
     return (cache_seqlens if k is None else cache_seqlens + k.shape[1]), decodes
 
@@ -396,17 +405,34 @@ def serve_route(q, path, *tensors) -> bool:
     return path != "triton" or not needs_grad(q, *(t for t in tensors if t is not None))
 
 
-def contiguous_rows(cache, block_table, rows: int, dtype, descale=None):
+def row_lengths(lengths, leftpad=None) -> list:
+    """The keys each row holds, on the host (chunked prefill's one read): lengths[b] (rows
+    after the append, from cache row 0) less the row's cache_leftpad (clamped at 0)."""
+    if leftpad is not None:
+        lengths = lengths - leftpad.clamp(min=0).to(lengths.dtype)
+    return [int(n) for n in lengths.tolist()]
+
+
+def contiguous_rows(cache, block_table, rows: int, dtype, descale=None, leftpad=None):
     """(B, rows, Hkv, D) in `dtype`: the first `rows` positions of every cache row, for the
     query-offset path (chunked prefill), which runs the training kernels on contiguous keys.
     A contiguous cache in `dtype` is sliced (a view: gradients reach it); a page pool is
-    gathered through block_table; an FP8 cache is dequantised (times its descale)."""
-    if block_table is None:
+    gathered through block_table; an FP8 cache is dequantised (times its descale). leftpad
+    (cache_leftpad, long (B,)): row b's positions start at its cache row leftpad[b] (gathered;
+    positions past the cache read its last row, which the lengths leave unread)."""
+    if block_table is None and leftpad is None:
         out = cache[:, :rows]
     else:
-        page_size = cache.shape[1]
+        cap = capacity(cache, block_table)
         pos = torch.arange(rows, device=cache.device)
-        out = cache[block_table[:, pos // page_size].long(), pos % page_size]
+        if leftpad is not None:
+            pos = (pos + leftpad.long().clamp(min=0)[:, None]).clamp(max=cap - 1)       # (B, rows)
+        if block_table is None:
+            out = cache[torch.arange(cache.shape[0], device=cache.device)[:, None], pos]
+        else:
+            page_size = cache.shape[1]
+            pages = block_table[:, pos // page_size] if pos.dim() == 1 else block_table.gather(1, pos // page_size)
+            out = cache[pages.long(), pos % page_size]
     if cache.dtype == FP8_DTYPE:
         return (out.float() * descale.view(1, 1, -1, 1)).to(dtype)
     return out

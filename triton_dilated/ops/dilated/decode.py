@@ -82,7 +82,7 @@ def head_sets(patterns, table, device):
     return tuple(sets)
 
 
-def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=None):
+def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=None, key_offset=None):
     """Each (query, head) over the multiset union of its patterns' runs, with no host sync and
     shapes that depend only on the input shapes (so a CUDA graph or torch.compile can take it).
 
@@ -95,8 +95,10 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=No
     gathered back to the slots to sum the values. Padding slots point at the query's own
     position, which every active head reads anyway (causal or not), so a NaN stored there
     spreads only where the definition spreads it. With block_table, k and v are page pools
-    (common.decode.cache_rows). call: the AttentionCall (causal, scale, cap). Returns (out like
-    q, lse float32 (B, Hq, Nq)); a query with no key gets 0 and -inf; differentiable."""
+    (common.decode.cache_rows). call: the AttentionCall (causal, scale, cap). key_offset: None
+    or long (B,), added to a row's key positions to address the cache (cache_leftpad).
+    Returns (out like q, lse float32 (B, Hq, Nq)); a query with no key gets 0 and -inf;
+    differentiable."""
     B, Nq, Hq, D = q.shape
     Nk = k.shape[1] * (1 if block_table is None else block_table.shape[1])   # the cache's capacity
     group = Hq // k.shape[2]
@@ -117,6 +119,8 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=No
         t = torch.arange(T, device=device)
         ok = (t < count) & (p >= 0)                                       # (B, Nq, T)
         kpos = torch.where(ok, seg + c + r * t, p.clamp(min=0))
+        if key_offset is not None:   # cache rows (cache_leftpad)
+            kpos = kpos + key_offset.view(B, 1, 1)
         heads = heads_of[c.squeeze(-1)]                                   # (B, Nq, M)
         kvh = heads.clamp(max=Hq - 1) // group
         M = heads.shape[-1]
@@ -188,17 +192,23 @@ def attend_runs(q, k, v, patterns, table, pos, lengths, call):
     return out.reshape(B, Nq, Hq, D).to(q.dtype), lse.reshape(B, Nq, Hq).permute(0, 2, 1).float().contiguous()
 
 
-def dilated_decode(q, k, v, patterns, table, lengths, call, *, host_loop: bool = False, block_table=None):
+def dilated_decode(q, k, v, patterns, table, lengths, call, *, host_loop: bool = False, block_table=None,
+                   leftpad=None):
     """Dilated attention of q (B, Nq, Hq, D), the last Nq positions of each row's lengths[b]
     (an integer tensor (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D).
     `patterns`: (w, r) pairs; `table`: per query head a tuple of offsets (-1: pattern unused).
     Returns (out like q, lse float32 (B, Hq, Nq)), differentiable. host_loop: read the runs
     in place as strided views (attend_runs: CPU tensors, no gradient; it reads the lengths
     on the host), else gather them with no host sync (attend_patterns; block_table: k and v
-    are page pools). call: the AttentionCall (causal, scale, cap; its sinks are the caller's)."""
+    are page pools). call: the AttentionCall (causal, scale, cap; its sinks are the caller's).
+    leftpad: None or an integer tensor (B,) (cache_leftpad): row b's keys start at cache row
+    leftpad[b] (clamped at 0), its positions count from there, lengths[b] still ends the row."""
     lengths = lengths.to(device=q.device, dtype=torch.long)
+    pad = None if leftpad is None else leftpad.to(device=q.device, dtype=torch.long).clamp(min=0)
+    if pad is not None:
+        lengths = lengths - pad
     pos = query_positions(lengths, q.shape[1], q.device)
-    if host_loop:
+    if host_loop and pad is None:
         DECODE_STATS["calls"] += 1
         return attend_runs(q, k, v, patterns, table, pos, lengths, call)
-    return attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table)
+    return attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table, pad)
