@@ -307,3 +307,178 @@ def test_new_rows_broadcast_over_the_batch(backend, variant, nq):
         torch.testing.assert_close((kc1, vc1), (kc2, vc2), rtol=0, atol=0, equal_nan=True)
         for b, n in enumerate(before):
             assert torch.equal(kc1[b, n:n + 3], k1[0])
+
+
+# ----------------------------------------------------------------------------- the portable dense route
+
+DENSE_CASES = {   # (segment_lengths, dilation_rates) covering most of the 64 positions, and a layout
+    "dilated dense": ([64], [1]),
+    "dilated near-dense": ([16, 64], [1, 2]),
+    "block-sparse dense": None,
+}
+
+
+def _dense_door(case):
+    if DENSE_CASES[case] is None:
+        lay = layouts.local(NK, 16, 4, causal=True).to(DEVICE)
+        return (lambda q, kc, vc, k=None, v=None, **kw: block_sparse_attention_with_kvcache(
+                    q, kc, vc, k, v, layout=lay, **kw),
+                lambda causal: lambda q_, k_, v_, n: block_sparse_attention_naive(
+                    q_, k_, v_, lay.prefix(-(-n // lay.block_size)), causal=causal))
+    ws, rs = DENSE_CASES[case]
+    return (lambda q, kc, vc, k=None, v=None, **kw: dilated_attention_with_kvcache(
+                q, kc, vc, k, v, segment_lengths=ws, dilation_rates=rs, **kw),
+            lambda causal: lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, ws, rs, causal=causal))
+
+
+@pytest.mark.parametrize("case", list(DENSE_CASES))
+def test_dense_route_equals_the_gather_path(case, monkeypatch):
+    """Key lists covering most of the cache take the portable dense route (one einsum over the
+    cache, the pattern a multiplicity mask): equal to the gather path (DENSE_SHARE above 1
+    forces it) and the float64 oracle, causal or not, with softcap and sinks, under
+    cache_leftpad, cache_batch_idx and a paged cache; NaN in rows no query reads (past the
+    lengths, in the pads, at residues a dilated query skips) spreads nowhere, a NaN value a
+    query reads makes its row NaN, on both routes alike; gradients equal; no host sync."""
+    from triton_dilated.ops.common import decode as common_decode
+
+    fn, oracle = _dense_door(case)
+    default = common_decode.DENSE_SHARE
+    before, pads = [40, 63, 25], [0, 3, 9]
+    kc, vc = _cache(3, before, seed=80)
+    q = seeded((3, 3, HQ, D), torch.float32, 81, DEVICE)
+    k_new, v_new = (seeded((3, 1, HKV, D), torch.float32, s, DEVICE) for s in (82, 83))
+    lens, leftpad = _lens(before), _lens(pads)
+    sinks = seeded((HQ,), torch.float32, 84, DEVICE)
+    calls = {
+        "plain": dict(causal=True),
+        "not causal, softcap, sinks": dict(causal=False, softcap=3.0, sinks=sinks),
+        "leftpad": dict(causal=True, cache_leftpad=leftpad),
+        "mapped": dict(causal=True, cache_batch_idx=_lens([2, 0, 1])),
+        "paged": dict(causal=True, paged=True),
+    }
+    for name, kw in calls.items():
+        kw = dict(kw)
+        paged = kw.pop("paged", False)
+        results, stats = [], []
+        for share in (default, 2.0):
+            monkeypatch.setattr(common_decode, "DENSE_SHARE", share)
+            kc1, vc1 = kc.clone(), vc.clone()
+            if "cache_leftpad" in kw:   # the pads hold NaN: never read
+                for b, p in enumerate(pads):
+                    kc1[b, :p], vc1[b, :p] = float("nan"), float("nan")
+            if "cache_batch_idx" in kw:
+                kc1, vc1 = kc1[[1, 2, 0]], vc1[[1, 2, 0]]
+            table = None
+            if paged:
+                kc1, vc1, table = page_pools(kc1, vc1, 16)
+            common_decode.DECODE_STATS["calls"] = common_decode.DECODE_STATS["key_rows"] = 0
+            results.append(fn(q, kc1, vc1, k_new, v_new, cache_seqlens=lens, block_table=table, return_lse=True,
+                              backend="torch", **kw))
+            stats.append(common_decode.DECODE_STATS["key_rows"])
+        torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6, msg=name)
+        assert stats[0] == 3 * HQ * NK, (name, stats)   # the dense route read every key row once per head
+        if name == "plain":
+            kc2, vc2 = kc.clone(), vc.clone()
+            for b, n in enumerate(before):
+                kc2[b, n], vc2[b, n] = k_new[b, 0], v_new[b, 0]
+            check_forward(*results[0], q, kc2, vc2, [n + 1 for n in before], oracle(True))
+
+    # the NaN rule: a NaN value at the query's own position (read by every head) and one
+    # past the length (read by none)
+    kc1, vc1 = kc.clone(), vc.clone()
+    vc1[0, 39, 0, 0] = float("nan")
+    got = []
+    for share in (default, 2.0):
+        monkeypatch.setattr(common_decode, "DENSE_SHARE", share)
+        got.append(fn(q, kc1, vc1, cache_seqlens=lens, return_lse=True, backend="torch"))
+    torch.testing.assert_close(got[0], got[1], rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert got[0][0][0, -1].isnan().any() and not got[0][0][1:].isnan().any()
+
+    # gradients
+    grads = []
+    for share in (default, 2.0):
+        monkeypatch.setattr(common_decode, "DENSE_SHARE", share)
+        xs = [x.detach().clone().nan_to_num(0.0).requires_grad_() for x in (q, kc, vc)]
+        out, lse = fn(*xs, cache_seqlens=lens + 1, return_lse=True, backend="torch")
+        grads.append(torch.autograd.grad(out.square().sum() + lse.sum(), xs))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+
+    monkeypatch.setattr(common_decode, "DENSE_SHARE", default)
+    fn(q, kc.clone(), vc.clone(), k_new, v_new, cache_seqlens=lens, backend="torch")   # warm-up (cached tables)
+    with no_host_sync():
+        fn(q, kc.clone(), vc.clone(), k_new, v_new, cache_seqlens=lens, cache_leftpad=leftpad, backend="torch")
+
+
+# ----------------------------------------------------------------------------- rotary embedding
+
+def _rotary_reference(x, cos, sin, positions, interleaved):
+    """x (B, N, H, D) rotated at positions (B, N) in float64 as complex products: feature pairs
+    (2i, 2i+1) when interleaved, else (i, i + rotary_dim / 2), by the angle whose cos and sin
+    are row `positions` of the tables."""
+    half = cos.shape[1]
+    c, s = cos.double()[positions][:, :, None], sin.double()[positions][:, :, None]
+    xr = x.double()[..., :2 * half]
+    if interleaved:
+        z = torch.complex(xr[..., 0::2], xr[..., 1::2]) * torch.complex(c, s)
+        rot = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
+    else:
+        z = torch.complex(xr[..., :half], xr[..., half:]) * torch.complex(c, s)
+        rot = torch.cat([z.real, z.imag], dim=-1)
+    return torch.cat([rot, x.double()[..., 2 * half:]], dim=-1).to(x.dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("nq", [2, 18])
+def test_rotary_embedding_of_q_and_the_appended_k(backend, variant, interleaved, nq):
+    """rotary_cos/rotary_sin (rotary_dim 6 of D = 8) rotate the new rows k at their cache rows
+    cache_seqlens[b] + j and q at cache_seqlens[b] + i (causal) or all at cache_seqlens[b]
+    (not causal), FlashAttention's positions, also under cache_leftpad (rotary positions
+    count from cache row 0, as FlashAttention): the cache holds the rotated rows and the result
+    equals the door on q and k rotated beforehand (float64 complex reference)."""
+    fn, _ = _door(variant)
+    before, pads = [20, 33, 7], [0, 5, 2]
+    kc, vc = _cache(3, before, seed=70)
+    q = seeded((3, nq, HQ, D), torch.float32, 71, DEVICE)
+    k_new, v_new = (seeded((3, 2, HKV, D), torch.float32, s, DEVICE) for s in (72, 73))
+    angles = torch.arange(NK, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(3) / 3)
+    cos, sin = angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
+    lens = _lens(before)
+    for causal, leftpad in ((True, None), (False, None), (True, _lens(pads))):
+        start = torch.tensor(before)[:, None]
+        q_pos = start + (torch.arange(nq) if causal else torch.zeros(nq, dtype=torch.long))
+        q_ref = _rotary_reference(q, cos, sin, q_pos, interleaved)
+        k_ref = _rotary_reference(k_new, cos, sin, start + torch.arange(2), interleaved)
+        kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        got = fn(q, kc1, vc1, k_new, v_new, cache_seqlens=lens, cache_leftpad=leftpad, causal=causal,
+                 rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, return_lse=True, backend=backend,
+                 validate=True)
+        want = fn(q_ref, kc2, vc2, k_ref, v_new, cache_seqlens=lens, cache_leftpad=leftpad, causal=causal,
+                  return_lse=True, backend=backend)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close((kc1, vc1), (kc2, vc2), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_rotary_errors():
+    q = seeded((2, 1, HQ, D), torch.float32, 1, DEVICE)
+    kc, vc = (seeded((2, NK, HKV, D), torch.float32, s, DEVICE) for s in (2, 3))
+    k_new, v_new = kc[:, :1].clone(), vc[:, :1].clone()
+    lens = _lens([3, 9])
+    cos = torch.ones(16, 3, device=DEVICE)
+    for fn, _ in (_door("dilated"), _door("block_sparse")):
+        with pytest.raises(ValueError, match="rotary_cos and rotary_sin must be given together"):
+            fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, rotary_cos=cos)
+        with pytest.raises(ValueError, match="rotary_cos and rotary_sin rotate the new rows k .* give k and v"):
+            fn(q, kc, vc, cache_seqlens=lens, rotary_cos=cos, rotary_sin=cos)
+        with pytest.raises(TypeError, match=r"rotary_cos must be a float tensor \(seqlen_ro, rotary_dim / 2\)"):
+            fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, rotary_cos=cos.long(), rotary_sin=cos)
+        with pytest.raises(ValueError, match=r"rotary_sin must have shape .* 2 <= rotary_dim <= D = 8, got \(16, 5\)"):
+            fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, rotary_cos=cos, rotary_sin=torch.ones(16, 5))
+        with pytest.raises(ValueError, match="rotary_cos and rotary_sin must have one shape"):
+            fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, rotary_cos=cos, rotary_sin=cos[:, :2])
+        with pytest.raises(TypeError, match="rotary_interleaved must be a bool"):
+            fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, rotary_cos=cos, rotary_sin=cos, rotary_interleaved=1)
+        with pytest.raises(ValueError, match="rotary_cos and rotary_sin hold 16 positions, but this call rotates "
+                                             "position 17"):
+            fn(q, kc, vc, k_new, v_new, cache_seqlens=lens + 8, rotary_cos=cos, rotary_sin=cos, validate=True)

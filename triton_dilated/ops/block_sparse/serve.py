@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..common.kvcache import (FP8_DTYPE, append_and_route, batch_rows_table, cache_view, capacity, check_kvcache_args,
-                              contiguous_rows, lse_flag, row_lengths)
+                              contiguous_rows, lse_flag, rotary_inputs, row_lengths)
 from ..common.op_support import resolve_path
 from ..common.runtime import empty_result
 from .interface import DECODE_FAMILIES, _block_sparse_decode, check_args, chunk_rows, decode_layout
@@ -22,7 +22,8 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
                                         block_table=None, causal=True, scale=None, return_lse=False,
                                         backend="auto", validate=False, k_descale=None, v_descale=None,
                                         softcap=0.0, sinks=None, cache_batch_idx=None, cache_leftpad=None,
-                                        return_softmax_lse=None):
+                                        return_softmax_lse=None, rotary_cos=None, rotary_sin=None,
+                                        rotary_interleaved=True):
     """Block-sparse attention of queries at the end of a KV cache: a decode step with no host
     sync, or chunked prefill.
 
@@ -43,6 +44,8 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
             (FlashAttention's: batch row b reads and writes cache row cache_batch_idx[b] of a
             contiguous cache; row b's keys start at cache row cache_leftpad[b], positions, so
             the layout's blocks, counting from there; FlashAttention's name for return_lse).
+        rotary_cos, rotary_sin, rotary_interleaved: as `dilated_attention_with_kvcache`
+            (FlashAttention's rotary embedding of q and the new rows k, with its positions).
 
     Returns out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq); rows with
     no active key: 0 and -inf. Differentiable in eager mode (with gradients on the Triton path
@@ -51,6 +54,7 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     """
     return_lse = lse_flag(return_lse, return_softmax_lse)
     block_table = batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate)
+    q, k = rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
     check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,
                        cache_leftpad)
     call = check_args(q, cache_view(k_cache, block_table, q.shape[0], q), cache_view(v_cache, block_table, q.shape[0], q),

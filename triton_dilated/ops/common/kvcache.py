@@ -449,3 +449,91 @@ def portable_descaled(attend, q, k_descale, v_descale, num_kv_heads: int):
     per_head = lambda s: s.repeat_interleave(group).view(1, 1, -1, 1)  # noqa: E731
     out, lse = attend(q.float() * per_head(k_descale))
     return (out * per_head(v_descale)).to(q.dtype), lse
+
+
+# ----------------------------------------------------------------------------- rotary embedding
+
+def check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved) -> None:
+    """FlashAttention's rotary arguments: rotary_cos, rotary_sin both or neither, float
+    tensors (seqlen_ro, rotary_dim / 2) of one shape on q's device with rotary_dim even and
+    <= D, only with new rows k, v (FlashAttention rotates the appended k and q); a bool
+    rotary_interleaved."""
+    check_bool("rotary_interleaved", rotary_interleaved)
+    if rotary_cos is None and rotary_sin is None:
+        return
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together (or both be None)")
+    if k is None:
+        raise ValueError("rotary_cos and rotary_sin rotate the new rows k and the queries: give k and v (as "
+                         "FlashAttention, which applies them only with new rows; rotate q yourself otherwise)")
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype == FP8_DTYPE:
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{name} must be a float tensor (seqlen_ro, rotary_dim / 2), got {got}")
+        if x.dim() != 2 or x.shape[0] < 1 or not 1 <= 2 * x.shape[1] <= q.shape[-1]:
+            raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2) with seqlen_ro >= 1 and "
+                             f"2 <= rotary_dim <= D = {q.shape[-1]}, got {tuple(x.shape)}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have one shape, got {tuple(rotary_cos.shape)} and "
+                         f"{tuple(rotary_sin.shape)}")
+
+
+def rotate(x, cos, sin, interleaved: bool):
+    """x (B, N, H, D) with its first rotary_dim = 2 * cos.shape[-1] features rotated by the
+    angles whose cos, sin (B, N, rotary_dim / 2) are given, in float32, cast back to x's dtype:
+    pairs (2i, 2i+1) when interleaved (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX); the
+    other features unchanged (FlashAttention's apply_rotary_emb)."""
+    half = cos.shape[-1]
+    c, s = cos[:, :, None].float(), sin[:, :, None].float()
+    xr = x[..., :2 * half].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        out = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([out.to(x.dtype), x[..., 2 * half:]], dim=-1)
+
+
+def apply_rotary(q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved: bool, causal: bool,
+                 validate: bool = False):
+    """(q, k) rotated as flash_attn_with_kvcache does before its append, on the device with
+    no host sync: new row j of batch row b at rotary position cache_seqlens[b] + j (its cache
+    row: FlashAttention counts rotary positions from cache row 0 also under cache_leftpad,
+    its kernels adding the pad back); query i at cache_seqlens[b] + i when causal, every
+    query at cache_seqlens[b] otherwise. Positions past rotary_cos's rows read its last row
+    (validate=True refuses them; FlashAttention requires seqlen_ro > the largest position)."""
+    start = cache_seqlens.long()
+    B, Nq = q.shape[:2]
+    k_pos = start[:, None] + torch.arange(k.shape[1], device=q.device)
+    q_pos = start[:, None] + (torch.arange(Nq, device=q.device) if causal else torch.zeros(Nq, dtype=torch.long,
+                                                                                            device=q.device))
+    rows = rotary_cos.shape[0]
+    if validate:
+        top = int(torch.maximum(k_pos.max(), q_pos.max())) if B else 0
+        if top >= rows:
+            raise ValueError(f"rotary_cos and rotary_sin hold {rows} positions, but this call rotates position {top} "
+                             f"(cache_seqlens + the new rows): seqlen_ro must exceed it")
+    k_pos, q_pos = k_pos.clamp(0, rows - 1), q_pos.clamp(0, rows - 1)
+    return (rotate(q, rotary_cos[q_pos], rotary_sin[q_pos], interleaved),
+            rotate(k, rotary_cos[k_pos], rotary_sin[k_pos], interleaved))
+
+
+def rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate):
+    """A serve door's (q, k) after FlashAttention's rotary arguments (check_rotary, then
+    apply_rotary in PyTorch before the append: the Triton append kernel stores k as given);
+    unchanged without them. Arguments the door checks later (q, k not 4-D tensors) pass
+    through unrotated for check_kvcache_args to name."""
+    if rotary_cos is None and rotary_sin is None:
+        check_bool("rotary_interleaved", rotary_interleaved)
+        return q, k
+    if not (isinstance(q, torch.Tensor) and q.dim() == 4 and (k is None or isinstance(k, torch.Tensor) and
+                                                             k.dim() == 4)):
+        return q, k
+    check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved)
+    check_lengths_tensor(cache_seqlens, q.shape[0], " on q's device")
+    check_bool("causal", causal)
+    check_bool("validate", validate)
+    return apply_rotary(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)

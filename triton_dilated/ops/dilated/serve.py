@@ -25,7 +25,7 @@ import torch
 
 from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_and_route, batch_rows_table, cache_view,
                               capacity, check_kvcache_args, contiguous_rows, kernel_lengths, lse_flag, plan_append,
-                              row_lengths, serve_key)
+                              rotary_inputs, row_lengths, serve_key)
 from ..common.op_support import lazy_module, resolve_path
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result
@@ -39,7 +39,8 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
                                    segment_lengths, dilation_rates, causal=True, scale=None, mode="longnet",
                                    offsets="modulo", return_lse=False, backend="auto", validate=False,
                                    head_offset=0, total_heads=None, k_descale=None, v_descale=None, softcap=0.0,
-                                   sinks=None, cache_batch_idx=None, cache_leftpad=None, return_softmax_lse=None):
+                                   sinks=None, cache_batch_idx=None, cache_leftpad=None, return_softmax_lse=None,
+                                   rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
     """Dilated attention of queries at the end of a KV cache: a decode step with no host sync,
     or chunked prefill.
 
@@ -93,6 +94,15 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
             Also with block_table (FlashAttention refuses that pair): positions count from
             the pad in the row's paged positions.
         return_softmax_lse: FlashAttention's name for return_lse (either; both must agree).
+        rotary_cos, rotary_sin, rotary_interleaved: FlashAttention's rotary embedding of q
+            and the new rows k (only with k, v): float tables (seqlen_ro, rotary_dim / 2) on
+            q's device, rotary_dim <= D even; new row j of batch row b rotated at position
+            cache_seqlens[b] + j (its cache row, also under cache_leftpad, as FlashAttention),
+            query i at cache_seqlens[b] + i when causal, every query at cache_seqlens[b]
+            otherwise; pairs (2i, 2i+1) when rotary_interleaved (the default, as
+            FlashAttention), else (i, i + rotary_dim / 2). In PyTorch before the append
+            (not fused), float32, differentiable. validate=True checks seqlen_ro covers
+            every position (else the last row is read).
 
     Returns:
         out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq).
@@ -110,6 +120,7 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     """
     return_lse = lse_flag(return_lse, return_softmax_lse)
     block_table = batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate)
+    q, k = rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
     args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks)
     scalars = (causal, scale, mode, offsets, return_lse, backend, validate, head_offset, total_heads, softcap)
     return serve_plan(args, segment_lengths, dilation_rates, scalars, cache_leftpad)(*args,
