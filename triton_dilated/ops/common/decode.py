@@ -155,8 +155,6 @@ DENSE_SHARE = 0.5
 # Most elements of one batch row's (Hq, Nq, capacity) scores; a call whose row needs more
 # keeps the gather path (bounded memory).
 DENSE_BUDGET = 1 << 26
-# Keys per tile of the dense route's value product (a tile's NaN-free copy stays in cache).
-DENSE_TILE = 1024
 
 
 def dense_rows(q, capacity: int) -> int:
@@ -197,13 +195,14 @@ def attend_dense(q, k, v, mask_of, call, block_table=None, key_offset=None):
     head) reads the key; count float32 of that shape or None, how many times: a key two
     dilated patterns list counts twice, the multiset of DESIGN §3, out = sum_j c_j e^s_j v_j
     / sum_j c_j e^s_j). Per batch row, one product of its queries with its keys read in place
-    (the cache's layout is BLAS's: no copy), one softmax over the row, and the values in tiles
-    of DENSE_TILE keys, float32.
+    (the cache's layout is BLAS's: no copy), one softmax over the row, one product with its
+    values, float32.
 
     NaN rule (DESIGN §6), as the gather path: a non-finite query element makes its query NaN;
     a cache row whose key or value holds a non-finite element scores NaN (a query that reads
-    it gets NaN), its value read as 0 (a tile's copy: an unread NaN row must not spread
-    through its weight 0); a score the query does not read is -inf whatever the key holds. Returns (out like q, lse
+    it gets NaN), its non-finite value elements read as 0 (a nan_to_num copy of the row's
+    values: an unread NaN row must not spread through its weight 0); a score the query does
+    not read is -inf whatever the key holds. Returns (out like q, lse
     float32 (B, Hq, Nq)); differentiable (the gradient path keeps softmax_lse's empty-row
     care)."""
     B, Nq, Hq, D = q.shape
@@ -243,11 +242,7 @@ def attend_dense(q, k, v, mask_of, call, block_table=None, key_offset=None):
             weights = scores.sub_(torch.where(torch.isneginf(m), 0.0, m)).exp_()
             z = weights.sum(dim=-1, keepdim=True)
             lse = torch.where(z == 0, float("-inf"), m + torch.log(z)).squeeze(-1)
-        out = qs.new_zeros(Hkv, G * Nq, D)
-        for t0 in range(0, cap, DENSE_TILE):   # a NaN-free copy of each tile of values
-            t1 = t0 + DENSE_TILE
-            tile = torch.where(bad[t0:t1, :, None], 0.0, vb[t0:t1]).transpose(0, 1)   # (Hkv, T, D)
-            out = out + torch.matmul(weights[..., t0:t1], tile)
+        out = torch.matmul(weights, torch.nan_to_num(vb, 0.0, 0.0, 0.0).transpose(0, 1))   # NaN-free values
         if z is not None:
             out = out / torch.where(z == 0, 1.0, z)
         outs.append(out.view(Hkv, G, Nq, D).permute(2, 0, 1, 3).reshape(Nq, Hq, D))
