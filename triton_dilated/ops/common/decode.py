@@ -148,7 +148,7 @@ def attend_key_lists(q, k, v, key_pos, key_ok, call, block_table=None, key_offse
 # ----------------------------------------------------------------------------- the dense route
 
 # A portable decode whose key lists cover at least this share of the (query head, key) pairs
-# of the cache's capacity takes the dense route (dense_share): one product over every key
+# of the cache's capacity takes the dense route (dense_pays): one product over every key
 # position, the pattern a mask, instead of gathering each query's list (a copy per query
 # and head: 8x an einsum's time at dense settings, issue 33).
 DENSE_SHARE = 0.5
@@ -158,7 +158,8 @@ DENSE_BUDGET = 1 << 26
 
 
 def dense_rows(q, capacity: int) -> int:
-    """Batch rows per chunk of the dense route (0: one row is over DENSE_BUDGET)."""
+    """0 when one batch row's scores are over DENSE_BUDGET (the dense route then stays off),
+    else the batch rows that would fit."""
     B, Nq, Hq, _ = q.shape
     return min(B, DENSE_BUDGET // max(1, Nq * Hq * capacity))
 
@@ -232,7 +233,10 @@ def attend_dense(q, k, v, mask_of, call, block_table=None, key_offset=None):
         bias = torch.where(bad, float("nan"), 0.0).t()[:, None]                 # (Hkv, 1, N)
         if count is not None:
             bias = bias + torch.log(count.view(Hkv, G * Nq, cap))
-        scores = call.cap_scores(torch.matmul(qs[b], kb.permute(1, 2, 0)))      # (Hkv, G*Nq, N)
+        # with gradients the keys go through nan_to_num too: dQ = dS @ K would carry an unread
+        # NaN row's NaN through its zero score gradient (the rows still score NaN: bias)
+        keys = torch.nan_to_num(kb, 0.0, 0.0, 0.0) if grad else kb
+        scores = call.cap_scores(torch.matmul(qs[b], keys.permute(1, 2, 0)))    # (Hkv, G*Nq, N)
         scores = torch.where(keep, scores + bias, float("-inf"))
         if grad:
             weights, lse = softmax_lse(scores)
