@@ -52,7 +52,8 @@ def paths(variant, splits=None):
     """Records the paths a call of `variant` ("dilated" or "block_sparse") takes: "general"
     (the query-offset path), "portable" (decode.py) and in it "runs" (strided views: dilated,
     CPU, no gradient, only through the training door, which knows the lengths on the host),
-    "patterns" (dilated, gathered per pattern) or "gather" (block-sparse key lists), or
+    "patterns" (dilated, gathered per pattern) or "gather" (block-sparse key lists), either
+    also for the dense route (attend_dense: the lists as a mask), or
     "triton" (the decode kernel). `splits` forces the Triton decode kernel's number of
     splits. Both doors run the decode step and the query-offset path of interface.py."""
     serve = dl_interface if variant == "dilated" else bs_interface
@@ -68,6 +69,10 @@ def paths(variant, splits=None):
             stack.enter_context(_spy(dl_decode, "attend_patterns", seen))
         else:
             stack.enter_context(_spy(bs_decode, "attend_key_lists", seen))
+        # the portable dense route (key lists covering most of the cache, issue 33: the same
+        # lists as a mask, one product; tests/serve/test_flash_parity.py checks it against
+        # the gather path) counts as the key-list path here
+        stack.enter_context(_spy(dl_decode if variant == "dilated" else bs_decode, "attend_dense", seen))
         if DEVICE == "cuda" or _interpreted():
             kernels = serve._decode_kernels()
             if variant == "dilated":   # every dilated decode launch (the serve door's planned one too) runs it
@@ -80,7 +85,8 @@ def paths(variant, splits=None):
                 dl_serve._PLANS.clear()                  # (and none built before them)
         yield seen
     names = {"run_with_query_offset": "general", portable: "portable", f"{portable}_forward": "triton",
-             "run": "triton", "attend_key_lists": "gather", "attend_runs": "runs", "attend_patterns": "patterns"}
+             "run": "triton", "attend_key_lists": "gather", "attend_runs": "runs", "attend_patterns": "patterns",
+             "attend_dense": "patterns" if variant == "dilated" else "gather"}
     seen[:] = [names[n] for n in seen]
 
 

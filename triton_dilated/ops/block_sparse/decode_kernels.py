@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..common.configs import select_config
 from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, fp8_mode, fp8_operands,
-                                     kv_descales, merge_splits, num_splits, store_result)
+                                     kv_descales, merge_splits, num_splits, row_pad, store_result)
 from ..common.hardware import padded_head_dim
 from ..common.kvcache import kernel_lengths
 from ..common.kernels import softcap_terms
@@ -32,10 +32,13 @@ def _block_sparse_decode_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
         KV_WIN=None, window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False,
-        HAS_SINK_TOKENS: tl.constexpr = False):
+        HAS_SINK_TOKENS: tl.constexpr = False, LEFTPAD=None, HAS_LEFTPAD: tl.constexpr = False):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, 0, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D, PAGE_SIZE)
+    pad = row_pad(LEFTPAD, b, HAS_LEFTPAD)   # cache_leftpad: positions count from the pad
+    length -= pad
+    p -= pad
 
     bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb: from page to page)
     k_scale, v_scale = kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8)   # FP8 cache: descales
@@ -68,11 +71,12 @@ def _block_sparse_decode_kernel(
             lo = tl.where(in_window, tl.maximum(start, p - window + 1), start)
             if HAS_SINK_TOKENS:
                 sink_end = tl.where(in_window, tl.minimum(tl.minimum(end, sink_tokens), lo), start)
-                acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0,
+                acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start + pad, 1, 0,
                                          sink_end - start, d_ok, k_scale, bt, stride_kb, stride_vb, NUM_PAGES,
                                          BLOCK_N, PAGE_SIZE, KV_FP8, cap, HAS_SOFTCAP)
             start = lo
-        acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, 1, 0, end - start,
+        acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start + pad, 1, 0,
+                                 end - start,
                                  d_ok, k_scale, bt, stride_kb, stride_vb, NUM_PAGES, BLOCK_N, PAGE_SIZE, KV_FP8,
                                  cap, HAS_SOFTCAP)
     if KV_FP8 > 0:   # the values' descale, once per program (the splits merge linearly in acc)
@@ -83,13 +87,15 @@ def _block_sparse_decode_kernel(
 
 @on_tensor_device
 def block_sparse_decode_forward(q, k, v, layout, lengths, call, *, splits=None, config=None, block_table=None,
-                                k_descale=None, v_descale=None):
+                                k_descale=None, v_descale=None, leftpad=None):
     """Block-sparse attention of q (B, Nq, Hq, D), the last Nq positions of each row's
     lengths[b] (int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with
     block_table (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv,
     D); the layout (on q's device) covers the capacity. k, v float8_e4m3fn (an FP8 cache):
     k_descale, v_descale float32 (Hkv,) on q's device; call: the AttentionCall (causal, scale,
-    cap). Returns (out like q, lse float32 (B, Hq, Nq))."""
+    cap); leftpad: None or an integer tensor (B,), each row's first key (cache_leftpad:
+    lengths count from cache row 0, positions from the pad). Returns (out like q, lse float32
+    (B, Hq, Nq))."""
     causal, scale = call.causal, call.scale
     B, Nq, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -123,5 +129,6 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, call, *, splits=None, 
         NUM_ROWS=Nq, NUM_HEADS=Hq, HEAD_GROUP=Hq // Hkv, NUM_SPLITS=splits, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=bs, CAUSAL=causal, BLOCK_N=min(cfg["BLOCK_N"], bs),
         PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, **call.kernel_args(), **window,
+        LEFTPAD=lengths if leftpad is None else kernel_lengths(leftpad, q.device), HAS_LEFTPAD=leftpad is not None,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return merge_splits(out, lse, parts, splits, num_warps=cfg.get("num_warps", 4))

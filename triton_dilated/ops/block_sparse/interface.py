@@ -253,18 +253,19 @@ def chunk_rows(q, k, v, rows, layout, capacity: int, call, *, backend):
     return run_with_query_offset(chunk, q, k, v, rows)
 
 
-def decode_layout(q, k, v, layout, lengths, call, *, path, block_table=None, k_descale=None, v_descale=None):
+def decode_layout(q, k, v, layout, lengths, call, *, path, block_table=None, k_descale=None, v_descale=None,
+                  leftpad=None):
     """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
     q's device) valid rows of k, v (page pools with block_table; float8_e4m3fn with k_descale,
     v_descale), the layout (on q's device) covering the cache's capacity, under call (its
-    sinks are the caller's)."""
+    sinks are the caller's); leftpad: None or int32 (B,), each row's first key (cache_leftpad)."""
     if path == "torch":
         return portable_descaled(lambda q_: block_sparse_decode(q_, k, v, layout, lengths, call,
-                                                                block_table=block_table),
+                                                                block_table=block_table, leftpad=leftpad),
                                  q, k_descale, v_descale, k.shape[2])
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     return _decode_kernels().block_sparse_decode_forward(q, k, v, layout, lengths, call, block_table=block_table,
-                                                         k_descale=k_descale, v_descale=v_descale)
+                                                         k_descale=k_descale, v_descale=v_descale, leftpad=leftpad)
 
 
 class _RowLists:
@@ -283,19 +284,19 @@ def _block_sparse_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: T
                          kv_num_blocks: Tensor, kv_indices: Tensor, block_size: int, causal: bool, scale: float,
                          path: str, k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None,
                          window: int = 0, sink_tokens: int = 0, kv_window: Optional[Tensor] = None,
-                         softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+                         softcap: float = 0.0, cache_leftpad: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq).
     window 0: no sliding window (else its predicate on the blocks kv_window flags); softcap
     0.0: no cap."""
     check_path(path)
     lists = _RowLists(kv_num_blocks, kv_indices, block_size, window, sink_tokens, kv_window)
     return decode_layout(q, k_cache, v_cache, lists, lengths, AttentionCall(causal, scale, softcap), path=path,
-                         block_table=block_table, k_descale=k_descale, v_descale=v_descale)
+                         block_table=block_table, k_descale=k_descale, v_descale=v_descale, leftpad=cache_leftpad)
 
 
 @_block_sparse_decode.register_fake
 def _(q, k_cache, v_cache, lengths, block_table, kv_num_blocks, kv_indices, block_size, causal, scale, path,
-      k_descale=None, v_descale=None, window=0, sink_tokens=0, kv_window=None, softcap=0.0):
+      k_descale=None, v_descale=None, window=0, sink_tokens=0, kv_window=None, softcap=0.0, cache_leftpad=None):
     B, Nq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common.kvcache import FP8_DTYPE, append_and_route, cache_view, capacity, check_kvcache_args, contiguous_rows
+from ..common.kvcache import (FP8_DTYPE, append_and_route, batch_rows_table, cache_view, capacity, check_kvcache_args,
+                              contiguous_rows, lse_flag, rotary_inputs, row_lengths)
 from ..common.op_support import resolve_path
 from ..common.runtime import empty_result
 from .interface import DECODE_FAMILIES, _block_sparse_decode, check_args, chunk_rows, decode_layout
@@ -20,7 +21,9 @@ from .interface import DECODE_FAMILIES, _block_sparse_decode, check_args, chunk_
 def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, layout,
                                         block_table=None, causal=True, scale=None, return_lse=False,
                                         backend="auto", validate=False, k_descale=None, v_descale=None,
-                                        softcap=0.0, sinks=None):
+                                        softcap=0.0, sinks=None, cache_batch_idx=None, cache_leftpad=None,
+                                        return_softmax_lse=None, rotary_cos=None, rotary_sin=None,
+                                        rotary_interleaved=True):
     """Block-sparse attention of queries at the end of a KV cache: a decode step with no host
     sync, or chunked prefill.
 
@@ -37,13 +40,23 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
             gpt-oss / Mistral sliding layers decode exactly).
         causal (default True), scale, return_lse, backend, softcap, sinks: as
             block_sparse_attention (the sinks join each row's denominator after the kernel).
+        cache_batch_idx, cache_leftpad, return_softmax_lse: as `dilated_attention_with_kvcache`
+            (FlashAttention's: batch row b reads and writes cache row cache_batch_idx[b] of a
+            contiguous cache; row b's keys start at cache row cache_leftpad[b], positions, so
+            the layout's blocks, counting from there; FlashAttention's name for return_lse).
+        rotary_cos, rotary_sin, rotary_interleaved: as `dilated_attention_with_kvcache`
+            (FlashAttention's rotary embedding of q and the new rows k, with its positions).
 
     Returns out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq); rows with
     no active key: 0 and -inf. Differentiable in eager mode (with gradients on the Triton path
     the training kernels run). Under torch.compile: the custom op
     `triton_dilated::block_sparse_decode` (build the layout outside the compiled region).
     """
-    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale)
+    return_lse = lse_flag(return_lse, return_softmax_lse)
+    block_table = batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate)
+    q, k = rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
+    check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,
+                       cache_leftpad)
     call = check_args(q, cache_view(k_cache, block_table, q.shape[0], q), cache_view(v_cache, block_table, q.shape[0], q),
                       layout, causal, scale, return_lse, softcap, sinks, allow_shorter_q=True,
                       door="")
@@ -52,26 +65,26 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     layout.check_heads(B, Hq)
     path = resolve_path(backend, str(q.device), DECODE_FAMILIES, q.shape[-1], q.dtype)
     lengths, decodes = append_and_route(q, path, k_cache, v_cache, k, v, cache_seqlens, block_table, validate,
-                                        k_descale, v_descale)
+                                        k_descale, v_descale, cache_leftpad)
     if B == 0:
         return call.finish(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
                            return_lse)
     if layout.kv_indices.device != q.device:
         layout = layout.to(q.device)
     if not decodes:   # chunked prefill: one host read of the lengths
-        rows = [int(n) for n in lengths.tolist()]
-        k_rows = contiguous_rows(k_cache, block_table, max(rows), q.dtype, k_descale)
-        v_rows = contiguous_rows(v_cache, block_table, max(rows), q.dtype, v_descale)
+        rows = row_lengths(lengths, cache_leftpad)
+        k_rows = contiguous_rows(k_cache, block_table, max(rows), q.dtype, k_descale, cache_leftpad)
+        v_rows = contiguous_rows(v_cache, block_table, max(rows), q.dtype, v_descale, cache_leftpad)
         out, lse = chunk_rows(q, k_rows, v_rows, rows, layout, capacity(k_cache, block_table), call,
                               backend=backend)
     elif torch.compiler.is_compiling():
         window = (0, 0, None) if layout.window is None else (*layout.window, layout.kv_window)
         out, lse = _block_sparse_decode(q, k_cache, v_cache, lengths, block_table, layout.kv_num_blocks,
                                         layout.kv_indices, layout.block_size, call.causal, call.scale, path,
-                                        k_descale, v_descale, *window, call.softcap)
+                                        k_descale, v_descale, *window, call.softcap, cache_leftpad)
     else:
         out, lse = decode_layout(q, k_cache, v_cache, layout, lengths, call, path=path, block_table=block_table,
-                                 k_descale=k_descale, v_descale=v_descale)
+                                 k_descale=k_descale, v_descale=v_descale, leftpad=cache_leftpad)
     return call.finish((out, lse), return_lse)
 
 

@@ -96,13 +96,14 @@ def softmax_lse(scores):
     return e / z_safe, lse.squeeze(-1)
 
 
-def attend_key_lists(q, k, v, key_pos, key_ok, call, block_table=None):
+def attend_key_lists(q, k, v, key_pos, key_ok, call, block_table=None, key_offset=None):
     """Attention of each query row over its own list of keys.
 
     q: (B, Nq, Hq, D); k, v: (B, Nk, Hkv, D) (any strides); key_pos: long (B, Nq, Hq, K), the
     key positions each (query, head) reads, with key_ok (same shape) False on padding slots;
     with block_table, k and v are page pools (cache_rows); call: the AttentionCall (its scale
-    and cap; causality is in key_ok).
+    and cap; causality is in key_ok); key_offset: None or long (B,), added to every key position
+    of its batch row to address the cache (cache_leftpad: positions count from the pad).
     GQA: query head h reads key/value head h // (Hq // Hkv). Scores, softmax and sums in
     float32. Returns out (B, Nq, Hq, D) like q and lse float32 (B, Hq, Nq); a query with no
     key gets 0 and -inf. Differentiable (a key listed twice gets both gradients)."""
@@ -117,11 +118,13 @@ def attend_key_lists(q, k, v, key_pos, key_ok, call, block_table=None):
     h_idx = (torch.arange(Hq, device=q.device) // group).view(1, 1, Hq).expand(B, Nq, Hq).reshape(rows, 1)
     qf = q.reshape(rows, D)
     ok = key_ok.reshape(rows, K)
-    if block_table is not None:   # keys on pages outside the pool: masked
-        ok = ok & page_ok(block_table, b_idx, key_pos.reshape(rows, K), k.shape[0], k.shape[1])
     # padding slots point at a key the row reads (its first), so whatever a padded position
     # holds (NaN included) spreads nowhere: their scores become -inf, their weights 0
     pos = key_pos.reshape(rows, K)
+    if key_offset is not None:
+        pos = pos + key_offset[b_idx]
+    if block_table is not None:   # keys on pages outside the pool: masked
+        ok = ok & page_ok(block_table, b_idx, pos, k.shape[0], k.shape[1])
     pos = torch.where(ok, pos, pos.gather(1, ok.int().argmax(dim=1, keepdim=True)))
     nonempty = ok.any(dim=1, keepdim=True)
     chunk = max(1, GATHER_BUDGET // max(1, K * D))
@@ -140,3 +143,113 @@ def attend_key_lists(q, k, v, key_pos, key_ok, call, block_table=None):
     out, lse = mark_nonfinite(torch.cat(outs) if len(outs) > 1 else outs[0],
                               torch.cat(lses) if len(lses) > 1 else lses[0])
     return out.reshape(B, Nq, Hq, D).to(q.dtype), lse.reshape(B, Nq, Hq).permute(0, 2, 1).float().contiguous()
+
+
+# ----------------------------------------------------------------------------- the dense route
+
+# A portable decode whose key lists cover at least this share of the (query head, key) pairs
+# of the cache's capacity takes the dense route (dense_pays): one product over every key
+# position, the pattern a mask, instead of gathering each query's list (a copy per query
+# and head: 8x an einsum's time at dense settings, issue 33).
+DENSE_SHARE = 0.5
+# Most elements of one batch row's (Hq, Nq, capacity) scores; a call whose row needs more
+# keeps the gather path (bounded memory).
+DENSE_BUDGET = 1 << 26
+
+
+def dense_rows(q, capacity: int) -> int:
+    """0 when one batch row's scores are over DENSE_BUDGET (the dense route then stays off),
+    else the batch rows that would fit."""
+    B, Nq, Hq, _ = q.shape
+    return min(B, DENSE_BUDGET // max(1, Nq * Hq * capacity))
+
+
+def dense_pays(q, slots: int, capacity: int) -> bool:
+    """Whether a portable decode takes the dense route: the key slots its gather path would
+    read per query row (over all heads) cover at least DENSE_SHARE of the Hq x capacity
+    (query head, key) pairs, and one batch row's scores fit DENSE_BUDGET. Shapes only."""
+    return dense_rows(q, capacity) > 0 and slots >= DENSE_SHARE * q.shape[2] * capacity
+
+
+def cache_block(x, block_table, key_offset, rows: slice, capacity: int):
+    """(b, capacity, H, D): positions 0 .. capacity-1 of the batch rows `rows` of a cache x
+    (a contiguous cache: a view unless key_offset; a page pool read through block_table, a
+    page outside the pool read as page 0 (the caller masks those keys: page_ok), and positions
+    shifted by key_offset (long (B,), cache_leftpad) clamped into the cache)."""
+    if block_table is None and key_offset is None:
+        return x[rows]
+    pos = torch.arange(capacity, device=x.device)
+    if key_offset is not None:
+        pos = (pos + key_offset[rows, None]).clamp(max=capacity - 1)
+    if block_table is None:
+        return x[torch.arange(x.shape[0], device=x.device)[rows, None], pos.expand(rows.stop - rows.start, -1)]
+    page_size = x.shape[1]
+    table = block_table[rows]
+    pages = table[:, pos // page_size] if pos.dim() == 1 else table.gather(1, pos // page_size)
+    return x[pages.long().clamp(0, x.shape[0] - 1), pos % page_size]
+
+
+def attend_dense(q, k, v, mask_of, call, block_table=None, key_offset=None):
+    """Attention of q (B, Nq, Hq, D) over every position 0 .. capacity-1 of k, v (B, Nk, Hkv,
+    D), or page pools with block_table, under the mask `mask_of(rows)` for the batch rows
+    `rows` (a slice of one row): (keep bool (1, Hkv, G, Nq, capacity), whether the (query,
+    head) reads the key; count float32 of that shape or None, how many times: a key two
+    dilated patterns list counts twice, the multiset of DESIGN §3, out = sum_j c_j e^s_j v_j
+    / sum_j c_j e^s_j). Per batch row, one product of its queries with its keys read in place
+    (the cache's layout is BLAS's: no copy), one softmax over the row, one product with its
+    values, float32.
+
+    NaN rule (DESIGN §6), as the gather path: a non-finite query element makes its query NaN;
+    a cache row whose key or value holds a non-finite element scores NaN (a query that reads
+    it gets NaN), its non-finite value elements read as 0 (a nan_to_num copy of the row's
+    values: an unread NaN row must not spread through its weight 0); a score the query does
+    not read is -inf whatever the key holds. Returns (out like q, lse
+    float32 (B, Hq, Nq)); differentiable (the gradient path keeps softmax_lse's empty-row
+    care)."""
+    B, Nq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    cap = k.shape[1] * (1 if block_table is None else block_table.shape[1])
+    acc = torch.promote_types(q.dtype, torch.float32)
+    grad = needs_grad(q, k, v)
+    qs = q.to(acc) * call.scale
+    qs = (qs + qs * 0).reshape(B, Nq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Nq, D)
+    DECODE_STATS["calls"] += 1
+    outs, lses = [], []
+    for b in range(B):
+        rows = slice(b, b + 1)
+        keep, count = mask_of(rows)
+        keep = keep.view(Hkv, G * Nq, cap)
+        if block_table is not None:   # keys on pages outside the pool: not read
+            n = torch.arange(cap, device=q.device)
+            if key_offset is not None:
+                n = (n + key_offset[b]).clamp(max=cap - 1)
+            keep = keep & page_ok(block_table, torch.full_like(n, b), n, k.shape[0], k.shape[1])
+        kb = cache_block(k, block_table, key_offset, rows, cap)[0].to(acc)   # (N, Hkv, D), in place when it can
+        vb = cache_block(v, block_table, key_offset, rows, cap)[0].to(acc)
+        DECODE_STATS["key_rows"] += cap * Hq
+        # a key or value row holding a non-finite element: a NaN score (read: the row is NaN)
+        bad = ~torch.isfinite(kb.sum(-1) + vb.sum(-1))                          # (N, Hkv)
+        bias = torch.where(bad, float("nan"), 0.0).t()[:, None]                 # (Hkv, 1, N)
+        if count is not None:
+            bias = bias + torch.log(count.view(Hkv, G * Nq, cap))
+        # with gradients the keys go through nan_to_num too: dQ = dS @ K would carry an unread
+        # NaN row's NaN through its zero score gradient (the rows still score NaN: bias)
+        keys = torch.nan_to_num(kb, 0.0, 0.0, 0.0) if grad else kb
+        scores = call.cap_scores(torch.matmul(qs[b], keys.permute(1, 2, 0)))    # (Hkv, G*Nq, N)
+        scores = torch.where(keep, scores + bias, float("-inf"))
+        if grad:
+            weights, lse = softmax_lse(scores)
+            z = None
+        else:   # softmax in place, normalised after the value product
+            m = scores.amax(dim=-1, keepdim=True)
+            weights = scores.sub_(torch.where(torch.isneginf(m), 0.0, m)).exp_()
+            z = weights.sum(dim=-1, keepdim=True)
+            lse = torch.where(z == 0, float("-inf"), m + torch.log(z)).squeeze(-1)
+        out = torch.matmul(weights, torch.nan_to_num(vb, 0.0, 0.0, 0.0).transpose(0, 1))   # NaN-free values
+        if z is not None:
+            out = out / torch.where(z == 0, 1.0, z)
+        outs.append(out.view(Hkv, G, Nq, D).permute(2, 0, 1, 3).reshape(Nq, Hq, D))
+        lses.append(lse.reshape(Hq, Nq))
+    out, lse = mark_nonfinite(torch.stack(outs), torch.stack(lses).transpose(1, 2))
+    return out.to(q.dtype).contiguous(), lse.transpose(1, 2).float().contiguous()

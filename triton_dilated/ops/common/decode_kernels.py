@@ -91,6 +91,18 @@ def decode_program(Q, K, V, LENS, lens_add, stride_qb, stride_qn, stride_qh, str
 
 
 @triton.jit
+def row_pad(LEFTPAD, b, HAS_LEFTPAD: tl.constexpr):
+    """The left padding of batch row b (cache_leftpad[b], kvcache.check_leftpad: its keys start
+    at that cache row, and positions count from it), clamped at 0 (a negative pad would read
+    before the row); 0 without one. A decode kernel subtracts it from the row's length and
+    query position and adds it to a key's position to address the cache (fold_run's start)."""
+    if HAS_LEFTPAD:
+        return tl.maximum(tl.load(LEFTPAD + b), 0)
+    else:
+        return 0
+
+
+@triton.jit
 def load_cache(ptrs, mask, KV_FP8: tl.constexpr):
     """A tile of cache rows as float32. KV_FP8 = 1: float8_e4m3fn rows through the hardware
     conversion (Triton's fp8e4nv: sm89 and newer). 2: the same bytes loaded as uint8 and

@@ -58,6 +58,57 @@ def cache_view(k_cache, block_table, batch: int, q=None):
     return k_cache[:1, :1].expand(batch, capacity(k_cache, block_table), -1, -1)
 
 
+def check_row_index(name: str, x, q, what: str) -> None:
+    """A per-batch-row index tensor (cache_batch_idx, cache_leftpad): int32 (B,) on q's device
+    (type, dtype, shape and device only; no value read)."""
+    B = q.shape[0]
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.int32:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{name} must be an int32 tensor (B,) = ({B},) on q's device ({what}), got {got}")
+    if tuple(x.shape) != (B,):
+        raise ValueError(f"{name} must have shape (B,) = ({B},) ({what}), got {tuple(x.shape)}")
+    if x.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}; a copy from elsewhere would wait for the "
+                         f"host), got {x.device}")
+
+
+def batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate):
+    """The block table a call with cache_batch_idx runs with (FlashAttention's argument: batch
+    row b reads and writes row cache_batch_idx[b] of a contiguous cache (B_cache, Nk, Hkv, D)):
+    the cache seen as a page pool of B_cache pages of Nk rows and cache_batch_idx as a block
+    table of one page per row, (B, 1), a view. Every path then takes the paged route (append,
+    decode kernels, portable gather, chunked prefill), which reads and writes exactly those
+    rows; an index outside [0, B_cache) reads and writes nothing (a page outside the pool).
+    Refused with block_table (a paged cache maps its rows there; FlashAttention refuses both).
+    validate=True checks the indices on the host. Without cache_batch_idx: block_table."""
+    if cache_batch_idx is None:
+        return block_table
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        return block_table   # check_kvcache_args names the argument
+    if block_table is not None:
+        raise ValueError("cache_batch_idx maps batch rows to rows of a contiguous cache; a paged cache maps them "
+                         "through block_table: give one of them (as FlashAttention), not both")
+    check_row_index("cache_batch_idx", cache_batch_idx, q, "the cache row each batch row reads and writes")
+    if validate or (q.shape[1] > MAX_DECODE_QUERIES and not torch.compiler.is_compiling()):   # as chunked prefill
+        for b, i in enumerate(cache_batch_idx.tolist()):
+            if not 0 <= i < k_cache.shape[0]:
+                raise ValueError(f"cache_batch_idx[{b}] = {i}, outside the cache's rows [0, {k_cache.shape[0]})")
+    return cache_batch_idx.view(-1, 1)
+
+
+def lse_flag(return_lse, return_softmax_lse) -> bool:
+    """return_lse, or FlashAttention's name for it, return_softmax_lse (None: not given);
+    both given must agree."""
+    check_bool("return_lse", return_lse)
+    if return_softmax_lse is None:
+        return return_lse
+    check_bool("return_softmax_lse", return_softmax_lse)
+    if return_lse and not return_softmax_lse:
+        raise ValueError("return_softmax_lse is FlashAttention's name for return_lse: give one of them, got "
+                         "return_lse=True and return_softmax_lse=False")
+    return return_softmax_lse
+
+
 def check_descales(q, k_cache, v_cache, k_descale, v_descale) -> None:
     """An FP8 cache (both caches float8_e4m3fn) needs both descales, float32 (Hkv,) on q's
     device; any other cache takes none."""
@@ -85,13 +136,13 @@ def check_descales(q, k_cache, v_cache, k_descale, v_descale) -> None:
 
 
 def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale=None,
-                       v_descale=None) -> None:
+                       v_descale=None, cache_leftpad=None) -> None:
     """Shape/dtype/device checks (no value read): q (B, Nq, Hq, D) with Nq >= 1;
     k_cache, v_cache (B, Nk, Hkv, D) like q (or float8_e4m3fn with k_descale, v_descale), or
     with block_table int32 (B, max_pages) on q's device page pools (num_pages, page_size, Hkv,
     D); k, v both or neither, (B, Nnew, Hkv, D) with Nnew <= the capacity, in the cache's dtype
     (q's for an FP8 cache: quantised on append); cache_seqlens an int32 (or int64) tensor (B,)
-    on q's device."""
+    on q's device; cache_leftpad None or int32 (B,) on q's device."""
     check_bool("validate", validate)
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(x, torch.Tensor):
@@ -147,14 +198,18 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, va
     if cache_seqlens.device != q.device:
         raise ValueError(f"cache_seqlens must be on q's device ({q.device}; a copy from elsewhere would wait for "
                          f"the host), got {cache_seqlens.device}")
+    if cache_leftpad is not None:
+        check_row_index("cache_leftpad", cache_leftpad, q, "the cache row where each batch row's keys start")
 
 
 def check_kvcache_values(cache_seqlens, num_new: int, cache_len: int, block_table=None,
-                         num_pages: int = 0, descales=()) -> None:
+                         num_pages: int = 0, descales=(), cache_leftpad=None) -> None:
     """validate=True: every row's length after the append, cache_seqlens[b] + Nnew, must lie
     in [0, capacity] (no row past the cache; queries before position 0 read nothing),
     cache_seqlens >= 0,
-    the pages those rows use must be in [0, num_pages), and FP8 descales finite and positive.
+    the pages those rows use must be in [0, num_pages), FP8 descales finite and positive, and
+    cache_leftpad[b] in [0, cache_seqlens[b]] (FlashAttention's rule: the pad lies before the
+    row's end).
     Reads the values on the host (a sync: for debugging, not the hot path)."""
     for name, x in zip(("k_descale", "v_descale"), descales):
         if x is not None and not bool(torch.isfinite(x).all() & (x > 0).all()):
@@ -164,6 +219,11 @@ def check_kvcache_values(cache_seqlens, num_new: int, cache_len: int, block_tabl
         if n < 0 or n + num_new > cache_len:
             raise ValueError(f"cache_seqlens[{b}] = {n}: with {num_new} new rows the row holds {n + num_new}, which "
                              f"must lie in [0, {cache_len}] (no row past the cache) with cache_seqlens >= 0")
+    if cache_leftpad is not None:
+        for b, (pad, n) in enumerate(zip(cache_leftpad.tolist(), lengths)):
+            if not 0 <= pad <= n:
+                raise ValueError(f"cache_leftpad[{b}] = {pad} must lie in [0, cache_seqlens[{b}]] = [0, {n}] (the "
+                                 f"row's keys start there)")
     if block_table is None:
         return
     page_size = cache_len // block_table.shape[1]
@@ -318,7 +378,7 @@ def _(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, 
 
 
 def append_and_route(q, path, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale=None,
-                     v_descale=None):
+                     v_descale=None, cache_leftpad=None):
     """What both serve doors do once their arguments are checked and their path picked
     (op_support.resolve_path: the same eager and under torch.compile): run the value checks
     when asked (always for chunked prefill, which reads the lengths anyway) and append k, v
@@ -327,7 +387,7 @@ def append_and_route(q, path, k_cache, v_cache, k, v, cache_seqlens, block_table
     decodes = serve_route(q, path, k_cache, v_cache, k, v)
     if validate or not decodes:
         check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], capacity(k_cache, block_table),
-                             block_table, k_cache.shape[0], (k_descale, v_descale))
+                             block_table, k_cache.shape[0], (k_descale, v_descale), cache_leftpad)
     append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
     return (cache_seqlens if k is None else cache_seqlens + k.shape[1]), decodes
 
@@ -345,17 +405,34 @@ def serve_route(q, path, *tensors) -> bool:
     return path != "triton" or not needs_grad(q, *(t for t in tensors if t is not None))
 
 
-def contiguous_rows(cache, block_table, rows: int, dtype, descale=None):
+def row_lengths(lengths, leftpad=None) -> list:
+    """The keys each row holds, on the host (chunked prefill's one read): lengths[b] (rows
+    after the append, from cache row 0) less the row's cache_leftpad (clamped at 0)."""
+    if leftpad is not None:
+        lengths = lengths - leftpad.clamp(min=0).to(lengths.dtype)
+    return [int(n) for n in lengths.tolist()]
+
+
+def contiguous_rows(cache, block_table, rows: int, dtype, descale=None, leftpad=None):
     """(B, rows, Hkv, D) in `dtype`: the first `rows` positions of every cache row, for the
     query-offset path (chunked prefill), which runs the training kernels on contiguous keys.
     A contiguous cache in `dtype` is sliced (a view: gradients reach it); a page pool is
-    gathered through block_table; an FP8 cache is dequantised (times its descale)."""
-    if block_table is None:
+    gathered through block_table; an FP8 cache is dequantised (times its descale). leftpad
+    (cache_leftpad, long (B,)): row b's positions start at its cache row leftpad[b] (gathered;
+    positions past the cache read its last row, which the lengths leave unread)."""
+    if block_table is None and leftpad is None:
         out = cache[:, :rows]
     else:
-        page_size = cache.shape[1]
+        cap = capacity(cache, block_table)
         pos = torch.arange(rows, device=cache.device)
-        out = cache[block_table[:, pos // page_size].long(), pos % page_size]
+        if leftpad is not None:
+            pos = (pos + leftpad.long().clamp(min=0)[:, None]).clamp(max=cap - 1)       # (B, rows)
+        if block_table is None:
+            out = cache[torch.arange(cache.shape[0], device=cache.device)[:, None], pos]
+        else:
+            page_size = cache.shape[1]
+            pages = block_table[:, pos // page_size] if pos.dim() == 1 else block_table.gather(1, pos // page_size)
+            out = cache[pages.long(), pos % page_size]
     if cache.dtype == FP8_DTYPE:
         return (out.float() * descale.view(1, 1, -1, 1)).to(dtype)
     return out
@@ -372,3 +449,91 @@ def portable_descaled(attend, q, k_descale, v_descale, num_kv_heads: int):
     per_head = lambda s: s.repeat_interleave(group).view(1, 1, -1, 1)  # noqa: E731
     out, lse = attend(q.float() * per_head(k_descale))
     return (out * per_head(v_descale)).to(q.dtype), lse
+
+
+# ----------------------------------------------------------------------------- rotary embedding
+
+def check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved) -> None:
+    """FlashAttention's rotary arguments: rotary_cos, rotary_sin both or neither, float
+    tensors (seqlen_ro, rotary_dim / 2) of one shape on q's device with rotary_dim even and
+    <= D, only with new rows k, v (FlashAttention rotates the appended k and q); a bool
+    rotary_interleaved."""
+    check_bool("rotary_interleaved", rotary_interleaved)
+    if rotary_cos is None and rotary_sin is None:
+        return
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together (or both be None)")
+    if k is None:
+        raise ValueError("rotary_cos and rotary_sin rotate the new rows k and the queries: give k and v (as "
+                         "FlashAttention, which applies them only with new rows; rotate q yourself otherwise)")
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype == FP8_DTYPE:
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{name} must be a float tensor (seqlen_ro, rotary_dim / 2), got {got}")
+        if x.dim() != 2 or x.shape[0] < 1 or not 1 <= 2 * x.shape[1] <= q.shape[-1]:
+            raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2) with seqlen_ro >= 1 and "
+                             f"2 <= rotary_dim <= D = {q.shape[-1]}, got {tuple(x.shape)}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have one shape, got {tuple(rotary_cos.shape)} and "
+                         f"{tuple(rotary_sin.shape)}")
+
+
+def rotate(x, cos, sin, interleaved: bool):
+    """x (B, N, H, D) with its first rotary_dim = 2 * cos.shape[-1] features rotated by the
+    angles whose cos, sin (B, N, rotary_dim / 2) are given, in float32, cast back to x's dtype:
+    pairs (2i, 2i+1) when interleaved (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX); the
+    other features unchanged (FlashAttention's apply_rotary_emb)."""
+    half = cos.shape[-1]
+    c, s = cos[:, :, None].float(), sin[:, :, None].float()
+    xr = x[..., :2 * half].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        out = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([out.to(x.dtype), x[..., 2 * half:]], dim=-1)
+
+
+def apply_rotary(q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved: bool, causal: bool,
+                 validate: bool = False):
+    """(q, k) rotated as flash_attn_with_kvcache does before its append, on the device with
+    no host sync: new row j of batch row b at rotary position cache_seqlens[b] + j (its cache
+    row: FlashAttention counts rotary positions from cache row 0 also under cache_leftpad,
+    its kernels adding the pad back); query i at cache_seqlens[b] + i when causal, every
+    query at cache_seqlens[b] otherwise. Positions past rotary_cos's rows read its last row
+    (validate=True refuses them; FlashAttention requires seqlen_ro > the largest position)."""
+    start = cache_seqlens.long()
+    B, Nq = q.shape[:2]
+    k_pos = start[:, None] + torch.arange(k.shape[1], device=q.device)
+    q_pos = start[:, None] + (torch.arange(Nq, device=q.device) if causal else torch.zeros(Nq, dtype=torch.long,
+                                                                                            device=q.device))
+    rows = rotary_cos.shape[0]
+    if validate:
+        top = int(torch.maximum(k_pos.max(), q_pos.max())) if B else 0
+        if top >= rows:
+            raise ValueError(f"rotary_cos and rotary_sin hold {rows} positions, but this call rotates position {top} "
+                             f"(cache_seqlens + the new rows): seqlen_ro must exceed it")
+    k_pos, q_pos = k_pos.clamp(0, rows - 1), q_pos.clamp(0, rows - 1)
+    return (rotate(q, rotary_cos[q_pos], rotary_sin[q_pos], interleaved),
+            rotate(k, rotary_cos[k_pos], rotary_sin[k_pos], interleaved))
+
+
+def rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate):
+    """A serve door's (q, k) after FlashAttention's rotary arguments (check_rotary, then
+    apply_rotary in PyTorch before the append: the Triton append kernel stores k as given);
+    unchanged without them. Arguments the door checks later (q, k not 4-D tensors) pass
+    through unrotated for check_kvcache_args to name."""
+    if rotary_cos is None and rotary_sin is None:
+        check_bool("rotary_interleaved", rotary_interleaved)
+        return q, k
+    if not (isinstance(q, torch.Tensor) and q.dim() == 4 and (k is None or isinstance(k, torch.Tensor) and
+                                                             k.dim() == 4)):
+        return q, k
+    check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved)
+    check_lengths_tensor(cache_seqlens, q.shape[0], " on q's device")
+    check_bool("causal", causal)
+    check_bool("validate", validate)
+    return apply_rotary(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)

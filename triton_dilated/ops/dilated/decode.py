@@ -31,8 +31,9 @@ import functools
 
 import torch
 
-from ..common.decode import (DECODE_STATS, cache_rows, mark_nonfinite, nonfinite_to_nan, page_ok,
-                             query_positions, softmax_lse)
+from ..common import masks
+from ..common.decode import (DECODE_STATS, attend_dense, cache_rows, dense_pays, mark_nonfinite, nonfinite_to_nan,
+                             page_ok, query_positions, softmax_lse)
 
 
 def pattern_runs(pos, lengths, w: int, r: int, offsets, causal: bool):
@@ -82,7 +83,7 @@ def head_sets(patterns, table, device):
     return tuple(sets)
 
 
-def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=None):
+def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=None, key_offset=None):
     """Each (query, head) over the multiset union of its patterns' runs, with no host sync and
     shapes that depend only on the input shapes (so a CUDA graph or torch.compile can take it).
 
@@ -95,8 +96,10 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=No
     gathered back to the slots to sum the values. Padding slots point at the query's own
     position, which every active head reads anyway (causal or not), so a NaN stored there
     spreads only where the definition spreads it. With block_table, k and v are page pools
-    (common.decode.cache_rows). call: the AttentionCall (causal, scale, cap). Returns (out like
-    q, lse float32 (B, Hq, Nq)); a query with no key gets 0 and -inf; differentiable."""
+    (common.decode.cache_rows). call: the AttentionCall (causal, scale, cap). key_offset: None
+    or long (B,), added to a row's key positions to address the cache (cache_leftpad).
+    Returns (out like q, lse float32 (B, Hq, Nq)); a query with no key gets 0 and -inf;
+    differentiable."""
     B, Nq, Hq, D = q.shape
     Nk = k.shape[1] * (1 if block_table is None else block_table.shape[1])   # the cache's capacity
     group = Hq // k.shape[2]
@@ -117,6 +120,8 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=No
         t = torch.arange(T, device=device)
         ok = (t < count) & (p >= 0)                                       # (B, Nq, T)
         kpos = torch.where(ok, seg + c + r * t, p.clamp(min=0))
+        if key_offset is not None:   # cache rows (cache_leftpad)
+            kpos = kpos + key_offset.view(B, 1, 1)
         heads = heads_of[c.squeeze(-1)]                                   # (B, Nq, M)
         kvh = heads.clamp(max=Hq - 1) // group
         M = heads.shape[-1]
@@ -188,17 +193,75 @@ def attend_runs(q, k, v, patterns, table, pos, lengths, call):
     return out.reshape(B, Nq, Hq, D).to(q.dtype), lse.reshape(B, Nq, Hq).permute(0, 2, 1).float().contiguous()
 
 
-def dilated_decode(q, k, v, patterns, table, lengths, call, *, host_loop: bool = False, block_table=None):
+@functools.lru_cache(maxsize=64)
+def offset_table(table, device):
+    """The per-head offsets as long (Hq, m) on the device, cached (no host-to-device copy per
+    call: CUDA graphs replay none)."""
+    return torch.tensor(table, dtype=torch.long, device=device).reshape(len(table), -1)
+
+
+def dense_mask(pos, lengths, patterns, table, causal: bool, capacity: int, num_kv_heads: int):
+    """mask_of(rows) for common.decode.attend_dense: (keep, count) (b, Hkv, G, Nq, capacity),
+    whether and how many of its patterns' runs list key j for each (query, head) of the batch
+    rows `rows` (attend_patterns' key lists as a mask: key j is in pattern (w, r)'s run of the
+    query at p, for the heads whose offset is p's residue c, when j lies in p's segment, at
+    residue c, below the row's length, and at or before p when causal); count None for one
+    pattern (no key listed twice)."""
+    offsets = offset_table(table, pos.device)
+    Hq = offsets.shape[0]
+    j = torch.arange(capacity, device=pos.device)
+
+    def mask_of(rows):
+        p, n = pos[rows], lengths[rows]
+        b, Nq = p.shape
+        keep = count = None
+        for i, (w, r) in enumerate(patterns):
+            seg = p // w * w                                                        # (b, Nq)
+            c = (p - seg) % r
+            active = (offsets[:, i].view(1, Hq, 1) == c[:, None, :]) & (p >= 0)[:, None, :]   # (b, Hq, Nq)
+            run = (j // w * w == seg[..., None]) & ((j - seg[..., None]) % r == c[..., None]) & \
+                (j < n.view(b, 1, 1))                                               # (b, Nq, N)
+            if causal:
+                run &= masks.causal(p[..., None], j)
+            hit = (active[..., None] & run[:, None]).view(b, num_kv_heads, Hq // num_kv_heads, Nq, capacity)
+            if len(patterns) == 1:
+                return hit, None
+            count = hit.float() if count is None else count + hit
+        return count > 0, count
+
+    return mask_of
+
+
+def dense_route(q, patterns, table, capacity: int) -> bool:
+    """Whether the portable decode takes the dense route (common.decode.dense_pays): the key
+    slots attend_patterns would gather per query row, per pattern the heads active at a
+    residue times its longest run."""
+    slots = sum(heads.shape[1] * -(-min(w, capacity) // r)
+                for (w, r), heads in zip(patterns, head_sets(patterns, table, q.device)))
+    return dense_pays(q, slots, capacity)
+
+
+def dilated_decode(q, k, v, patterns, table, lengths, call, *, host_loop: bool = False, block_table=None,
+                   leftpad=None):
     """Dilated attention of q (B, Nq, Hq, D), the last Nq positions of each row's lengths[b]
     (an integer tensor (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D).
     `patterns`: (w, r) pairs; `table`: per query head a tuple of offsets (-1: pattern unused).
     Returns (out like q, lse float32 (B, Hq, Nq)), differentiable. host_loop: read the runs
     in place as strided views (attend_runs: CPU tensors, no gradient; it reads the lengths
     on the host), else gather them with no host sync (attend_patterns; block_table: k and v
-    are page pools). call: the AttentionCall (causal, scale, cap; its sinks are the caller's)."""
+    are page pools). call: the AttentionCall (causal, scale, cap; its sinks are the caller's).
+    leftpad: None or an integer tensor (B,) (cache_leftpad): row b's keys start at cache row
+    leftpad[b] (clamped at 0), its positions count from there, lengths[b] still ends the row."""
     lengths = lengths.to(device=q.device, dtype=torch.long)
+    pad = None if leftpad is None else leftpad.to(device=q.device, dtype=torch.long).clamp(min=0)
+    if pad is not None:
+        lengths = lengths - pad
     pos = query_positions(lengths, q.shape[1], q.device)
-    if host_loop:
+    if host_loop and pad is None:
         DECODE_STATS["calls"] += 1
         return attend_runs(q, k, v, patterns, table, pos, lengths, call)
-    return attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table)
+    capacity = k.shape[1] * (1 if block_table is None else block_table.shape[1])
+    if dense_route(q, patterns, table, capacity):   # the key lists cover most of the cache: one product
+        return attend_dense(q, k, v, dense_mask(pos, lengths, patterns, table, call.causal, capacity, k.shape[2]),
+                            call, block_table, pad)
+    return attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table, pad)

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..common.configs import select_config
 from ..common.decode_kernels import (decode_program, fold_run, fp8_mode, fp8_operands, kv_descales, merge_launch,
-                                     num_splits, store_result)
+                                     num_splits, row_pad, store_result)
 from ..common.hardware import padded_head_dim
 from ..common.kvcache import kernel_lengths
 from ..common.kernels import softcap_terms
@@ -52,10 +52,14 @@ def _dilated_decode_kernel(
         stride_btb, NUM_PAGES,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        LEFTPAD=None, HAS_LEFTPAD: tl.constexpr = False):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, lens_add, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D, PAGE_SIZE)
+    pad = row_pad(LEFTPAD, b, HAS_LEFTPAD)   # cache_leftpad: positions count from the pad
+    length -= pad
+    p -= pad
     bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb: from page to page)
     k_scale, v_scale = kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8)   # FP8 cache: descales
     cap = softcap_terms(softcap, HAS_SOFTCAP)
@@ -80,7 +84,7 @@ def _dilated_decode_kernel(
         # this split's part of the run: keys t in [lo - first, hi - first) of it
         t_lo = tl.maximum(lo - first, 0)
         t_hi = tl.minimum(hi - first, count)
-        acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start, r, t_lo, t_hi,
+        acc, m_i, l_i = fold_run(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start + pad, r, t_lo, t_hi,
                                  d_ok, k_scale, bt, stride_kb, stride_vb, NUM_PAGES, BLOCK_N, PAGE_SIZE, KV_FP8,
                                  cap, HAS_SOFTCAP)
         first += count
@@ -140,9 +144,10 @@ class DecodeLaunch:
                           num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
         self.merge_warps = cfg.get("num_warps", 4)
 
-    def run(self, q, k, v, lengths, lens_add=0, block_table=None, k_descale=None, v_descale=None):
+    def run(self, q, k, v, lengths, lens_add=0, block_table=None, k_descale=None, v_descale=None, leftpad=None):
         """(out, lse) for q, k, v of the planned shapes; lengths int32 (B,) contiguous on q's
-        device (kvcache.kernel_lengths), lens_add the rows appended since they were counted.
+        device (kvcache.kernel_lengths), lens_add the rows appended since they were counted;
+        leftpad: None or int32 (B,) contiguous, each row's first key (cache_leftpad).
         A tensor without a unit stride on the head dim is copied (last_dim_contiguous)."""
         device = q.device
         out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
@@ -160,7 +165,7 @@ class DecodeLaunch:
                 q, k, v, out, lse, parts, lengths, lens_add, self.pat_w, self.pat_r, self.pat_off, bt,
                 lengths if k_descale is None else k_descale, lengths if v_descale is None else v_descale,
                 sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt.stride(0), self.num_pages,
-                **self.sizes)
+                **self.sizes, LEFTPAD=lengths if leftpad is None else leftpad, HAS_LEFTPAD=leftpad is not None)
             if self.splits > 1:
                 merge_launch(out, lse, parts, self.splits, self.merge_warps)
         return out, lse
@@ -168,15 +173,18 @@ class DecodeLaunch:
 
 @on_tensor_device
 def dilated_decode_forward(q, k, v, patterns, table, lengths, call, *, max_length=None, splits=None, config=None,
-                           block_table=None, k_descale=None, v_descale=None, lens_add: int = 0):
+                           block_table=None, k_descale=None, v_descale=None, lens_add: int = 0, leftpad=None):
     """Dilated attention of q (B, Nq, Hq, D), the last Nq positions of each row's lengths[b]
     (+ lens_add; int32 (B,) on q's device) valid positions, over k, v (B, Nk, Hkv, D), or with
     block_table (int32 (B, max_pages)) over the page pools k, v (num_pages, page_size, Hkv, D).
     Returns (out like q, lse float32 (B, Hq, Nq)). `splits`: the number of splits per query
     (default: common.decode_kernels.num_splits); `max_length`: max(lengths) if known (else the
     capacity). k, v float8_e4m3fn (an FP8 cache): k_descale, v_descale float32 (Hkv,) on q's
-    device; call: the AttentionCall (causal, scale, cap). One DecodeLaunch, planned and run."""
+    device; call: the AttentionCall (causal, scale, cap); leftpad: None or an integer tensor
+    (B,), each row's first key (cache_leftpad: lengths count from cache row 0, positions from
+    the pad). One DecodeLaunch, planned and run."""
     paged = block_table is not None
     plan = DecodeLaunch(q, k, patterns, table, call, max_pages=block_table.shape[1] if paged else 0,
                         max_length=max_length, splits=splits, config=config)
-    return plan.run(q, k, v, kernel_lengths(lengths, q.device), lens_add, block_table, k_descale, v_descale)
+    return plan.run(q, k, v, kernel_lengths(lengths, q.device), lens_add, block_table, k_descale, v_descale,
+                    None if leftpad is None else kernel_lengths(leftpad, q.device))

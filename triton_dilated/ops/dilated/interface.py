@@ -211,19 +211,21 @@ def queries_at_the_end(q, k, v, patterns, call, *, mode, offsets, backend, path,
 
 
 def decode_table(q, k, v, patterns, table, lengths, call, *, path, host_loop=False, block_table=None,
-                 k_descale=None, v_descale=None):
+                 k_descale=None, v_descale=None, leftpad=None):
     """(out, lse) of the last Nq positions of each row's lengths[b] (an integer tensor (B,) on
     q's device) valid rows of k, v (page pools with block_table; float8_e4m3fn with
     k_descale, v_descale): the Triton decode kernel or the portable decode (host_loop: its
     strided-view CPU variant, which reads the lengths on the host; contiguous caches only).
-    call: the AttentionCall (its sinks are the caller's)."""
+    call: the AttentionCall (its sinks are the caller's). leftpad: None or int32 (B,), each
+    row's first key (cache_leftpad; lengths still end the rows)."""
     if path == "torch":
         return portable_descaled(lambda q_: dilated_decode(q_, k, v, patterns, table, lengths, call,
-                                                           host_loop=host_loop, block_table=block_table),
+                                                           host_loop=host_loop, block_table=block_table,
+                                                           leftpad=leftpad),
                                  q, k_descale, v_descale, k.shape[2])
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     return _decode_kernels().dilated_decode_forward(q, k, v, patterns, table, lengths, call, block_table=block_table,
-                                                    k_descale=k_descale, v_descale=v_descale)
+                                                    k_descale=k_descale, v_descale=v_descale, leftpad=leftpad)
 
 
 def padded_call(q, k, v, first_query_row, patterns, call, *, mode, offsets, backend, heads=(0, None)):
@@ -250,19 +252,21 @@ def padded_call(q, k, v, first_query_row, patterns, call, *, mode, offsets, back
 def _dilated_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Optional[Tensor],
                     segment_lengths: List[int], dilation_rates: List[int], causal: bool, scale: float, mode: str,
                     offsets: str, head_offset: int, total_heads: int, path: str, k_descale: Optional[Tensor] = None,
-                    v_descale: Optional[Tensor] = None, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+                    v_descale: Optional[Tensor] = None, softcap: float = 0.0,
+                    cache_leftpad: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq).
     softcap 0.0: no cap."""
     check_path(path)
     patterns = tuple(zip((int(w) for w in segment_lengths), (int(r) for r in dilation_rates)))
     table = head_table(q.shape[2], patterns, mode, offsets, head_offset, total_heads)
     return decode_table(q, k_cache, v_cache, patterns, table, lengths, AttentionCall(causal, scale, softcap),
-                        path=path, block_table=block_table, k_descale=k_descale, v_descale=v_descale)
+                        path=path, block_table=block_table, k_descale=k_descale, v_descale=v_descale,
+                        leftpad=cache_leftpad)
 
 
 @_dilated_decode.register_fake
 def _(q, k_cache, v_cache, lengths, block_table, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-      head_offset, total_heads, path, k_descale=None, v_descale=None, softcap=0.0):
+      head_offset, total_heads, path, k_descale=None, v_descale=None, softcap=0.0, cache_leftpad=None):
     B, Nq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 

@@ -23,8 +23,9 @@ import dataclasses
 
 import torch
 
-from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_and_route, cache_view, capacity,
-                              check_kvcache_args, contiguous_rows, kernel_lengths, plan_append, serve_key)
+from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_and_route, batch_rows_table, cache_view,
+                              capacity, check_kvcache_args, contiguous_rows, kernel_lengths, lse_flag, plan_append,
+                              rotary_inputs, row_lengths, serve_key)
 from ..common.op_support import lazy_module, resolve_path
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result
@@ -38,7 +39,8 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
                                    segment_lengths, dilation_rates, causal=True, scale=None, mode="longnet",
                                    offsets="modulo", return_lse=False, backend="auto", validate=False,
                                    head_offset=0, total_heads=None, k_descale=None, v_descale=None, softcap=0.0,
-                                   sinks=None):
+                                   sinks=None, cache_batch_idx=None, cache_leftpad=None, return_softmax_lse=None,
+                                   rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
     """Dilated attention of queries at the end of a KV cache: a decode step with no host sync,
     or chunked prefill.
 
@@ -76,6 +78,31 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
             (reads the lengths on the host: a device sync; for debugging; chunked prefill
             always checks). Without it values are not checked on a decode step: an append
             outside [0, Nk) writes nothing, a key on a page outside the pool is not read.
+        cache_batch_idx: None, or int32 (B,) on q's device (FlashAttention's): batch row b
+            reads and writes row cache_batch_idx[b] of a contiguous cache (B_cache, Nk, Hkv,
+            D), any B_cache; cache_seqlens, k, v, q stay indexed by b. An index outside
+            [0, B_cache) reads and writes nothing (out 0, lse -inf; validate=True refuses it);
+            two batch rows with one index both read it, and an append from either may land.
+            Not with block_table (a paged cache maps rows there), as FlashAttention.
+        cache_leftpad: None, or int32 (B,) on q's device (FlashAttention's): the first
+            cache_leftpad[b] rows of cache row b are padding; its keys start at that row and
+            positions (segments, residues, causality) count from it: the row holds
+            L_b = cache_seqlens[b] + Nnew - cache_leftpad[b] keys, query i at L_b - Nq + i of
+            them. cache_seqlens still counts from cache row 0 (new rows land at
+            cache_seqlens[b], as FlashAttention). validate=True checks
+            0 <= cache_leftpad[b] <= cache_seqlens[b]; without it a negative pad counts as 0.
+            Also with block_table (FlashAttention refuses that pair): positions count from
+            the pad in the row's paged positions.
+        return_softmax_lse: FlashAttention's name for return_lse (either; both must agree).
+        rotary_cos, rotary_sin, rotary_interleaved: FlashAttention's rotary embedding of q
+            and the new rows k (only with k, v): float tables (seqlen_ro, rotary_dim / 2) on
+            q's device, rotary_dim <= D even; new row j of batch row b rotated at position
+            cache_seqlens[b] + j (its cache row, also under cache_leftpad, as FlashAttention),
+            query i at cache_seqlens[b] + i when causal, every query at cache_seqlens[b]
+            otherwise; pairs (2i, 2i+1) when rotary_interleaved (the default, as
+            FlashAttention), else (i, i + rotary_dim / 2). In PyTorch before the append
+            (not fused), float32, differentiable. validate=True checks seqlen_ro covers
+            every position (else the last row is read).
 
     Returns:
         out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq).
@@ -91,22 +118,25 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     checked and planned once per key (ServePlan, cached); a call then builds its key, appends
     (the Triton path: one fused kernel) and launches.
     """
+    return_lse = lse_flag(return_lse, return_softmax_lse)
+    block_table = batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate)
+    q, k = rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
     args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks)
     scalars = (causal, scale, mode, offsets, return_lse, backend, validate, head_offset, total_heads, softcap)
-    return serve_plan(args, segment_lengths, dilation_rates, scalars)(*args)
+    return serve_plan(args, segment_lengths, dilation_rates, scalars, cache_leftpad)(*args,
+                                                                                    cache_leftpad=cache_leftpad)
 
 
-def serve_plan(args, segment_lengths, dilation_rates, scalars) -> "ServePlan":
+def serve_plan(args, segment_lengths, dilation_rates, scalars, cache_leftpad=None) -> "ServePlan":
     """The ServePlan of a dilated_attention_with_kvcache call (args: its tensors, q to sinks;
-    scalars: causal to softcap, in the door's order): from the cache when the call has a key,
-    else built (and the arguments checked) for this call alone (under torch.compile: checked as
-    traced)."""
+    scalars: causal to softcap, in the door's order; cache_leftpad apart): from the cache when
+    the call has a key, else built (and the arguments checked) for this call alone (under
+    torch.compile: checked as traced)."""
     key = None
     if not torch.compiler.is_compiling() and isinstance(args[0], torch.Tensor):
-        key = serve_key(args, (segment_lengths, dilation_rates), scalars)
-    if key is None:
-        return ServePlan(*args, segment_lengths, dilation_rates, *scalars)
-    return _PLANS.get(key, lambda: ServePlan(*args, segment_lengths, dilation_rates, *scalars))
+        key = serve_key((*args, cache_leftpad), (segment_lengths, dilation_rates), scalars)
+    build = lambda: ServePlan(*args, segment_lengths, dilation_rates, *scalars, cache_leftpad)  # noqa: E731
+    return build() if key is None else _PLANS.get(key, build)
 
 
 _PLANS = PlanCache()
@@ -121,8 +151,9 @@ class ServePlan:
 
     def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks,
                  segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse, backend, validate,
-                 head_offset, total_heads, softcap):
-        check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale)
+                 head_offset, total_heads, softcap, cache_leftpad=None):
+        check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,
+                           cache_leftpad)
         B, Nq, Hq, D = q.shape
         self.patterns, call, self.heads = check_args(q, cache_view(k_cache, block_table, B, q),
                                                      cache_view(v_cache, block_table, B, q),
@@ -147,12 +178,13 @@ class ServePlan:
         self.append = self.launch = None
 
     def decode_step(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, call,
-                    byte_caches=None):
+                    byte_caches=None, leftpad=None):
         """(out, lse) of a decode step on the Triton path without gradients: the append (one
         kernel) and the decode launch, planned at the first step. One length tensor serves both
         kernels: the append writes at cache_seqlens, the decode reads cache_seqlens + Nnew rows
         (lens_add: no add op). byte_caches: an FP8 cache's (k, v) viewed as uint8, kept by their
-        owner (PagedDilatedKVCache), which both kernels take without a view per call."""
+        owner (PagedDilatedKVCache), which both kernels take without a view per call. leftpad:
+        cache_leftpad (the decode kernel subtracts it from the lengths)."""
         lens = kernel_lengths(cache_seqlens, q.device)
         if self.launch is None:
             self.launch = _decode_kernels().DecodeLaunch(q, k_cache, self.patterns, self.table, call,
@@ -164,10 +196,11 @@ class ServePlan:
             byte_caches = (k_cache, v_cache)
         if k is not None:   # (the Triton path without gradients: append_kv's Triton append)
             self.append.run(*byte_caches, k, v, lens, block_table, k_descale, v_descale)
-        return self.launch.run(q, k_cache, v_cache, lens, self.num_new, block_table, k_descale, v_descale)
+        return self.launch.run(q, k_cache, v_cache, lens, self.num_new, block_table, k_descale, v_descale,
+                               None if leftpad is None else kernel_lengths(leftpad, q.device))
 
     def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks,
-                 byte_caches=None):
+                 byte_caches=None, cache_leftpad=None):
         """The call (its tensors as the door takes them; byte_caches: decode_step's)."""
         if self.heads_first and not self.fresh:
             warn_if_heads_first(self.patterns, self.capacity, self.heads[1])
@@ -178,16 +211,16 @@ class ServePlan:
                 q.requires_grad or k_cache.requires_grad or v_cache.requires_grad or
                 k is not None and (k.requires_grad or v.requires_grad))):
             return call.finish(self.decode_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale,
-                                                v_descale, call, byte_caches), self.return_lse)
+                                                v_descale, call, byte_caches, cache_leftpad), self.return_lse)
         lengths, decodes = append_and_route(q, self.path, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                            self.validate, k_descale, v_descale)
+                                            self.validate, k_descale, v_descale, cache_leftpad)
         if q.shape[0] == 0:
             return call.finish(empty_result(q, *((q, q) if self.fp8 else (k_cache, v_cache)), True), self.return_lse)
         patterns, mode, offsets, heads = self.patterns, self.mode, self.offsets, self.heads
         if not decodes:
-            rows = [int(n) for n in lengths.tolist()]   # chunked prefill: one host read
-            k_rows = contiguous_rows(k_cache, block_table, max(rows), q.dtype, k_descale)
-            v_rows = contiguous_rows(v_cache, block_table, max(rows), q.dtype, v_descale)
+            rows = row_lengths(lengths, cache_leftpad)   # chunked prefill: one host read
+            k_rows = contiguous_rows(k_cache, block_table, max(rows), q.dtype, k_descale, cache_leftpad)
+            v_rows = contiguous_rows(v_cache, block_table, max(rows), q.dtype, v_descale, cache_leftpad)
 
             def chunk(qq, kk, vv, batch_rows, n, first_row):
                 return padded_call(qq, kk, vv, first_row, patterns, call, mode=mode, offsets=offsets,
@@ -197,8 +230,9 @@ class ServePlan:
         elif compiling:
             out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
                                        [r for _, r in patterns], call.causal, call.scale, mode, offsets, *heads,
-                                       self.path, k_descale, v_descale, call.softcap)
+                                       self.path, k_descale, v_descale, call.softcap, cache_leftpad)
         else:
             out, lse = decode_table(q, k_cache, v_cache, patterns, self.table, lengths, call, path=self.path,
-                                    block_table=block_table, k_descale=k_descale, v_descale=v_descale)
+                                    block_table=block_table, k_descale=k_descale, v_descale=v_descale,
+                                    leftpad=cache_leftpad)
         return call.finish((out, lse), self.return_lse)
