@@ -214,7 +214,7 @@ def dense_mask(pos, lengths, patterns, table, causal: bool, capacity: int, num_k
     def mask_of(rows):
         p, n = pos[rows], lengths[rows]
         b, Nq = p.shape
-        keep = count = None
+        count = None
         for i, (w, r) in enumerate(patterns):
             seg = p // w * w                                                        # (b, Nq)
             c = (p - seg) % r
