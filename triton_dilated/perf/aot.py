@@ -90,6 +90,8 @@ WINDOW_POINTERS = {"KV_WIN": "i8"}   # the block-sparse decode kernel's window f
 VARIANTS.update({f"{name}_window": (name, dict(WINDOW_AOT))
                  for name in ("block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv")})
 VARIANTS["block_sparse_decode_window"] = ("block_sparse_decode", dict(WINDOW_AOT))
+# cache_leftpad= on the serve doors: the decode kernels reading each row's pad (HAS_LEFTPAD)
+VARIANTS.update({f"{name}_leftpad": (name, {"HAS_LEFTPAD": True}) for name in ("dilated_decode", "block_sparse_decode")})
 # window_size= on dilated attention: the window predicate without sink tokens
 VARIANTS.update({f"{name}_window": (name, {"HAS_WINDOW": True})
                  for name in ("dilated_fwd", "dilated_bwd_dq", "dilated_bwd_dkdv")})
@@ -152,7 +154,8 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
     if "DOCS" in cfg:
         constexprs["DOCS"] = bool(cfg["DOCS"])
     constexprs.update(HAS_WINDOW=bool(cfg.get("HAS_WINDOW", False)),
-                      HAS_SINK_TOKENS=bool(cfg.get("HAS_SINK_TOKENS", False)))
+                      HAS_SINK_TOKENS=bool(cfg.get("HAS_SINK_TOKENS", False)),
+                      HAS_LEFTPAD=bool(cfg.get("HAS_LEFTPAD", False)))
     if "MASK_KIND" in cfg:
         constexprs["MASK_KIND"] = cfg["MASK_KIND"]
     window = constexprs["HAS_WINDOW"]

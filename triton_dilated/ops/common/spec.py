@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 BWD_FLOP_FACTOR = 2.5        # backward = 2.5x forward (DESIGN §11): forward+backward counts 3.5x
 
 # The decode kernels' result and split-partial pointers (ops/common/decode_kernels.py)
-DECODE_POINTERS = {"O": "act", "LSE": "fp32", "PARTS": "fp32"}
+DECODE_POINTERS = {"O": "act", "LSE": "fp32", "PARTS": "fp32", "LEFTPAD": "i32"}   # LEFTPAD: cache_leftpad (B,)
 DECODE_ODD_STRIDES = frozenset({"stride_btb"})   # stride_btb: max_pages
 
 
