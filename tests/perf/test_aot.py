@@ -281,6 +281,22 @@ def test_paged_decode_variants_compile_without_spills(tmp_path):
 
 
 @needs_ptxas
+def test_leftpad_and_window_variants_compile_without_spills(tmp_path):
+    """The serve doors' cache_leftpad (HAS_LEFTPAD: each row's pad read in the decode kernels)
+    and dilated attention's window_size (HAS_WINDOW in the forward, dQ and dK/dV kernels) compile
+    for sm90 and sm80 at D = 128, causal, the launchers' default tiles, without errors; no spill
+    but the one recorded (perf/aot/dilated-window-sm90-sm80-bf16-triton39.csv: sm90 dK/dV, 16 B)."""
+    rows = _aot_rows(tmp_path / "features.csv", "--arch", "90", "80", "--head-dims", "128", "--causal", "yes",
+                     "--kernels", "dilated_decode_leftpad", "block_sparse_decode_leftpad", "dilated_fwd_window",
+                     "dilated_bwd_dq_window", "dilated_bwd_dkdv_window", "--jobs", "1")
+    assert len(rows) == 10
+    errors = [f"{r['arch']} {r['kernel']}: {r['error']}" for r in rows if r["error"]]
+    assert not errors, "\n".join(errors)
+    spills = {(r["arch"], r["kernel"]) for r in rows if r["spill_stores"] != "0"}
+    assert spills <= {("sm90", "dilated_bwd_dkdv_window")}, spills
+
+
+@needs_ptxas
 def test_fp8_decode_variants_compile_without_spills(tmp_path):
     """The decode kernels on an FP8 cache at D = 128, causal, their launchers' default tiles:
     on sm90 through Triton's fp8e4nv conversion (KV_FP8 = 1), contiguous and paged; on sm80,
