@@ -109,6 +109,18 @@ def lse_flag(return_lse, return_softmax_lse) -> bool:
     return return_softmax_lse
 
 
+def check_block_table(block_table, B: int, device) -> None:
+    """block_table: an int32 tensor (B, max_pages >= 1) on `device` (q's)."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+        got = block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table).__name__
+        raise TypeError(f"block_table must be an int32 tensor (B, max_pages), got {got}")
+    if block_table.dim() != 2 or block_table.shape[0] != B or block_table.shape[1] < 1:
+        raise ValueError(f"block_table must have shape (B, max_pages) = ({B}, max_pages >= 1), got "
+                         f"{tuple(block_table.shape)}")
+    if block_table.device != device:
+        raise ValueError(f"block_table must be on q's device ({device}), got {block_table.device}")
+
+
 def check_descales(q, k_cache, v_cache, k_descale, v_descale) -> None:
     """An FP8 cache (both caches float8_e4m3fn) needs both descales, float32 (Hkv,) on q's
     device; any other cache takes none."""
@@ -151,14 +163,7 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, va
             raise ValueError(f"{name} must have 4 dimensions (B, N, H, D), got shape {tuple(x.shape)}")
     B, Nq = q.shape[:2]
     if block_table is not None:
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
-            got = block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table).__name__
-            raise TypeError(f"block_table must be an int32 tensor (B, max_pages), got {got}")
-        if block_table.dim() != 2 or block_table.shape[0] != B or block_table.shape[1] < 1:
-            raise ValueError(f"block_table must have shape (B, max_pages) = ({B}, max_pages >= 1), got "
-                             f"{tuple(block_table.shape)}")
-        if block_table.device != q.device:
-            raise ValueError(f"block_table must be on q's device ({q.device}), got {block_table.device}")
+        check_block_table(block_table, B, q.device)
         if k_cache.shape != v_cache.shape:
             raise ValueError(f"k_cache and v_cache (page pools) must have the same shape, got "
                              f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")

@@ -20,7 +20,8 @@ from torch import Tensor
 
 from ..common.call import AttentionCall
 from ..common.first_order import joined_to, needs_grad
-from ..common.kvcache import FP8_DTYPE, append_rows, cache_view, capacity, check_descales, check_kvcache_values
+from ..common.kvcache import (FP8_DTYPE, append_rows, cache_view, capacity, check_block_table, check_descales,
+                              check_kvcache_values)
 from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, fresh, lazy_module, resolve_path
 from ..common.validation import check_bool, check_flags, check_lengths_tensor
@@ -47,14 +48,7 @@ def check_serve_args(q, k_cache, v_cache, indices, k, v, cache_seqlens, block_ta
         raise ValueError(f"k_cache and v_cache must agree but for the head dim, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
     if block_table is not None:
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
-            got = block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table).__name__
-            raise TypeError(f"block_table must be an int32 tensor (B, max_pages), got {got}")
-        if block_table.dim() != 2 or block_table.shape[0] != B or block_table.shape[1] < 1:
-            raise ValueError(f"block_table must have shape (B, max_pages) = ({B}, max_pages >= 1), got "
-                             f"{tuple(block_table.shape)}")
-        if block_table.device != q.device:
-            raise ValueError(f"block_table must be on q's device ({q.device}), got {block_table.device}")
+        check_block_table(block_table, B, q.device)
     elif k_cache.shape[0] != B:
         raise ValueError(f"k_cache and v_cache must have the batch size of q ({B}), got {k_cache.shape[0]}")
     if k_cache.device != q.device or v_cache.device != q.device:
