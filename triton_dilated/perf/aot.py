@@ -181,6 +181,12 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
                 sig[a] = ty
             else:
                 sig[a], given[a] = "constexpr", None
+        elif a == "LEFTPAD" and "HAS_LEFTPAD" not in (q.name for q in fn.params):
+            if cfg.get("HAS_LEFTPAD"):   # a kernel that reads the pad where LEFTPAD is a tensor
+                sig[a] = "*i32"
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            else:                        # None, as its launcher passes it without cache_leftpad
+                sig[a], given[a] = "constexpr", None
         elif a in WINDOW_POINTERS and a not in spec.pointers:
             if window:   # the window's flag pointer
                 sig[a] = "*" + WINDOW_POINTERS[a]

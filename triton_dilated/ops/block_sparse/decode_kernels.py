@@ -25,23 +25,24 @@ CONFIG_FAMILY = "block_sparse_fwd"   # the family; tiles and warps: configs.KERN
 
 @triton.jit(do_not_specialize=["window", "sink_tokens"])   # one compile for every window and sink count
 def _block_sparse_decode_kernel(
-        Q, K, V, O, LSE, PARTS, LENS, KV_COUNT, KV_INDEX, BLOCK_TABLE, K_DESCALE, V_DESCALE,
+        Q, K, V, O, LSE, PARTS, LENS, KV_COUNT, KV_INDEX, BLOCK_TABLE, DESCALES,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_cb, stride_ch, WIDTH, stride_btb, NUM_PAGES,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
         KV_WIN=None, window=None, sink_tokens=None, HAS_WINDOW: tl.constexpr = False,
-        HAS_SINK_TOKENS: tl.constexpr = False, LEFTPAD=None, HAS_LEFTPAD: tl.constexpr = False):
+        HAS_SINK_TOKENS: tl.constexpr = False, LEFTPAD=None):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, 0, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D, PAGE_SIZE)
-    pad = row_pad(LEFTPAD, b, HAS_LEFTPAD)   # cache_leftpad: positions count from the pad
+    pad = row_pad(LEFTPAD, b, LEFTPAD is not None)   # cache_leftpad (None: no pad): positions count from the pad
     length -= pad
     p -= pad
 
     bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb: from page to page)
-    k_scale, v_scale = kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8)   # FP8 cache: descales
+    # FP8 cache: DESCALES holds k's descales per kv head, then v's
+    k_scale, v_scale = kv_descales(DESCALES, DESCALES + NUM_HEADS // HEAD_GROUP, h, HEAD_GROUP, sm_scale, KV_FP8)
     cap = softcap_terms(softcap, HAS_SOFTCAP)
     # a query before the first key (p < 0: ops/dilated/decode.py) reads nothing; p is clamped
     # before // (which truncates towards zero on a GPU and floors in the interpreter)
@@ -123,12 +124,12 @@ def block_sparse_decode_forward(q, k, v, layout, lengths, call, *, splits=None, 
     bt = block_table if paged else lengths       # not read when contiguous (PAGE_SIZE = 0)
     _block_sparse_decode_kernel[(B * Nq * Hq * splits,)](
         q, k, v, out, lse, parts, lengths, counts, index, bt,
-        lengths if k_descale is None else k_descale, lengths if v_descale is None else v_descale,
+        lengths if k_descale is None else torch.cat((k_descale.reshape(-1), v_descale.reshape(-1))),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), **lists, stride_btb=bt.stride(0), NUM_PAGES=k.shape[0] if paged else 0,
         NUM_ROWS=Nq, NUM_HEADS=Hq, HEAD_GROUP=Hq // Hkv, NUM_SPLITS=splits, sm_scale=scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=bs, CAUSAL=causal, BLOCK_N=min(cfg["BLOCK_N"], bs),
         PAGE_SIZE=k.shape[1] if paged else 0, KV_FP8=kv_fp8, **call.kernel_args(), **window,
-        LEFTPAD=lengths if leftpad is None else kernel_lengths(leftpad, q.device), HAS_LEFTPAD=leftpad is not None,
+        LEFTPAD=None if leftpad is None else kernel_lengths(leftpad, q.device),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     return merge_splits(out, lse, parts, splits, num_warps=cfg.get("num_warps", 4))

@@ -83,7 +83,7 @@ SPEC = VariantSpec(
         KernelSpec("block_sparse_decode", "triton_dilated.ops.block_sparse.decode_kernels",
                    "_block_sparse_decode_kernel", "block_sparse_fwd",
                    pointers={"Q": "act", "K": "act", "V": "act", **DECODE_POINTERS, "LENS": "i32", "KV_COUNT": "i32",
-                             "KV_INDEX": "i32", "BLOCK_TABLE": "i32", "K_DESCALE": "fp32", "V_DESCALE": "fp32"},
+                             "KV_INDEX": "i32", "BLOCK_TABLE": "i32", "DESCALES": "fp32"},
                    odd_strides=_LAYOUT_STRIDES | DECODE_ODD_STRIDES),
     ),
     aot_constexprs={"BLOCK_SIZE": 128, "PAGE_SIZE": 0, "KV_FP8": 0},   # 0, 0: a contiguous cache in q's dtype
