@@ -51,13 +51,19 @@ def test_tiny_sweep_writes_every_column(tmp_path, device):
     assert len(written) == len(rows) > 0
     main_prov = bench.main_provider(device.type)
     seen = {(r["op"], r["provider"], r["pass"], r["metric"]) for r in written}
-    for op in ("dilated_attention", "block_sparse_attention"):
+    for op in ("dilated_attention", "block_sparse_attention", "indexed_attention"):
         for prov in (main_prov, "sdpa_dense"):
             for mode in ("fwd", "fwd_bwd"):
                 for metric in ("ms", "tflops", "pct_matmul_peak"):
                     assert (op, prov, mode, metric) in seen
             assert (op, main_prov, "fwd_bwd", "speedup_vs_dense") in seen
+            assert (op, main_prov, "fwd_bwd", "efficiency") in seen
     assert ("dilated_attention", "head_group_loop", "fwd", "ms") in seen
+    assert ("indexed_attention", "gather", "fwd_bwd", "ms") in seen
+    by_key = {(r["op"], r["provider"], r["pass"], r["metric"]): r for r in written}
+    for op in ("dilated_attention", "block_sparse_attention", "indexed_attention"):   # efficiency = speedup x density
+        speedup, eff = by_key[(op, main_prov, "fwd", "speedup_vs_dense")], by_key[(op, main_prov, "fwd", "efficiency")]
+        assert float(eff["value"]) == pytest.approx(float(speedup["value"]) * float(speedup["density"]), rel=1e-4)
     for r in written:
         for col in ("op", "variant", "provider", "pass", "B", "N", "H", "Hkv", "D", "dtype", "causal", "density",
                     "gflop", "metric", "value", "matmul_peak_tflops", "rounds") + PROVENANCE:
@@ -69,6 +75,10 @@ def test_tiny_sweep_writes_every_column(tmp_path, device):
             assert "BLOCK_M=" in r["config"]
         if r["op"] == "block_sparse_attention":
             assert r["layout"].startswith("local(") and r["block_size"] == "32"
+        elif r["op"] == "indexed_attention":   # 32 keys per query of 64: about half the causal pairs
+            assert r["variant"] == "topk=32" and not r["segment_lengths"] and not r["layout"]
+            if r["provider"] != "sdpa_dense":
+                assert float(r["density"]) == pytest.approx((32 * 33 / 2 + 32 * 32) / (64 * 65 / 2))
         else:
             assert r["segment_lengths"] == "32/64" and r["dilation_rates"] == "1/2"
     table = results.summary_table(results.read_csv(out))
@@ -97,7 +107,7 @@ def test_flop_counts_come_from_the_specs_and_match_dense_masks():
     assert dense_pairs(1, 1, 4, True) == 10 == specs["ring_step"].pairs(1, 4, 1, True)
     assert attention_flops(10, 8, backward=True) == 3.5 * attention_flops(10, 8) == 3.5 * 320
     # every benchmarked variant has the spec fields the sweep uses instead of branches of its own
-    assert set(bench.OPS) == {"dilated", "block_sparse"}
+    assert set(bench.OPS) == {"dilated", "block_sparse", "indexed"}
     for name in bench.OPS:
         assert specs[name].pairs and specs[name].call and specs[name].baselines
 
@@ -386,6 +396,7 @@ def _example_rows():
     return [_bench_row("portable", "fwd", "ms", 20.0, 3.0), _bench_row("portable", "fwd", "tflops", 0.05, 3.0),
             _bench_row("portable", "fwd", "pct_matmul_peak", 50.0, 3.0),
             _bench_row("portable", "fwd", "speedup_vs_dense", 2.0, 4.0),
+            _bench_row("portable", "fwd", "efficiency", 0.5, 4.0),
             _bench_row("sdpa_dense", "fwd", "ms", 40.0, 2.0),
             _bench_row("portable", "fwd_bwd", "ms", 15.0, 25.0, "fwd_bwd<fwd;spread>10%"),
             _bench_row("portable", "fwd_bwd", "tflops", 0.2, 25.0), _bench_row("portable", "fwd_bwd", "pct_matmul_peak",
@@ -400,10 +411,11 @@ def test_summary_table_checked_example(tmp_path):
     lines = results.summary_table(results.read_csv(path)).splitlines()
     assert lines[0] == "median ms over interleaved rounds, ±: interquartile range in % of the median"
     assert lines[1].split() == ["op", "pattern", "causal", "N", "pass", "portable", "sdpa_dense", "|", "portable",
-                                "GFLOP/s", "%matmul", "dense/portable", "flags"]
+                                "GFLOP/s", "%matmul", "dense/portable", "eff", "flags"]
     assert lines[3].split() == ["dilated_attention", "mode=longnet", "True", "1024", "fwd", "20.000", "±3%",
-                                "40.000", "±2%", "|", "50.000", "50.0", "2.00x", "±4%"]
-    assert lines[4].split("|")[1].split() == ["200.000", "200.0", "8.00x", "±30%", "busy;", "fwd_bwd<fwd",
+                                "40.000", "±2%", "|", "50.000", "50.0", "2.00x", "±4%", "0.50"]
+    # no efficiency row and no density: "-"
+    assert lines[4].split("|")[1].split() == ["200.000", "200.0", "8.00x", "±30%", "-", "busy;", "fwd_bwd<fwd",
                                               "portable,dense/portable;", "spread>10%", "portable,dense/portable"]
     legend = "\n".join(lines[6:])
     assert "pass: fwd = forward only" in legend
@@ -420,7 +432,11 @@ def test_old_csv_without_pass_or_spread_still_reads():
     assert all(math.isnan(r["spread_pct"]) and r["flags"] == [] for r in rows)
     table = results.summary_table([r for r in rows if r["op"] in results.BENCH_OPS])
     line = next(x for x in table.splitlines() if "mode=head_groups" in x and " 4096 fwd " in x)
-    assert "±" not in line and line.rstrip().endswith("x")     # a ratio of medians, no spread to show
+    assert "±" not in line    # a ratio of medians, no spread to show
+    speedup, eff = line.split()[-2:]   # the efficiency column: that ratio times the row's density
+    row = next(r for r in rows if r["variant"] == "head_groups" and r["N"] == 4096 and r["pass"] == "fwd"
+               and r["provider"] == "portable" and r["metric"] == "ms" and str(r["causal"]) == "True")
+    assert speedup.endswith("x") and float(eff) == pytest.approx(float(speedup[:-1]) * row["density"], abs=0.01)
 
 
 def _draw(fig):
@@ -755,7 +771,7 @@ def test_sweep_names_an_unknown_provider_and_lists_the_known_ones(tmp_path, caps
     out = tmp_path / "s.csv"
     assert main(["--tiny", "--providers", "foo", "sdpa_dense", "--budget", "0", "--no-plot", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "unknown provider 'foo'" in err and "triton, portable, head_group_loop, flex, sdpa_dense" in err
+    assert "unknown provider 'foo'" in err and "triton, portable, head_group_loop, flex, gather, sdpa_dense" in err
     assert not out.exists()
 
 

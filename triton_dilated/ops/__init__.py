@@ -2,9 +2,10 @@
 read instead of tables of their own."""
 from .block_sparse.spec import SPEC as BLOCK_SPARSE_SPEC
 from .dilated.spec import SPEC as DILATED_SPEC
+from .indexed.spec import SPEC as INDEXED_SPEC
 from .ring.spec import SPEC as RING_STEP_SPEC
 
-SPECS = (DILATED_SPEC, BLOCK_SPARSE_SPEC, RING_STEP_SPEC)
+SPECS = (DILATED_SPEC, BLOCK_SPARSE_SPEC, RING_STEP_SPEC, INDEXED_SPEC)
 
 
 def kernel_specs():

@@ -55,10 +55,10 @@ def _parser():
     p.add_argument("--seqlens", type=positive_int, nargs="+", metavar="N",
                    help="sequence lengths (default: GPU 8192 16384 32768, and 65536 with >= 40 GiB; "
                         "CPU 1024 2048 4096)")
-    p.add_argument("--ops", nargs="+", choices=("dilated", "block_sparse"), default=["dilated", "block_sparse"],
-                   help="which ops to time (default: both)")
+    p.add_argument("--ops", nargs="+", choices=("dilated", "block_sparse", "indexed"),
+                   default=["dilated", "block_sparse", "indexed"], help="which ops to time (default: all three)")
     p.add_argument("--providers", nargs="+", metavar="NAME",
-                   help="only these providers: triton, portable, head_group_loop, flex, sdpa_dense "
+                   help="only these providers: triton, portable, head_group_loop, flex, gather, sdpa_dense "
                         "(default: every one that can run the case; without sdpa_dense no speedups)")
     p.add_argument("--quick", action="store_true", help="one small sequence length, causal only (default: off)")
     p.add_argument("--tiny", action="store_true",

@@ -50,6 +50,7 @@ from ..ops import SPECS, kernel_specs
 from ..ops.common.hardware import ARCH_TABLE, arch_facts, padded_head_dim
 
 KERNELS = kernel_specs()   # name -> KernelSpec, from the variants' spec.py
+VARIANT_OF = {k.name: variant for variant in SPECS for k in variant.kernels}   # kernel name -> VariantSpec
 # Experimental variants of a kernel, compiled only when named (--kernels): AOT name -> (the
 # kernel, the config keys the variant sets). TMA = 1: K and V through tensor descriptors;
 # WARP_SPEC = 1 (with TMA): the block-sparse forward's main loop warp-specialized by the compiler;
@@ -102,6 +103,13 @@ VARIANTS.update({f"{name}_{kind}": (name, {"MASK_KIND": 2, **(WINDOW_AOT if kind
 # (step_kernels.py, WINDOW_DKDV_STAGES): *_window_d128 compiles it so (the D = 64 rows keep
 # the default stages)
 VARIANTS["ring_step_bwd_dkdv_window_d128"] = ("ring_step_bwd_dkdv", {"MASK_KIND": 2, **WINDOW_AOT, "num_stages": 1})
+# indexed attention: value heads narrower than the query/key heads (DeepSeek's non-absorbed MLA
+# prefill: --head-dims 192 gives (Dqk, Dv) = (192, 128)), and the serve door's forward on absorbed-MLA
+# decode ((576, 512): --head-dims 576) over a paged cache of 64-row pages (FlashMLA's), 16-bit or FP8
+VARIANTS.update({f"{name}_dv128": (name, {"HEAD_DIM_V": 128})
+                 for name in ("indexed_fwd", "indexed_bwd_dq", "indexed_bwd_dkdv")})
+VARIANTS.update({f"indexed_fwd_mla{tail}_paged": ("indexed_fwd", {"HEAD_DIM_V": 512, "PAGE_SIZE": 64, **extra})
+                 for tail, extra in (("", {}), ("_fp8", {"KV_FP8": 1}), ("_fp8_bytes", {"KV_FP8": 2}))})
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
           "spill_stores", "spill_loads", "shared_bytes", "wgmma", "mma_sync", "cp_async", "cp_async_bulk",
           "pipeline_depth", "mma_replicated", "wgmma_shapes", "mma_layouts", "tcgen05", "ws_partitions", "setmaxnreg",
@@ -158,6 +166,8 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
                       HAS_LEFTPAD=bool(cfg.get("HAS_LEFTPAD", False)))
     if "MASK_KIND" in cfg:
         constexprs["MASK_KIND"] = cfg["MASK_KIND"]
+    # a variant's own tile constexprs (VariantSpec.launch_tiles: BLOCK_H, HEAD_DIM_V, ...) by name
+    constexprs.update((key, value) for key, value in cfg.items() if key not in constexprs and key not in FIELDS)
     window = constexprs["HAS_WINDOW"]
     # the run-time feature values: a float32 cap, int32 window and sink counts (do_not_specialize:
     # no divisibility attribute) where their feature is on, else None as the launchers pass them
@@ -292,7 +302,8 @@ def compile_one(job) -> dict:
     name, arch, dtype, D, causal, cfg, *ptx_path = job
     amd = isinstance(arch, str)
     row = dict.fromkeys(FIELDS, "")
-    row.update(arch=arch_label(arch), kernel=name, dtype=dtype, D=D, causal=int(causal), **cfg)
+    row.update(arch=arch_label(arch), kernel=name, dtype=dtype, D=D, causal=int(causal))
+    row.update((k, v) for k, v in cfg.items() if k in FIELDS)
     # a variant's tile settings (num_stages of the capped backward) as compiled
     row.update((k, v) for k, v in VARIANTS.get(name, (name, {}))[1].items() if k in FIELDS)
     start = time.time()
@@ -433,6 +444,18 @@ def arch_summary(rows) -> list[str]:
     return lines
 
 
+def launch_config(name: str, D: int, arch, dtype) -> dict:
+    """The launch config of AOT kernel `name` (a kernel or one of VARIANTS) at head dim D on `arch`
+    (hardware.Arch, e.g. fake_arch("sm90")) for torch `dtype`: its variant's own tile rule where it
+    has one (VariantSpec.launch_tiles), else the config family's default (configs.default_config)."""
+    from ..ops.common.configs import default_config
+    base, extra = VARIANTS.get(name, (name, {}))
+    variant = VARIANT_OF[base]
+    if variant.launch_tiles is not None:
+        return variant.launch_tiles(base, D, dtype, extra, arch)
+    return default_config(KERNELS[base].family, padded_head_dim(D), arch, dtype, kernel=base)
+
+
 def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False, True), kernels=None,
             configs=None, out=None, jobs=2, log=print, ptx_dir=None) -> list[dict]:
     """Compile every kernel for each arch/dtype/head dim/causal with the default config of
@@ -440,19 +463,16 @@ def run_aot(archs=(90, 80), head_dims=(64, 128), dtypes=("bf16",), causal=(False
     `ptx_dir`, each kernel's PTX goes to ptx_dir/sm<arch>/ptx_name(row)."""
     import torch
 
-    from ..ops.common.configs import default_config
     from ..ops.common.hardware import fake_arch
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     work = []
     for arch in archs:
         fake = fake_arch(arch_label(arch))   # the architecture table's facts: the config rules key on them
         for name in kernels or KERNELS:
-            family = KERNELS[VARIANTS.get(name, (name,))[0]].family
             for dtype in dtypes:
                 for D in head_dims:
                     # a variant takes its kernel's config, as the launcher picks it
-                    cfgs = configs or [default_config(family, padded_head_dim(D), fake,
-                                                      torch_dtype[dtype], kernel=VARIANTS.get(name, (name,))[0])]
+                    cfgs = configs or [launch_config(name, D, fake, torch_dtype[dtype])]
                     work += [(name, arch, dtype, D, c, dict(cfg)) for c in causal for cfg in cfgs]
     if ptx_dir:
         for i, (name, arch, dtype, D, c, cfg) in enumerate(work):

@@ -38,6 +38,33 @@ def head_group_loop(q, k, v, segment_lengths, dilation_rates, causal: bool):
     return out
 
 
+def gather_indexed(q, k, v, indices, causal: bool, chunk_bytes: int = 1 << 28):
+    """Indexed attention as PyTorch code would write it: each query's listed key and value rows
+    gathered (torch indexing), scores, softmax, weighted sum, a chunk of queries at a time
+    (gathered rows of at most ~chunk_bytes). indices (B, Nq, topk) shared by the heads, -1
+    unused, with causal an index past the query's position (bottom-right) dropped; a query
+    with no key gives 0. Differentiable (the gathers' backward scatters into dk, dv)."""
+    B, N, H, D = q.shape
+    Nk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    group, topk = H // Hkv, indices.shape[-1]
+    rows = torch.arange(B, device=q.device)[:, None, None]
+    chunk = max(1, chunk_bytes // max(1, B * topk * Hkv * (D + Dv) * q.element_size()))
+    outs = []
+    for s in range(0, N, chunk):
+        idx = indices[:, s:s + chunk].long()
+        keep = idx >= 0
+        if causal:
+            keep &= idx <= torch.arange(s, s + idx.shape[1], device=q.device)[:, None] + (Nk - N)
+        kk, vv = k[rows, idx.clamp(min=0)], v[rows, idx.clamp(min=0)]            # (B, c, topk, Hkv, D)
+        qq = q[:, s:s + chunk].unflatten(2, (Hkv, group))                          # (B, c, Hkv, g, D)
+        scores = torch.einsum("bchgd,bcthd->bchgt", qq.float(), kk.float()) * D ** -0.5
+        scores = scores.masked_fill(~keep[:, :, None, None, :], float("-inf"))
+        p = torch.softmax(scores, dim=-1).nan_to_num(0.0)                          # an empty row: 0
+        out = torch.einsum("bchgt,bcthe->bchge", p, vv.float())
+        outs.append(out.flatten(2, 3).to(q.dtype))
+    return torch.cat(outs, dim=1)
+
+
 def flex_available() -> bool:
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
@@ -106,4 +133,10 @@ def _flex_for(case, params):
                              compiled=case.device == "cuda")
 
 
-BASELINES = {"head_group_loop": _head_group_loop_for, "flex": _flex_for}
+def _gather_for(case, params):
+    if "indices" not in params:
+        return None
+    return lambda q, k, v: gather_indexed(q, k, v, params["indices"], case.causal)
+
+
+BASELINES = {"head_group_loop": _head_group_loop_for, "flex": _flex_for, "gather": _gather_for}

@@ -45,8 +45,9 @@ CPU_NOTE = ("No CUDA GPU found: timing the portable PyTorch backend against the 
 
 @dataclass(frozen=True)
 class Case:
-    op: str                  # "dilated" | "block_sparse"
-    variant: str             # dilated: the mode ("longnet", "head_groups"); block-sparse: the layout name
+    op: str                  # "dilated" | "block_sparse" | "indexed"
+    variant: str             # dilated: the mode ("longnet", "head_groups"); block-sparse: the layout name;
+                             # indexed: "topk=<k>"
     B: int
     N: int
     H: int
@@ -59,6 +60,7 @@ class Case:
     layout: tuple = ()       # block-sparse: (builder name, ((kwarg, value), ...))
     block_size: int = 128
     Hkv: int = 0             # 0: same as H
+    topk: int = 0            # indexed: keys per query (random distinct ones of its causal prefix)
 
     @property
     def kv_heads(self) -> int:
@@ -80,6 +82,8 @@ class Case:
 
 def case_params(case: Case, on_device: bool = False) -> dict:
     """The op's pattern arguments for this case, as its spec's `call` and `pairs` take them."""
+    if case.op == "indexed":
+        return {"indices": build_indices(case)}
     if case.layout:
         layout = build_layout(case)
         return {"layout": layout.to(case.device) if on_device else layout}
@@ -106,6 +110,19 @@ def build_layout(case: Case):
     return fn(case.N, case.block_size, causal=case.causal, **kw)
 
 
+@functools.lru_cache(maxsize=8)
+def build_indices(case: Case):
+    """int32 (B, N, topk) on the case's device: each query's top-k of random scores over its
+    causal prefix (all keys without causal), shared by the heads, as DeepSeek's indexer hands
+    them over (early queries: -1 past their prefix, as torch.topk of -inf scores would not)."""
+    gen = torch.Generator(device=case.device).manual_seed(0)
+    scores = torch.rand(case.B, case.N, case.N, generator=gen, device=case.device)
+    if case.causal:
+        scores = scores.masked_fill(torch.ones(case.N, case.N, dtype=torch.bool, device=case.device).triu(1), -1.0)
+    top = scores.topk(min(case.topk, case.N), dim=-1)
+    return top.indices.masked_fill(top.values < 0, -1).to(torch.int32)
+
+
 # ----------------------------------------------------------------------------- sweeps
 
 def _dilated_cases(ns, H, D, dtype, device, ws_full, rs, hg_ws, hg_rs, causals, B=1):
@@ -123,6 +140,12 @@ def _block_sparse_cases(ns, H, D, dtype, device, layouts_, causals, block_size, 
     return [Case("block_sparse", name, B, n, H, D, causal, dtype, device, layout=(name, kw), block_size=block_size)
             for n in ns for causal in causals for name, kw in layouts_]
 
+
+def _indexed_cases(ns, H, D, dtype, device, topk, B=1):
+    return [Case("indexed", f"topk={topk}", B, n, H, D, True, dtype, device, topk=topk) for n in ns]
+
+
+INDEXED_TOPK = 2048   # DeepSeek V3.2's top-k
 
 GPU_LAYOUTS = (("local", (("window", 4),)),
                ("bigbird", (("window", 1), ("num_global_blocks", 1), ("num_random", 3))))
@@ -162,6 +185,8 @@ def default_sweep(quick: bool = False, seqlens=None, ops=OPS, device=None):
                                     LONGNET_R[:4], causals)
         if "block_sparse" in ops:
             cases += _block_sparse_cases(ns, 16, 128, torch.bfloat16, device, GPU_LAYOUTS, (True,), 128)
+        if "indexed" in ops:
+            cases += _indexed_cases(ns, 16, 128, torch.bfloat16, device, INDEXED_TOPK)
         return cases
     ns = seqlens or ([1024] if quick else [1024, 2048, 4096])
     if "dilated" in ops:
@@ -170,6 +195,8 @@ def default_sweep(quick: bool = False, seqlens=None, ops=OPS, device=None):
     if "block_sparse" in ops:
         bs = 128 if min(ns) >= 512 else 32
         cases += _block_sparse_cases(ns, 6, 64, torch.float32, device, CPU_LAYOUTS, (True,), bs)
+    if "indexed" in ops:
+        cases += _indexed_cases(ns, 6, 64, torch.float32, device, 256)
     return cases
 
 
@@ -177,7 +204,8 @@ def tiny_sweep(device="cpu", n=128):
     """One tiny case per op (tests, `--quick` under the interpreter)."""
     return [Case("dilated", "head_groups", 1, n, 2, 16, True, torch.float32, device, (n // 2, n), (1, 2)),
             Case("block_sparse", "local", 1, n, 2, 16, True, torch.float32, device,
-                 layout=("local", (("window", 1),)), block_size=32)]
+                 layout=("local", (("window", 1),)), block_size=32),
+            Case("indexed", "topk=32", 1, n, 2, 16, True, torch.float32, device, topk=32)]
 
 
 # ----------------------------------------------------------------------------- providers
@@ -204,6 +232,13 @@ def _config_label(kernel: str, case: Case) -> str:
 
 
 def provider_config(case: Case, provider: str, mode: str) -> str:
+    if provider == "triton" and case.spec.launch_tiles is not None:   # the variant's own tile rule
+        dev = torch.device(case.device)
+        kernel = case.spec.kernels[0].name
+        cfg = case.spec.launch_tiles(kernel, case.D, case.dtype, {"GROUP": case.H // case.kv_heads},
+                                     device_arch(dev) if dev.type == "cuda" else None)
+        body = " ".join(f"{k}={v}" for k, v in cfg.items() if k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
+        return f"{kernel}: {body} [{'interpreter' if dev.type != 'cuda' else 'the variant tile rule'}]"
     if provider == "triton":   # the config families of the spec's kernels: forward, then backward
         families = case.spec.families if mode == "fwd_bwd" else case.spec.families[:1]
         return "; ".join(_config_label(k, case) for k in families)
@@ -236,7 +271,7 @@ def providers(case: Case, flex: bool | None = None, only=None):
     return provs
 
 
-PROVIDERS = ("triton", "portable", "head_group_loop", "flex", "sdpa_dense")   # every name `providers` can return
+PROVIDERS = ("triton", "portable", "head_group_loop", "flex", "gather", "sdpa_dense")   # every name `providers` can return
 
 
 def missing_providers(cases, named, flex: bool | None = None) -> dict:
@@ -269,6 +304,8 @@ def missing_providers(cases, named, flex: bool | None = None) -> dict:
                          if "dilated" not in ops else
                          "the head-group loop computes mode=head_groups only, with H a multiple of the patterns, "
                          f"no GQA and N a multiple of every segment length (modes here: {', '.join(sorted(modes))})")
+        elif name == "gather":
+            why[name] = "the PyTorch gather is a baseline of the indexed op only (--ops indexed)"
         else:
             why[name] = "no case of this sweep runs it"
     return why
@@ -281,7 +318,7 @@ def _call_op(call, causal, backend, params, q, k, v):
 def case_fields(case: Case) -> dict:
     return dict(op=OP_NAMES[case.op], variant=case.variant, B=case.B, N=case.N, H=case.H, Hkv=case.kv_heads,
                 D=case.D, dtype=str(case.dtype).removeprefix("torch."), causal=case.causal,
-                attn_mode="" if case.layout else case.variant,
+                attn_mode=case.variant if case.op == "dilated" else "",
                 segment_lengths="/".join(map(str, case.ws)), dilation_rates="/".join(map(str, case.rs)),
                 layout=case.layout_label, block_size=case.block_size if case.layout else "")
 
@@ -372,6 +409,9 @@ def group_rows(case: Case, measured, report, peak: float, base: dict) -> list:
             # another (many small parallel ops suffer more from a stolen core than one big call)
             rflags = flags + ([FLAG_SPREAD] if rspread > SPREAD_LIMIT_PCT else [])
             metrics.append(("speedup_vs_dense", ratio, "" if math.isnan(rspread) else round(rspread, 2), rflags))
+            # speedup x density: 1.0 when the skipped pairs are all turned into time saved
+            metrics.append(("efficiency", ratio * n_pairs / dense, "" if math.isnan(rspread) else round(rspread, 2),
+                            rflags))
         rows += [make_row(**row_base, metric=m, value=sig(v), spread_pct=s, flags=f) for m, v, s, f in metrics]
     return rows
 

@@ -34,11 +34,12 @@ COLUMNS = ["op", "variant", "provider", "pass", "B", "N", "H", "Hkv", "D", "dtyp
            "metric", "value", "spread_pct", "rounds", "flags", "other_cores", "config", "matmul_peak_tflops",
            "machine", "arch", "device", "torch", "triton", "cuda", "git_sha", "timestamp"]
 # ms (median), tflops (effective: computed pairs only), pct_matmul_peak (% of the matmul
-# reference), peak_mem_mib (GPU), speedup_vs_dense (dense SDPA ms / provider ms, per round)
-METRICS = ("ms", "tflops", "pct_matmul_peak", "peak_mem_mib", "speedup_vs_dense")
+# reference), peak_mem_mib (GPU), speedup_vs_dense (dense SDPA ms / provider ms, per round),
+# efficiency (speedup_vs_dense x density: 1.0 = the sparsity fully turned into speed)
+METRICS = ("ms", "tflops", "pct_matmul_peak", "peak_mem_mib", "speedup_vs_dense", "efficiency")
 PASSES = ("fwd", "fwd_bwd")
 REQUIRED = ("op", "provider", "metric", "value")    # and `pass` (or the old `mode`)
-BENCH_OPS = ("dilated_attention", "block_sparse_attention")
+BENCH_OPS = ("dilated_attention", "block_sparse_attention", "indexed_attention")
 
 SPREAD_LIMIT_PCT = 10.0    # an IQR above 10% of the median: the rounds disagree
 BUSY_LIMIT_CORES = 0.25    # other processes took more than a quarter core while it was timed
@@ -214,7 +215,7 @@ def read_csv(paths):
 # ----------------------------------------------------------------------------- table
 
 SHORT = {"sdpa_dense": "dense", "head_group_loop": "loop"}
-PROVIDER_ORDER = ["triton", "portable", "head_group_loop", "flex", "sdpa_dense"]
+PROVIDER_ORDER = ["triton", "portable", "head_group_loop", "flex", "gather", "sdpa_dense"]
 
 
 def main_provider_of(providers) -> str:
@@ -259,7 +260,7 @@ def summary_table(rows) -> str:
                                                          if k[4] in PASSES else 9))
     vs = f"dense/{SHORT.get(main, main)}"
     head = f"{'op':22} {'pattern':17} {'causal':6} {'N':>7} {'pass':7}" + "".join(f" {p[:16]:>16}" for p in provs)
-    head += f" | {SHORT.get(main, main) + ' ' + unit:>16} {'%matmul':>7} {vs:>14}  flags"
+    head += f" | {SHORT.get(main, main) + ' ' + unit:>16} {'%matmul':>7} {vs:>14} {'eff':>5}  flags"
     paired = any(r.get("rounds") not in ("", None) for r in ms)
     title = ("median ms over interleaved rounds, ±: interquartile range in % of the median" if paired else
              f"median ms (a file without interleaved rounds: no spread; {vs} is a ratio of medians)")
@@ -280,15 +281,23 @@ def summary_table(rows) -> str:
         tf, pk = cell.get((g, main, "tflops")), cell.get((g, main, "pct_matmul_peak"))
         line += f" | {tf['value'] * scale:>16.3f} {pk['value']:>7.1f}" if tf and pk else f" | {'-':>16} {'-':>7}"
         sp = cell.get((g, main, "speedup_vs_dense"))
+        m, d = cell.get((g, main, "ms")), cell.get((g, "sdpa_dense", "ms"))
+        speedup = float("nan")
         if sp is not None:
             s = sp.get("spread_pct", float("nan"))
-            txt = f"{sp['value']:.2f}x" + (f" ±{s:.0f}%" if not math.isnan(_float(s)) else "")
+            speedup = sp["value"]
+            txt = f"{speedup:.2f}x" + (f" ±{s:.0f}%" if not math.isnan(_float(s)) else "")
             for f in _flags(sp):
                 flags.setdefault(f, []).append(vs)
-        else:   # files without paired ratios: a ratio of medians
-            m, d = cell.get((g, main, "ms")), cell.get((g, "sdpa_dense", "ms"))
-            txt = f"{d['value'] / m['value']:.2f}x" if m and d and m["value"] > 0 else "-"
-        line += f" {txt:>14}  " + "; ".join(
+        elif m and d and m["value"] > 0:   # files without paired ratios: a ratio of medians
+            speedup = d["value"] / m["value"]
+            txt = f"{speedup:.2f}x"
+        else:
+            txt = "-"
+        # efficiency: the CSV's, else (older files) the speedup shown times the density
+        eff = cell.get((g, main, "efficiency"))
+        eff = eff["value"] if eff else speedup * _float(m.get("density")) if m else float("nan")
+        line += f" {txt:>14} {'-' if math.isnan(eff) else f'{eff:.2f}':>5}  " + "; ".join(
             f if f == FLAG_BUSY else f"{f} {','.join(dict.fromkeys(who))}" for f, who in sorted(flags.items()))
         lines.append(line.rstrip())
     lines += ["", *table_legend(main, unit, cpu, rows)]
@@ -310,6 +319,9 @@ def table_legend(main: str, unit: str, cpu: bool, rows) -> list:
         + "; a reference, not a bound (over 100 is possible).",
         f"{vs_label(main)}: dense SDPA time / {who} time, the median of per-round ratios where measured in "
         f"paired rounds; > 1: {who} is faster than dense, < 1: slower.",
+        f"eff: efficiency, that speedup times the density (computed pairs / dense pairs): 1.0 = the sparsity fully "
+        "turned into speed, below: time lost to gathers, masks and small tiles.",
+        "pattern: indexed attention's topk=K is each query's K listed keys.",
         f"flags: {FLAG_SPREAD} = the rounds' interquartile range exceeds {SPREAD_LIMIT_PCT:.0f}% of the median; "
         f"{FLAG_BWD} = forward+backward timed faster than the forward alone (impossible on a quiet machine); "
         f"{FLAG_BUSY} = other processes took more than {BUSY_LIMIT_CORES} cores while it was timed. "

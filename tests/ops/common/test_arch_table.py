@@ -124,7 +124,34 @@ def test_arch_constructor_keeps_its_old_form():
 
 
 AMD_DEFAULTS_CSV = "perf/aot/gfx942-gfx950-defaults-bf16-fp16-triton39.csv"
-NO_DOT_KERNELS = ("dilated_decode", "decode_merge", "block_sparse_decode", "ring_step_lists")   # vector work, no dot
+# the indexed variant's kernels (tiles.py's rule, not config families), one run on every arch:
+# `perf aot --arch 70 75 80 86 89 90 100 120 gfx942 gfx950 --head-dims 64 128 256 --dtypes bfloat16 float16
+# --kernels indexed_fwd indexed_bwd_dq indexed_bwd_dkdv indexer_scores`
+INDEXED_CSV = "perf/aot/indexed-all-archs-defaults-bf16-fp16-triton39.csv"
+
+
+def _csv_rows(*paths):
+    import csv
+    rows = []
+    for path in paths:
+        with open(ROOT / path) as f:
+            rows += list(csv.DictReader(f))
+    return rows
+
+
+def _launched(r, arch, dtype):
+    """The launch config (CONFIG_FIELDS) the library picks for row r's kernel on `arch`: the
+    family's default (configs.default_config) or the variant's own tile rule (perf.aot.launch_config)."""
+    from triton_dilated.perf.aot import launch_config
+    cfg = launch_config(r["kernel"], int(r["D"]), arch, dtype)
+    return {k: cfg[k] for k in configs.CONFIG_FIELDS}
+
+
+def _compiled(r):
+    return {k: int(r[k]) for k in configs.CONFIG_FIELDS}
+NO_DOT_KERNELS = ("dilated_decode", "decode_merge", "block_sparse_decode", "ring_step_lists",   # vector work, no dot
+                  "indexed_bwd_dkdv")
+INDEXED_KERNELS = ("indexed_fwd", "indexed_bwd_dq", "indexed_bwd_dkdv", "indexer_scores")
 
 
 @pytest.mark.parametrize("gcn", ["gfx942:sramecc+:xnack-", "gfx950"])
@@ -133,23 +160,23 @@ def test_rocm_device_picks_the_compiled_spill_free_config(monkeypatch, clear_arc
     select_config picks for every kernel, 16-bit dtype and head dim <= 128 is the one the
     committed AOT compile of the AMD defaults compiled (perf/aot/, `perf aot --arch gfx942
     gfx950`), and that compile has no VGPR spill, no scratch and fits the arch's LDS."""
-    import csv
-
     from triton_dilated.perf.aot import KERNELS
     name = gcn.split(":")[0]
     lds = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}[name]
     _fake_device(monkeypatch, "6.4", major=9, minor=4 if name == "gfx942" else 5, gcnArchName=gcn,
                  shared_memory_per_block_optin=lds)
     monkeypatch.setattr(configs, "load_arch_table", lambda arch_name: {})   # no tuned table: the defaults
-    path = ROOT / AMD_DEFAULTS_CSV
-    with open(path) as f:
-        rows = [r for r in csv.DictReader(f) if r["arch"] == name and int(r["D"]) <= 128]
+    rows = [r for r in _csv_rows(AMD_DEFAULTS_CSV, INDEXED_CSV) if r["arch"] == name and int(r["D"]) <= 128]
     seen = set()
     for r in rows:
         spec = KERNELS[r["kernel"]]
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[r["dtype"]]
-        cfg = configs.select_config(spec.family, dtype, int(r["D"]), 8192, torch.device("cuda", 0), kernel=r["kernel"])
-        compiled = {k: int(r[k]) for k in configs.CONFIG_FIELDS}
+        if spec.name in INDEXED_KERNELS:
+            cfg = _launched(r, fake_arch(name), dtype)
+        else:
+            cfg = configs.select_config(spec.family, dtype, int(r["D"]), 8192, torch.device("cuda", 0),
+                                        kernel=r["kernel"])
+        compiled = _compiled(r)
         assert cfg == compiled, (r["kernel"], r["dtype"], r["D"], cfg, compiled)
         assert not r["error"] and int(r["spill_stores"]) == 0 and int(r["scratch_bytes"]) == 0, r
         assert int(r["shared_bytes"]) <= lds, r
@@ -165,12 +192,10 @@ DTYPE_LABELS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _all_archs_rows(dtype):
-    import csv
     label = DTYPE_LABELS[dtype]
-    with open(ROOT / ALL_ARCHS_CSV.format(label)) as f:
-        rows = list(csv.DictReader(f))
+    rows = _csv_rows(ALL_ARCHS_CSV.format(label))
     assert rows and all(r["dtype"] == label for r in rows)
-    return rows
+    return rows + [r for r in _csv_rows(INDEXED_CSV) if r["dtype"] == label]
 
 
 # The documented D = 256 spills of the defaults, per arch (docs/gpus.md; the lists may only
@@ -198,8 +223,8 @@ def test_volta_turing_defaults_are_the_compiled_ones(name, dtype):
     assert {(r["kernel"], r["D"], r["causal"]) for r in rows} == {
         (k, d, c) for k in KERNELS for d in ("64", "128", "256") for c in "01"}
     for r in rows:
-        cfg = configs.default_config(KERNELS[r["kernel"]].family, int(r["D"]), arch, dtype, r["kernel"])
-        assert cfg == {k: int(r[k]) for k in configs.CONFIG_FIELDS}, (r["kernel"], r["D"], cfg)
+        cfg = _launched(r, arch, dtype)
+        assert cfg == _compiled(r), (r["kernel"], r["D"], cfg)
         assert not r["error"] and r["mma_sync"] == "0" and int(r["shared_bytes"]) <= arch.shared_memory, r
         if r["D"] != "256" or r["kernel"] not in D256_SPILLS[name]:
             assert r["spill_stores"] == "0", (r["kernel"], r["D"], r["causal"], r["spill_stores"])
@@ -213,17 +238,18 @@ def test_sm100_defaults_are_the_compiled_spill_free_ones(monkeypatch, clear_arch
     at D <= 128 is the one the committed sm100 compile used (perf/aot/, causal: the
     spill-prone case), and that compile has no spill, tcgen05 MMAs in every tile kernel and
     fits 227 KiB (the tcgen05 rows of configs.ARCH_DEFAULTS where the Hopper tiles spilled)."""
-    import csv
-
     from triton_dilated.perf.aot import KERNELS
     _fake_device(monkeypatch, None, major=10, minor=0, shared_memory_per_block_optin=227 * 1024)
     monkeypatch.setattr(configs, "load_arch_table", lambda arch_name: {})   # no tuned table: the defaults
-    with open(ROOT / SM100_DEFAULTS_CSV) as f:
-        rows = [r for r in csv.DictReader(f) if r["arch"] == "sm100" and int(r["D"]) <= 128]
+    rows = [r for r in _csv_rows(SM100_DEFAULTS_CSV, INDEXED_CSV)
+            if r["arch"] == "sm100" and r["dtype"] == "bf16" and int(r["D"]) <= 128]
     for r in rows:
-        cfg = configs.select_config(KERNELS[r["kernel"]].family, torch.bfloat16, int(r["D"]), 8192,
-                                    torch.device("cuda", 0), kernel=r["kernel"])
-        assert cfg == {k: int(r[k]) for k in configs.CONFIG_FIELDS}, (r["kernel"], r["D"], cfg)
+        if r["kernel"] in INDEXED_KERNELS:
+            cfg = _launched(r, fake_arch("sm100"), torch.bfloat16)
+        else:
+            cfg = configs.select_config(KERNELS[r["kernel"]].family, torch.bfloat16, int(r["D"]), 8192,
+                                        torch.device("cuda", 0), kernel=r["kernel"])
+        assert cfg == _compiled(r), (r["kernel"], r["D"], cfg)
         assert not r["error"] and int(r["spill_stores"]) == 0 and int(r["shared_bytes"]) <= 227 * 1024, r
         assert int(r["tcgen05"]) > 0 or r["kernel"] in NO_DOT_KERNELS, r
     assert {(r["kernel"], r["D"]) for r in rows} == {(k, d) for k in KERNELS for d in ("64", "128")}
@@ -262,8 +288,8 @@ def test_every_arch_compiles_its_defaults_without_spills_at_d128(dtype):
     seen = set()
     for r in _all_archs_rows(dtype):
         arch = fake_arch(r["arch"])
-        cfg = configs.default_config(KERNELS[r["kernel"]].family, int(r["D"]), arch, dtype, r["kernel"])
-        assert cfg == {k: int(r[k]) for k in configs.CONFIG_FIELDS}, (r["arch"], r["kernel"], r["D"], cfg)
+        cfg = _launched(r, arch, dtype)
+        assert cfg == _compiled(r), (r["arch"], r["kernel"], r["D"], cfg)
         assert not r["error"] and int(r["shared_bytes"]) <= arch.shared_memory, r
         seen.add((r["arch"], r["kernel"], r["D"], r["causal"]))
         spills = int(r["spill_stores"] or 0) + int(r["scratch_bytes"] or 0)

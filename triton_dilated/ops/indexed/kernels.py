@@ -32,7 +32,7 @@ from ..common.kernels import (LOG2E, dot, finalize, load_row_stats, online_softm
 from ..common.lse import softmax_delta
 from ..common.runtime import kernel_options, last_dim_contiguous, on_tensor_device, require_contiguous
 from .indices import query_lists
-from .tiles import indexed_tiles
+from .tiles import indexed_tiles, indexer_tiles
 
 
 @triton.jit
@@ -372,13 +372,11 @@ def indexer_scores(q, k, weights, first_pos, scale, causal):
     B, S, H, D = q.shape
     T = k.shape[1]
     scores = torch.empty(B, S, T, dtype=torch.float32, device=q.device)
-    block_t = 32 if q.device.type != "cuda" else 64
+    tiles = indexer_tiles(H, q.device)
     dot_mode, precision = kernel_options(q.dtype, q.device)
-    _indexer_scores_kernel[(B * S * triton.cdiv(T, block_t),)](
+    _indexer_scores_kernel[(B * S * triton.cdiv(T, tiles["BLOCK_T"]),)](
         Q=q, K=k, W=weights, SCORES=scores, stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
         stride_kb=k.stride(0), stride_kt=k.stride(1), stride_wb=weights.stride(0), stride_ws=weights.stride(1),
         stride_wh=weights.stride(2), S=S, T=T, H=H, FIRST_POS=first_pos, sm_scale=scale, HEAD_DIM=D,
-        BLOCK_D=padded_head_dim(D), BLOCK_HH=min(64, max(16, 1 << (H - 1).bit_length())), BLOCK_T=block_t,
-        CAUSAL=causal, DOT_MODE=dot_mode, PRECISION=precision, num_warps=4,
-        num_stages=2 if q.device.type == "cuda" else 1)
+        BLOCK_D=padded_head_dim(D), CAUSAL=causal, DOT_MODE=dot_mode, PRECISION=precision, **tiles)
     return scores

@@ -1,10 +1,7 @@
 """The indexed variant as the tools see it (ops/common/spec.py): its kernels, a problem factory
-(DeepSeek's shape: random top-k rows under a causal cut), the pair counter and the public call.
-
-Not yet in ops.SPECS: registering it adds its kernels to `perf aot`, whose committed CSVs (and
-the arch-table tests that read them) need rows compiled for every arch first, and its launch
-tiles are tiles.py's rule rather than the config families `perf tune` sweeps.
-"""
+(DeepSeek's shape: random top-k rows under a causal cut), the pair counter, the public call, its
+benchmark baseline (a PyTorch gather) and its launch tiles: tiles.py's rule, one for every arch,
+not config families that `perf tune` sweeps (`launch_tiles` gives `perf aot` the same tiles)."""
 from __future__ import annotations
 
 from ..common.spec import KernelSpec, VariantSpec
@@ -21,6 +18,37 @@ def count_pairs(B, N, H, causal, *, indices) -> int:
     from .indices import canonical_slots
     _, count = canonical_slots(indices, N, N, causal)
     return int(count.sum()) * (H // count.shape[2])
+
+
+# q heads per kv head in the AOT compiles: DeepSeek V3.2's 128 heads on 8 GPUs (16 per GPU) over the
+# one latent kv head of absorbed MLA; the prefill launches differ only in BLOCK_H (16 either way)
+AOT_GROUP = 16
+
+
+def launch_tiles(kernel, head_dim, dtype, extra, arch) -> dict:
+    """The tiles the launchers use on GPU arch `arch` (None: the CPU interpreter's) for `kernel`
+    at head dim `head_dim` (Dv:
+    extra["HEAD_DIM_V"], else the same), extra["GROUP"] (else AOT_GROUP) q heads per kv head;
+    BLOCK_M, BLOCK_N name the (rows, keys) tile of the CSVs: (BLOCK_H, BLOCK_K) forward and dQ, (heads, BLOCK_R) dK/dV,
+    (BLOCK_HH, BLOCK_T) the indexer."""
+    import torch
+
+    from ..common.hardware import padded_head_dim
+    from .tiles import compiled_indexer_tiles, compiled_tiles, indexed_tiles, indexer_tiles
+    group = extra.get("GROUP", AOT_GROUP)
+    device = torch.device("cpu" if arch is None else "cuda")
+    if kernel == "indexer_scores":
+        t = indexer_tiles(group, device) if arch is None else compiled_indexer_tiles(group, arch)
+        return dict(t, BLOCK_M=t["BLOCK_HH"], BLOCK_N=t["BLOCK_T"])
+    head_dim_v = extra.get("HEAD_DIM_V", head_dim)
+    t = (indexed_tiles(group, head_dim, head_dim_v, dtype, device) if arch is None
+         else compiled_tiles(group, head_dim, head_dim_v, dtype, arch))
+    cfg = dict(num_warps=t["num_warps"], num_stages=t["num_stages"], HEAD_DIM_V=head_dim_v,
+               BLOCK_DV=padded_head_dim(head_dim_v))
+    if kernel == "indexed_bwd_dkdv":   # as indexed_backward launches it: the heads tile at most BLOCK_R
+        heads = min(t["BLOCK_R"], 1 << (group - 1).bit_length())
+        return dict(cfg, BLOCK_H=heads, BLOCK_R=t["BLOCK_R"], BLOCK_M=heads, BLOCK_N=t["BLOCK_R"])
+    return dict(cfg, BLOCK_H=t["BLOCK_H"], BLOCK_K=t["BLOCK_K"], BLOCK_M=t["BLOCK_H"], BLOCK_N=t["BLOCK_K"])
 
 
 def call(q, k, v, *, causal, backend="auto", indices):
@@ -87,5 +115,6 @@ SPEC = VariantSpec(
     problem=IndexedProblem,
     pairs=count_pairs,
     call=call,
-    baselines=(),
+    baselines=("gather",),
+    launch_tiles=launch_tiles,
 )
