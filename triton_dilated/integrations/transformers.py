@@ -32,10 +32,19 @@ and backward), prefill, `generate()` with transformers' DynamicCache, with `Dila
 with a static cache (whose decode steps run the `*_with_kvcache` entry points with the
 cache's length as a device tensor: a compiled forward traces once), GQA/MQA. The attention
 functions read nothing on the host per layer; the mask functions read the padding mask once
-per forward. Left padding (batched `generate`) works with full caches: each row is attended as
-its own sequence from its first real token, so its result equals the unpadded one; with
-`DilatedCache` it is refused (the cache drops rows at positions counted from the batch's
-start, which are not segment boundaries of a padded row).
+per forward. Padded batches work with full caches when each row's real tokens are one
+contiguous run: left padding (batched `generate`) attends each row as its own sequence from its
+first real token, so its result equals the unpadded one; right padding (training batches,
+transformers' model tester's tril masks) needs no cut, causal attention never reaching a later
+key; both may meet in one batch. A query on a padding position gets attention output 0 (eager
+gives the mean of all values for a row with every key masked, and attention over the row's
+real keys for a query on right padding; transformers' own eager-vs-sdpa test compares the real
+tokens only). With `DilatedCache` padding is refused (the cache drops rows at positions counted
+from the batch's start, which are not segment boundaries of a padded row).
+A 4-d mask (B|1, 1|H, q_len, kv_len) made by the caller (transformers hands it to the attention
+unchanged), boolean or additive (0 and the dtype's min or -inf), is accepted when it is exactly
+the layer's causal (sliding layers: sliding-window causal) mask with key padding as above; it
+is read on the host at the first layer and its padding kept on the tensor for the others.
 
 gpt-oss, Gemma 2, Mistral (issue 23): a layer whose module passes `sliding_window=w` runs
 block_sparse_attention on `layouts.sliding_window(n, block_size, w)` (exact: keys
@@ -49,8 +58,10 @@ indexed_attention on the `indices` the model's indexer hands its attention, with
 mask folded into them (its mask function is transformers' sdpa_mask, which the indexer scores
 against); config.indexed_attention = {"backend": ...} is optional.
 
-Refused with a clear error: attention dropout > 0, non-causal modules, packed sequences
-(flash-attn's cu_seq_lens) and other mask overlays, 4-d masks, right padding.
+Refused with a clear error (no mask is ignored): attention dropout > 0, non-causal modules,
+packed sequences (flash-attn's cu_seq_lens) and other mask overlays, a padding mask with a gap
+inside a row's tokens (generate() after right padding), any other 4-d mask (documents, prefix
+LM, arbitrary patterns, per-head masks, additive biases: the kernels take no element mask).
 `output_attentions` gives None for the weights.
 """
 from __future__ import annotations
@@ -248,7 +259,8 @@ def _check_call(impl, module, attention_mask, dropout, is_causal, kwargs):
 def _run(impl, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs):
     """transformers' (B, H, N, D) tensors -> call(q, k, v, lengths) on (B, N, H, D) views ->
     (B, Nq, H, D). The mask is what the mask functions below returned: None, an int32 (B,)
-    of valid rows (a static cache) or a 2-d padding mask (tagged with its padding groups)."""
+    of valid rows (a static cache) or a 2-d padding mask (tagged with its padding groups), or
+    a caller's 4-d mask (transformers passes it through), turned into its padding mask."""
     _check_call(impl, module, attention_mask, dropout, is_causal, kwargs)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     if attention_mask is None:
@@ -549,7 +561,7 @@ def _padding_mask(impl, batch_size, q_length, kv_length, q_offset, kv_offset, ma
     """What the attention functions take: None (no padding, a cache of exactly the rows seen),
     an int32 (B,) tensor of valid rows (a static cache, whose keys are its whole capacity:
     transformers passes its length as a device tensor q_offset), or the 2-d boolean padding
-    mask of the key rows the attention sees, tagged with its padding groups (like
+    mask (left and/or right) of the key rows the attention sees, tagged with its padding groups (like
     flash-attention's mask function). Called once per forward, outside the layers: the one
     host read it may make (is the batch padded?) is not repeated per layer, and none is made
     for a static cache without an attention mask."""
