@@ -269,6 +269,10 @@ def test_masks_the_kernels_cannot_express_are_refused():
     gap[1, 4:6] = 0
     with pytest.raises(ValueError, match=r"one contiguous run per row.*row 1 .*\[1, 1, 1, 1, 0, 0, 1"):
         ours(ids, attention_mask=gap)
+    right = torch.ones(2, 12, dtype=torch.long)
+    right[1, -3:] = 0         # the prefill runs; the first decode step's mask has the padding inside the row
+    with pytest.raises(ValueError, match=r"one contiguous run per row.*generate\(\) after right padding"):
+        ours.generate(ids, attention_mask=right, max_new_tokens=2, do_sample=False, pad_token_id=0)
     causal = sdpa_mask(batch_size=2, q_length=12, kv_length=12, allow_is_causal_skip=False)
     rand = torch.rand(2, 1, 12, 12, generator=torch.Generator().manual_seed(0)) > 0.5
     with pytest.raises(ValueError, match=r"causal mask of the last 12 positions.*\(2, 1, 12, 12\) torch.bool"):
