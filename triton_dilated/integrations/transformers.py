@@ -32,10 +32,19 @@ and backward), prefill, `generate()` with transformers' DynamicCache, with `Dila
 with a static cache (whose decode steps run the `*_with_kvcache` entry points with the
 cache's length as a device tensor: a compiled forward traces once), GQA/MQA. The attention
 functions read nothing on the host per layer; the mask functions read the padding mask once
-per forward. Left padding (batched `generate`) works with full caches: each row is attended as
-its own sequence from its first real token, so its result equals the unpadded one; with
-`DilatedCache` it is refused (the cache drops rows at positions counted from the batch's
-start, which are not segment boundaries of a padded row).
+per forward. Padded batches work with full caches when each row's real tokens are one
+contiguous run: left padding (batched `generate`) attends each row as its own sequence from its
+first real token, so its result equals the unpadded one; right padding (training batches,
+transformers' model tester's tril masks) needs no cut, causal attention never reaching a later
+key; both may meet in one batch. A query on a padding position gets attention output 0 (eager
+gives the mean of all values for a row with every key masked, and attention over the row's
+real keys for a query on right padding; transformers' own eager-vs-sdpa test compares the real
+tokens only). With `DilatedCache` padding is refused (the cache drops rows at positions counted
+from the batch's start, which are not segment boundaries of a padded row).
+A 4-d mask (B|1, 1|H, q_len, kv_len) made by the caller (transformers hands it to the attention
+unchanged), boolean or additive (0 and the dtype's min or -inf), is accepted when it is exactly
+the layer's causal (sliding layers: sliding-window causal) mask with key padding as above; it
+is read on the host at the first layer and its padding kept on the tensor for the others.
 
 gpt-oss, Gemma 2, Mistral (issue 23): a layer whose module passes `sliding_window=w` runs
 block_sparse_attention on `layouts.sliding_window(n, block_size, w)` (exact: keys
@@ -49,8 +58,10 @@ indexed_attention on the `indices` the model's indexer hands its attention, with
 mask folded into them (its mask function is transformers' sdpa_mask, which the indexer scores
 against); config.indexed_attention = {"backend": ...} is optional.
 
-Refused with a clear error: attention dropout > 0, non-causal modules, packed sequences
-(flash-attn's cu_seq_lens) and other mask overlays, 4-d masks, right padding.
+Refused with a clear error (no mask is ignored): attention dropout > 0, non-causal modules,
+packed sequences (flash-attn's cu_seq_lens) and other mask overlays, a padding mask with a gap
+inside a row's tokens (generate() after right padding), any other 4-d mask (documents, prefix
+LM, arbitrary patterns, per-head masks, additive biases: the kernels take no element mask).
 `output_attentions` gives None for the weights.
 """
 from __future__ import annotations
@@ -239,36 +250,105 @@ def _check_call(impl, module, attention_mask, dropout, is_causal, kwargs):
         return
     lengths = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1 and \
         attention_mask.dtype == torch.int32       # a static cache's valid rows (_padding_mask)
-    if not isinstance(attention_mask, torch.Tensor) or (attention_mask.dim() != 2 and not lengths):
+    if not isinstance(attention_mask, torch.Tensor) or (attention_mask.dim() not in (2, 4) and not lengths):
         shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
-        raise ValueError(f"{impl} takes a 2-d padding mask (B, kv_len) or None, got {shape}: custom 4-d masks "
-                         f"are not supported")
+        raise ValueError(f"{impl} takes a 2-d padding mask (B, kv_len), a 4-d mask (B, 1, q_len, kv_len) of "
+                         f"causal attention with padding, or None; got {shape}")
 
 
 def _run(impl, call, module, query, key, value, attention_mask, dropout, is_causal, kwargs):
     """transformers' (B, H, N, D) tensors -> call(q, k, v, lengths) on (B, N, H, D) views ->
     (B, Nq, H, D). The mask is what the mask functions below returned: None, an int32 (B,)
-    of valid rows (a static cache) or a 2-d padding mask (tagged with its padding groups)."""
+    of valid rows (a static cache) or a 2-d padding mask (tagged with its padding groups), or
+    a caller's 4-d mask (transformers passes it through), turned into its padding mask."""
     _check_call(impl, module, attention_mask, dropout, is_causal, kwargs)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     if attention_mask is None:
         return call(q, k, v, None)
     if attention_mask.dim() == 1:
         return call(q, k, v, attention_mask)
-    return _left_padded(impl, call, q, k, v, attention_mask)
+    if attention_mask.dim() == 4:
+        attention_mask = _padding_of_4d(impl, attention_mask, q.shape[0], q.shape[1], k.shape[1],
+                                        kwargs.get("sliding_window"))
+    return _padded(impl, call, q, k, v, attention_mask)
+
+
+def _padding_of_4d(impl, mask, B, Nq, Nk, window):
+    """The tagged 2-d padding mask (B, Nk) of a 4-d mask (B|1, 1|H, Nq, Nk) that is exactly the
+    layer's causal mask (keys p' <= p; with the layer's sliding window also p' > p - window) of
+    queries at the last Nq positions, intersected with a key padding mask: what transformers
+    builds for a padded batch (boolean, True = attend, or additive, 0 = attend and the dtype's
+    min or -inf = masked), which such a mask reaches us unchanged when the caller made it. Any
+    other 4-d mask is a ValueError (the kernels take no element mask). Reads the mask on the
+    host; the result is kept on the mask tensor (per window and mask version), so the layers
+    after the first reuse it."""
+    if mask.dim() != 4 or mask.shape[0] not in (1, B) or tuple(mask.shape[2:]) != (Nq, Nk):
+        raise ValueError(f"{impl}: a 4-d attention mask must have shape (B|1, 1|heads, q_len, kv_len) = "
+                         f"({B}|1, ..., {Nq}, {Nk}), got {tuple(mask.shape)}")
+    try:
+        version = mask._version
+    except RuntimeError:      # an inference-mode tensor keeps no version counter
+        version = None
+    key = (window, B, Nq, Nk, str(mask.device), version)
+    kept = getattr(mask, "_td_padding_of", None)
+    if kept is not None and key in kept:
+        return kept[key]
+    if mask.dtype == torch.bool:
+        keep = mask
+    elif mask.is_floating_point():
+        keep = mask == 0
+        if not (keep | (mask <= torch.finfo(mask.dtype).min)).all():
+            raise ValueError(f"{impl}: an additive 4-d attention mask may hold only 0 (attend) and the dtype's min "
+                             f"or -inf (masked); this one ({mask.dtype}) holds other values (a bias), which the "
+                             f"kernels cannot add")
+    else:
+        raise TypeError(f"{impl}: a 4-d attention mask must be boolean or floating (additive), got {mask.dtype}")
+    if not (keep == keep[:, :1]).all():
+        raise ValueError(f"{impl}: the 4-d attention mask differs between heads (shape {tuple(mask.shape)}); only "
+                         f"masks shared by every head are supported")
+    keep = keep[:, 0].expand(B, Nq, Nk)
+    padding = keep.any(dim=1)                                   # a real key is seen by some query
+    pos_q = torch.arange(Nk - Nq, Nk, device=mask.device)[:, None]
+    pos_k = torch.arange(Nk, device=mask.device)[None, :]
+    band = pos_k <= pos_q
+    if window is not None:
+        band = band & (pos_k > pos_q - window)
+    want = band[None] & padding[:, None, :]
+    if not torch.equal(keep, want):
+        what = f"sliding-window causal mask ({window} keys)" if window is not None else "causal mask"
+        raise ValueError(f"{impl} takes a 4-d attention mask only when it is the layer's {what} of the last {Nq} "
+                         f"positions intersected with key padding (what transformers builds for a padded batch); "
+                         f"the mask passed, {tuple(mask.shape)} {mask.dtype}, differs from that at "
+                         f"{int((keep != want).sum())} (query, key) pairs. Other masks (packed documents, prefix "
+                         f"LM, arbitrary patterns) are not supported: pass the 2-d padding mask instead")
+    padding.td_padding = _padding_groups(impl, padding)
+    if kept is None:
+        kept = {}
+        mask._td_padding_of = kept
+    kept[key] = padding
+    return padding
 
 
 def _padding_groups(impl, mask):
-    """(pads, groups, inverse) of a 2-d left-padding mask (B, kv_len): per row the padding
-    length; {pad: (rows, index tensor)}; the permutation back to batch order (None for one
-    group). Reads the mask on the host: the mask functions call it once per forward (and tag
-    the mask with the result), so that the attention function of each layer does not."""
+    """(groups, inverse, right) of a 2-d padding mask (B, kv_len) whose real tokens are one
+    contiguous run per row (left padding, right padding, or both): {left pad: (rows, index
+    tensor)}; the permutation back to batch order (None for one group); whether any row has
+    padding after its run (query rows there are zeroed). Reads the mask on the host: the mask
+    functions call it once per forward (and tag the mask with the result), so that the
+    attention function of each layer does not."""
     mask = mask.to(dtype=torch.bool)
     B, Nk = mask.shape
-    pads = (~mask).sum(dim=1)
-    if not torch.equal(mask, torch.arange(Nk, device=mask.device)[None, :] >= pads[:, None]):
-        raise ValueError(f"{impl} supports left padding only (each row of attention_mask: zeros, then ones); "
-                         f"pad on the left (tokenizer.padding_side = 'left')")
+    pads = mask.int().argmax(dim=1) * mask.any(dim=1)       # leading zeros (0 for an all-padding row)
+    real = mask.sum(dim=1)
+    pos = torch.arange(Nk, device=mask.device)[None, :]
+    run = (pos >= pads[:, None]) & (pos < (pads + real)[:, None])
+    if not torch.equal(mask, run):
+        bad = int((mask != run).any(dim=1).nonzero()[0, 0])
+        row = mask[bad].int().tolist()
+        raise ValueError(f"{impl} takes padding masks whose real tokens are one contiguous run per row (left and/or "
+                         f"right padding); row {bad} of attention_mask is {row if Nk <= 32 else row[:32] + ['...']}, "
+                         f"a gap inside the run (e.g. generate() after right padding: pad on the left for "
+                         f"generation, tokenizer.padding_side = 'left')")
     groups: dict[int, list[int]] = {}
     for b, pad in enumerate(pads.tolist()):
         groups.setdefault(pad, []).append(b)
@@ -278,30 +358,37 @@ def _padding_groups(impl, mask):
     if len(groups) > 1:
         inverse = torch.empty(B, dtype=torch.long, device=mask.device)
         inverse[torch.tensor(order, device=mask.device)] = torch.arange(B, device=mask.device)
-    return index, inverse
+    right = bool(((pads + real) < Nk).any())
+    return index, inverse, right
 
 
-def _left_padded(impl, call, q, k, v, mask):
+def _padded(impl, call, q, k, v, mask):
     """Each batch row attended from its first real key on, as its own sequence (rows grouped by
-    padding length); query rows on padding positions get 0."""
+    left-padding length). Padding after a row's real tokens (right padding) needs no cut: the
+    attention is causal, so no real query reaches a later key. Query rows on padding positions
+    (either side) give 0."""
     B, Nq, H, D = q.shape
     Nk = k.shape[1]
     if tuple(mask.shape) != (B, Nk):
         raise ValueError(f"{impl}: the padding mask has shape {tuple(mask.shape)}, the keys (B, kv_len) = ({B}, {Nk})")
-    groups, inverse = getattr(mask, "td_padding", None) or _padding_groups(impl, mask.to(k.device))
+    groups, inverse, right = getattr(mask, "td_padding", None) or _padding_groups(impl, mask.to(k.device))
     if list(groups) == [0]:
-        return call(q, k, v, None)
-    parts = []
-    for pad, (rows, index) in groups.items():
-        nq = min(Nq, Nk - pad)
-        zeros = q.new_zeros((len(rows), Nq - nq, H, D))
-        if nq > 0:
-            out = call(q.index_select(0, index)[:, Nq - nq:], k.index_select(0, index)[:, pad:],
-                       v.index_select(0, index)[:, pad:], None)
-            parts.append(torch.cat([zeros, out], dim=1) if nq < Nq else out)
-        else:
-            parts.append(zeros)
-    return torch.cat(parts).index_select(0, inverse) if inverse is not None else parts[0]
+        out = call(q, k, v, None)
+    else:
+        parts = []
+        for pad, (rows, index) in groups.items():
+            nq = min(Nq, Nk - pad)
+            zeros = q.new_zeros((len(rows), Nq - nq, H, D))
+            if nq > 0:
+                out = call(q.index_select(0, index)[:, Nq - nq:], k.index_select(0, index)[:, pad:],
+                           v.index_select(0, index)[:, pad:], None)
+                parts.append(torch.cat([zeros, out], dim=1) if nq < Nq else out)
+            else:
+                parts.append(zeros)
+        out = torch.cat(parts).index_select(0, inverse) if inverse is not None else parts[0]
+    if right:   # the queries on right padding saw their run and the padding before them: zero them
+        out = torch.where(mask[:, Nk - Nq:, None, None].to(device=out.device, dtype=torch.bool), out, 0.0)
+    return out
 
 
 def _head_slice(impl, module, query, kwargs) -> tuple[int, int | None]:
@@ -474,7 +561,7 @@ def _padding_mask(impl, batch_size, q_length, kv_length, q_offset, kv_offset, ma
     """What the attention functions take: None (no padding, a cache of exactly the rows seen),
     an int32 (B,) tensor of valid rows (a static cache, whose keys are its whole capacity:
     transformers passes its length as a device tensor q_offset), or the 2-d boolean padding
-    mask of the key rows the attention sees, tagged with its padding groups (like
+    mask (left and/or right) of the key rows the attention sees, tagged with its padding groups (like
     flash-attention's mask function). Called once per forward, outside the layers: the one
     host read it may make (is the batch padded?) is not repeated per layer, and none is made
     for a static cache without an attention mask."""
