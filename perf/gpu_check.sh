@@ -7,7 +7,7 @@
 #                                         interpreter, no GPU needed (tests/repo/test_gpu_check.py)
 #
 # The most valuable numbers first; each stage under its own `timeout`, writing its rows as it
-# goes (a failing or slow stage never stops the next). Stage limits add up to 440 s (+ 5 s
+# goes (a failing or slow stage never stops the next). Stage limits add up to 435 s (+ 5 s
 # each to kill a stage that ignores SIGTERM); with the GPU check before (30 + 5 s at most) and
 # the result tables after (20 + 5 s) even a run where everything hits its limit takes 9 minutes.
 #   1. smoke (25 s)      nvidia-smi (clocks, power), python/python3, a C compiler, Python.h and
@@ -19,20 +19,24 @@
 #                        (perf/gpu_key_rows.py -> key_rows.csv)
 #   3. breakdown (25 s)  torch.profiler per kernel of one dilated fwd+bwd at the key shape:
 #                        fwd, dQ, dK/dV, delta, rest (perf/kernel_breakdown.py -> kernel_breakdown.csv)
-#   4. configs (80 s)    config A/B of the dilated forward and backward at the key shape,
+#   4. configs (65 s)    config A/B of the dilated forward and backward at the key shape,
 #                        paired against the defaults, the kernel variant switches (dilated
 #                        FLAT_LOOP, block-sparse TMA, and WARP_SPEC on sm100) included
 #                        (perf/config_ab.py -> config_ab.csv)
-#   5. flex (60 s)       block-sparse vs FlexAttention (compiled) and dense at 16K, ~90% sparsity
+#   5. flex (45 s)       block-sparse vs FlexAttention (compiled) and dense at 16K, ~90% sparsity
 #                        (perf/block_sparse_vs_flex.py -> block_sparse_vs_flex.csv)
-#   6. ringstep (20 s)   issue 4's one-GPU ring check, and issue 22's Ulysses overhead on a world of 1
+#   6. ringstep (15 s)   issue 4's one-GPU ring check, and issue 22's Ulysses overhead on a world of 1
 #                        against the local call (perf/ring_step_vs_dense.py -> ring_step_vs_dense.txt)
-#   6b. decode (30 s)    one decode step (bf16, H = 16, D = 128) at 4K, 32K, 256K and 1M tokens of
+#   6b. decode (35 s)    one decode step (bf16, H = 16, D = 128) at 4K, 32K, 256K and 1M tokens of
 #                        context, batch 1 and 8: dilated (Triton decode kernel) vs dense SDPA on the
 #                        same cache; the serving step (append + attend, dilated_attention_with_kvcache)
 #                        contiguous, paged, FP8, and compiled + captured in a CUDA graph (replay
-#                        timed); host time per call; FP8 error (python -m triton_dilated.perf decode
-#                        -> decode.csv).
+#                        timed); indexed attention's serve door (top-2048 of the context); host time per
+#                        call; FP8 error (python -m triton_dilated.perf decode -> decode.csv).
+#   6c. indexed (25 s)   indexed attention (DeepSeek's top-2048 per query, causal, bf16, H = 16, D = 128)
+#                        fwd and fwd+bwd at N = 16K: its Triton kernels against the PyTorch gather and
+#                        dense SDPA, with the efficiency (speedup x density) (python -m triton_dilated.perf
+#                        sweep --ops indexed -> indexed.csv)
 #   7. tests (140 s)     the test suite on CUDA with compiled kernels, bf16 included, 12 xdist
 #                        workers (TRITON_DILATED_TEST_DEVICE=cuda), without the gloo-process tests
 #                        (their children run the interpreter: CPU CI's) -> tests.log, tests.xml.
@@ -84,7 +88,9 @@ if [ "$DRY" = 1 ]; then
   FLEX_ARGS=("${SHAPE[@]}" --block-size 32 --quick)
   RING_ARGS=("${SHAPE[@]}" --worlds 2 --ulysses-backend torch)
   DECODE_ARGS=(--contexts 128 --batch 1 2 --heads 1 --head-dim 16 --dtype float32 --budget 0.05
-               --providers dilated dilated_kvcache dilated_kvcache_paged_fp8 dilated_kvcache_graph sdpa_dense)
+               --providers dilated dilated_kvcache dilated_kvcache_paged_fp8 dilated_kvcache_graph indexed_kvcache
+               sdpa_dense)
+  INDEXED_ARGS=(--tiny --seqlens 64 --budget 0)
   TEST_ARGS=(tests/perf/test_perf.py -k "plan_cli")
   SCALE=${GPU_CHECK_DRY_SCALE:-4}      # the interpreter on a shared CPU: longer limits
 else
@@ -95,7 +101,10 @@ else
   CONFIG_ARGS=()
   FLEX_ARGS=()
   RING_ARGS=()
-  DECODE_ARGS=(--contexts 4096 32768 262144 1048576 --batch 1 8 --budget 0.2)
+  DECODE_ARGS=(--contexts 4096 32768 262144 1048576 --batch 1 8 --budget 0.2
+               --providers dilated dilated_kvcache dilated_kvcache_paged dilated_kvcache_fp8 dilated_kvcache_paged_fp8
+               dilated_kvcache_graph dilated_bounded indexed_kvcache sdpa_dense)
+  INDEXED_ARGS=(--seqlens 16384 --budget 0.2)
   # CPU-only suites (the gloo ring processes, notebooks, the ahead-of-time compile) run in CI:
   # not here, where the ring children would fall back to the slow interpreter and the real
   # compiles make the AOT one redundant. The ring step kernels do run here.
@@ -154,12 +163,14 @@ fi
 
 stage key 60 "$PY" perf/gpu_key_rows.py --out "$OUT/key_rows.csv" "${KEY_ARGS[@]}"
 stage breakdown 25 "$PY" perf/kernel_breakdown.py --out "$OUT/kernel_breakdown.csv" "${BREAKDOWN_ARGS[@]}"
-stage configs 80 "$PY" perf/config_ab.py --out "$OUT/config_ab.csv" "${CONFIG_ARGS[@]}"
-stage flex 60 "$PY" perf/block_sparse_vs_flex.py --out "$OUT/block_sparse_vs_flex.csv" "${FLEX_ARGS[@]}"
-stage ringstep 20 bash -c '"$1" perf/ring_step_vs_dense.py "${@:2}" > "$0/ring_step_vs_dense.txt" 2>&1; rc=$?;
+stage configs 65 "$PY" perf/config_ab.py --out "$OUT/config_ab.csv" "${CONFIG_ARGS[@]}"
+stage flex 45 "$PY" perf/block_sparse_vs_flex.py --out "$OUT/block_sparse_vs_flex.csv" "${FLEX_ARGS[@]}"
+stage ringstep 15 bash -c '"$1" perf/ring_step_vs_dense.py "${@:2}" > "$0/ring_step_vs_dense.txt" 2>&1; rc=$?;
   cat "$0/ring_step_vs_dense.txt"; exit $rc' "$OUT" "$PY" "${RING_ARGS[@]}"
-stage decode 30 "$PY" -m triton_dilated.perf decode --out "$OUT/decode.csv" --memory-contexts --max-call-seconds 5 \
+stage decode 35 "$PY" -m triton_dilated.perf decode --out "$OUT/decode.csv" --memory-contexts --max-call-seconds 5 \
   "${DECODE_ARGS[@]}"
+stage indexed 25 "$PY" -m triton_dilated.perf sweep --ops indexed --providers triton gather sdpa_dense --no-plot \
+  --overwrite --out "$OUT/indexed.csv" "${INDEXED_ARGS[@]}"
 
 # the test suite last: its GPU-only value (compiled bf16 numerics, bounds) is real, but compile
 # errors are already excluded by the ahead-of-time check in CPU CI

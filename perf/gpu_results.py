@@ -17,7 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-STAGE_FILES = ("key_rows.csv", "kernel_breakdown.csv", "config_ab.csv", "block_sparse_vs_flex.csv", "decode.csv")
+STAGE_FILES = ("key_rows.csv", "kernel_breakdown.csv", "config_ab.csv", "block_sparse_vs_flex.csv", "decode.csv",
+               "indexed.csv")
 
 
 def combine(outdir: str) -> str | None:

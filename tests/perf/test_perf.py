@@ -729,6 +729,33 @@ def test_decode_sweep_times_the_inference_entry_point_and_prints_host_rows():
     assert "host time per call" in table and "dilated_kvcache host" in table
 
 
+def test_decode_sweep_times_indexed_attention_against_its_gather():
+    """Issue 32 item 5: the indexed serve door's decode step (each query's top-k random
+    positions) next to the PyTorch gather of the same rows and dense SDPA; the gather agrees
+    with the door (max_abs_err) and the rows name the top-k, not the dilated schedule."""
+    from triton_dilated.perf import decode as perf_decode
+    one = timing.Timing(warmup=0, budget_s=0.0, min_reps=1, max_reps=1)
+    provs = ["indexed_kvcache", "indexed_gather", "sdpa_dense"]
+    rows = perf_decode.run_decode([64, 4096], providers=provs, heads=4, kv_heads=2, head_dim=8, device="cpu",
+                                  memory_contexts=[], quiet=True, timing=one, batches=[2])
+    timed = {(r["N"], r["provider"]) for r in rows if r["metric"] == "ms" and r["value"] != ""}
+    assert timed == {(n, p) for n in (64, 4096) for p in provs}
+    err = [r for r in rows if r["metric"] == "max_abs_err"]
+    assert [(r["N"], r["provider"]) for r in err] == [(64, "indexed_gather"), (4096, "indexed_gather")]
+    assert all(r["value"] < 1e-5 for r in err)
+    assert {r["variant"] for r in rows if r["provider"] in provs[:2]} == {"topk=2048"}
+    assert {r["segment_lengths"] for r in rows if r["provider"] in provs[:2]} == {""}
+    # 2048 of 3000 keys: the door attends to the listed ones only, not to every key as dense SDPA
+    q, k, v = torch.randn(1, 1, 2, 8), torch.randn(1, 3000, 2, 8), torch.randn(1, 3000, 2, 8)
+    calls = perf_decode.indexed_steps(q, k, v, provs)
+    assert set(calls) == {"indexed_kvcache", "indexed_gather"}
+    out = calls["indexed_kvcache"]()
+    assert (out - calls["indexed_gather"]()).abs().max() < 1e-5
+    dense = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    assert (out - dense.transpose(1, 2)).abs().max() > 1e-3
+    assert "indexed_gather against indexed_kvcache" in perf_decode.decode_table(rows)
+
+
 def test_decode_sweep_batches_paged_fp8_graph_and_host_rows():
     """Issue 21 item 6: batch sizes, the paged and FP8 serving-step providers (paged equal to
     contiguous, FP8 within its error), the CUDA-graph provider (a skipped row on a CPU), the

@@ -16,7 +16,7 @@ import torch
 from tests.helpers.paths import ROOT
 
 SCRIPT = ROOT / "perf" / "gpu_check.sh"
-STAGES = ["smoke", "key", "breakdown", "configs", "flex", "ringstep", "decode", "tests"]
+STAGES = ["smoke", "key", "breakdown", "configs", "flex", "ringstep", "decode", "indexed", "tests"]
 
 
 def _load(name):
@@ -102,8 +102,12 @@ def test_dry_run_runs_every_stage_in_order_and_each_writes_its_rows(tmp_path):
         tuple(line.split()[:2]) for line in ring.splitlines()}
     decode = _rows(out / "decode.csv")
     timed = {(r["provider"], r["B"]) for r in decode if r["metric"] == "ms" and r["value"]}
-    assert {(p, b) for p in ("dilated", "dilated_kvcache", "dilated_kvcache_paged_fp8", "sdpa_dense")
+    assert {(p, b) for p in ("dilated", "dilated_kvcache", "dilated_kvcache_paged_fp8", "indexed_kvcache", "sdpa_dense")
             for b in ("1", "2")} <= timed
+    indexed = _rows(out / "indexed.csv")   # the indexed kernels against the gather and dense, with the efficiency
+    assert {(r["provider"], r["pass"]) for r in indexed if r["metric"] == "ms"} == {
+        (p, m) for p in ("triton", "gather", "sdpa_dense") for m in ("fwd", "fwd_bwd")}
+    assert {r["pass"] for r in indexed if r["metric"] == "efficiency" and r["provider"] == "triton"} == {"fwd", "fwd_bwd"}
     # the CUDA-graph step: a clear skipped row on the CPU; the FP8 error and the CPU host rows
     assert {r["flags"] for r in decode if r["provider"] == "dilated_kvcache_graph"} == {
         "skipped: CUDA graphs need a GPU (CPU run)"}
@@ -115,7 +119,7 @@ def test_dry_run_runs_every_stage_in_order_and_each_writes_its_rows(tmp_path):
     # every result row in one file named after the card (the dry run's "machine" is the CPU)
     combined = _rows(out / "cpu.csv")
     assert {r["stage"] for r in combined} == {"key_rows", "kernel_breakdown", "config_ab", "block_sparse_vs_flex",
-                                              "decode"}
+                                              "decode", "indexed"}
     assert len(combined) == sum(len(_rows(out / f"{s}.csv")) for s in {r["stage"] for r in combined})
     assert "commit it as perf/results/cpu.csv" in proc.stdout
 

@@ -33,8 +33,8 @@ import sys
 import time
 
 from ..ops.common.hardware import ARCH_TABLE, arch_facts
-from .cli import (CAUSAL, DTYPES, Parser, add_causal, block_size, head_dim, non_negative_float, positive_float,
-                  positive_int)
+from .cli import (CAUSAL, DTYPES, Parser, add_causal, aot_head_dim, block_size, head_dim, non_negative_float,
+                  positive_float, positive_int)
 
 COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot", "plan", "decode")
 
@@ -126,7 +126,8 @@ def _parser():
     p.add_argument("--arch", type=_aot_arch, nargs="+", default=[90, 80], metavar="ARCH",
                    help="NVIDIA compute capabilities (90, or sm90) or AMD architectures (gfx942, gfx950); "
                         "known: " + " ".join(n.removeprefix("sm") for n in ARCH_TABLE) + " (default: 90 80)")
-    p.add_argument("--head-dims", type=head_dim, nargs="+", default=[64, 128], metavar="D", help="default: 64 128")
+    p.add_argument("--head-dims", type=aot_head_dim, nargs="+", default=[64, 128], metavar="D",
+                   help="default: 64 128 (up to 576: the indexed kernels' absorbed-MLA decode shape)")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["bfloat16"], help="default: bfloat16")
     p.add_argument("--kernels", nargs="+", help="kernel names as in the AOT CSV (default: all; experimental variants "
                                                   "such as block_sparse_fwd_tma only when named)")
@@ -165,7 +166,8 @@ def _parser():
                    help="contexts of the cache-memory rows (default: the timed ones and 1048576; none: no rows)")
     p.add_argument("--providers", nargs="+", choices=("dilated", "dilated_kvcache", "dilated_kvcache_paged",
                                                       "dilated_kvcache_fp8", "dilated_kvcache_paged_fp8",
-                                                      "dilated_kvcache_graph", "dilated_bounded", "sdpa_dense"),
+                                                      "dilated_kvcache_graph", "dilated_bounded", "indexed_kvcache",
+                                                      "indexed_gather", "sdpa_dense"),
                    help="default: all (docstring of triton_dilated/perf/decode.py)")
     p.add_argument("--batch", type=positive_int, nargs="+", default=[1], metavar="B",
                    help="batch sizes, one query per row (e.g. 1 8 64; default: 1)")

@@ -369,7 +369,10 @@ def scalar_one_errors(arch: int = 90, dtypes=("bf16", "fp32"), head_dim: int = 1
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
 
+    import torch
+
     from ..ops.common.configs import make_config
+    from ..ops.common.hardware import fake_arch
     target = GPUTarget("cuda", arch, 32)
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({"num_warps": 4, "num_stages": 2})
@@ -381,7 +384,11 @@ def scalar_one_errors(arch: int = 90, dtypes=("bf16", "fp32"), head_dim: int = 1
         if not hasattr(fn, "params"):
             raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): unset it to compile them")
         for dtype in dtypes:
-            cfg = {**make_config(64, 32, 4, 2), **extra}
+            if VARIANT_OF[base].launch_tiles is not None:   # the variant's own tile constexprs
+                torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
+                cfg = {**launch_config(name, head_dim, fake_arch(f"sm{arch}"), torch_dtype), **extra}
+            else:
+                cfg = {**make_config(64, 32, 4, 2), **extra}
             sig, given, attrs = _signature(spec, fn, dtype, head_dim, True, cfg, False, arch_facts(f"sm{arch}").mma)
             for i, p in enumerate(fn.params):
                 if sig.get(p.name) == "i32":

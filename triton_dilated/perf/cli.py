@@ -13,6 +13,7 @@ import math
 CAUSAL = {"both": (False, True), "yes": (True,), "no": (False,)}   # --causal -> the causal values to run
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256   # DESIGN §2: any head dim D <= 256
+MAX_INDEXED_HEAD_DIM = 576   # indexed attention's absorbed-MLA shape (ops/indexed/indices.py)
 
 
 class Parser(argparse.ArgumentParser):
@@ -44,6 +45,16 @@ def head_dim(text: str) -> int:
     value = _number(text, int)
     if value is None or not 1 <= value <= MAX_HEAD_DIM:
         raise argparse.ArgumentTypeError(f"must be a head dim, an integer from 1 to {MAX_HEAD_DIM}, got {text!r}")
+    return value
+
+
+def aot_head_dim(text: str) -> int:
+    """A head dim to compile: an integer in [1, 576] (above 256: the indexed variant's absorbed-MLA
+    decode shape, Dqk 576, the only kernels that take one)."""
+    value = _number(text, int)
+    if value is None or not 1 <= value <= MAX_INDEXED_HEAD_DIM:
+        raise argparse.ArgumentTypeError(f"must be a head dim, an integer from 1 to {MAX_INDEXED_HEAD_DIM}, got "
+                                         f"{text!r}")
     return value
 
 

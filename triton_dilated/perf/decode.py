@@ -18,6 +18,13 @@ Providers, all on one cache per (batch size, context) (transformers' layout (B, 
                    --graph-backend) and captured in a CUDA graph, replay timed (GPU only: a
                    skipped row on a CPU)
   dilated_bounded  the same over the rows a DilatedKVCache keeps at this context
+  indexed_kvcache  indexed attention's serving step: indexed_attention_with_kvcache(q, k_cache,
+                   v_cache, indices, k_new, v_new, cache_seqlens=N - 1), each query's INDEXED_TOPK
+                   (DeepSeek's 2048) random distinct positions of the N (all N when fewer), shared
+                   by the heads, as the indexer hands them over
+  indexed_gather   the same attention as PyTorch code would write it (perf/baselines.py
+                   gather_indexed: the listed rows gathered, then softmax); its max_abs_err is
+                   against indexed_kvcache
   sdpa_dense       scaled_dot_product_attention over the full cache (one query: no mask)
 
 Host time per call (metric host_ms, Python + launches): on a GPU, HOST_CALLS calls queued
@@ -51,7 +58,10 @@ from .timing import OtherLoad, Timing, interleaved, spread_pct
 
 LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12])
 PROVIDERS = ("dilated", "dilated_kvcache", "dilated_kvcache_paged", "dilated_kvcache_fp8",
-             "dilated_kvcache_paged_fp8", "dilated_kvcache_graph", "dilated_bounded", "sdpa_dense")
+             "dilated_kvcache_paged_fp8", "dilated_kvcache_graph", "dilated_bounded", "indexed_kvcache", "indexed_gather",
+             "sdpa_dense")
+INDEXED = ("indexed_kvcache", "indexed_gather")
+INDEXED_TOPK = 2048
 # the serving-step providers: (paged, fp8)
 KVCACHE = {"dilated_kvcache": (False, False), "dilated_kvcache_paged": (True, False),
            "dilated_kvcache_fp8": (False, True), "dilated_kvcache_paged_fp8": (True, True)}
@@ -117,6 +127,32 @@ def kvcache_steps(q, kq, vq, ws, rs, providers, page_size=PAGE_SIZE, gen=None):
     return steps
 
 
+def indexed_steps(q, kq, vq, providers, gen=None, topk=INDEXED_TOPK):
+    """{provider: step()} for the requested indexed providers: one decode step of indexed
+    attention over topk random distinct positions of the N cached ones (indices (B, 1, topk)
+    shared by the heads), the serve door (the row N - 1 appended, then attended) and the
+    PyTorch gather of the same rows."""
+    from ..ops.indexed import indexed_attention_with_kvcache
+    from .baselines import gather_indexed
+    wanted = [p for p in INDEXED if p in providers]
+    if not wanted:
+        return {}
+    B, N = kq.shape[:2]
+    order = torch.rand(B, N, generator=gen, device="cpu").argsort(dim=1)
+    indices = order[:, :min(topk, N)].sort(dim=1).values.to(torch.int32).unsqueeze(1).to(q.device)
+    lens = torch.full((B,), N - 1, dtype=torch.int32, device=q.device)
+    k_new, v_new = kq[:, -1:].clone(), vq[:, -1:].clone()
+
+    def serve():
+        with torch.no_grad():
+            return indexed_attention_with_kvcache(q, kq, vq, indices, k_new, v_new, cache_seqlens=lens)
+
+    def gather():
+        with torch.no_grad():
+            return gather_indexed(q, kq, vq, indices, causal=True)
+    return {p: {"indexed_kvcache": serve, "indexed_gather": gather}[p] for p in wanted}
+
+
 def graph_step(step, backend="aot_eager"):
     """replay(): `step` compiled with torch.compile(fullgraph=True) and captured once in a CUDA
     graph (warmed up on a side stream first, as torch.cuda.graphs asks). A host sync in the
@@ -159,6 +195,7 @@ def _calls(q, k_full, v_full, bounded_rows, ws, rs, heads, kv_heads, providers=P
     if "dilated_bounded" in providers:
         calls["dilated_bounded"] = dilated(*bounded_rows())
     calls.update(kvcache_steps(q, kq, vq, ws, rs, providers, page_size, gen))
+    calls.update(indexed_steps(q, kq, vq, providers, gen))
     if "dilated_kvcache_graph" in providers and q.device.type == "cuda":
         calls["dilated_kvcache_graph"] = graph_step(calls["dilated_kvcache"], graph_backend)
     return {p: c for p, c in calls.items() if p in providers}
@@ -326,7 +363,11 @@ def run_decode(contexts=None, *, heads=16, kv_heads=None, head_dim=128, dtype=No
                     flags = kw.pop("flags", "")
                     if "paged" in p:
                         flags = ";".join(x for x in (flags, f"page_size={page_size}") if x)
-                    new.append(make_row(**common, B=B, provider=p, N=n, dtype=cache_dtype, metric=metric,
+                    pattern = dict(common)
+                    if p in INDEXED:   # not the dilated schedule: each query's top-k positions
+                        pattern.update(variant=f"topk={INDEXED_TOPK}", attn_mode="", segment_lengths="",
+                                       dilation_rates="")
+                    new.append(make_row(**pattern, B=B, provider=p, N=n, dtype=cache_dtype, metric=metric,
                                         value=value, flags=flags, **kw))
 
                 need = cache_bytes(B, n, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size(), providers)
@@ -350,6 +391,7 @@ def run_decode(contexts=None, *, heads=16, kv_heads=None, head_dim=128, dtype=No
                     if p in dropped:
                         row(p, "ms", "", flags=f"skipped: {dropped[p]}")
                 reference = calls["dilated_kvcache"]() if "dilated_kvcache" in calls else None
+                indexed_reference = calls["indexed_kvcache"]() if "indexed_kvcache" in calls else None
                 for p in list(calls):
                     if n == contexts[0]:   # untimed: the first call compiles kernels (Triton) or warms caches
                         calls[p]()
@@ -363,6 +405,9 @@ def run_decode(contexts=None, *, heads=16, kv_heads=None, head_dim=128, dtype=No
                     if p in KVCACHE and p != "dilated_kvcache" and reference is not None:
                         row(p, "max_abs_err", sig(float((got.float() - reference.float()).abs().max())),
                             config=f"vs dilated_kvcache ({dname} cache)")
+                    if p == "indexed_gather" and indexed_reference is not None:
+                        row(p, "max_abs_err", sig(float((got.float() - indexed_reference.float()).abs().max())),
+                            config=f"vs indexed_kvcache ({dname} cache)")
                     if first > max_call_s:
                         dropped[p] = f"one call took {first:.1f} s > {max_call_s:g} s at N={n}"
                         say(f"  {p}: {dropped[p]}; not timed from here on")
@@ -394,7 +439,7 @@ def run_decode(contexts=None, *, heads=16, kv_heads=None, head_dim=128, dtype=No
                         f"{r['flags']}")
                 sink.write(new)
                 rows += new
-                del k_full, v_full, calls, reference
+                del k_full, v_full, calls, reference, indexed_reference
         if memory_contexts:
             for n, step_rows, live, held, full in cache_memory(memory_contexts, heads=kv_heads, head_dim=head_dim,
                                                                    dtype=memory_dtype, ws=ws, rs=rs):
@@ -454,7 +499,8 @@ def decode_table(rows) -> str:
         lines.append("")
     if err:
         ep = [p for p in provs if any(k[2] == p for k in err)]
-        lines += ["max |out - dilated_kvcache out| (paged: 0 expected; fp8: the quantisation error)",
+        lines += ["max |out - reference out| (against dilated_kvcache: paged: 0 expected; fp8: the quantisation error; "
+                  "indexed_gather against indexed_kvcache)",
                   f"{'batch':>5} {'context':>9} " + " ".join(f"{p:>30}" for p in ep)]
         for B, n in sorted({k[:2] for k in err}):
             lines.append(f"{B:>5} {n:>9} " + " ".join(f"{err[(B, n, p)]:>30.4g}" if (B, n, p) in err

@@ -319,7 +319,7 @@ def table_legend(main: str, unit: str, cpu: bool, rows) -> list:
         + "; a reference, not a bound (over 100 is possible).",
         f"{vs_label(main)}: dense SDPA time / {who} time, the median of per-round ratios where measured in "
         f"paired rounds; > 1: {who} is faster than dense, < 1: slower.",
-        f"eff: efficiency, that speedup times the density (computed pairs / dense pairs): 1.0 = the sparsity fully "
+        "eff: efficiency, that speedup times the density (computed pairs / dense pairs): 1.0 = the sparsity fully "
         "turned into speed, below: time lost to gathers, masks and small tiles.",
         "pattern: indexed attention's topk=K is each query's K listed keys.",
         f"flags: {FLAG_SPREAD} = the rounds' interquartile range exceeds {SPREAD_LIMIT_PCT:.0f}% of the median; "

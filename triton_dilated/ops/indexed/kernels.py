@@ -292,7 +292,7 @@ def indexed_forward(q, k, v, slots, count, call, *, block_table=None, physical=F
         **strides, **_slot_rows(slots, count), NQ=Nq, NK=Nk, HQ=Hq, HKV=Hkv, GROUP=group,
         sm_scale=call.scale, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=padded_head_dim(D), BLOCK_DV=padded_head_dim(Dv),
         BLOCK_H=tiles["BLOCK_H"], BLOCK_K=tiles["BLOCK_K"], DOT_MODE=dot_mode, PRECISION=precision,
-        **call.kernel_args(), **serve, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+        **call.kernel_args(), **serve, num_warps=tiles["num_warps"], num_stages=tiles["forward_stages"])
     return out, row_max, row_sum
 
 

@@ -43,7 +43,8 @@ def launch_tiles(kernel, head_dim, dtype, extra, arch) -> dict:
     head_dim_v = extra.get("HEAD_DIM_V", head_dim)
     t = (indexed_tiles(group, head_dim, head_dim_v, dtype, device) if arch is None
          else compiled_tiles(group, head_dim, head_dim_v, dtype, arch))
-    cfg = dict(num_warps=t["num_warps"], num_stages=t["num_stages"], HEAD_DIM_V=head_dim_v,
+    stages = t["forward_stages"] if kernel == "indexed_fwd" else t["num_stages"]
+    cfg = dict(num_warps=t["num_warps"], num_stages=stages, HEAD_DIM_V=head_dim_v,
                BLOCK_DV=padded_head_dim(head_dim_v))
     if kernel == "indexed_bwd_dkdv":   # as indexed_backward launches it: the heads tile at most BLOCK_R
         heads = min(t["BLOCK_R"], 1 << (group - 1).bit_length())

@@ -12,15 +12,18 @@ the same on every arch with tensor cores:
 * the dK/dV kernel's rows at 32 (16 spilled 8-12 B on sm90 bf16 at D = 128 and sm80 float32; 32
   compiles without spills for heads tiles 1, 4 and 16, D 64-256, bf16 and float32, sm75-sm120);
 * Volta and Turing compile the dots to FMA loops: 16-key gathers on 8 warps there (64 keys at
-  D = 64 spilled 436 B on sm70).
-Still spilling: the float32 dQ at Dqk 192 and the FP8 forward at (576, 512)."""
+  D = 64 spilled 436 B on sm70);
+* the absorbed-MLA shape (576, 512): a forward of 1 stage (2 spilled 320-1560 B with an FP8 cache
+  and overflowed the 99 KiB of sm86/sm89/sm120; 1 fits them without spills, 16-bit or FP8), a dQ
+  of 2 (1 spilled and took 112 KiB) and 8 dK/dV rows (16 and 32 spilled on 4 warps or near it).
+Still spilling: the float32 dQ at Dqk 192 (72-128 B on sm80/sm90)."""
 from __future__ import annotations
 
 import torch
 
 from ..common.hardware import device_arch, padded_head_dim
 
-INTERPRETER = dict(BLOCK_K=32, BLOCK_R=32, num_warps=4, num_stages=1)
+INTERPRETER = dict(BLOCK_K=32, BLOCK_R=32, num_warps=4, num_stages=1, forward_stages=1)
 MAX_BLOCK_H = 64
 
 
@@ -39,7 +42,8 @@ def indexed_tiles(group: int, head_dim: int, head_dim_v: int, dtype, device) -> 
 
 
 def compiled_tiles(group: int, head_dim: int, head_dim_v: int, dtype, arch) -> dict:
-    """The tiles on GPU arch `arch` (hardware.Arch; perf aot passes a fake one)."""
+    """The tiles on GPU arch `arch` (hardware.Arch; perf aot passes a fake one); the forward's
+    pipeline depth is forward_stages, the backward's num_stages."""
     widest = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
     fp32 = dtype == torch.float32
     if arch.mma == "fma":    # Volta/Turing: dots as FMA loops, 16-key gathers on 8 warps stay in registers
@@ -47,7 +51,9 @@ def compiled_tiles(group: int, head_dim: int, head_dim_v: int, dtype, arch) -> d
     else:
         block_k = 16 if fp32 or widest > 128 else 32
         warps = 8 if (fp32 and widest > 64) or widest > 256 else 4
-    return dict(BLOCK_H=head_block(group), BLOCK_K=block_k, BLOCK_R=32, num_warps=warps, num_stages=2)
+    wide = widest > 256   # the absorbed-MLA shape (576, 512)
+    return dict(BLOCK_H=head_block(group), BLOCK_K=block_k, BLOCK_R=8 if wide else 32, num_warps=warps, num_stages=2,
+                forward_stages=1 if wide else 2)
 
 
 def indexer_tiles(heads: int, device) -> dict:
