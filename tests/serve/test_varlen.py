@@ -318,3 +318,43 @@ def test_varlen_argument_errors(variant):
         fn(q, kc, vc, k_new[:, :1], k_new[:, :1], **kw, **good, cu_seqlens_k_new=_cu([1, 2]))
     with pytest.raises(ValueError, match="rotary_cos and rotary_sin rotate the new rows k"):
         fn(q, kc, vc, **kw, **good, rotary_cos=torch.ones(NK, 2), rotary_sin=torch.ones(NK, 2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True])
+def test_indexed_door_varlen_equals_the_door_per_request(backend, paged):
+    """indexed_attention_with_kvcache with varlen queries (indices packed with q, (total_q, Hkv,
+    topk)), new rows packed apart, an empty request: out and lse equal the door per request bit
+    for bit, the caches written alike; under the no-host-sync guard too."""
+    from triton_dilated import indexed_attention_with_kvcache
+
+    nq, nk, before, topk = [2, 0, 3, 1], [1, 2, 3, 0], [30, 20, 9, 5], 6
+    q = seeded((sum(nq), HQ, D), torch.float32, 91, DEVICE)
+    k_new, v_new = (seeded((sum(nk), HKV, D), torch.float32, s, DEVICE) for s in (92, 93))
+    g = torch.Generator().manual_seed(94)
+    indices = torch.randint(-1, NK, (sum(nq), HKV, topk), generator=g, dtype=torch.int32).to(DEVICE)
+    kc, vc = _cache(before, seed=95)
+    kc, vc = kc.nan_to_num(0), vc.nan_to_num(0)
+    table = None
+    if paged:
+        kc, vc, table = page_pools(kc, vc, 16)
+        kc, vc = kc.nan_to_num(0), vc.nan_to_num(0)
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    kw = dict(cache_seqlens=_i32(before), block_table=table, cu_seqlens_q=_cu(nq), max_seqlen_q=3,
+              cu_seqlens_k_new=_cu(nk), return_lse=True, backend=backend)
+    out, lse = indexed_attention_with_kvcache(q, kc1, vc1, indices, k_new, v_new, **kw)
+    with no_host_sync():
+        again = indexed_attention_with_kvcache(q, kc1.clone(), vc1.clone(), indices, k_new, v_new, **kw)
+    a, c = 0, 0
+    for b, (n, m) in enumerate(zip(nq, nk)):
+        rows = dict(block_table=table[b:b + 1]) if paged else {}
+        kc_b, vc_b = (kc2, vc2) if paged else (kc2[b:b + 1], vc2[b:b + 1])
+        new = (k_new[None, c:c + m], v_new[None, c:c + m]) if m else (None, None)
+        qb, ib = (q[None, a:a + n], indices[None, a:a + n]) if n else (q[None, :1], indices[None, :1])
+        o, l = indexed_attention_with_kvcache(qb, kc_b, vc_b, ib, *new, cache_seqlens=_i32([before[b]]),
+                                              return_lse=True, backend=backend, **rows)
+        if n:
+            assert torch.equal(out[a:a + n], o[0]) and torch.equal(lse[:, a:a + n], l[0])
+        a, c = a + n, c + m
+    torch.testing.assert_close((kc1, vc1), (kc2, vc2), rtol=0, atol=0)
+    torch.testing.assert_close(again, (out, lse), rtol=0, atol=0)

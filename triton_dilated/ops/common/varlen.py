@@ -168,10 +168,13 @@ def rotary_packed(q, k, cache_seqlens, cu_seqlens_q, cu_seqlens_k_new, rotary_co
 
 def serve_varlen(door, q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
                  cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, rotary_cos, rotary_sin, rotary_interleaved, causal,
-                 validate, return_lse, k_descale=None, v_descale=None):
+                 validate, return_lse, k_descale=None, v_descale=None, per_query=()):
     """A serve door's varlen call (the module docstring): `door(q_batch, k_cache, v_cache,
-    cache_seqlens=, block_table=, cache_leftpad=, causal=, validate=, return_lse=True)` is the
-    door with its other keywords bound. Returns out (total_q, Hq, D), or (out, lse (Hq, total_q))."""
+    *per_query batches, cache_seqlens=, block_table=, cache_leftpad=, causal=, validate=,
+    return_lse=True)` is the door with its other keywords bound. per_query: (name, packed
+    tensor (total_q, ...), fill) of further per-query inputs (the indexed door's indices),
+    scattered as q is, their pad rows `fill`. Returns out (total_q, Hq, Dv), or (out, lse
+    (Hq, total_q))."""
     B = check_varlen_args(q, k, v, cache_seqlens, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new)
     check_bool("validate", validate)
     check_bool("causal", causal)
@@ -192,15 +195,23 @@ def serve_varlen(door, q, k_cache, v_cache, k, v, *, cache_seqlens, block_table,
     table = batch_rows_table(q_batch, k_cache, block_table, cache_batch_idx, validate)
     lens = cache_seqlens
     if k is not None:
-        if k.dtype != (q.dtype if k_cache.dtype == FP8_DTYPE else k_cache.dtype) or k.shape[1:] != k_cache.shape[2:]:
+        new_dtype = q.dtype if k_cache.dtype == FP8_DTYPE else k_cache.dtype
+        if k.dtype != new_dtype or v.dtype != new_dtype or k.shape[1:] != k_cache.shape[2:] or \
+                v.shape[1:] != v_cache.shape[2:]:
             raise ValueError(f"k, v (new rows) must have shape (total_k_new, Hkv, D) = (.., "
-                             f"{', '.join(map(str, k_cache.shape[2:]))}) and the cache's dtype (q's for an FP8 "
-                             f"cache), got {tuple(k.shape)} {k.dtype}")
+                             f"{', '.join(map(str, k_cache.shape[2:]))}) like the caches and the cache's dtype "
+                             f"(q's for an FP8 cache), got {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
         lens = write_packed_rows(k_cache, v_cache, k, v, cache_seqlens, cu_seqlens_k_new, table, k_descale,
                                  v_descale)
     b, j, _ = packed_index(cu_seqlens_q, total_q, width)
     q_batch = q_batch.index_put((b, j), q)                                      # right-aligned; pad rows 0
-    out, lse = door(q_batch, k_cache, v_cache, cache_seqlens=lens, block_table=table, cache_leftpad=cache_leftpad,
+    batches = []
+    for name, x, fill in per_query:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != total_q:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be packed like q with cu_seqlens_q: ({total_q}, ...), got {got}")
+        batches.append(x.new_full((B, width, *x.shape[1:]), fill).index_put((b, j), x))
+    out, lse = door(q_batch, k_cache, v_cache, *batches, cache_seqlens=lens, block_table=table, cache_leftpad=cache_leftpad,
                     causal=causal, validate=validate, return_lse=True)
     out = out[b, j]                                                              # (total_q, Hq, D)
     lse = lse.permute(1, 0, 2)[:, b, j]                                         # (Hq, total_q)
