@@ -316,6 +316,8 @@ def test_varlen_argument_errors(variant):
         fn(q, kc, vc, k_new, k_new, **kw, **good, cu_seqlens_k_new=_i32([0, 1, 2]), validate=True)
     with pytest.raises(ValueError, match=r"k, v \(new rows\) must have shape \(total_k_new, Hkv, D\)"):
         fn(q, kc, vc, k_new[:, :1], k_new[:, :1], **kw, **good, cu_seqlens_k_new=_cu([1, 2]))
+    with pytest.raises(ValueError, match=r"k_cache must be a 4-D tensor \(B or num_pages, N, Hkv, D\), got \(64, 2, 8\)"):
+        fn(q, kc[0], vc, **kw, **good)
     with pytest.raises(ValueError, match="rotary_cos and rotary_sin rotate the new rows k"):
         fn(q, kc, vc, **kw, **good, rotary_cos=torch.ones(NK, 2), rotary_sin=torch.ones(NK, 2))
 
@@ -358,3 +360,32 @@ def test_indexed_door_varlen_equals_the_door_per_request(backend, paged):
         a, c = a + n, c + m
     torch.testing.assert_close((kc1, vc1), (kc2, vc2), rtol=0, atol=0)
     torch.testing.assert_close(again, (out, lse), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+def test_varlen_fp8_cache_equals_the_door_per_request(backend, variant):
+    """A float8_e4m3fn cache with descales: the packed new rows are quantised on append as the
+    door's own append does (the cache bytes equal), and out, lse equal the door per request."""
+    from triton_dilated.ops.common.kvcache import quantise_fp8
+
+    fn, _ = _door(variant)
+    nq, nk, before = [1, 0, 3], [1, 2, 3], [30, 20, 9]
+    q = seeded((sum(nq), HQ, D), torch.float32, 101, DEVICE)
+    k_new, v_new = (seeded((sum(nk), HKV, D), torch.float32, s, DEVICE) for s in (102, 103))
+    kd, vd = torch.tensor([0.01, 0.02], device=DEVICE), torch.tensor([0.015, 0.01], device=DEVICE)
+    kc = quantise_fp8(seeded((3, NK, HKV, D), torch.float32, 104, DEVICE), kd)
+    vc = quantise_fp8(seeded((3, NK, HKV, D), torch.float32, 105, DEVICE), vd)
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    out, lse = fn(q, kc1, vc1, k_new, v_new, cache_seqlens=_i32(before), cu_seqlens_q=_cu(nq), max_seqlen_q=3,
+                  cu_seqlens_k_new=_cu(nk), k_descale=kd, v_descale=vd, return_lse=True, backend=backend)
+    a, c = 0, 0
+    for b, (n, m) in enumerate(zip(nq, nk)):
+        qb = q[None, a:a + n] if n else q[None, :1]
+        o, l = fn(qb, kc2[b:b + 1], vc2[b:b + 1], k_new[None, c:c + m], v_new[None, c:c + m],
+                  cache_seqlens=_i32([before[b]]), k_descale=kd, v_descale=vd, return_lse=True, backend=backend)
+        if n:
+            assert torch.equal(out[a:a + n], o[0]) and torch.equal(lse[:, a:a + n], l[0])
+        a, c = a + n, c + m
+    assert torch.equal(kc1.view(torch.uint8), kc2.view(torch.uint8))
+    assert torch.equal(vc1.view(torch.uint8), vc2.view(torch.uint8))

@@ -52,7 +52,7 @@ def check_cu_values(name: str, cu, total: int, most=None) -> None:
                          f"max_seqlen_q={most} and a request of {max(steps)} rows (cu_seqlens_q={bounds})")
 
 
-def check_varlen_args(q, k, v, cache_seqlens, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new) -> int:
+def check_varlen_args(q, k_cache, v_cache, k, v, cache_seqlens, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new) -> int:
     """Types, shapes and devices of a varlen call (no value read). Returns B."""
     if cu_seqlens_q is None:
         raise ValueError("max_seqlen_q and cu_seqlens_k_new go with cu_seqlens_q (packed varlen queries), got "
@@ -62,9 +62,15 @@ def check_varlen_args(q, k, v, cache_seqlens, cu_seqlens_q, max_seqlen_q, cu_seq
     if q.dim() != 3:
         raise ValueError(f"q must have 3 dimensions (total_q, Hq, D) with cu_seqlens_q (packed varlen queries), got "
                          f"shape {tuple(q.shape)}")
-    check_lengths_tensor(cache_seqlens, cache_seqlens.shape[0] if isinstance(cache_seqlens, torch.Tensor) and
-                         cache_seqlens.dim() == 1 else -1, " on q's device")
-    B = cache_seqlens.shape[0]
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a 4-D tensor (B or num_pages, N, Hkv, D), got {got}")
+    # B: the requests (cache_seqlens' length; cu_seqlens_q's less one where cache_seqlens is not 1-D)
+    B = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1 else 0
+    if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 1:
+        B = cache_seqlens.shape[0]
+    check_lengths_tensor(cache_seqlens, B, " on q's device")
     check_cu_seqlens_tensor("cu_seqlens_q", cu_seqlens_q, B, q.device)
     if max_seqlen_q is None or isinstance(max_seqlen_q, (bool, torch.Tensor)):
         raise TypeError(f"max_seqlen_q must be a Python int (the most queries a request brings: it fixes the "
@@ -175,7 +181,7 @@ def serve_varlen(door, q, k_cache, v_cache, k, v, *, cache_seqlens, block_table,
     tensor (total_q, ...), fill) of further per-query inputs (the indexed door's indices),
     scattered as q is, their pad rows `fill`. Returns out (total_q, Hq, Dv), or (out, lse
     (Hq, total_q))."""
-    B = check_varlen_args(q, k, v, cache_seqlens, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new)
+    B = check_varlen_args(q, k_cache, v_cache, k, v, cache_seqlens, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new)
     check_bool("validate", validate)
     check_bool("causal", causal)
     check_bool("rotary_interleaved", rotary_interleaved)
@@ -211,8 +217,8 @@ def serve_varlen(door, q, k_cache, v_cache, k, v, *, cache_seqlens, block_table,
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name} must be packed like q with cu_seqlens_q: ({total_q}, ...), got {got}")
         batches.append(x.new_full((B, width, *x.shape[1:]), fill).index_put((b, j), x))
-    out, lse = door(q_batch, k_cache, v_cache, *batches, cache_seqlens=lens, block_table=table, cache_leftpad=cache_leftpad,
-                    causal=causal, validate=validate, return_lse=True)
+    out, lse = door(q_batch, k_cache, v_cache, *batches, cache_seqlens=lens, block_table=table,
+                    cache_leftpad=cache_leftpad, causal=causal, validate=validate, return_lse=True)
     out = out[b, j]                                                              # (total_q, Hq, D)
     lse = lse.permute(1, 0, 2)[:, b, j]                                         # (Hq, total_q)
     return (out, lse) if return_lse else out
