@@ -8,12 +8,15 @@ that every kernel does the chunk's work only.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..common.kvcache import (FP8_DTYPE, append_and_route, batch_rows_table, cache_view, capacity, check_kvcache_args,
                               contiguous_rows, lse_flag, rotary_inputs, row_lengths)
 from ..common.op_support import resolve_path
 from ..common.runtime import empty_result
+from ..common.varlen import serve_varlen
 from .interface import DECODE_FAMILIES, _block_sparse_decode, check_args, chunk_rows, decode_layout
 
 
@@ -23,7 +26,8 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
                                         backend="auto", validate=False, k_descale=None, v_descale=None,
                                         softcap=0.0, sinks=None, cache_batch_idx=None, cache_leftpad=None,
                                         return_softmax_lse=None, rotary_cos=None, rotary_sin=None,
-                                        rotary_interleaved=True):
+                                        rotary_interleaved=True, cu_seqlens_q=None, max_seqlen_q=None,
+                                        cu_seqlens_k_new=None):
     """Block-sparse attention of queries at the end of a KV cache: a decode step with no host
     sync, or chunked prefill.
 
@@ -46,6 +50,10 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
             the layout's blocks, counting from there; FlashAttention's name for return_lse).
         rotary_cos, rotary_sin, rotary_interleaved: as `dilated_attention_with_kvcache`
             (FlashAttention's rotary embedding of q and the new rows k, with its positions).
+        cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new: varlen queries as
+            `dilated_attention_with_kvcache` (FA3's names: q packed (total_q, Hq, D), each
+            request's queries at the end of its row's keys, new rows packed by cu_seqlens_k_new;
+            out (total_q, Hq, D), lse (Hq, total_q)); the layout's rows are the batch rows.
 
     Returns out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq); rows with
     no active key: 0 and -inf. Differentiable in eager mode (with gradients on the Triton path
@@ -53,6 +61,14 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     `triton_dilated::block_sparse_decode` (build the layout outside the compiled region).
     """
     return_lse = lse_flag(return_lse, return_softmax_lse)
+    if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
+        door = functools.partial(block_sparse_attention_with_kvcache, layout=layout, scale=scale, backend=backend,
+                                 k_descale=k_descale, v_descale=v_descale, softcap=softcap, sinks=sinks)
+        return serve_varlen(door, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+                            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, cu_seqlens_q=cu_seqlens_q,
+                            max_seqlen_q=max_seqlen_q, cu_seqlens_k_new=cu_seqlens_k_new, rotary_cos=rotary_cos,
+                            rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal,
+                            validate=validate, return_lse=return_lse, k_descale=k_descale, v_descale=v_descale)
     block_table = batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate)
     q, k = rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
     check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,

@@ -20,6 +20,7 @@ and the planned decode launch (ServePlan.decode_step).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -29,6 +30,7 @@ from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_a
 from ..common.op_support import lazy_module, resolve_path
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result
+from ..common.varlen import serve_varlen
 from .interface import DECODE_FAMILIES, _dilated_decode, check_args, decode_table, padded_call
 from .patterns import head_table, warn_if_heads_first
 
@@ -40,7 +42,8 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
                                    offsets="modulo", return_lse=False, backend="auto", validate=False,
                                    head_offset=0, total_heads=None, k_descale=None, v_descale=None, softcap=0.0,
                                    sinks=None, cache_batch_idx=None, cache_leftpad=None, return_softmax_lse=None,
-                                   rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
+                                   rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cu_seqlens_q=None,
+                                   max_seqlen_q=None, cu_seqlens_k_new=None):
     """Dilated attention of queries at the end of a KV cache: a decode step with no host sync,
     or chunked prefill.
 
@@ -103,9 +106,22 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
             FlashAttention), else (i, i + rotary_dim / 2). In PyTorch before the append
             (not fused), float32, differentiable. validate=True checks seqlen_ro covers
             every position (else the last row is read).
+        cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new: varlen queries (FlashAttention-3's names;
+            common/varlen.py): q packed (total_q, Hq, D), request b bringing the rows
+            cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (int32 (B + 1,) on q's device; n_b rows, 0
+            allowed), aligned to the end of its row's keys (query i at L_b - n_b + i, causal
+            bottom-right); max_seqlen_q a Python int >= every n_b (it fixes the shapes: no host
+            sync; <= 16 takes the decode kernel, more the query-offset path). New rows k, v are
+            packed too, (total_k_new, Hkv, D), request b's rows given by cu_seqlens_k_new (int32
+            (B + 1,), FA3's convention, required with k): appended at cache_seqlens[b] + j, so
+            L_b = cache_seqlens[b] + its new rows (- cache_leftpad[b]). Rotary positions as
+            above per request. Returns out (total_q, Hq, D) and lse (Hq, total_q) (FA3's varlen
+            layout). validate=True checks cu_seqlens (start 0, not decreasing, ending at the
+            packed row counts) and max_seqlen_q.
 
     Returns:
-        out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq).
+        out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq) (varlen: out
+        (total_q, Hq, D), lse (Hq, total_q)).
         Differentiable in eager mode (a decode step with gradients on the Triton path takes
         the training kernels: the decode kernel has no backward).
 
@@ -119,6 +135,16 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     (the Triton path: one fused kernel) and launches.
     """
     return_lse = lse_flag(return_lse, return_softmax_lse)
+    if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
+        door = functools.partial(dilated_attention_with_kvcache, segment_lengths=segment_lengths,
+                                 dilation_rates=dilation_rates, scale=scale, mode=mode, offsets=offsets,
+                                 backend=backend, head_offset=head_offset, total_heads=total_heads,
+                                 k_descale=k_descale, v_descale=v_descale, softcap=softcap, sinks=sinks)
+        return serve_varlen(door, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+                            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, cu_seqlens_q=cu_seqlens_q,
+                            max_seqlen_q=max_seqlen_q, cu_seqlens_k_new=cu_seqlens_k_new, rotary_cos=rotary_cos,
+                            rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal,
+                            validate=validate, return_lse=return_lse, k_descale=k_descale, v_descale=v_descale)
     block_table = batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate)
     q, k = rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
     args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks)

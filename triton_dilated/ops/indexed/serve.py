@@ -25,6 +25,7 @@ from ..common.kvcache import (FP8_DTYPE, append_rows, cache_view, capacity, chec
 from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, fresh, lazy_module, resolve_path
 from ..common.validation import check_bool, check_flags, check_lengths_tensor
+from ..common.varlen import serve_varlen
 from .indices import canonical_slots, check_inputs, validate_values
 from .portable import indexed_attention_torch
 
@@ -90,7 +91,8 @@ def check_serve_args(q, k_cache, v_cache, indices, k, v, cache_seqlens, block_ta
 def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None, *, cache_seqlens, block_table=None,
                                    causal=True, scale=None, softcap=None, sinks=None, return_lse=False,
                                    backend="auto", validate=False, k_descale=None, v_descale=None,
-                                   physical_slots=False):
+                                   physical_slots=False, cu_seqlens_q=None, max_seqlen_q=None,
+                                   cu_seqlens_k_new=None):
     """Indexed attention of queries at the end of a KV cache, with no host sync.
 
     Args:
@@ -111,10 +113,26 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
         causal (default True), scale, softcap, sinks, return_lse, backend: as
             indexed_attention.
         validate: check the lengths, pages, descales and indices on the host (a sync).
+        cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new: varlen queries as
+            `dilated_attention_with_kvcache` (FA3's names, common/varlen.py): q packed
+            (total_q, Hq, Dqk) and indices packed with it, (total_q, Hkv, topk) or (total_q,
+            topk); new rows packed (total_k_new, Hkv, D) by cu_seqlens_k_new; out (total_q, Hq,
+            Dv), lse (Hq, total_q).
 
     Returns out (B, Nq, Hq, Dv) like q (and lse float32 (B, Hq, Nq)); rows with no used slot:
     0 and -inf. Differentiable in eager mode through the portable path (contiguous caches).
     """
+    if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
+        def door(qb, kc, vc, idx, cache_leftpad=None, **kw):   # (no cache_leftpad on this door)
+            return indexed_attention_with_kvcache(qb, kc, vc, idx, scale=scale, softcap=softcap, sinks=sinks,
+                                                  backend=backend, k_descale=k_descale, v_descale=v_descale,
+                                                  physical_slots=physical_slots, **kw)
+        return serve_varlen(door, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+                            cache_batch_idx=None, cache_leftpad=None, cu_seqlens_q=cu_seqlens_q,
+                            max_seqlen_q=max_seqlen_q, cu_seqlens_k_new=cu_seqlens_k_new, rotary_cos=None,
+                            rotary_sin=None, rotary_interleaved=True, causal=causal, validate=validate,
+                            return_lse=return_lse, k_descale=k_descale, v_descale=v_descale,
+                            per_query=(("indices", indices, -1),))
     check_serve_args(q, k_cache, v_cache, indices, k, v, cache_seqlens, block_table, physical_slots, causal)
     check_descales(q, k_cache, v_cache, k_descale, v_descale)
     check_flags(return_lse=return_lse, validate=validate)
