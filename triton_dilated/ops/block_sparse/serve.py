@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.context_parallel import DCP_PAGE_SIZE, dcp_attention
 from ..common.kvcache import (FP8_DTYPE, append_and_route, batch_rows_table, cache_view, capacity, check_kvcache_args,
                               contiguous_rows, lse_flag, rotary_inputs, row_lengths)
 from ..common.op_support import resolve_path
@@ -23,7 +24,7 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
                                         backend="auto", validate=False, k_descale=None, v_descale=None,
                                         softcap=0.0, sinks=None, cache_batch_idx=None, cache_leftpad=None,
                                         return_softmax_lse=None, rotary_cos=None, rotary_sin=None,
-                                        rotary_interleaved=True):
+                                        rotary_interleaved=True, group=None, dcp_page_size=DCP_PAGE_SIZE):
     """Block-sparse attention of queries at the end of a KV cache: a decode step with no host
     sync, or chunked prefill.
 
@@ -46,6 +47,8 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
             the layout's blocks, counting from there; FlashAttention's name for return_lse).
         rotary_cos, rotary_sin, rotary_interleaved: as `dilated_attention_with_kvcache`
             (FlashAttention's rotary embedding of q and the new rows k, with its positions).
+        group, dcp_page_size: decode context parallelism, as `dilated_attention_with_kvcache`
+            (page j of every row on rank j % P; the layout covers the global capacity).
 
     Returns out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq); rows with
     no active key: 0 and -inf. Differentiable in eager mode (with gradients on the Triton path
@@ -53,6 +56,14 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     `triton_dilated::block_sparse_decode` (build the layout outside the compiled region).
     """
     return_lse = lse_flag(return_lse, return_softmax_lse)
+    if group is not None:
+        return dcp_attention(block_sparse_attention_with_kvcache, q, k_cache, v_cache, k, v, group=group,
+                             cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                             dcp_page_size=dcp_page_size, sinks=sinks, return_lse=return_lse, validate=validate,
+                             who="block_sparse_attention_with_kvcache", layout=layout, causal=causal, scale=scale,
+                             backend=backend, k_descale=k_descale, v_descale=v_descale, softcap=softcap,
+                             cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                             rotary_interleaved=rotary_interleaved)
     block_table = batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate)
     q, k = rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
     check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,
