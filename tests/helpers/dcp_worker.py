@@ -65,6 +65,12 @@ def run_case(case, rank, world, group):
     door, kw = door_call(case)
     kw = dict(kw, sinks=sinks, return_lse=True)
     new = {} if kn is None else dict(k=kn, v=vn)
+    pad = None if "leftpad" not in case else torch.tensor(case["leftpad"], dtype=torch.int32)
+    rot = {}
+    if case.get("rotary"):   # FlashAttention's rotary tables (applied to q and the new rows)
+        angle = torch.arange(N_CACHE)[:, None] * 0.3 ** torch.arange(4)[None, :]
+        rot = dict(rotary_cos=angle.cos(), rotary_sin=angle.sin())
+    kw = dict(kw, cache_leftpad=pad, **rot)
     idx = None if "batch_idx" not in case else torch.tensor(case["batch_idx"], dtype=torch.int32)
     if case["cache"] == "paged":
         kp, vp, table = page_pools(kc, vc, PAGE, seed=case.get("seed", 0))
@@ -99,8 +105,15 @@ def run_case(case, rank, world, group):
         po, pl = door(q, pk, pv, cache_seqlens=lens_after, block_table=tab, **dict(kw, sinks=None))
         res.update(part_out=po.numpy(), part_lse=pl.numpy())
     if rank == 0:
-        lengths = (seqlens + (0 if kn is None else kn.shape[1])).tolist()
-        ref_out, ref_lse = definition(oracle_of(case), q.double(), full_k.double(), full_v.double(), lengths)
+        lengths = seqlens + (0 if kn is None else kn.shape[1])
+        if pad is not None:   # row b's keys start at cache row pad[b]
+            full_k, full_v = (torch.stack([torch.cat([c[b, p:], c[b, :p]]) for b, p in enumerate(pad.tolist())])
+                              for c in (full_k, full_v))
+            lengths = lengths - pad
+        if rot:
+            from triton_dilated.ops.common.kvcache import apply_rotary
+            q = apply_rotary(q, kn, seqlens, rot["rotary_cos"], rot["rotary_sin"], True, True)[0]
+        ref_out, ref_lse = definition(oracle_of(case), q.double(), full_k.double(), full_v.double(), lengths.tolist())
         res.update(ref_out=ref_out.numpy(), ref_lse=ref_lse.numpy())
     return res
 
@@ -139,7 +152,7 @@ def errors_worker(rank, world, init_file, queue):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         group = dist.new_group(list(range(world)))
-        q, kc = torch.zeros(1, 1, 2, 8), torch.zeros(1, 32, 2, 8)
+        q, kc = torch.zeros(1, 1, 2, 8), torch.zeros(1, 64, 2, 8)
         lens = torch.tensor([3], dtype=torch.int32)
         kw = dict(cache_seqlens=lens, segment_lengths=[8], dilation_rates=[1], backend="torch", group=group)
         call = lambda **o: lambda: dilated_attention_with_kvcache(o.pop("q", q), kc, kc, **{**kw, **o})  # noqa: E731
@@ -147,7 +160,7 @@ def errors_worker(rank, world, init_file, queue):
                  call(validate=True),                                           # validate
                  call(q=torch.zeros(1, 1, 2, 8, requires_grad=True)),           # gradients
                  call(group="world"),                                           # not a group
-                 call(dcp_page_size=12),                                        # 32 rows not pages of 12
+                 call(dcp_page_size=12),                                        # 64 rows not pages of 12
                  call(dcp_page_size=0),                                         # not positive
                  call(block_table=torch.zeros(1, 4, dtype=torch.int32),
                       cache_batch_idx=torch.zeros(1, dtype=torch.int32)),       # both

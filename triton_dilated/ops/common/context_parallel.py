@@ -140,14 +140,14 @@ def append_owned(k_pool, v_pool, k, v, cache_seqlens, block_table, k_descale=Non
     keep = ((start >= 0) & (start + n <= cap))[:, None] & (page >= 0) & (page < num_pages)
     page, row = page.clamp(0, num_pages - 1).flatten(), (pos % page_size).flatten()
     keep = keep.flatten()
-    first = keep.int().argmax()            # the first written row (0 when none is written)
-    some = keep.any()
-    page = torch.where(keep, page, torch.where(some, page[first], page))
-    row = torch.where(keep, row, torch.where(some, row[first], row))
+    first = keep.int().argmax().view(1)    # the first written row (0 when none is written); index_select,
+    some = keep.any()                      # not [first]: a tensor index would read it on the host
+    page = torch.where(keep, page, torch.where(some, page.index_select(0, first), page))
+    row = torch.where(keep, row, torch.where(some, row.index_select(0, first), row))
     for pool, new in ((k_pool, k), (v_pool, v)):
         bits = pool.view(torch.uint8) if pool.dtype == FP8_DTYPE else pool   # torch.where has no float8
         new = (new.view(torch.uint8) if pool.dtype == FP8_DTYPE else new).flatten(0, 1)   # (B * n, Hkv, D)
-        src = torch.where(some, new[first], bits[page, row])    # what a skipped row writes (where none is kept:
+        src = torch.where(some, new.index_select(0, first), bits[page, row])    # what a skipped row writes (where none is kept:
         bits[page, row] = torch.where(keep[:, None, None], new, src)   # its own place's value)
 
 
