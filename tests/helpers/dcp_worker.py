@@ -38,10 +38,20 @@ def case_layout(case):
     return layouts.bigbird(N_CACHE, 16, 1, 1, 1, seed=1, num_heads=4)
 
 
+def case_indices(case):
+    """An indexed case's indices int32 (B, Nq, TOPK): token positions in [-1, N_CACHE) (-1 unused)."""
+    g = torch.Generator().manual_seed(100 + case.get("seed", 0))
+    return torch.randint(-1, N_CACHE, (case.get("B", 2), case["Nq"], 24), generator=g, dtype=torch.int32)
+
+
 def door_call(case):
-    """(door, its variant keywords) of a case."""
-    from triton_dilated import block_sparse_attention_with_kvcache, dilated_attention_with_kvcache
+    """(door, its variant keywords) of a case; an indexed door takes its indices bound."""
+    from triton_dilated import (block_sparse_attention_with_kvcache, dilated_attention_with_kvcache,
+                                indexed_attention_with_kvcache)
     kw = dict(causal=True, softcap=case.get("softcap", 0.0), backend=case.get("backend", "torch"))
+    if case["kind"] == "indexed":
+        idx = case_indices(case)
+        return lambda q, kc, vc, **o: indexed_attention_with_kvcache(q, kc, vc, idx, **o), kw
     if case["kind"] == "dilated":
         return dilated_attention_with_kvcache, dict(kw, segment_lengths=WS, dilation_rates=RS)
     return block_sparse_attention_with_kvcache, dict(kw, layout=case_layout(case))
@@ -51,6 +61,8 @@ def oracle_of(case):
     """The float64 oracle of the case's variant on a prefix of n keys (serve_checks.definition's form)."""
     from triton_dilated import block_sparse_attention_naive, dilated_attention_naive
     cap, sinks = case.get("softcap", 0.0), case_inputs(case)[-1]
+    if case["kind"] == "indexed":
+        return None
     if case["kind"] == "dilated":
         return lambda q, k, v, n: dilated_attention_naive(q, k, v, WS, RS, causal=True, softcap=cap, sinks=sinks)
     lay = case_layout(case)
@@ -65,13 +77,14 @@ def run_case(case, rank, world, group):
     door, kw = door_call(case)
     kw = dict(kw, sinks=sinks, return_lse=True)
     new = {} if kn is None else dict(k=kn, v=vn)
+    idx = None if "batch_idx" not in case else torch.tensor(case["batch_idx"], dtype=torch.int32)
     pad = None if "leftpad" not in case else torch.tensor(case["leftpad"], dtype=torch.int32)
     rot = {}
     if case.get("rotary"):   # FlashAttention's rotary tables (applied to q and the new rows)
         angle = torch.arange(N_CACHE)[:, None] * 0.3 ** torch.arange(4)[None, :]
         rot = dict(rotary_cos=angle.cos(), rotary_sin=angle.sin())
-    kw = dict(kw, cache_leftpad=pad, **rot)
-    idx = None if "batch_idx" not in case else torch.tensor(case["batch_idx"], dtype=torch.int32)
+    kw = dict(kw, **rot, **({} if pad is None else dict(cache_leftpad=pad)))
+    by_idx = {} if idx is None else dict(cache_batch_idx=idx)
     if case["cache"] == "paged":
         kp, vp, table = page_pools(kc, vc, PAGE, seed=case.get("seed", 0))
         single_k, single_v = kp.clone(), vp.clone()
@@ -83,9 +96,9 @@ def run_case(case, rank, world, group):
         full_k, full_v = unpage(single_k, table), unpage(single_v, table)
     else:
         single_k, single_v = kc.clone(), vc.clone()
-        out1, lse1 = door(q, single_k, single_v, **new, cache_seqlens=seqlens, cache_batch_idx=idx, **kw)
+        out1, lse1 = door(q, single_k, single_v, **new, cache_seqlens=seqlens, **by_idx, **kw)
         local_k, local_v = (shard_contiguous_cache(c, rank, world, PAGE) for c in (kc, vc))
-        sharded = dict(dcp_page_size=PAGE, cache_batch_idx=idx)
+        sharded = dict(dcp_page_size=PAGE, **by_idx)
         after = lambda c: shard_contiguous_cache(c, rank, world, PAGE)  # noqa: E731
         rows = slice(None) if idx is None else idx.long()
         full_k, full_v = single_k[rows], single_v[rows]
@@ -113,9 +126,26 @@ def run_case(case, rank, world, group):
         if rot:
             from triton_dilated.ops.common.kvcache import apply_rotary
             q = apply_rotary(q, kn, seqlens, rot["rotary_cos"], rot["rotary_sin"], True, True)[0]
-        ref_out, ref_lse = definition(oracle_of(case), q.double(), full_k.double(), full_v.double(), lengths.tolist())
+        args = (q.double(), full_k.double(), full_v.double(), lengths.tolist())
+        ref_out, ref_lse = indexed_definition(case, *args) if case["kind"] == "indexed" else \
+            definition(oracle_of(case), *args)
         res.update(ref_out=ref_out.numpy(), ref_lse=ref_lse.numpy())
     return res
+
+
+def indexed_definition(case, q, k, v, lengths):
+    """The float64 indexed oracle of each row's prefix, the queries last (their indices too)."""
+    from triton_dilated import indexed_attention_naive
+    idx, sinks = case_indices(case), case_inputs(case)[-1]
+    Nq, outs, lses = q.shape[1], [], []
+    for b, n in enumerate(lengths):
+        qf = torch.cat([q.new_zeros(1, n - Nq, *q.shape[2:]), q[b:b + 1]], dim=1)
+        rows = torch.cat([idx.new_full((1, n - Nq, idx.shape[-1]), -1), idx[b:b + 1]], dim=1)
+        out, lse = indexed_attention_naive(qf, k[b:b + 1, :n], v[b:b + 1, :n], rows, causal=True,
+                                           softcap=case.get("softcap", 0.0), sinks=sinks)
+        outs.append(out[:, n - Nq:])
+        lses.append(lse[:, :, n - Nq:])
+    return torch.cat(outs), torch.cat(lses)
 
 
 class _nothing:

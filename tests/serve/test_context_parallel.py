@@ -30,6 +30,8 @@ CASES = [
     dict(kind="dilated", cache="contiguous", Nq=1, append=True, mesh=True, no_sync=True, seed=6),
     dict(kind="layout", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0),
     dict(kind="layout", cache="contiguous", Nq=1, append=True, seqlens=[63, 20], seed=7),
+    dict(kind="indexed", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0, seed=10),
+    dict(kind="indexed", cache="contiguous", Nq=1, append=True, seed=11),
     dict(kind="dilated", cache="paged", Nq=1, append=True, B=1, backend="triton", sinks=True, seed=8),   # interpreter
     dict(kind="layout", cache="contiguous", Nq=4, append=True, B=1, backend="triton", seed=9),            # interpreter
 ]

@@ -166,15 +166,18 @@ def gather_merge(out, lse, group, world: int):
 
 
 def dcp_attention(door, q, k_cache, v_cache, k, v, *, group, cache_seqlens, block_table, cache_batch_idx,
-                  dcp_page_size, sinks, return_lse, validate, who, **kwargs):
-    """A serve door's call with group= (see the module docstring): this rank's door over its
-    pages (a local block table, sinks left out), the all-gather of (out, lse), the merge, and
-    the sinks joined once to the merged rows. Forward only; a decode step (<= 16 queries)."""
+                  dcp_page_size, sinks, return_lse, validate, who, extra=(), check=check_kvcache_args, **kwargs):
+    """A serve door's call with group= (see the module docstring): the append of k, v on the
+    pages this rank owns (append_owned), this rank's door over its pages (a local block table,
+    no append, sinks left out), the all-gather of (out, lse), the merge, and the sinks joined
+    once to the merged rows. Forward only; a decode step (<= 16 queries). door(q, k_cache,
+    v_cache, *extra, k, v, **keywords) is the door without group; check(q, k_pool, v_pool, k, v,
+    cache_seqlens, block_table, validate, k_descale, v_descale, cache_leftpad) its shape checks."""
     pg, rank, world = resolve_group(group, who)
-    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(k_cache, torch.Tensor) or \
-            k_cache.dim() != 4 or not isinstance(v_cache, torch.Tensor) or v_cache.dim() != 4:
-        return door(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
-                    cache_batch_idx=cache_batch_idx, sinks=sinks, return_lse=return_lse, validate=validate, **kwargs)
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (q, k_cache, v_cache)):   # the door names it
+        batch_idx = {} if cache_batch_idx is None else dict(cache_batch_idx=cache_batch_idx)
+        return door(q, k_cache, v_cache, *extra, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+                    sinks=sinks, return_lse=return_lse, validate=validate, **batch_idx, **kwargs)
     if q.shape[1] > MAX_DECODE_QUERIES:
         raise ValueError(f"{who}(group=...): decode context parallelism runs decode steps of at most "
                          f"{MAX_DECODE_QUERIES} query rows, got q with {q.shape[1]} (run chunked prefill on one "
@@ -200,14 +203,14 @@ def dcp_attention(door, q, k_cache, v_cache, k, v, *, group, cache_seqlens, bloc
         pool_k, pool_v, table = contiguous_pool(k_cache, v_cache, cache_batch_idx, rank, world, dcp_page_size,
                                                 q.shape[0])
     # the append here (append_owned: a step's new rows may straddle two ranks' pages), rotary first
-    q, k = rotary_inputs(q, k, cache_seqlens, kwargs.pop("rotary_cos"), kwargs.pop("rotary_sin"),
-                         kwargs.pop("rotary_interleaved"), kwargs["causal"], False)
-    descales = kwargs["k_descale"], kwargs["v_descale"]
-    check_kvcache_args(q, pool_k, pool_v, k, v, cache_seqlens, table, False, *descales, kwargs["cache_leftpad"])
+    q, k = rotary_inputs(q, k, cache_seqlens, kwargs.pop("rotary_cos", None), kwargs.pop("rotary_sin", None),
+                         kwargs.pop("rotary_interleaved", True), kwargs["causal"], False)
+    descales = kwargs.get("k_descale"), kwargs.get("v_descale")
+    check(q, pool_k, pool_v, k, v, cache_seqlens, table, False, *descales, kwargs.get("cache_leftpad"))
     append_owned(pool_k, pool_v, k, v, cache_seqlens, table, *descales)
     lengths = cache_seqlens if k is None else cache_seqlens + k.shape[1]
-    out, lse = door(q, pool_k, pool_v, cache_seqlens=lengths, block_table=table, return_lse=True, validate=False,
-                    **kwargs)
+    out, lse = door(q, pool_k, pool_v, *extra, cache_seqlens=lengths, block_table=table, return_lse=True,
+                    validate=False, **kwargs)
     out, lse = gather_merge(out, lse, pg, world)
     if sinks is not None:      # once, on the merged rows (per rank they would count P times)
         out, lse = add_sinks(out, lse, sinks)
