@@ -37,10 +37,15 @@ CASES = [
 ]
 
 
+def cases_of(world):
+    """The cases a world runs: the Triton-interpreter ones (slow) in world 2 only."""
+    return [c for c in CASES if world == 2 or c.get("backend") != "triton"]
+
+
 @pytest.fixture(scope="module", params=[2, 4])
 def world_results(request):
     world = request.param
-    return world, spawn_world(dcp_worker.worker, world, lambda queue: (CASES, queue), 300)
+    return world, spawn_world(dcp_worker.worker, world, lambda queue: (cases_of(world), queue), 300)
 
 
 @pytest.mark.gloo
@@ -54,7 +59,8 @@ def test_dcp_equals_one_device(world_results):
         assert status == "ok", payload
     first = results[0][1]
     for rank, (_, payload) in results.items():
-        for case, got, got0 in zip(CASES, payload, first):
+        assert len(payload) == len(cases_of(world))
+        for case, got, got0 in zip(cases_of(world), payload, first):
             what = f"world {world} rank {rank} {case}"
             out, lse = torch.from_numpy(got["out"]), torch.from_numpy(got["lse"])
             out1, lse1 = torch.from_numpy(got["out1"]), torch.from_numpy(got["lse1"])
@@ -74,7 +80,7 @@ def test_rank_without_keys_contributes_nothing(world_results):
     """Row 1 of the "partial" case holds 7 keys, all on page 0 (rank 0): every other rank's own
     result for it is out 0, lse -inf (so the merge weights it 0), rank 0's is the whole row."""
     world, results = world_results
-    i = next(i for i, c in enumerate(CASES) if c.get("partial"))
+    i = next(i for i, c in enumerate(cases_of(world)) if c.get("partial"))
     for rank, (_, payload) in results.items():
         got = payload[i]
         if rank == 0:
