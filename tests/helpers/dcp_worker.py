@@ -85,6 +85,12 @@ def run_case(case, rank, world, group):
         rot = dict(rotary_cos=angle.cos(), rotary_sin=angle.sin())
     kw = dict(kw, **rot, **({} if pad is None else dict(cache_leftpad=pad)))
     by_idx = {} if idx is None else dict(cache_batch_idx=idx)
+    scales = None
+    if case.get("fp8"):   # an FP8 cache: rows quantised with per-head descales, new rows on append
+        from triton_dilated.ops.common.kvcache import quantise_fp8
+        scales = [c.abs().amax(dim=(0, 1, 3)) / 448 for c in (kc, vc)]
+        kc, vc = quantise_fp8(kc, scales[0]), quantise_fp8(vc, scales[1])
+        kw = dict(kw, k_descale=scales[0], v_descale=scales[1])
     if case["cache"] == "paged":
         kp, vp, table = page_pools(kc, vc, PAGE, seed=case.get("seed", 0))
         single_k, single_v = kp.clone(), vp.clone()
@@ -110,7 +116,7 @@ def run_case(case, rank, world, group):
     with guard:
         out, lse = door(q, local_k, local_v, **new, cache_seqlens=seqlens, group=grp, **kw, **sharded)
     res = dict(out=out.numpy(), lse=lse.numpy(), out1=out1.numpy(), lse1=lse1.numpy(),
-               appended=bool(torch.equal(local_k, after(single_k)) and torch.equal(local_v, after(single_v))))
+               appended=all(torch.equal(bits(a), bits(after(b))) for a, b in ((local_k, single_k), (local_v, single_v))))
     if case.get("partial"):   # this rank's own (out, lse) before the merge: rows without a local key
         from triton_dilated.ops.common.context_parallel import contiguous_pool
         pk, pv, tab = contiguous_pool(local_k, local_v, None, rank, world, PAGE, q.shape[0])
@@ -119,6 +125,8 @@ def run_case(case, rank, world, group):
         res.update(part_out=po.numpy(), part_lse=pl.numpy())
     if rank == 0:
         lengths = seqlens + (0 if kn is None else kn.shape[1])
+        if scales is not None:   # the keys and values an FP8 cache holds
+            full_k, full_v = (c.float() * s.view(1, 1, -1, 1) for c, s in zip((full_k, full_v), scales))
         if pad is not None:   # row b's keys start at cache row pad[b]
             full_k, full_v = (torch.stack([torch.cat([c[b, p:], c[b, :p]]) for b, p in enumerate(pad.tolist())])
                               for c in (full_k, full_v))
@@ -146,6 +154,11 @@ def indexed_definition(case, q, k, v, lengths):
         outs.append(out[:, n - Nq:])
         lses.append(lse[:, :, n - Nq:])
     return torch.cat(outs), torch.cat(lses)
+
+
+def bits(x):
+    """x as bytes (torch.equal has no float8)."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
 
 
 class _nothing:
@@ -195,6 +208,7 @@ def errors_worker(rank, world, init_file, queue):
                  call(block_table=torch.zeros(1, 4, dtype=torch.int32),
                       cache_batch_idx=torch.zeros(1, dtype=torch.int32)),       # both
                  call(sinks=torch.zeros(3)),                                    # sinks of 3 heads
+                 call(q=torch.zeros(2, 1, 2, 8)),                               # 2 batch rows, a cache of 1
                  call(k=torch.zeros(1, 1, 2, 8), v=torch.zeros(1, 1, 2, 8)),    # fine: runs
                  call()]                                                        # fine: runs
         queue.put((rank, "ok", errors_of(calls)))

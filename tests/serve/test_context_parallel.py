@@ -1,7 +1,8 @@
 """Decode context parallelism (issue 33 item 4): the serve doors with group= on gloo worlds of 2
 and 4 ranks equal the single-device door (within float32 rounding) and the float64 definition,
 for dense (a full block layout), dilated and block-sparse attention, paged and contiguous caches,
-appends, sinks, softcap, decode steps of 1 and 4 queries; a rank with no key for a query
+appends, sinks, softcap, leftpad, rotary, cache_batch_idx, an FP8 cache, decode steps of 1 and 4
+queries, the indexed door too; a rank with no key for a query
 contributes nothing; appends land on the rank owning their page only; argument errors.
 One spawned world per size runs every case (tests/helpers/dcp_worker.py)."""
 from __future__ import annotations
@@ -29,6 +30,7 @@ CASES = [
     dict(kind="dilated", cache="contiguous", Nq=4, append=True, rotary=True, seed=5),
     dict(kind="dilated", cache="contiguous", Nq=1, append=True, mesh=True, no_sync=True, seed=6),
     dict(kind="layout", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0),
+    dict(kind="dilated", cache="contiguous", Nq=4, append=True, fp8=True, seed=12),
     dict(kind="layout", cache="contiguous", Nq=1, append=True, seqlens=[63, 20], seed=7),
     dict(kind="indexed", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0, seed=10),
     dict(kind="indexed", cache="contiguous", Nq=1, append=True, seed=11),
@@ -111,6 +113,7 @@ def test_dcp_argument_errors():
               "ValueError: dcp_page_size must be",
               "ValueError: cache_batch_idx maps batch rows to rows of a contiguous cache",
               "ValueError: sinks must have shape (Hq,) = (2,)",
+              "ValueError: k_cache and v_cache must hold B = 2 rows (q's batch; or give cache_batch_idx), got 1 and 1",
               None, None]
     for got, want in zip(errors[0], expect):
         assert (got is None) if want is None else (got is not None and got.startswith(want)), (got, want)

@@ -200,6 +200,9 @@ def dcp_attention(door, q, k_cache, v_cache, k, v, *, group, cache_seqlens, bloc
         check_int("dcp_page_size", dcp_page_size, minimum=1)
         if cache_batch_idx is not None:
             check_row_index("cache_batch_idx", cache_batch_idx, q, "the cache row each batch row reads and writes")
+        elif k_cache.shape[0] != q.shape[0] or v_cache.shape[0] != q.shape[0]:
+            raise ValueError(f"k_cache and v_cache must hold B = {q.shape[0]} rows (q's batch; or give "
+                             f"cache_batch_idx), got {k_cache.shape[0]} and {v_cache.shape[0]}")
         pool_k, pool_v, table = contiguous_pool(k_cache, v_cache, cache_batch_idx, rank, world, dcp_page_size,
                                                 q.shape[0])
     # the append here (append_owned: a step's new rows may straddle two ranks' pages), rotary first
