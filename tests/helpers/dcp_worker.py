@@ -70,7 +70,37 @@ def oracle_of(case):
                                                            softcap=cap, sinks=sinks)
 
 
+def run_paged_cache(case, rank, world, group):
+    """PagedDilatedKVCache(group=) against one device's cache over a run of steps (chunks of 8,
+    decode steps, an eviction and a new sequence): the outputs of each step, both caches, and
+    the pages each holds at the end."""
+    from triton_dilated import PagedDilatedKVCache
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    kw = dict(num_pages=40, page_size=4, num_kv_heads=2, head_dim=16, num_layers=2)
+    one = PagedDilatedKVCache([8, 16], [1, 2], **kw)
+    dcp = PagedDilatedKVCache([8, 16], [1, 2], **kw, group=group)
+    outs, outs1 = [], []
+    steps = [(["a", "b"], 8), (["a", "b"], 8), (["a"], 3)] + [(["a", "b"], 1)] * 12 + [(["b", "c"], 4)] * 6
+    for c in (one, dcp):
+        c.admit("a"), c.admit("b")
+    for i, (seqs, n) in enumerate(steps):
+        if i == 15:
+            for c in (one, dcp):
+                c.evict("a"), c.admit("c")
+        q = torch.randn(len(seqs), n, 4, 16, generator=g)
+        kn, vn = torch.randn(2, len(seqs), n, 2, 16, generator=g)
+        for c, res in ((one, outs1), (dcp, outs)):
+            step = c.begin(seqs, n)
+            for layer in range(2):
+                res.append(step.attend(q + layer, kn + layer, vn, layer, backend="torch").numpy())
+            step.end()
+    held = [dcp.pages_held(s) for s in ("b", "c")]
+    return dict(outs=outs, outs1=outs1, held=held, held1=[one.pages_held(s) for s in ("b", "c")])
+
+
 def run_case(case, rank, world, group):
+    if case["kind"] == "paged_cache":
+        return run_paged_cache(case, rank, world, group)
     from triton_dilated.ops.common.context_parallel import shard_contiguous_cache, shard_paged_cache
     from tests.helpers.serve_checks import definition, no_host_sync, page_pools, unpage
     q, kn, vn, kc, vc, seqlens, sinks = case_inputs(case)

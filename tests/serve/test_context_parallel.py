@@ -34,6 +34,7 @@ CASES = [
     dict(kind="layout", cache="contiguous", Nq=1, append=True, seqlens=[63, 20], seed=7),
     dict(kind="indexed", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0, seed=10),
     dict(kind="indexed", cache="contiguous", Nq=1, append=True, seed=11),
+    dict(kind="paged_cache", cache="paged"),                                             # PagedDilatedKVCache(group=)
     dict(kind="dilated", cache="paged", Nq=1, append=True, B=1, backend="triton", sinks=True, seed=8),   # interpreter
     dict(kind="layout", cache="contiguous", Nq=4, append=True, B=1, backend="triton", seed=9),            # interpreter
 ]
@@ -64,6 +65,9 @@ def test_dcp_equals_one_device(world_results):
         assert len(payload) == len(cases_of(world))
         for case, got, got0 in zip(cases_of(world), payload, first):
             what = f"world {world} rank {rank} {case}"
+            if case["kind"] == "paged_cache":
+                check_paged_cache(what, world, results, got)
+                continue
             out, lse = torch.from_numpy(got["out"]), torch.from_numpy(got["lse"])
             out1, lse1 = torch.from_numpy(got["out1"]), torch.from_numpy(got["lse1"])
             torch.testing.assert_close(out, out1, rtol=1e-5, atol=2e-6, msg=lambda m: f"{what}: out {m}")
@@ -75,6 +79,17 @@ def test_dcp_equals_one_device(world_results):
                 assert_rule(f"{what}: out", out.double(), ref_out, out1.double(), factor=2, floor=FLOOR[torch.float32])
                 assert_rule(f"{what}: lse", lse.double(), ref_lse, lse1.double(), factor=2,
                             floor=FLOOR[torch.float32])
+
+
+def check_paged_cache(what, world, results, got):
+    """PagedDilatedKVCache(group=): every step's output equals the single-device cache's, and
+    the ranks' pages add up to the single-device cache's (each page held once)."""
+    assert len(got["outs"]) == len(got["outs1"]) == 42
+    for i, (o, o1) in enumerate(zip(got["outs"], got["outs1"])):
+        np.testing.assert_allclose(o, o1, rtol=1e-5, atol=2e-6, err_msg=f"{what}: step output {i}")
+    i = next(i for i, c in enumerate(cases_of(world)) if c["kind"] == "paged_cache")
+    held = np.sum([payload[i]["held"] for _, payload in results.values()], axis=0)
+    assert held.tolist() == got["held1"] and min(held) > 0, (what, held, got["held1"])
 
 
 @pytest.mark.gloo
