@@ -27,6 +27,8 @@ def case_inputs(case):
     kn, vn = (mk(B, Nq, Hkv, D), mk(B, Nq, Hkv, D)) if case.get("append") else (None, None)
     seqlens = torch.tensor(case.get("seqlens", [37, 5])[:B], dtype=torch.int32)
     sinks = mk(Hq) if case.get("sinks") else None
+    if case.get("half"):   # float16 inputs and caches (the partial outs travel in float16)
+        q, kn, vn, kc, vc = (None if x is None else x.half() for x in (q, kn, vn, kc, vc))
     return q, kn, vn, kc, vc, seqlens, sinks
 
 
@@ -146,7 +148,8 @@ def run_case(case, rank, world, group):
     with guard:
         out, lse = door(q, local_k, local_v, **new, cache_seqlens=seqlens, group=grp, **kw, **sharded)
     res = dict(out=out.numpy(), lse=lse.numpy(), out1=out1.numpy(), lse1=lse1.numpy(),
-               appended=all(torch.equal(bits(a), bits(after(b))) for a, b in ((local_k, single_k), (local_v, single_v))))
+               appended=all(torch.equal(bits(a), bits(after(b)))
+                            for a, b in ((local_k, single_k), (local_v, single_v))))
     if case.get("partial"):   # this rank's own (out, lse) before the merge: rows without a local key
         from triton_dilated.ops.common.context_parallel import contiguous_pool
         pk, pv, tab = contiguous_pool(local_k, local_v, None, rank, world, PAGE, q.shape[0])

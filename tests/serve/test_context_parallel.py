@@ -31,6 +31,7 @@ CASES = [
     dict(kind="dilated", cache="contiguous", Nq=1, append=True, mesh=True, no_sync=True, seed=6),
     dict(kind="layout", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0),
     dict(kind="dilated", cache="contiguous", Nq=4, append=True, fp8=True, seed=12),
+    dict(kind="layout", cache="paged", Nq=4, append=True, half=True, sinks=True, seed=13),
     dict(kind="layout", cache="contiguous", Nq=1, append=True, seqlens=[63, 20], seed=7),
     dict(kind="indexed", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0, seed=10),
     dict(kind="indexed", cache="contiguous", Nq=1, append=True, seed=11),
@@ -70,15 +71,17 @@ def test_dcp_equals_one_device(world_results):
                 continue
             out, lse = torch.from_numpy(got["out"]), torch.from_numpy(got["lse"])
             out1, lse1 = torch.from_numpy(got["out1"]), torch.from_numpy(got["lse1"])
-            torch.testing.assert_close(out, out1, rtol=1e-5, atol=2e-6, msg=lambda m: f"{what}: out {m}")
+            # float16: the ranks' partial outs are rounded to float16 before the merge (one more rounding)
+            tol = dict(rtol=1e-5, atol=2e-6) if out.dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+            torch.testing.assert_close(out, out1, **tol, msg=lambda m: f"{what}: out {m}")
             torch.testing.assert_close(lse, lse1, rtol=1e-5, atol=2e-6, msg=lambda m: f"{what}: lse {m}")
             assert np.array_equal(got["out"], got0["out"]) and np.array_equal(got["lse"], got0["lse"]), what
             assert got["appended"], f"{what}: the shard after the appends differs"
             if rank == 0:
                 ref_out, ref_lse = torch.from_numpy(got["ref_out"]), torch.from_numpy(got["ref_lse"])
-                assert_rule(f"{what}: out", out.double(), ref_out, out1.double(), factor=2, floor=FLOOR[torch.float32])
-                assert_rule(f"{what}: lse", lse.double(), ref_lse, lse1.double(), factor=2,
-                            floor=FLOOR[torch.float32])
+                floor = FLOOR[out.dtype]
+                assert_rule(f"{what}: out", out.double(), ref_out, out1.double(), factor=2, floor=floor)
+                assert_rule(f"{what}: lse", lse.double(), ref_lse, lse1.double(), factor=2, floor=floor)
 
 
 def check_paged_cache(what, world, results, got):

@@ -7,9 +7,9 @@ Layout (the contract): page j of every sequence (positions [j * page_size, (j + 
 lives on rank j % P. A rank's pool holds its pages only; its block table keeps the width of the
 global one (column j is still position page j) with the columns of other ranks' pages pointing
 outside the pool (-1), which the serve doors read and write nothing on. So each rank's door sees
-the true positions (segments, residues, causality, windows, block layouts and sinks' rows are
-exact), computes the attention over its keys alone, and a query with no key on that rank gives
-out 0, lse -inf, which the merge weights 0. An append lands on the rank owning its page only.
+the true positions (segments, residues, causality, windows and block layouts are exact),
+computes the attention over its keys alone, and a query with no key on that rank gives out 0,
+lse -inf, which the merge weights 0. An append lands on the rank owning its page only.
 A page of at least max(dilation rate) rows keeps every residue class on every page, so the
 dilated key lists spread evenly over the ranks.
 
@@ -68,14 +68,17 @@ def local_block_table(block_table, rank: int, world: int):
 def shard_paged_cache(pool, block_table, rank: int, world: int):
     """(local pool, local block table) of `rank` from a single-device page pool (num_pages,
     page_size, Hkv, D) and its block table (B, max_pages): the pages of columns j % world ==
-    rank in their first order of use, copied into a compact pool, and local_block_table's
-    table naming them. For building shards from one device's cache (tests, a migration);
-    reads the table on the host. Page ids outside the pool stay outside."""
+    rank in their first order of use (row by row), copied into a compact pool, and a table of
+    the global one's shape naming them (-1 in other ranks' columns). For building shards from
+    one device's cache (tests, a migration); reads the table on the host. Page ids outside the
+    pool stay outside (-1)."""
     table = block_table.tolist()
-    ids = sorted({p for row in table for j, p in enumerate(row) if j % world == rank and 0 <= p < pool.shape[0]},
-                 key=lambda p: min((j, b) for b, row in enumerate(table) for j, q in enumerate(row) if q == p))
-    where = {p: i for i, p in enumerate(ids)}
-    local = pool[torch.tensor(ids, dtype=torch.long, device=pool.device)] if ids else pool[:0]
+    where: dict = {}   # global page id -> local page id
+    for row in table:
+        for j, p in enumerate(row):
+            if j % world == rank and 0 <= p < pool.shape[0]:
+                where.setdefault(p, len(where))
+    local = pool[torch.tensor(list(where), dtype=torch.long, device=pool.device)]
     mapped = torch.tensor([[where.get(p, -1) if j % world == rank else -1 for j, p in enumerate(row)]
                            for row in table], dtype=torch.int32, device=block_table.device)
     return local.contiguous(), mapped.view(block_table.shape)
@@ -147,20 +150,22 @@ def append_owned(k_pool, v_pool, k, v, cache_seqlens, block_table, k_descale=Non
     for pool, new in ((k_pool, k), (v_pool, v)):
         bits = pool.view(torch.uint8) if pool.dtype == FP8_DTYPE else pool   # torch.where has no float8
         new = (new.view(torch.uint8) if pool.dtype == FP8_DTYPE else new).flatten(0, 1)   # (B * n, Hkv, D)
-        src = torch.where(some, new.index_select(0, first), bits[page, row])    # what a skipped row writes (where none is kept:
-        bits[page, row] = torch.where(keep[:, None, None], new, src)   # its own place's value)
+        # what a skipped row writes: the first written row's value, or (none written) its place's own
+        src = torch.where(some, new.index_select(0, first), bits[page, row])
+        bits[page, row] = torch.where(keep[:, None, None], new, src)
 
 
 def gather_merge(out, lse, group, world: int):
     """Every rank's (out (B, Nq, Hq, D), lse float32 (B, Hq, Nq)) gathered in ONE all-gather
-    (the two packed as bytes) and merged (merge_partials): (out float32 (B, Nq, Hq, D), lse)."""
+    (packed as bytes: lse first, so that out's offset is a multiple of its itemsize) and merged
+    (merge_partials): (out float32 (B, Nq, Hq, D), lse)."""
     out, lse = out.contiguous(), lse.float().contiguous()
-    n_out = out.numel() * out.element_size()
-    mine = torch.cat([out.view(-1).view(torch.uint8), lse.view(-1).view(torch.uint8)])
+    n_lse = lse.numel() * 4
+    mine = torch.cat([lse.view(-1).view(torch.uint8), out.view(-1).view(torch.uint8)])
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=group)
-    outs = [p[:n_out].view(out.dtype).view(out.shape).transpose(1, 2) for p in parts]   # (B, Hq, Nq, D)
-    lses = [p[n_out:].view(torch.float32).view(lse.shape) for p in parts]
+    lses = [p[:n_lse].view(torch.float32).view(lse.shape) for p in parts]
+    outs = [p[n_lse:].view(out.dtype).view(out.shape).transpose(1, 2) for p in parts]   # (B, Hq, Nq, D)
     merged, lse = merge_partials(outs, lses)
     return merged.transpose(1, 2), lse
 

@@ -268,8 +268,8 @@ class PagedDilatedKVCache:
             need = -(-(self.seen[s] + num_new - self.base[s]) // self.page_size) - have
             mine = [(have + i) % self.world == self.rank for i in range(need)]   # DCP: this rank's pages
             if sum(mine) > len(self.free):
-                raise ValueError(f"the page pool is exhausted: sequence {s!r} needs {sum(mine)} more pages, {len(self.free)} "
-                                 f"are free (evict sequences or build the cache with more num_pages)")
+                raise ValueError(f"the page pool is exhausted: sequence {s!r} needs {sum(mine)} more pages, "
+                                 f"{len(self.free)} are free (evict sequences or build the cache with more num_pages)")
             self.pages[s].extend([self.free.pop() if m else -1 for m in mine])
         width = max(len(self.pages[s]) for s in seq_ids)
         table = array.array("i")   # int32, flat (the pages are int32 arrays too: memcpy), read without a copy
