@@ -29,14 +29,14 @@ CASES = [
     dict(kind="dilated", cache="contiguous", Nq=4, append=True, leftpad=[5, 2], sinks=True, seed=4),
     dict(kind="dilated", cache="contiguous", Nq=4, append=True, rotary=True, seed=5),
     dict(kind="dilated", cache="contiguous", Nq=1, append=True, mesh=True, no_sync=True, seed=6),
-    dict(kind="layout", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0),
+    dict(kind="layout", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0, no_sync=True),
     dict(kind="dilated", cache="contiguous", Nq=4, append=True, fp8=True, seed=12),
     dict(kind="layout", cache="paged", Nq=4, append=True, half=True, sinks=True, seed=13),
     dict(kind="layout", cache="contiguous", Nq=1, append=True, seqlens=[63, 20], seed=7),
-    dict(kind="indexed", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0, seed=10),
+    dict(kind="indexed", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0, seed=10, no_sync=True),
     dict(kind="indexed", cache="contiguous", Nq=1, append=True, seed=11),
     dict(kind="paged_cache", cache="paged"),                                             # PagedDilatedKVCache(group=)
-    dict(kind="dilated", cache="paged", Nq=1, append=True, B=1, backend="triton", sinks=True, seed=8),   # interpreter
+    dict(kind="dilated", cache="paged", Nq=1, append=True, B=1, backend="triton", sinks=True, seed=8, no_sync=True),  # interpreter
     dict(kind="layout", cache="contiguous", Nq=4, append=True, B=1, backend="triton", seed=9),            # interpreter
 ]
 
