@@ -36,7 +36,8 @@ CASES = [
     dict(kind="indexed", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0, seed=10, no_sync=True),
     dict(kind="indexed", cache="contiguous", Nq=1, append=True, seed=11),
     dict(kind="paged_cache", cache="paged"),                                             # PagedDilatedKVCache(group=)
-    dict(kind="dilated", cache="paged", Nq=1, append=True, B=1, backend="triton", sinks=True, seed=8, no_sync=True),  # interpreter
+    # the Triton interpreter (world 2 only)
+    dict(kind="dilated", cache="paged", Nq=1, append=True, B=1, backend="triton", sinks=True, seed=8, no_sync=True),
     dict(kind="layout", cache="contiguous", Nq=4, append=True, B=1, backend="triton", seed=9),            # interpreter
 ]
 
