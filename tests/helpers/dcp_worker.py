@@ -243,6 +243,8 @@ def errors_worker(rank, world, init_file, queue):
                  call(sinks=torch.zeros(3)),                                    # sinks of 3 heads
                  call(q=torch.zeros(2, 1, 2, 8)),                               # 2 batch rows, a cache of 1
                  call(k=torch.zeros(1, 1, 2, 8), v=torch.zeros(1, 1, 2, 8)),    # fine: runs
+                 lambda: dilated_attention_with_kvcache(torch.zeros(0, 1, 2, 8), kc[:0], kc[:0],
+                                                        **{**kw, "cache_seqlens": lens[:0]}),   # B = 0: runs
                  call()]                                                        # fine: runs
         queue.put((rank, "ok", errors_of(calls)))
         dist.barrier()

@@ -133,7 +133,8 @@ def test_dcp_argument_errors():
               "ValueError: cache_batch_idx maps batch rows to rows of a contiguous cache",
               "ValueError: sinks must have shape (Hq,) = (2,)",
               "ValueError: k_cache and v_cache must hold B = 2 rows (q's batch; or give cache_batch_idx), got 1 and 1",
-              None, None]
+              None, None, None]
+    assert len(errors[0]) == len(expect)
     for got, want in zip(errors[0], expect):
         assert (got is None) if want is None else (got is not None and got.startswith(want)), (got, want)
 
