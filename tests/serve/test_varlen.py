@@ -320,6 +320,9 @@ def test_varlen_argument_errors(variant):
         fn(q, kc[0], vc, **kw, **good)
     with pytest.raises(ValueError, match="rotary_cos and rotary_sin rotate the new rows k"):
         fn(q, kc, vc, **kw, **good, rotary_cos=torch.ones(NK, 2), rotary_sin=torch.ones(NK, 2))
+    # decode context parallelism takes padded batches: refused before any collective
+    with pytest.raises(ValueError, match=r"\(group=\.\.\.\) takes padded batches, not varlen queries"):
+        fn(q, kc, vc, **kw, **good, group=object())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from ..common.context_parallel import DCP_PAGE_SIZE, dcp_attention
 from ..common.kvcache import (FP8_DTYPE, append_and_route, batch_rows_table, cache_view, capacity, check_kvcache_args,
                               contiguous_rows, lse_flag, rotary_inputs, row_lengths)
 from ..common.op_support import resolve_path
@@ -27,7 +28,8 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
                                         softcap=0.0, sinks=None, cache_batch_idx=None, cache_leftpad=None,
                                         return_softmax_lse=None, rotary_cos=None, rotary_sin=None,
                                         rotary_interleaved=True, cu_seqlens_q=None, max_seqlen_q=None,
-                                        cu_seqlens_k_new=None):
+                                        cu_seqlens_k_new=None,
+                                        group=None, dcp_page_size=DCP_PAGE_SIZE):
     """Block-sparse attention of queries at the end of a KV cache: a decode step with no host
     sync, or chunked prefill.
 
@@ -54,6 +56,8 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
             `dilated_attention_with_kvcache` (FA3's names: q packed (total_q, Hq, D), each
             request's queries at the end of its row's keys, new rows packed by cu_seqlens_k_new;
             out (total_q, Hq, D), lse (Hq, total_q)); the layout's rows are the batch rows.
+        group, dcp_page_size: decode context parallelism, as `dilated_attention_with_kvcache`
+            (page j of every row on rank j % P; the layout covers the global capacity).
 
     Returns out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq); rows with
     no active key: 0 and -inf. Differentiable in eager mode (with gradients on the Triton path
@@ -61,6 +65,17 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     `triton_dilated::block_sparse_decode` (build the layout outside the compiled region).
     """
     return_lse = lse_flag(return_lse, return_softmax_lse)
+    if group is not None:
+        if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
+            raise ValueError("block_sparse_attention_with_kvcache(group=...) takes padded batches, not varlen queries: cu_seqlens_q, "
+                             "max_seqlen_q and cu_seqlens_k_new must be None with group=")
+        return dcp_attention(block_sparse_attention_with_kvcache, q, k_cache, v_cache, k, v, group=group,
+                             cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                             dcp_page_size=dcp_page_size, sinks=sinks, return_lse=return_lse, validate=validate,
+                             who="block_sparse_attention_with_kvcache", layout=layout, causal=causal, scale=scale,
+                             backend=backend, k_descale=k_descale, v_descale=v_descale, softcap=softcap,
+                             cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                             rotary_interleaved=rotary_interleaved)
     if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
         door = functools.partial(block_sparse_attention_with_kvcache, layout=layout, scale=scale, backend=backend,
                                  k_descale=k_descale, v_descale=v_descale, softcap=softcap, sinks=sinks)

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from ..common.context_parallel import resolve_group
 from ..common.validation import check_int
 from .cache import decode_rows_bound, window_start
 from .serve import dilated_attention_with_kvcache, serve_plan
@@ -70,13 +71,14 @@ class PagedStep:
         k_pool, v_pool = c.k_pools[layer], c.v_pools[layer]
         k_descale, v_descale = c.layer_descales[layer]
         args = (q, k_pool, v_pool, k_new, v_new, self.cache_seqlens, self.block_table, k_descale, v_descale, None)
-        if kwargs or not (isinstance(q, torch.Tensor) and isinstance(k_new, torch.Tensor) and
-                          isinstance(v_new, torch.Tensor)):
+        if kwargs or c.group is not None or not (isinstance(q, torch.Tensor) and isinstance(k_new, torch.Tensor)
+                                                 and isinstance(v_new, torch.Tensor)):
+            group = {} if c.group is None else dict(group=c.group)   # DCP: the door's sharded call
             return dilated_attention_with_kvcache(*args[:5], cache_seqlens=self.cache_seqlens,
                                                   block_table=self.block_table, segment_lengths=c.segment_lengths,
                                                   dilation_rates=c.dilation_rates, causal=True, mode=c.mode,
                                                   offsets=c.offsets, k_descale=k_descale, v_descale=v_descale,
-                                                  **kwargs)
+                                                  **group, **kwargs)
         key = (q.shape, q.dtype, q.device, k_new.shape, k_new.dtype, k_new.device, v_new.shape, v_new.dtype,
                v_new.device)
         if key != self.plan_key:
@@ -128,11 +130,19 @@ class PagedDilatedKVCache:
     (every layer) or (num_layers, num_kv_heads), one scale per layer and key/value head
     (dilated_attention_with_kvcache's meaning: stored value times descale; new rows, given in
     q's dtype, are quantised on append). Half the bytes of a bf16 pool.
+
+    group (a ProcessGroup or 1-D DeviceMesh of P ranks): decode context parallelism
+    (ops/common/context_parallel.py): every rank builds this cache with the same arguments
+    (num_pages: its own pool) and makes the same calls; logical page j of a sequence lives on
+    rank j % P (the dropped prefix is then a multiple of P pages, so a page keeps its rank), and
+    a rank takes pool pages for its own pages only (the others -1 in its block table); the
+    attends run dilated_attention_with_kvcache(..., group=) and return the whole result on every
+    rank. pages_held and free_pages count this rank's pages.
     """
 
     def __init__(self, segment_lengths, dilation_rates, *, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype=torch.float32, device="cpu", num_layers: int = 1, mode: str = "longnet",
-                 offsets: str = "modulo", k_descale=None, v_descale=None):
+                 offsets: str = "modulo", k_descale=None, v_descale=None, group=None):
         if dtype not in POOL_DTYPES:
             raise TypeError(f"dtype must be one of {', '.join(str(d).removeprefix('torch.') for d in POOL_DTYPES)} "
                             f"(the attention's dtypes, or an FP8 pool), got {dtype}")
@@ -155,8 +165,12 @@ class PagedDilatedKVCache:
         # an FP8 pool's bytes, which the Triton kernels read and write (ServePlan.decode_step): no view per attend
         self.byte_pools = [None if dtype != torch.float8_e4m3fn else (k.view(torch.uint8), v.view(torch.uint8))
                            for k, v in zip(self.k_pools, self.v_pools)]
-        # the dropped prefix: whole pages and a multiple of every segment length
-        self.step = math.lcm(math.lcm(*self.segment_lengths), self.page_size)
+        self.group, self.rank, self.world = None, 0, 1
+        if group is not None:
+            self.group, self.rank, self.world = resolve_group(group, "PagedDilatedKVCache")
+        # the dropped prefix: whole pages (P of them under DCP: page j stays on rank j % P) and a
+        # multiple of every segment length
+        self.step = math.lcm(math.lcm(*self.segment_lengths), self.page_size * self.world)
         self.rows_bound = decode_rows_bound(self.segment_lengths)
         self.free = list(range(num_pages - 1, -1, -1))   # pop() hands out low page ids first
         self.pages: dict = {}    # sequence -> physical pages (an int32 array), logical page j holding rows
@@ -197,7 +211,7 @@ class PagedDilatedKVCache:
 
     def pages_held(self, seq) -> int:
         """Pages sequence `seq` holds now (its kept rows and the current step's)."""
-        return len(self.pages[seq])
+        return sum(p >= 0 for p in self.pages[seq])
 
     def __repr__(self) -> str:
         """Host-side state only (no device access): sequences, pages held and free, the pool's
@@ -221,7 +235,7 @@ class PagedDilatedKVCache:
         """Drop a sequence; its pages go back to the pool."""
         self._known(seq)
         self.evictions += 1
-        self.free += reversed(self.pages.pop(seq))
+        self.free += [p for p in reversed(self.pages.pop(seq)) if p >= 0]
         del self.base[seq], self.seen[seq], self.admission[seq]
         self.open_steps.pop(seq, None)   # that step is stale now (PagedStep checks its admissions)
 
@@ -246,15 +260,17 @@ class PagedDilatedKVCache:
             keep_from = window_start(self.seen[s], self.segment_lengths) // self.step * self.step
             drop = (keep_from - self.base[s]) // self.page_size
             if drop > 0:
-                self.free += reversed(self.pages[s][:drop])
+                self.free += [p for p in reversed(self.pages[s][:drop]) if p >= 0]
                 del self.pages[s][:drop]
                 self.base[s] += drop * self.page_size
         for s in seq_ids:
-            need = -(-(self.seen[s] + num_new - self.base[s]) // self.page_size) - len(self.pages[s])
-            if need > len(self.free):
-                raise ValueError(f"the page pool is exhausted: sequence {s!r} needs {need} more pages, {len(self.free)} "
-                                 f"are free (evict sequences or build the cache with more num_pages)")
-            self.pages[s].extend([self.free.pop() for _ in range(need)])
+            have = len(self.pages[s])
+            need = -(-(self.seen[s] + num_new - self.base[s]) // self.page_size) - have
+            mine = [(have + i) % self.world == self.rank for i in range(need)]   # DCP: this rank's pages
+            if sum(mine) > len(self.free):
+                raise ValueError(f"the page pool is exhausted: sequence {s!r} needs {sum(mine)} more pages, "
+                                 f"{len(self.free)} are free (evict sequences or build the cache with more num_pages)")
+            self.pages[s].extend([self.free.pop() if m else -1 for m in mine])
         width = max(len(self.pages[s]) for s in seq_ids)
         table = array.array("i")   # int32, flat (the pages are int32 arrays too: memcpy), read without a copy
         for s in seq_ids:

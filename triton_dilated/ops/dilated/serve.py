@@ -27,6 +27,7 @@ import torch
 from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_and_route, batch_rows_table, cache_view,
                               capacity, check_kvcache_args, contiguous_rows, kernel_lengths, lse_flag, plan_append,
                               rotary_inputs, row_lengths, serve_key)
+from ..common.context_parallel import DCP_PAGE_SIZE, dcp_attention
 from ..common.op_support import lazy_module, resolve_path
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result
@@ -43,7 +44,8 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
                                    head_offset=0, total_heads=None, k_descale=None, v_descale=None, softcap=0.0,
                                    sinks=None, cache_batch_idx=None, cache_leftpad=None, return_softmax_lse=None,
                                    rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cu_seqlens_q=None,
-                                   max_seqlen_q=None, cu_seqlens_k_new=None):
+                                   max_seqlen_q=None, cu_seqlens_k_new=None,
+                                   group=None, dcp_page_size=DCP_PAGE_SIZE):
     """Dilated attention of queries at the end of a KV cache: a decode step with no host sync,
     or chunked prefill.
 
@@ -118,6 +120,16 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
             above per request. Returns out (total_q, Hq, D) and lse (Hq, total_q) (FA3's varlen
             layout). validate=True checks cu_seqlens (start 0, not decreasing, ending at the
             packed row counts) and max_seqlen_q.
+        group, dcp_page_size: decode context parallelism (ops/common/context_parallel.py,
+            docs/api.md): group a ProcessGroup or 1-D DeviceMesh of P ranks whose caches hold
+            page j of every row on rank j % P: block_table then names, in column j, the page in
+            its owner's pool (other ranks' columns are ignored; context_parallel.
+            local_block_table, shard_paged_cache); a contiguous k_cache, v_cache is this rank's
+            (B_cache, Nk_local, Hkv, D) shard of pages of dcp_page_size rows (default 64, a
+            multiple of the largest dilation rate balances the key lists; shard_contiguous_cache),
+            global capacity P * Nk_local. Each rank attends over its pages, one all-gather of
+            (out, lse) merges them (sinks joined once, after). Every rank gets the whole result.
+            Forward only, decode steps (Nq <= 16), validate=False; no host sync.
 
     Returns:
         out (B, Nq, Hq, D) like q, or (out, lse) with lse float32 (B, Hq, Nq) (varlen: out
@@ -135,6 +147,18 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     (the Triton path: one fused kernel) and launches.
     """
     return_lse = lse_flag(return_lse, return_softmax_lse)
+    if group is not None:
+        if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
+            raise ValueError("dilated_attention_with_kvcache(group=...) takes padded batches, not varlen queries: cu_seqlens_q, "
+                             "max_seqlen_q and cu_seqlens_k_new must be None with group=")
+        return dcp_attention(dilated_attention_with_kvcache, q, k_cache, v_cache, k, v, group=group,
+                             cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                             dcp_page_size=dcp_page_size, sinks=sinks, return_lse=return_lse, validate=validate,
+                             who="dilated_attention_with_kvcache", segment_lengths=segment_lengths,
+                             dilation_rates=dilation_rates, causal=causal, scale=scale, mode=mode, offsets=offsets,
+                             backend=backend, head_offset=head_offset, total_heads=total_heads, k_descale=k_descale,
+                             v_descale=v_descale, softcap=softcap, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
+                             rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
     if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
         door = functools.partial(dilated_attention_with_kvcache, segment_lengths=segment_lengths,
                                  dilation_rates=dilation_rates, scale=scale, mode=mode, offsets=offsets,

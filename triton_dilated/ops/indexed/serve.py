@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..common.call import AttentionCall
+from ..common.context_parallel import DCP_PAGE_SIZE, dcp_attention
 from ..common.first_order import joined_to, needs_grad
 from ..common.kvcache import (FP8_DTYPE, append_rows, cache_view, capacity, check_block_table, check_descales,
                               check_kvcache_values)
@@ -92,7 +93,8 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
                                    causal=True, scale=None, softcap=None, sinks=None, return_lse=False,
                                    backend="auto", validate=False, k_descale=None, v_descale=None,
                                    physical_slots=False, cu_seqlens_q=None, max_seqlen_q=None,
-                                   cu_seqlens_k_new=None):
+                                   cu_seqlens_k_new=None,
+                                   group=None, dcp_page_size=DCP_PAGE_SIZE):
     """Indexed attention of queries at the end of a KV cache, with no host sync.
 
     Args:
@@ -118,10 +120,29 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
             (total_q, Hq, Dqk) and indices packed with it, (total_q, Hkv, topk) or (total_q,
             topk); new rows packed (total_k_new, Hkv, D) by cu_seqlens_k_new; out (total_q, Hq,
             Dv), lse (Hq, total_q).
+        group, dcp_page_size: decode context parallelism, as `dilated_attention_with_kvcache`
+            (page j of every row on rank j % P; indices stay token positions: a listed key on
+            another rank's page is read there). Not with physical_slots (pool rows of one pool).
 
     Returns out (B, Nq, Hq, Dv) like q (and lse float32 (B, Hq, Nq)); rows with no used slot:
     0 and -inf. Differentiable in eager mode through the portable path (contiguous caches).
     """
+    if group is not None:
+        if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
+            raise ValueError("indexed_attention_with_kvcache(group=...) takes padded batches, not varlen queries: cu_seqlens_q, "
+                             "max_seqlen_q and cu_seqlens_k_new must be None with group=")
+        if physical_slots is not False:
+            raise ValueError(f"indexed_attention_with_kvcache(group=...): physical_slots must be False (slots name "
+                             f"rows of one pool; with group= indices are token positions), got {physical_slots!r}")
+
+        def check(q, k_pool, v_pool, k, v, lens, table, validate, k_descale, v_descale, leftpad):
+            check_serve_args(q, k_pool, v_pool, indices, k, v, lens, table, False, causal)
+            check_descales(q, k_pool, v_pool, k_descale, v_descale)
+        return dcp_attention(indexed_attention_with_kvcache, q, k_cache, v_cache, k, v, group=group,
+                             cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=None,
+                             dcp_page_size=dcp_page_size, sinks=sinks, return_lse=return_lse, validate=validate,
+                             who="indexed_attention_with_kvcache", extra=(indices,), check=check, causal=causal,
+                             scale=scale, softcap=softcap, backend=backend, k_descale=k_descale, v_descale=v_descale)
     if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
         def door(qb, kc, vc, idx, cache_leftpad=None, **kw):   # (no cache_leftpad on this door)
             return indexed_attention_with_kvcache(qb, kc, vc, idx, scale=scale, softcap=softcap, sinks=sinks,
