@@ -307,3 +307,34 @@ def test_every_arch_compiles_its_defaults_without_spills_at_d128(dtype):
         elif r["kernel"] not in NO_DOT_KERNELS:
             assert any(int(r[c] or 0) > 0 for c in tensor_core), r
     assert seen >= {(a, k, d, c) for a in ARCH_TABLE for k in KERNELS for d in ("64", "128") for c in "01"}
+
+
+# `perf aot --arch 70 75 80 86 89 90 100 120 gfx942 gfx950 --head-dims 192 --kernels indexed_fwd_dv128
+# indexed_bwd_dq_dv128 indexed_bwd_dkdv_dv128` (DeepSeek's non-absorbed MLA, (Dqk, Dv) = (192, 128)) and
+# `--arch 80 86 89 90 100 120 gfx942 gfx950 --head-dims 576 --kernels indexed_fwd_mla_paged
+# indexed_fwd_mla_fp8_paged indexed_fwd_mla_fp8_bytes_paged` (absorbed MLA decode, (576, 512), 64-row pages;
+# over 256 the door needs sm80 on NVIDIA: indices.kernel_head_dims), bf16, causal, one CSV
+INDEXED_MLA_CSV = "perf/aot/indexed-dv128-mla-all-archs-bf16-triton39.csv"
+
+
+def test_indexed_mla_shapes_compile_without_spills_on_every_arch():
+    """The indexed kernels at DeepSeek's shapes, each row the launch config the tile rule picks
+    (tiles.compiled_tiles): no spill, shared memory / LDS within the arch's limit; the one error
+    is the hardware-FP8 cache (fp8e4nv) before sm89, where the launcher decodes the bytes instead
+    (decode_kernels.fp8_mode 2: its row compiles)."""
+    rows = _csv_rows(INDEXED_MLA_CSV)
+    seen = set()
+    for r in rows:
+        arch = fake_arch(r["arch"])
+        assert _launched(r, arch, torch.bfloat16) == _compiled(r), (r["arch"], r["kernel"])
+        seen.add((r["arch"], r["kernel"]))
+        if r["error"]:
+            assert r["kernel"] == "indexed_fwd_mla_fp8_paged" and r["arch"] in ("sm80", "sm86"), r
+            assert "fp8e4nv not supported" in r["error"], r
+            continue
+        assert int(r["spill_stores"] or 0) == 0 and int(r["scratch_bytes"] or 0) == 0, r
+        assert int(r["shared_bytes"]) <= arch.shared_memory, r
+    dv128 = {f"indexed_{k}_dv128" for k in ("fwd", "bwd_dq", "bwd_dkdv")}
+    mla = {f"indexed_fwd_mla{t}_paged" for t in ("", "_fp8", "_fp8_bytes")}
+    assert seen == {(a, k) for a in ARCH_TABLE for k in dv128} | {
+        (a, k) for a in ARCH_TABLE if a not in ("sm70", "sm75") for k in mla}

@@ -15,7 +15,8 @@ the same on every arch with tensor cores:
   D = 64 spilled 436 B on sm70);
 * the absorbed-MLA shape (576, 512): a forward of 1 stage (2 spilled 320-1560 B with an FP8 cache
   and overflowed the 99 KiB of sm86/sm89/sm120; 1 fits them without spills, 16-bit or FP8), a dQ
-  of 2 (1 spilled and took 112 KiB) and 8 dK/dV rows (16 and 32 spilled on 4 warps or near it).
+  of 2 (1 spilled and took 112 KiB) and 8 dK/dV rows (16 and 32 spilled on 4 warps or near it);
+  on AMD 4 warps (8 spilled 224-276 B on gfx942/gfx950).
 Still spilling: the float32 dQ at Dqk 192 (72-128 B on sm80/sm90)."""
 from __future__ import annotations
 
@@ -46,12 +47,13 @@ def compiled_tiles(group: int, head_dim: int, head_dim_v: int, dtype, arch) -> d
     pipeline depth is forward_stages, the backward's num_stages."""
     widest = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
     fp32 = dtype == torch.float32
+    wide = widest > 256   # the absorbed-MLA shape (576, 512)
     if arch.mma == "fma":    # Volta/Turing: dots as FMA loops, 16-key gathers on 8 warps stay in registers
         block_k, warps = 16, 8
     else:
         block_k = 16 if fp32 or widest > 128 else 32
-        warps = 8 if (fp32 and widest > 64) or widest > 256 else 4
-    wide = widest > 256   # the absorbed-MLA shape (576, 512)
+        # wide heads on 8 warps, but on AMD (waves of 64: 8 spilled 224-276 B on gfx942/gfx950 there)
+        warps = 8 if (fp32 and widest > 64) or (wide and arch.mma != "mfma") else 4
     return dict(BLOCK_H=head_block(group), BLOCK_K=block_k, BLOCK_R=8 if wide else 32, num_warps=warps, num_stages=2,
                 forward_stages=1 if wide else 2)
 
