@@ -17,7 +17,7 @@ from ..common.kvcache import (FP8_DTYPE, append_and_route, batch_rows_table, cac
                               contiguous_rows, lse_flag, rotary_inputs, row_lengths)
 from ..common.op_support import resolve_path
 from ..common.runtime import empty_result
-from ..common.varlen import serve_varlen
+from ..common.varlen import is_varlen, serve_varlen
 from .interface import DECODE_FAMILIES, _block_sparse_decode, check_args, chunk_rows, decode_layout
 
 
@@ -65,18 +65,16 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     `triton_dilated::block_sparse_decode` (build the layout outside the compiled region).
     """
     return_lse = lse_flag(return_lse, return_softmax_lse)
+    varlen = is_varlen(cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new)
     if group is not None:
-        if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
-            raise ValueError("block_sparse_attention_with_kvcache(group=...) takes padded batches, not varlen queries: cu_seqlens_q, "
-                             "max_seqlen_q and cu_seqlens_k_new must be None with group=")
-        return dcp_attention(block_sparse_attention_with_kvcache, q, k_cache, v_cache, k, v, group=group,
+        return dcp_attention(block_sparse_attention_with_kvcache, q, k_cache, v_cache, k, v, group=group, varlen=varlen,
                              cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
                              dcp_page_size=dcp_page_size, sinks=sinks, return_lse=return_lse, validate=validate,
                              who="block_sparse_attention_with_kvcache", layout=layout, causal=causal, scale=scale,
                              backend=backend, k_descale=k_descale, v_descale=v_descale, softcap=softcap,
                              cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                              rotary_interleaved=rotary_interleaved)
-    if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
+    if varlen:
         door = functools.partial(block_sparse_attention_with_kvcache, layout=layout, scale=scale, backend=backend,
                                  k_descale=k_descale, v_descale=v_descale, softcap=softcap, sinks=sinks)
         return serve_varlen(door, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,

@@ -171,13 +171,18 @@ def gather_merge(out, lse, group, world: int):
 
 
 def dcp_attention(door, q, k_cache, v_cache, k, v, *, group, cache_seqlens, block_table, cache_batch_idx,
-                  dcp_page_size, sinks, return_lse, validate, who, extra=(), check=check_kvcache_args, **kwargs):
+                  dcp_page_size, sinks, return_lse, validate, who, extra=(), check=check_kvcache_args, varlen=False,
+                  **kwargs):
     """A serve door's call with group= (see the module docstring): the append of k, v on the
     pages this rank owns (append_owned), this rank's door over its pages (a local block table,
     no append, sinks left out), the all-gather of (out, lse), the merge, and the sinks joined
     once to the merged rows. Forward only; a decode step (<= 16 queries). door(q, k_cache,
     v_cache, *extra, k, v, **keywords) is the door without group; check(q, k_pool, v_pool, k, v,
-    cache_seqlens, block_table, validate, k_descale, v_descale, cache_leftpad) its shape checks."""
+    cache_seqlens, block_table, validate, k_descale, v_descale, cache_leftpad) its shape checks;
+    varlen: whether the call names varlen queries (refused: DCP takes padded batches)."""
+    if varlen:
+        raise ValueError(f"{who}(group=...) takes padded batches, not varlen queries: cu_seqlens_q, max_seqlen_q and "
+                         f"cu_seqlens_k_new must be None with group=")
     pg, rank, world = resolve_group(group, who)
     if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (q, k_cache, v_cache)):   # the door names it
         batch_idx = {} if cache_batch_idx is None else dict(cache_batch_idx=cache_batch_idx)

@@ -25,6 +25,11 @@ from .kvcache import FP8_DTYPE, batch_rows_table, capacity, check_rotary, quanti
 from .validation import check_bool, check_lengths_tensor
 
 
+def is_varlen(cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new) -> bool:
+    """Whether a serve door's call names varlen queries (any of the three keywords)."""
+    return cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None
+
+
 def check_cu_seqlens_tensor(name: str, cu, batch: int, device) -> None:
     """cu (cu_seqlens_q, cu_seqlens_k_new): an int32 tensor (B + 1,) on q's device (no value read)."""
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32:

@@ -31,7 +31,7 @@ from ..common.context_parallel import DCP_PAGE_SIZE, dcp_attention
 from ..common.op_support import lazy_module, resolve_path
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result
-from ..common.varlen import serve_varlen
+from ..common.varlen import is_varlen, serve_varlen
 from .interface import DECODE_FAMILIES, _dilated_decode, check_args, decode_table, padded_call
 from .patterns import head_table, warn_if_heads_first
 
@@ -147,11 +147,9 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     (the Triton path: one fused kernel) and launches.
     """
     return_lse = lse_flag(return_lse, return_softmax_lse)
+    varlen = is_varlen(cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new)
     if group is not None:
-        if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
-            raise ValueError("dilated_attention_with_kvcache(group=...) takes padded batches, not varlen queries: cu_seqlens_q, "
-                             "max_seqlen_q and cu_seqlens_k_new must be None with group=")
-        return dcp_attention(dilated_attention_with_kvcache, q, k_cache, v_cache, k, v, group=group,
+        return dcp_attention(dilated_attention_with_kvcache, q, k_cache, v_cache, k, v, group=group, varlen=varlen,
                              cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
                              dcp_page_size=dcp_page_size, sinks=sinks, return_lse=return_lse, validate=validate,
                              who="dilated_attention_with_kvcache", segment_lengths=segment_lengths,
@@ -159,7 +157,7 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
                              backend=backend, head_offset=head_offset, total_heads=total_heads, k_descale=k_descale,
                              v_descale=v_descale, softcap=softcap, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
                              rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
-    if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
+    if varlen:
         door = functools.partial(dilated_attention_with_kvcache, segment_lengths=segment_lengths,
                                  dilation_rates=dilation_rates, scale=scale, mode=mode, offsets=offsets,
                                  backend=backend, head_offset=head_offset, total_heads=total_heads,

@@ -26,7 +26,7 @@ from ..common.kvcache import (FP8_DTYPE, append_rows, cache_view, capacity, chec
 from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, fresh, lazy_module, resolve_path
 from ..common.validation import check_bool, check_flags, check_lengths_tensor
-from ..common.varlen import serve_varlen
+from ..common.varlen import is_varlen, serve_varlen
 from .indices import canonical_slots, check_inputs, validate_values
 from .portable import indexed_attention_torch
 
@@ -127,10 +127,8 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
     Returns out (B, Nq, Hq, Dv) like q (and lse float32 (B, Hq, Nq)); rows with no used slot:
     0 and -inf. Differentiable in eager mode through the portable path (contiguous caches).
     """
+    varlen = is_varlen(cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new)
     if group is not None:
-        if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
-            raise ValueError("indexed_attention_with_kvcache(group=...) takes padded batches, not varlen queries: cu_seqlens_q, "
-                             "max_seqlen_q and cu_seqlens_k_new must be None with group=")
         if physical_slots is not False:
             raise ValueError(f"indexed_attention_with_kvcache(group=...): physical_slots must be False (slots name "
                              f"rows of one pool; with group= indices are token positions), got {physical_slots!r}")
@@ -138,12 +136,12 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
         def check(q, k_pool, v_pool, k, v, lens, table, validate, k_descale, v_descale, leftpad):
             check_serve_args(q, k_pool, v_pool, indices, k, v, lens, table, False, causal)
             check_descales(q, k_pool, v_pool, k_descale, v_descale)
-        return dcp_attention(indexed_attention_with_kvcache, q, k_cache, v_cache, k, v, group=group,
+        return dcp_attention(indexed_attention_with_kvcache, q, k_cache, v_cache, k, v, group=group, varlen=varlen,
                              cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=None,
                              dcp_page_size=dcp_page_size, sinks=sinks, return_lse=return_lse, validate=validate,
                              who="indexed_attention_with_kvcache", extra=(indices,), check=check, causal=causal,
                              scale=scale, softcap=softcap, backend=backend, k_descale=k_descale, v_descale=v_descale)
-    if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
+    if varlen:
         def door(qb, kc, vc, idx, cache_leftpad=None, **kw):   # (no cache_leftpad on this door)
             return indexed_attention_with_kvcache(qb, kc, vc, idx, scale=scale, softcap=softcap, sinks=sinks,
                                                   backend=backend, k_descale=k_descale, v_descale=v_descale,
