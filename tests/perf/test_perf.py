@@ -636,7 +636,8 @@ def test_plan_cli_rejects_bad_arguments(args, message, capsys):
 
 # the parser's value types (perf/cli.py) and values each refuses
 BAD_VALUES = {cli.positive_int: ["0", "-5", "1.5", "abc"], cli.head_dim: ["0", "257"], cli.block_size: ["8", "48"],
-              cli.positive_float: ["0", "-1", "nan", "inf"], cli.non_negative_float: ["-1", "nan", "inf"]}
+              cli.positive_float: ["0", "-1", "nan", "inf"], cli.non_negative_float: ["-1", "nan", "inf"],
+              cli.aot_head_dim: ["0", "577"], cli.varlen_mix: ["0:1", "7:1,1", "a:b", "1:-2", "7:1,"]}
 
 
 def test_every_numeric_option_refuses_a_bad_value_in_one_line(capsys):
@@ -790,6 +791,45 @@ def test_decode_sweep_batches_paged_fp8_graph_and_host_rows():
     table = perf_decode.decode_table(rows)
     assert "batch 3 (CPU)" in table and "fp8: the quantisation error" in table
     assert ("launches stubbed" in table) == stubbed
+
+
+def test_decode_sweep_times_a_varlen_batch_against_the_per_request_loop():
+    """Issue 33 item 5: the varlen providers (one call on a mixed batch of decodes and a chunk
+    of more than 16 queries, the query-offset route; the same requests one by one) write ms rows
+    labelled with the mix, the speedup and a max_abs_err ~0; a context the longest request does
+    not fit under is a skipped row. Both steps equal the float64 oracle on the appended cache."""
+    from triton_dilated import dilated_attention_naive
+    from triton_dilated.perf import decode as perf_decode
+    one = timing.Timing(warmup=0, budget_s=0.0, min_reps=1, max_reps=1)
+    ws, rs, mix = [16, 32], [1, 2], ((2, 1), (1, 20))
+    rows = perf_decode.run_decode([16, 64], providers=["dilated_kvcache_varlen"], heads=2, head_dim=8, ws=ws, rs=rs,
+                                  device="cpu", memory_contexts=[], quiet=True, timing=one, varlen_mix=mix)
+    got = {(r["N"], r["provider"], r["metric"]): r for r in rows}
+    assert {r["B"] for r in rows} == {3} and {r["flags"].split(";")[0] for r in rows} == {"mix=2:1,1:20"}
+    assert set(got) == {(16, p, "ms") for p in perf_decode.VARLEN} | {(64, p, "ms") for p in perf_decode.VARLEN} | {
+        (64, "dilated_kvcache_varlen", m) for m in ("speedup_vs_loop", "max_abs_err")}
+    assert all(got[(16, p, "ms")]["value"] == "" and "does not fit" in got[(16, p, "ms")]["flags"]
+               for p in perf_decode.VARLEN)
+    assert all(got[(64, p, "ms")]["value"] > 0 and got[(64, p, "ms")]["rounds"] == 1 for p in perf_decode.VARLEN)
+    assert got[(64, "dilated_kvcache_varlen", "speedup_vs_loop")]["value"] > 0
+    assert got[(64, "dilated_kvcache_varlen", "max_abs_err")]["value"] < 1e-5
+    table = perf_decode.decode_table(rows)
+    assert "mixed serving batch" in table and "2:1,1:20" in table and "batch 3" not in table
+    # the steps against the oracle: request b's queries at the end of its row's N keys
+    g = torch.Generator().manual_seed(0)
+    counts, n = [1, 1, 20], 40
+    kc, vc = torch.randn(3, n, 1, 8, generator=g), torch.randn(3, n, 1, 8, generator=g)
+    q, kn, vn = torch.randn(22, 2, 8, generator=g), torch.randn(22, 1, 8, generator=g), torch.randn(22, 1, 8, generator=g)
+    steps = perf_decode.varlen_steps(q, kc, vc, kn, vn, counts, ws, rs)
+    for name in ("dilated_kvcache_varlen_loop", "dilated_kvcache_varlen"):
+        out = steps[name]()
+        assert out.shape == (22, 2, 8)
+        for b, (a, z) in enumerate(((0, 1), (1, 2), (2, 22))):
+            assert torch.equal(kc[b, n - counts[b]:], kn[a:z]) and torch.equal(vc[b, n - counts[b]:], vn[a:z])
+            q_row = torch.zeros(1, n, 2, 8, dtype=torch.float64)   # the oracle takes Nq = Nk: zeros in front
+            q_row[0, n - counts[b]:] = q[a:z].double()
+            want, _ = dilated_attention_naive(q_row, kc[b:b + 1].double(), vc[b:b + 1].double(), ws, rs, causal=True)
+            torch.testing.assert_close(out[a:z].double(), want[0, n - counts[b]:], atol=1e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- CLI rough edges (issue 24)

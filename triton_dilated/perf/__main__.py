@@ -34,7 +34,7 @@ import time
 
 from ..ops.common.hardware import ARCH_TABLE, arch_facts
 from .cli import (CAUSAL, DTYPES, Parser, add_causal, aot_head_dim, block_size, head_dim, non_negative_float,
-                  positive_float, positive_int)
+                  positive_float, positive_int, varlen_mix)
 
 COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot", "plan", "decode")
 
@@ -167,8 +167,12 @@ def _parser():
     p.add_argument("--providers", nargs="+", choices=("dilated", "dilated_kvcache", "dilated_kvcache_paged",
                                                       "dilated_kvcache_fp8", "dilated_kvcache_paged_fp8",
                                                       "dilated_kvcache_graph", "dilated_bounded", "indexed_kvcache",
-                                                      "indexed_gather", "sdpa_dense"),
+                                                      "indexed_gather", "sdpa_dense", "dilated_kvcache_varlen",
+                                                      "dilated_kvcache_varlen_loop"),
                    help="default: all (docstring of triton_dilated/perf/decode.py)")
+    p.add_argument("--varlen-mix", type=varlen_mix, metavar="COUNT:TOKENS,..",
+                   help="the varlen providers' requests: COUNT requests of TOKENS new tokens each (default: 7:1,1:256, "
+                        "seven 1-token decodes and one 256-token prefill chunk)")
     p.add_argument("--batch", type=positive_int, nargs="+", default=[1], metavar="B",
                    help="batch sizes, one query per row (e.g. 1 8 64; default: 1)")
     p.add_argument("--page-size", type=positive_int, default=64, help="rows per page of the paged providers (default: 64)")
