@@ -383,6 +383,23 @@ def test_other_load_sees_a_busy_process():
     assert load.cores > 0.3     # the child's core (and anyone else's): never our own sleeping time
 
 
+def test_other_load_counts_waited_children_as_own_when_asked():
+    """perf dcp's worlds: OtherLoad(children=True) counts the CPU time of the child processes
+    waited for inside the block (the spawned ranks) as its own, not as other load: a child
+    burning 0.5 s of CPU shows as 0.5 s more other load to the plain OtherLoad, whatever the
+    machine's other load (the two measure the same /proc/stat interval)."""
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat")
+    burn = "import time\nwhile time.process_time() < 0.5: pass"
+    with timing.OtherLoad() as plain:
+        with timing.OtherLoad(children=True) as own:
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-c", burn], check=True)
+            wall = time.perf_counter() - t0
+    child_s = (plain.cores - own.cores) * wall
+    assert 0.45 < child_s < 0.8, child_s    # 0.5 s of the loop and the interpreter's start-up
+
+
 # ----------------------------------------------------------------------------- readable output (issue 14)
 
 def _bench_row(provider, mode, metric, value, spread="", flags="", variant="longnet", n=1024, device="cpu"):
@@ -830,6 +847,37 @@ def test_decode_sweep_times_a_varlen_batch_against_the_per_request_loop():
             q_row[0, n - counts[b]:] = q[a:z].double()
             want, _ = dilated_attention_naive(q_row, kc[b:b + 1].double(), vc[b:b + 1].double(), ws, rs, causal=True)
             torch.testing.assert_close(out[a:z].double(), want[0, n - counts[b]:], atol=1e-5, rtol=1e-5)
+
+
+def test_perf_dcp_times_a_gloo_world_of_two_against_one_device(tmp_path, capsys):
+    """Issue 33 item 5: `perf dcp` spawns a gloo world of 2 at a tiny shape and writes, per
+    schedule, the sharded step, the merge, the single-device step (ms), the efficiency
+    (single / (P x sharded)) and the sharded output's max_abs_err against one device (~0),
+    labelled CPU/gloo; `perf table` reads them back. A cache that does not split into the
+    world's pages is refused before anything is spawned."""
+    from triton_dilated.perf import dcp
+    out = tmp_path / "dcp.csv"
+    assert main(["dcp", "--worlds", "2", "--keys", "256", "--batch", "2", "--heads", "4", "--kv-heads", "2",
+                 "--head-dim", "16", "--page-size", "16", "--runs", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "decode context parallelism, CPU/gloo" in printed and "wrote 10 rows" in printed
+    rows = results.read_csv(out)
+    got = {(r["variant"], r["provider"], r["metric"]): r for r in rows}
+    assert set(got) == {(s, p, "ms") for s in dcp.SCHEDULES for p in dcp.PROVIDERS} | {
+        (s, "dcp_sharded", m) for s in dcp.SCHEDULES for m in ("efficiency", "max_abs_err")}
+    assert {(r["op"], r["world_size"], r["N"], r["B"]) for r in rows} == {("decode_dcp", 2, 256, 2)}
+    assert all("CPU/gloo" in ";".join(results._flags(r)) for r in rows)
+    for s in dcp.SCHEDULES:
+        ms = {p: got[(s, p, "ms")]["value"] for p in dcp.PROVIDERS}
+        assert all(v > 0 for v in ms.values())
+        assert got[(s, "dcp_sharded", "efficiency")]["value"] == pytest.approx(
+            ms["dcp_single"] / 2 / ms["dcp_sharded"], rel=1e-4)
+        assert got[(s, "dcp_sharded", "max_abs_err")]["value"] < 1e-5
+    assert main(["table", str(out)]) == 0
+    assert "dilated     2" in capsys.readouterr().out
+    assert main(["dcp", "--worlds", "4", "--keys", "96", "--page-size", "16", "--out", str(tmp_path / "no.csv")]) == 2
+    assert "keys (96) must be a multiple of world size x page size" in capsys.readouterr().err
+    assert not (tmp_path / "no.csv").exists()
 
 
 # ----------------------------------------------------------------------------- CLI rough edges (issue 24)
