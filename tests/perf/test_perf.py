@@ -810,7 +810,7 @@ def test_decode_sweep_batches_paged_fp8_graph_and_host_rows():
     assert ("launches stubbed" in table) == stubbed
 
 
-def test_decode_sweep_times_a_varlen_batch_against_the_per_request_loop():
+def test_decode_sweep_times_a_varlen_batch_against_the_per_request_loop(tmp_path):
     """Issue 33 item 5: the varlen providers (one call on a mixed batch of decodes and a chunk
     of more than 16 queries, the query-offset route; the same requests one by one) write ms rows
     labelled with the mix, the speedup and a max_abs_err ~0; a context the longest request does
@@ -832,6 +832,17 @@ def test_decode_sweep_times_a_varlen_batch_against_the_per_request_loop():
     assert got[(64, "dilated_kvcache_varlen", "max_abs_err")]["value"] < 1e-5
     table = perf_decode.decode_table(rows)
     assert "mixed serving batch" in table and "2:1,1:20" in table and "batch 3" not in table
+    csv_path = tmp_path / "varlen.csv"    # read back (flags become lists): the same table
+    results.write_csv(rows, csv_path)
+    assert perf_decode.decode_table(results.read_csv(csv_path)) == table
+    # a first call over max_call_s: single-call rows at that context, longer ones skipped
+    slow = perf_decode.run_decode([64, 128], providers=["dilated_kvcache_varlen_loop"], heads=2, head_dim=8, ws=ws,
+                                  rs=rs, device="cpu", memory_contexts=[], quiet=True, timing=one, varlen_mix=mix,
+                                  max_call_s=1e-9)
+    ms = {(r["N"], r["provider"]): r for r in slow if r["metric"] == "ms"}
+    assert all(ms[(64, p)]["value"] > 0 and "single call" in ms[(64, p)]["flags"] for p in perf_decode.VARLEN)
+    assert all(ms[(128, p)]["value"] == "" and "a call took longer" in ms[(128, p)]["flags"]
+               for p in perf_decode.VARLEN)
     # the steps against the oracle: request b's queries at the end of its row's N keys
     g = torch.Generator().manual_seed(0)
     counts, n = [1, 1, 20], 40

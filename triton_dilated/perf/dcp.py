@@ -156,9 +156,10 @@ def dcp_table(rows) -> str:
              f"{'max |err|':>10}  flags"]
     for schedule, P in sorted({k[:2] for k in val}):
         get = lambda p, m: val[(schedule, P, p, m)]["value"]  # noqa: E731
+        flags = ";".join(_flags(val[(schedule, P, "dcp_sharded", "ms")]))
         lines.append(f"{schedule:9} {P:>3} {get('dcp_sharded', 'ms'):>11.4g} {get('dcp_single', 'ms') / P:>12.4g} "
                      f"{get('dcp_sharded', 'efficiency'):>10.2f} {get('dcp_merge', 'ms'):>9.3g} "
-                     f"{get('dcp_sharded', 'max_abs_err'):>10.3g}  {';'.join(_flags(val[(schedule, P, 'dcp_sharded', 'ms')]))}")
+                     f"{get('dcp_sharded', 'max_abs_err'):>10.3g}  {flags}")
     return "\n".join(lines)
 
 

@@ -62,7 +62,7 @@ import torch
 from ..ops.common.kvcache import FP8_MAX, quantise_fp8
 from ..ops.dilated import dilated_attention_with_kvcache
 from ..ops.dilated.cache import DilatedKVCache, quiet_heads_warning
-from .results import CsvSink, make_row, provenance, sig
+from .results import CsvSink, _flags, make_row, provenance, sig
 from .timing import OtherLoad, Timing, interleaved, paired_ratio, spread_pct
 
 LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12])
@@ -201,11 +201,13 @@ def varlen_steps(q, k_cache, v_cache, k_new, v_new, counts, ws, rs):
 
 
 def varlen_rows(n, mix, *, heads, kv_heads, head_dim, dtype, ws, rs, device, timing, gen, max_cache_gib, common,
-                say):
+                say, max_call_s=math.inf, dropped=""):
     """The rows of the varlen providers at context N (every request's row holds N keys after its
     append): ms of both (interleaved rounds), the varlen call's max_abs_err against the loop and
     its speedup_vs_loop (the per-round ratio). A mix whose longest request does not fit under N,
-    or whose caches pass max_cache_gib, gives skipped rows."""
+    or whose caches pass max_cache_gib, or `dropped` (why a shorter context stopped the timing),
+    gives skipped rows; a first call over max_call_s gives single-call ms rows, flagged "single
+    call (too slow to time)", and no timed rounds (run_decode then skips longer contexts)."""
     counts = [tokens for count, tokens in mix for _ in range(count)]
     B, total = len(counts), sum(counts)
     flags = f"mix={mix_label(mix)}"
@@ -214,9 +216,9 @@ def varlen_rows(n, mix, *, heads, kv_heads, head_dim, dtype, ws, rs, device, tim
     row = lambda p, metric, value, **kw: make_row(**common, B=B, provider=p, N=n, dtype=dname,  # noqa: E731
                                                   metric=metric, value=value, **{"flags": flags, **kw})
     need = 2 * B * n * kv_heads * head_dim * itemsize
-    why = (f"the mix's longest request ({max(counts)} tokens) does not fit under N" if max(counts) >= n else
-           f"caches of {need / 2 ** 30:.1f} GiB > max_cache_gib {max_cache_gib:g}" if need > max_cache_gib * 2 ** 30
-           else "")
+    why = dropped or (f"the mix's longest request ({max(counts)} tokens) does not fit under N" if max(counts) >= n
+                      else f"caches of {need / 2 ** 30:.1f} GiB > max_cache_gib {max_cache_gib:g}"
+                      if need > max_cache_gib * 2 ** 30 else "")
     if why:
         say(f"varlen {flags} N={n}: skipped ({why})")
         return [row(p, "ms", "", flags=f"{flags};skipped: {why}") for p in VARLEN]
@@ -224,7 +226,20 @@ def varlen_rows(n, mix, *, heads, kv_heads, head_dim, dtype, ws, rs, device, tim
     k_cache, v_cache = mk(B, n, kv_heads, head_dim), mk(B, n, kv_heads, head_dim)
     q, k_new, v_new = mk(total, heads, head_dim), mk(total, kv_heads, head_dim), mk(total, kv_heads, head_dim)
     calls = varlen_steps(q, k_cache, v_cache, k_new, v_new, counts, ws, rs)
-    err = (calls["dilated_kvcache_varlen"]().float() - calls["dilated_kvcache_varlen_loop"]().float()).abs().max()
+    outs, first = {}, {}
+    for p, call in calls.items():   # untimed: the first call compiles kernels (Triton) or warms caches
+        t0 = time.perf_counter()
+        outs[p] = call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        first[p] = time.perf_counter() - t0
+    err = (outs["dilated_kvcache_varlen"].float() - outs["dilated_kvcache_varlen_loop"].float()).abs().max()
+    err_row = row("dilated_kvcache_varlen", "max_abs_err", sig(float(err)),
+                  config=f"vs dilated_kvcache_varlen_loop ({dname} cache)")
+    if max(first.values()) > max_call_s:
+        say(f"varlen {flags} N={n}: a first call took {max(first.values()):.1f} s > {max_call_s:g} s; not timed")
+        return [row(p, "ms", sig(t * 1e3), rounds=1, flags=f"{flags};single call (too slow to time)")
+                for p, t in first.items()] + [err_row]
     with OtherLoad() as load:
         times = interleaved(calls, device, timing)
     rows = [row(p, "ms", sig(sorted(t)[len(t) // 2]), spread_pct=sig(spread_pct(t)), rounds=len(t),
@@ -232,8 +247,7 @@ def varlen_rows(n, mix, *, heads, kv_heads, head_dim, dtype, ws, rs, device, tim
     ratio, spread = paired_ratio(times["dilated_kvcache_varlen_loop"], times["dilated_kvcache_varlen"])
     rows.append(row("dilated_kvcache_varlen", "speedup_vs_loop", sig(ratio), spread_pct=sig(spread),
                     rounds=len(times["dilated_kvcache_varlen"]), other_cores=sig(load.cores)))
-    rows.append(row("dilated_kvcache_varlen", "max_abs_err", sig(float(err)),
-                    config=f"vs dilated_kvcache_varlen_loop ({dname} cache)"))
+    rows.append(err_row)
     for r in rows:
         say(f"varlen {flags} B={B:>3} N={n:>8} {r['provider']:28} {r['value']:>12} {r['metric']}")
     return rows
@@ -531,11 +545,14 @@ def run_decode(contexts=None, *, heads=16, kv_heads=None, head_dim=128, dtype=No
                 sink.write(new)
                 rows += new
                 del k_full, v_full, calls, reference, indexed_reference
+        varlen_dropped = ""
         for n in contexts if varlen else ():
             # both providers whichever is asked for: the rows compare them
             new = varlen_rows(n, varlen_mix, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, ws=ws,
                               rs=rs, device=device, timing=timing, gen=gen, max_cache_gib=max_cache_gib,
-                              common=common, say=say)
+                              common=common, say=say, max_call_s=max_call_s, dropped=varlen_dropped)
+            if any("single call" in r["flags"] for r in new):
+                varlen_dropped = f"a call took longer than {max_call_s:g} s at N={n}"
             sink.write(new)
             rows += new
         if memory_contexts:
@@ -625,8 +642,9 @@ def decode_table(rows) -> str:
 
 def varlen_table(rows) -> list:
     """The varlen rows' lines: per mix and context, the one-call and per-request-loop ms, their
-    paired ratio and the varlen call's max_abs_err against the loop."""
-    mix = lambda r: str(r.get("flags") or "").split(";")[0]  # noqa: E731
+    paired ratio and the varlen call's max_abs_err against the loop (fresh rows or rows read
+    back from a CSV, whose flags are a list)."""
+    mix = lambda r: next(iter(_flags(r)), "")  # noqa: E731
     val = {(mix(r), r["N"], r["provider"], r["metric"]): r["value"] for r in rows}
     lines = ["mixed serving batch (varlen: one call; loop: the door once per request), median ms",
              f"{'mix':>16} {'B':>4} {'context':>9} {'varlen ms':>12} {'loop ms':>12} {'loop/varlen':>11} "
