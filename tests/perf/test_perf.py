@@ -383,6 +383,23 @@ def test_other_load_sees_a_busy_process():
     assert load.cores > 0.3     # the child's core (and anyone else's): never our own sleeping time
 
 
+def test_other_load_counts_waited_children_as_own_when_asked():
+    """perf dcp's worlds: OtherLoad(children=True) counts the CPU time of the child processes
+    waited for inside the block (the spawned ranks) as its own, not as other load: a child
+    burning 0.5 s of CPU shows as 0.5 s more other load to the plain OtherLoad, whatever the
+    machine's other load (the two measure the same /proc/stat interval)."""
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat")
+    burn = "import time\nwhile time.process_time() < 0.5: pass"
+    with timing.OtherLoad() as plain:
+        with timing.OtherLoad(children=True) as own:
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-c", burn], check=True)
+            wall = time.perf_counter() - t0
+    child_s = (plain.cores - own.cores) * wall
+    assert 0.45 < child_s < 0.8, child_s    # 0.5 s of the loop and the interpreter's start-up
+
+
 # ----------------------------------------------------------------------------- readable output (issue 14)
 
 def _bench_row(provider, mode, metric, value, spread="", flags="", variant="longnet", n=1024, device="cpu"):
@@ -636,7 +653,8 @@ def test_plan_cli_rejects_bad_arguments(args, message, capsys):
 
 # the parser's value types (perf/cli.py) and values each refuses
 BAD_VALUES = {cli.positive_int: ["0", "-5", "1.5", "abc"], cli.head_dim: ["0", "257"], cli.block_size: ["8", "48"],
-              cli.positive_float: ["0", "-1", "nan", "inf"], cli.non_negative_float: ["-1", "nan", "inf"]}
+              cli.positive_float: ["0", "-1", "nan", "inf"], cli.non_negative_float: ["-1", "nan", "inf"],
+              cli.aot_head_dim: ["0", "577"], cli.varlen_mix: ["0:1", "7:1,1", "a:b", "1:-2", "7:1,"]}
 
 
 def test_every_numeric_option_refuses_a_bad_value_in_one_line(capsys):
@@ -790,6 +808,87 @@ def test_decode_sweep_batches_paged_fp8_graph_and_host_rows():
     table = perf_decode.decode_table(rows)
     assert "batch 3 (CPU)" in table and "fp8: the quantisation error" in table
     assert ("launches stubbed" in table) == stubbed
+
+
+def test_decode_sweep_times_a_varlen_batch_against_the_per_request_loop(tmp_path):
+    """Issue 33 item 5: the varlen providers (one call on a mixed batch of decodes and a chunk
+    of more than 16 queries, the query-offset route; the same requests one by one) write ms rows
+    labelled with the mix, the speedup and a max_abs_err ~0; a context the longest request does
+    not fit under is a skipped row. Both steps equal the float64 oracle on the appended cache."""
+    from triton_dilated import dilated_attention_naive
+    from triton_dilated.perf import decode as perf_decode
+    one = timing.Timing(warmup=0, budget_s=0.0, min_reps=1, max_reps=1)
+    ws, rs, mix = [16, 32], [1, 2], ((2, 1), (1, 20))
+    rows = perf_decode.run_decode([16, 64], providers=["dilated_kvcache_varlen"], heads=2, head_dim=8, ws=ws, rs=rs,
+                                  device="cpu", memory_contexts=[], quiet=True, timing=one, varlen_mix=mix)
+    got = {(r["N"], r["provider"], r["metric"]): r for r in rows}
+    assert {r["B"] for r in rows} == {3} and {r["flags"].split(";")[0] for r in rows} == {"mix=2:1,1:20"}
+    assert set(got) == {(16, p, "ms") for p in perf_decode.VARLEN} | {(64, p, "ms") for p in perf_decode.VARLEN} | {
+        (64, "dilated_kvcache_varlen", m) for m in ("speedup_vs_loop", "max_abs_err")}
+    assert all(got[(16, p, "ms")]["value"] == "" and "does not fit" in got[(16, p, "ms")]["flags"]
+               for p in perf_decode.VARLEN)
+    assert all(got[(64, p, "ms")]["value"] > 0 and got[(64, p, "ms")]["rounds"] == 1 for p in perf_decode.VARLEN)
+    assert got[(64, "dilated_kvcache_varlen", "speedup_vs_loop")]["value"] > 0
+    assert got[(64, "dilated_kvcache_varlen", "max_abs_err")]["value"] < 1e-5
+    table = perf_decode.decode_table(rows)
+    assert "mixed serving batch" in table and "2:1,1:20" in table and "batch 3" not in table
+    csv_path = tmp_path / "varlen.csv"    # read back (flags become lists): the same table
+    results.write_csv(rows, csv_path)
+    assert perf_decode.decode_table(results.read_csv(csv_path)) == table
+    # a first call over max_call_s: single-call rows at that context, longer ones skipped
+    slow = perf_decode.run_decode([64, 128], providers=["dilated_kvcache_varlen_loop"], heads=2, head_dim=8, ws=ws,
+                                  rs=rs, device="cpu", memory_contexts=[], quiet=True, timing=one, varlen_mix=mix,
+                                  max_call_s=1e-9)
+    ms = {(r["N"], r["provider"]): r for r in slow if r["metric"] == "ms"}
+    assert all(ms[(64, p)]["value"] > 0 and "single call" in ms[(64, p)]["flags"] for p in perf_decode.VARLEN)
+    assert all(ms[(128, p)]["value"] == "" and "a call took longer" in ms[(128, p)]["flags"]
+               for p in perf_decode.VARLEN)
+    # the steps against the oracle: request b's queries at the end of its row's N keys
+    g = torch.Generator().manual_seed(0)
+    counts, n = [1, 1, 20], 40
+    kc, vc = torch.randn(3, n, 1, 8, generator=g), torch.randn(3, n, 1, 8, generator=g)
+    q, kn, vn = torch.randn(22, 2, 8, generator=g), torch.randn(22, 1, 8, generator=g), torch.randn(22, 1, 8, generator=g)
+    steps = perf_decode.varlen_steps(q, kc, vc, kn, vn, counts, ws, rs)
+    for name in ("dilated_kvcache_varlen_loop", "dilated_kvcache_varlen"):
+        out = steps[name]()
+        assert out.shape == (22, 2, 8)
+        for b, (a, z) in enumerate(((0, 1), (1, 2), (2, 22))):
+            assert torch.equal(kc[b, n - counts[b]:], kn[a:z]) and torch.equal(vc[b, n - counts[b]:], vn[a:z])
+            q_row = torch.zeros(1, n, 2, 8, dtype=torch.float64)   # the oracle takes Nq = Nk: zeros in front
+            q_row[0, n - counts[b]:] = q[a:z].double()
+            want, _ = dilated_attention_naive(q_row, kc[b:b + 1].double(), vc[b:b + 1].double(), ws, rs, causal=True)
+            torch.testing.assert_close(out[a:z].double(), want[0, n - counts[b]:], atol=1e-5, rtol=1e-5)
+
+
+def test_perf_dcp_times_a_gloo_world_of_two_against_one_device(tmp_path, capsys):
+    """Issue 33 item 5: `perf dcp` spawns a gloo world of 2 at a tiny shape and writes, per
+    schedule, the sharded step, the merge, the single-device step (ms), the efficiency
+    (single / (P x sharded)) and the sharded output's max_abs_err against one device (~0),
+    labelled CPU/gloo; `perf table` reads them back. A cache that does not split into the
+    world's pages is refused before anything is spawned."""
+    from triton_dilated.perf import dcp
+    out = tmp_path / "dcp.csv"
+    assert main(["dcp", "--worlds", "2", "--keys", "256", "--batch", "2", "--heads", "4", "--kv-heads", "2",
+                 "--head-dim", "16", "--page-size", "16", "--runs", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "decode context parallelism, CPU/gloo" in printed and "wrote 10 rows" in printed
+    rows = results.read_csv(out)
+    got = {(r["variant"], r["provider"], r["metric"]): r for r in rows}
+    assert set(got) == {(s, p, "ms") for s in dcp.SCHEDULES for p in dcp.PROVIDERS} | {
+        (s, "dcp_sharded", m) for s in dcp.SCHEDULES for m in ("efficiency", "max_abs_err")}
+    assert {(r["op"], r["world_size"], r["N"], r["B"]) for r in rows} == {("decode_dcp", 2, 256, 2)}
+    assert all("CPU/gloo" in ";".join(results._flags(r)) for r in rows)
+    for s in dcp.SCHEDULES:
+        ms = {p: got[(s, p, "ms")]["value"] for p in dcp.PROVIDERS}
+        assert all(v > 0 for v in ms.values())
+        assert got[(s, "dcp_sharded", "efficiency")]["value"] == pytest.approx(
+            ms["dcp_single"] / 2 / ms["dcp_sharded"], rel=1e-4)
+        assert got[(s, "dcp_sharded", "max_abs_err")]["value"] < 1e-5
+    assert main(["table", str(out)]) == 0
+    assert "dilated     2" in capsys.readouterr().out
+    assert main(["dcp", "--worlds", "4", "--keys", "96", "--page-size", "16", "--out", str(tmp_path / "no.csv")]) == 2
+    assert "keys (96) must be a multiple of world size x page size" in capsys.readouterr().err
+    assert not (tmp_path / "no.csv").exists()
 
 
 # ----------------------------------------------------------------------------- CLI rough edges (issue 24)

@@ -19,7 +19,10 @@
                                           roofline bound on an H100
   python -m triton_dilated.perf decode    time per decode step (one query against N cached
                                           tokens): dilated vs dense SDPA, and the bounded
-                                          cache's memory, as the context grows
+                                          cache's memory, as the context grows; varlen
+                                          rows: a mixed batch in one call vs a loop
+  python -m triton_dilated.perf dcp       decode context parallelism on gloo (CPU): the sharded
+                                          step per world size vs one device, the merge's time
 
 Results are long-format CSV rows (one per op, provider, mode, shape, metric) with provenance
 (machine, arch, torch/triton/CUDA versions, git sha, kernel config, UTC timestamp).
@@ -34,9 +37,9 @@ import time
 
 from ..ops.common.hardware import ARCH_TABLE, arch_facts
 from .cli import (CAUSAL, DTYPES, Parser, add_causal, aot_head_dim, block_size, head_dim, non_negative_float,
-                  positive_float, positive_int)
+                  positive_float, positive_int, varlen_mix)
 
-COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot", "plan", "decode")
+COMMANDS = ("sweep", "tune", "ring", "layouts", "plot", "table", "aot", "plan", "decode", "dcp")
 
 
 def _parser():
@@ -167,8 +170,12 @@ def _parser():
     p.add_argument("--providers", nargs="+", choices=("dilated", "dilated_kvcache", "dilated_kvcache_paged",
                                                       "dilated_kvcache_fp8", "dilated_kvcache_paged_fp8",
                                                       "dilated_kvcache_graph", "dilated_bounded", "indexed_kvcache",
-                                                      "indexed_gather", "sdpa_dense"),
+                                                      "indexed_gather", "sdpa_dense", "dilated_kvcache_varlen",
+                                                      "dilated_kvcache_varlen_loop"),
                    help="default: all (docstring of triton_dilated/perf/decode.py)")
+    p.add_argument("--varlen-mix", type=varlen_mix, metavar="COUNT:TOKENS,..",
+                   help="the varlen providers' requests: COUNT requests of TOKENS new tokens each (default: 7:1,1:256, "
+                        "seven 1-token decodes and one 256-token prefill chunk)")
     p.add_argument("--batch", type=positive_int, nargs="+", default=[1], metavar="B",
                    help="batch sizes, one query per row (e.g. 1 8 64; default: 1)")
     p.add_argument("--page-size", type=positive_int, default=64, help="rows per page of the paged providers (default: 64)")
@@ -187,6 +194,25 @@ def _parser():
                    "(default: 0.2 on a GPU, 1.5 on a CPU)")
     p.add_argument("--max-call-seconds", type=positive_float, metavar="S",
                    help="stop timing a provider once one call takes longer (default: GPU 30, CPU 20)")
+
+    p = command("dcp", "decode context parallelism on gloo (CPU): the sharded decode step per world size against "
+                       "one device, the merge's time and the efficiency")
+    p.add_argument("--out", default="perf/out/dcp.csv", help="CSV to write (default: %(default)s)")
+    p.add_argument("--worlds", type=positive_int, nargs="+", default=[2, 4], metavar="P",
+                   help="world sizes, one gloo process per rank (default: 2 4)")
+    p.add_argument("--keys", type=positive_int, default=32768,
+                   help="cached tokens per sequence, a multiple of P x --page-size (default: %(default)s)")
+    p.add_argument("--batch", type=positive_int, default=4, help="sequences, one query each (default: %(default)s)")
+    p.add_argument("--heads", type=positive_int, default=8, help="query heads (default: %(default)s)")
+    p.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (default: %(default)s)")
+    p.add_argument("--head-dim", type=head_dim, default=64, help="default: %(default)s")
+    p.add_argument("--page-size", type=positive_int, default=64,
+                   help="rows per page of the interleave (dcp_page_size; default: %(default)s)")
+    p.add_argument("--runs", type=positive_int, default=7, help="timed rounds per step (default: %(default)s)")
+    p.add_argument("--schedules", nargs="+", choices=("dilated", "dense"), default=["dilated", "dense"],
+                   help="default: both (docstring of triton_dilated/perf/dcp.py)")
+    p.add_argument("--timeout", type=positive_float, default=600.0, metavar="S",
+                   help="seconds a world may take (default: %(default)s)")
     return parser
 
 
@@ -196,7 +222,7 @@ def main(argv=None) -> int:
         argv = ["sweep"] + argv
     args = _parser().parse_args(argv)
     return {"sweep": _sweep, "tune": _tune, "ring": _ring, "layouts": _layouts, "plot": _plot,
-            "table": _table, "aot": _aot, "plan": _plan, "decode": _decode}[args.command](args)
+            "table": _table, "aot": _aot, "plan": _plan, "decode": _decode, "dcp": _dcp}[args.command](args)
 
 
 def _sweep(args) -> int:
@@ -351,6 +377,8 @@ def _plot(args) -> int:
 
 
 def _table(args) -> int:
+    from .dcp import OP as DCP_OP
+    from .dcp import dcp_table
     from .decode import OP as DECODE_OP
     from .decode import decode_table
     from .results import BENCH_OPS, ResultsFileError, read_csv, summary_table
@@ -365,7 +393,8 @@ def _table(args) -> int:
     tune = [r for r in rows if str(r["op"]).startswith("tune:")]
     layouts = [r for r in rows if r["op"] == "layout_build"]
     decode = [r for r in rows if r["op"] == DECODE_OP]
-    if not (ring or bench or tune or layouts or decode):
+    dcp = [r for r in rows if r["op"] == DCP_OP]
+    if not (ring or bench or tune or layouts or decode or dcp):
         ops = sorted({str(r["op"]) for r in rows})
         print(f"table: {', '.join(map(str, args.csv))}: no sweep, ring, decode, tune or layout rows"
               + (f" (ops: {', '.join(ops[:6])})" if ops else " (no rows)"), file=sys.stderr)
@@ -378,6 +407,8 @@ def _table(args) -> int:
         print(ring_table(ring))
     if decode:
         print(decode_table(decode))
+    if dcp:
+        print(dcp_table(dcp))
     if tune:
         best = {}
         for r in tune:
@@ -489,6 +520,11 @@ def _plan(args) -> int:
 
 def _decode(args) -> int:
     from .decode import main
+    return main(args)
+
+
+def _dcp(args) -> int:
+    from .dcp import main
     return main(args)
 
 

@@ -82,6 +82,19 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def varlen_mix(text: str) -> tuple:
+    """A mixed serving batch (perf decode --varlen-mix): comma-separated COUNT:TOKENS pairs, COUNT
+    requests bringing TOKENS new tokens each, both integers >= 1: "7:1,1:256" -> ((7, 1), (1, 256))."""
+    try:
+        mix = tuple(tuple(int(x) for x in part.split(":")) for part in text.split(","))
+    except ValueError:
+        mix = ()
+    if not mix or any(len(pair) != 2 or min(pair) < 1 for pair in mix):
+        raise argparse.ArgumentTypeError(f"must be COUNT:TOKENS pairs, comma-separated, integers >= 1 (e.g. "
+                                         f"7:1,1:256), got {text!r}")
+    return mix
+
+
 def add_causal(p: argparse.ArgumentParser) -> None:
     p.add_argument("--causal", choices=tuple(CAUSAL), default="both", help="default: %(default)s")
 

@@ -26,6 +26,15 @@ Providers, all on one cache per (batch size, context) (transformers' layout (B, 
                    gather_indexed: the listed rows gathered, then softmax); its max_abs_err is
                    against indexed_kvcache
   sdpa_dense       scaled_dot_product_attention over the full cache (one query: no mask)
+  dilated_kvcache_varlen       a mixed serving batch in ONE call: packed varlen queries
+                   (cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new) of --varlen-mix requests
+                   (default 7:1,1:256: seven 1-token decodes and one 256-token prefill chunk),
+                   each request's new rows appended to its cache row (N - n_b rows before, N
+                   after), then attended; rows: B = the requests, flags "mix=7:1,1:256"
+  dilated_kvcache_varlen_loop  the same requests through the door one at a time (q (1, n_b,
+                   Hq, D) each, its cache row a view of the same cache): the loop an engine
+                   without varlen runs. max_abs_err of the varlen provider is against it (0 up
+                   to rounding expected); speedup_vs_loop: loop ms / varlen ms, per round
 
 Host time per call (metric host_ms, Python + launches): on a GPU, HOST_CALLS calls queued
 back to back (host_ms); on a CPU, for the dilated_kvcache providers, the Python from the call
@@ -53,13 +62,15 @@ import torch
 from ..ops.common.kvcache import FP8_MAX, quantise_fp8
 from ..ops.dilated import dilated_attention_with_kvcache
 from ..ops.dilated.cache import DilatedKVCache, quiet_heads_warning
-from .results import CsvSink, make_row, provenance, sig
-from .timing import OtherLoad, Timing, interleaved, spread_pct
+from .results import CsvSink, _flags, make_row, provenance, sig
+from .timing import OtherLoad, Timing, interleaved, paired_ratio, spread_pct
 
 LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12])
 PROVIDERS = ("dilated", "dilated_kvcache", "dilated_kvcache_paged", "dilated_kvcache_fp8",
              "dilated_kvcache_paged_fp8", "dilated_kvcache_graph", "dilated_bounded", "indexed_kvcache", "indexed_gather",
-             "sdpa_dense")
+             "sdpa_dense", "dilated_kvcache_varlen", "dilated_kvcache_varlen_loop")
+VARLEN = ("dilated_kvcache_varlen", "dilated_kvcache_varlen_loop")
+VARLEN_MIX = ((7, 1), (1, 256))   # (requests, new tokens each): 7 decodes, 1 prefill chunk of 256
 INDEXED = ("indexed_kvcache", "indexed_gather")
 INDEXED_TOPK = 2048
 # the serving-step providers: (paged, fp8)
@@ -151,6 +162,95 @@ def indexed_steps(q, kq, vq, providers, gen=None, topk=INDEXED_TOPK):
         with torch.no_grad():
             return gather_indexed(q, kq, vq, indices, causal=True)
     return {p: {"indexed_kvcache": serve, "indexed_gather": gather}[p] for p in wanted}
+
+
+def mix_label(mix) -> str:
+    """A --varlen-mix as text: ((7, 1), (1, 256)) -> "7:1,1:256"."""
+    return ",".join(f"{count}:{tokens}" for count, tokens in mix)
+
+
+def varlen_steps(q, k_cache, v_cache, k_new, v_new, counts, ws, rs):
+    """{provider: step()} of a mixed serving batch: request b brings counts[b] new tokens
+    (packed q (total, Hq, D), k_new, v_new (total, Hkv, D)) after N - counts[b] cached rows
+    (k_cache, v_cache (B, N, Hkv, D)). dilated_kvcache_varlen: one varlen call; _loop: the door
+    once per request, on views of the same cache rows. Both append the same rows at the same
+    places (repeated calls do the same work) and return the packed out (total, Hq, D)."""
+    B, N = k_cache.shape[:2]
+    dev = q.device
+    lens = torch.tensor([N - n for n in counts], dtype=torch.int32, device=dev)
+    bounds = [0]
+    for n in counts:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+    kw = dict(segment_lengths=ws, dilation_rates=rs)
+    # the loop's per-request inputs, sliced once (an engine holds them per request)
+    each = [(q[a:z].unsqueeze(0), k_cache[b:b + 1], v_cache[b:b + 1], k_new[a:z].unsqueeze(0),
+             v_new[a:z].unsqueeze(0), lens[b:b + 1]) for b, (a, z) in enumerate(zip(bounds, bounds[1:]))]
+
+    def varlen():
+        with torch.no_grad():
+            return dilated_attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                                                  cu_seqlens_q=cu, max_seqlen_q=max(counts), cu_seqlens_k_new=cu,
+                                                  **kw)
+
+    def loop():
+        with torch.no_grad():
+            return torch.cat([dilated_attention_with_kvcache(qb, kb, vb, knb, vnb, cache_seqlens=lb, **kw)[0]
+                              for qb, kb, vb, knb, vnb, lb in each])
+    return {"dilated_kvcache_varlen": varlen, "dilated_kvcache_varlen_loop": loop}
+
+
+def varlen_rows(n, mix, *, heads, kv_heads, head_dim, dtype, ws, rs, device, timing, gen, max_cache_gib, common,
+                say, max_call_s=math.inf, dropped=""):
+    """The rows of the varlen providers at context N (every request's row holds N keys after its
+    append): ms of both (interleaved rounds), the varlen call's max_abs_err against the loop and
+    its speedup_vs_loop (the per-round ratio). A mix whose longest request does not fit under N,
+    or whose caches pass max_cache_gib, or `dropped` (why a shorter context stopped the timing),
+    gives skipped rows; a first call over max_call_s gives single-call ms rows, flagged "single
+    call (too slow to time)", and no timed rounds (run_decode then skips longer contexts)."""
+    counts = [tokens for count, tokens in mix for _ in range(count)]
+    B, total = len(counts), sum(counts)
+    flags = f"mix={mix_label(mix)}"
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    dname = str(dtype).removeprefix("torch.")
+    row = lambda p, metric, value, **kw: make_row(**common, B=B, provider=p, N=n, dtype=dname,  # noqa: E731
+                                                  metric=metric, value=value, **{"flags": flags, **kw})
+    need = 2 * B * n * kv_heads * head_dim * itemsize
+    why = dropped or (f"the mix's longest request ({max(counts)} tokens) does not fit under N" if max(counts) >= n
+                      else f"caches of {need / 2 ** 30:.1f} GiB > max_cache_gib {max_cache_gib:g}"
+                      if need > max_cache_gib * 2 ** 30 else "")
+    if why:
+        say(f"varlen {flags} N={n}: skipped ({why})")
+        return [row(p, "ms", "", flags=f"{flags};skipped: {why}") for p in VARLEN]
+    mk = lambda *shape: torch.randn(*shape, generator=gen, device=device, dtype=dtype)  # noqa: E731
+    k_cache, v_cache = mk(B, n, kv_heads, head_dim), mk(B, n, kv_heads, head_dim)
+    q, k_new, v_new = mk(total, heads, head_dim), mk(total, kv_heads, head_dim), mk(total, kv_heads, head_dim)
+    calls = varlen_steps(q, k_cache, v_cache, k_new, v_new, counts, ws, rs)
+    outs, first = {}, {}
+    for p, call in calls.items():   # untimed: the first call compiles kernels (Triton) or warms caches
+        t0 = time.perf_counter()
+        outs[p] = call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        first[p] = time.perf_counter() - t0
+    err = (outs["dilated_kvcache_varlen"].float() - outs["dilated_kvcache_varlen_loop"].float()).abs().max()
+    err_row = row("dilated_kvcache_varlen", "max_abs_err", sig(float(err)),
+                  config=f"vs dilated_kvcache_varlen_loop ({dname} cache)")
+    if max(first.values()) > max_call_s:
+        say(f"varlen {flags} N={n}: a first call took {max(first.values()):.1f} s > {max_call_s:g} s; not timed")
+        return [row(p, "ms", sig(t * 1e3), rounds=1, flags=f"{flags};single call (too slow to time)")
+                for p, t in first.items()] + [err_row]
+    with OtherLoad() as load:
+        times = interleaved(calls, device, timing)
+    rows = [row(p, "ms", sig(sorted(t)[len(t) // 2]), spread_pct=sig(spread_pct(t)), rounds=len(t),
+                other_cores=sig(load.cores), config=f"{total} new tokens in {B} requests") for p, t in times.items()]
+    ratio, spread = paired_ratio(times["dilated_kvcache_varlen_loop"], times["dilated_kvcache_varlen"])
+    rows.append(row("dilated_kvcache_varlen", "speedup_vs_loop", sig(ratio), spread_pct=sig(spread),
+                    rounds=len(times["dilated_kvcache_varlen"]), other_cores=sig(load.cores)))
+    rows.append(err_row)
+    for r in rows:
+        say(f"varlen {flags} B={B:>3} N={n:>8} {r['provider']:28} {r['value']:>12} {r['metric']}")
+    return rows
 
 
 def graph_step(step, backend="aot_eager"):
@@ -329,10 +429,13 @@ def default_max_cache_gib(device: str) -> float:
 def run_decode(contexts=None, *, heads=16, kv_heads=None, head_dim=128, dtype=None, providers=PROVIDERS,
                ws=LONGNET[0], rs=LONGNET[1], timing=None, max_call_s=None, out=None, memory_contexts=None,
                memory_dtype=torch.bfloat16, device=None, quiet=False, batches=(1,), page_size=PAGE_SIZE,
-               max_cache_gib=None, graph_backend="aot_eager"):
+               max_cache_gib=None, graph_backend="aot_eager", varlen_mix=VARLEN_MIX):
     """Time the decode providers at each batch size and context; rows in the project's long
     CSV format (metric "ms": median per step; "host_ms": host time per call; "max_abs_err":
-    the FP8 and paged providers against dilated_kvcache; "cache_mib": per layer). A provider
+    the FP8 and paged providers against dilated_kvcache, the varlen call against its loop;
+    "speedup_vs_loop": the varlen rows; "cache_mib": per layer). The varlen providers run once
+    per context on the requests of varlen_mix ((count, new tokens) pairs; B = the requests,
+    not `batches`). A provider
     whose single call takes longer than max_call_s is not timed at that context or any longer
     one (per batch size); a (B, N) whose caches pass max_cache_gib is skipped."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -352,8 +455,10 @@ def run_decode(contexts=None, *, heads=16, kv_heads=None, head_dim=128, dtype=No
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
+    varlen = [p for p in providers if p in VARLEN]
+    providers = [p for p in providers if p not in VARLEN]
     with CsvSink(out) as sink:
-        for B in sorted(batches):
+        for B in sorted(batches) if providers else ():
             dropped = {}
             for n in contexts:
                 new = []
@@ -440,6 +545,16 @@ def run_decode(contexts=None, *, heads=16, kv_heads=None, head_dim=128, dtype=No
                 sink.write(new)
                 rows += new
                 del k_full, v_full, calls, reference, indexed_reference
+        varlen_dropped = ""
+        for n in contexts if varlen else ():
+            # both providers whichever is asked for: the rows compare them
+            new = varlen_rows(n, varlen_mix, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, ws=ws,
+                              rs=rs, device=device, timing=timing, gen=gen, max_cache_gib=max_cache_gib,
+                              common=common, say=say, max_call_s=max_call_s, dropped=varlen_dropped)
+            if any("single call" in r["flags"] for r in new):
+                varlen_dropped = f"a call took longer than {max_call_s:g} s at N={n}"
+            sink.write(new)
+            rows += new
         if memory_contexts:
             for n, step_rows, live, held, full in cache_memory(memory_contexts, heads=kv_heads, head_dim=head_dim,
                                                                    dtype=memory_dtype, ws=ws, rs=rs):
@@ -463,6 +578,8 @@ def decode_table(rows) -> str:
     context; the host time per call; the FP8/paged errors; the cache memory rows (fresh rows,
     or rows read back from a CSV: `perf table`)."""
     batch = lambda r: int(r["B"]) if not _missing(r.get("B")) else 1  # noqa: E731
+    varlen = [r for r in rows if r["provider"] in VARLEN]
+    rows = [r for r in rows if r["provider"] not in VARLEN]
     ms = {(batch(r), r["N"], r["provider"]): r["value"] for r in rows if r["metric"] == "ms"}
     host = {(batch(r), r["N"], r["provider"]): (r["value"], str(r.get("flags") or "")) for r in rows
             if r["metric"] == "host_ms"}
@@ -506,6 +623,8 @@ def decode_table(rows) -> str:
             lines.append(f"{B:>5} {n:>9} " + " ".join(f"{err[(B, n, p)]:>30.4g}" if (B, n, p) in err
                                                       else f"{'-':>30}" for p in ep))
         lines.append("")
+    if varlen:
+        lines += varlen_table(varlen) + [""]
     mem = {(r["N"], r["provider"], r["metric"]): r for r in rows if r["metric"].startswith("cache_")}
     if mem:
         lines += ["KV cache per layer (keys + values) at the decode step of token N, MiB",
@@ -519,6 +638,27 @@ def decode_table(rows) -> str:
             lines.append(f"{n:>9} {str(b['config']).removeprefix('rows='):>12} {b['value']:>12.4g} {a['value']:>10.4g} "
                          f"{f['value']:>10.4g} {f['value'] / b['value']:>12.1f}")
     return "\n".join(lines).rstrip("\n")
+
+
+def varlen_table(rows) -> list:
+    """The varlen rows' lines: per mix and context, the one-call and per-request-loop ms, their
+    paired ratio and the varlen call's max_abs_err against the loop (fresh rows or rows read
+    back from a CSV, whose flags are a list)."""
+    mix = lambda r: next(iter(_flags(r)), "")  # noqa: E731
+    val = {(mix(r), r["N"], r["provider"], r["metric"]): r["value"] for r in rows}
+    lines = ["mixed serving batch (varlen: one call; loop: the door once per request), median ms",
+             f"{'mix':>16} {'B':>4} {'context':>9} {'varlen ms':>12} {'loop ms':>12} {'loop/varlen':>11} "
+             f"{'max |err|':>10}"]
+    fmt = lambda v, w, f: f"{'-':>{w}}" if _missing(v) else f"{v:>{w}{f}}"  # noqa: E731
+    for m, n in sorted({(mix(r), r["N"]) for r in rows}):
+        B = next(int(r["B"]) for r in rows if mix(r) == m and r["N"] == n)
+        get = lambda p, metric: val.get((m, n, p, metric))  # noqa: E731
+        lines.append(f"{m.removeprefix('mix='):>16} {B:>4} {n:>9} "
+                     f"{fmt(get('dilated_kvcache_varlen', 'ms'), 12, '.4g')} "
+                     f"{fmt(get('dilated_kvcache_varlen_loop', 'ms'), 12, '.4g')} "
+                     f"{fmt(get('dilated_kvcache_varlen', 'speedup_vs_loop'), 11, '.2f')} "
+                     f"{fmt(get('dilated_kvcache_varlen', 'max_abs_err'), 10, '.3g')}")
+    return lines
 
 
 def main(args) -> int:
@@ -535,7 +675,7 @@ def main(args) -> int:
                       dtype=_dtype(args.dtype) if args.dtype else None, providers=args.providers or PROVIDERS,
                       timing=timing, max_call_s=args.max_call_seconds, out=args.out, memory_contexts=memory,
                       batches=args.batch, page_size=args.page_size, max_cache_gib=args.max_cache_gib,
-                      graph_backend=args.graph_backend)
+                      graph_backend=args.graph_backend, varlen_mix=args.varlen_mix or VARLEN_MIX)
     print(decode_table(rows))
     print(f"\nwrote {len(rows)} rows to {args.out}")
     if device == "cpu":

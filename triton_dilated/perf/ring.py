@@ -181,12 +181,14 @@ def _ring_worker(rank, world, init_file, spec, out_dir):
         dist.destroy_process_group()
 
 
-def _spawn(world, spec, timeout_s):
-    """Run _ring_worker on `world` processes; the per-rank result lists (or raise)."""
+def spawn_ranks(worker, world, spec, timeout_s):
+    """Run worker(rank, world, init_file, spec, out_dir) on `world` spawned processes (a file
+    rendezvous in out_dir); each writes out_dir/rank<r>.json. The per-rank results (or raise).
+    perf ring's and perf dcp's worlds."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        ctx = mp.start_processes(_ring_worker, args=(world, init_file, spec, tmp), nprocs=world, join=False,
+        ctx = mp.start_processes(worker, args=(world, init_file, spec, tmp), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
@@ -250,7 +252,7 @@ def run_ring(world_sizes=None, seqlen=None, variants=VARIANTS, comms=SCHEMES, de
                 continue
             t0 = time.perf_counter()
             try:
-                per_rank = _spawn(P, spec, timeout_s)
+                per_rank = spawn_ranks(_ring_worker, P, spec, timeout_s)
             except Exception as exc:
                 log(f"P={P}: failed ({type(exc).__name__}: {exc})")
                 continue

@@ -118,8 +118,9 @@ class OtherLoad:
     time of all CPUs minus this process's own user+system time, over the wall time); nan
     where /proc/stat is missing. A context manager: `with OtherLoad() as load: ...; load.cores`."""
 
-    def __init__(self):
+    def __init__(self, children: bool = False):
         self.cores = float("nan")
+        self.children = children   # count the waited-for child processes as own (spawned ranks)
 
     @staticmethod
     def _busy_s():
@@ -133,10 +134,9 @@ class OtherLoad:
         idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
         return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
-    @staticmethod
-    def _own_s():
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
+    def _own_s(self):
+        who = (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) if self.children else (resource.RUSAGE_SELF,)
+        return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, who))
 
     def __enter__(self):
         self._t0, self._busy0, self._own0 = time.perf_counter(), self._busy_s(), self._own_s()
