@@ -1,4 +1,4 @@
-"""FlashAttention's `test_flash_attn_kvcache` case grid (flash-attention tests/test_flash_attn.py,
+"""FlashAttention's `test_flash_attn_kvcache` case grid (flash-attention/tests/test_flash_attn.py,
 and FA3's varlen-query cases) ported to our serve doors at DENSE settings (issue 33 item 1):
 dilated with segment_lengths=[capacity], dilation_rates=[1] (one segment over the whole row,
 rate 1: every key, DESIGN §3) and block-sparse with a full layout are dense attention, so
