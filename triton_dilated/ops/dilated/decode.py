@@ -119,6 +119,8 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=No
             count = torch.minimum(count, (p - seg - c).div(r, rounding_mode="floor") + 1)
         t = torch.arange(T, device=device)
         ok = (t < count) & (p >= 0)                                       # (B, Nq, T)
+        if call.window is not None:   # the causal sliding window on positions (masks.WindowPredicate)
+            ok = ok & call.window(p, seg + c + r * t)
         kpos = torch.where(ok, seg + c + r * t, p.clamp(min=0))
         if key_offset is not None:   # cache rows (cache_leftpad)
             kpos = kpos + key_offset.view(B, 1, 1)
@@ -200,13 +202,13 @@ def offset_table(table, device):
     return torch.tensor(table, dtype=torch.long, device=device).reshape(len(table), -1)
 
 
-def dense_mask(pos, lengths, patterns, table, causal: bool, capacity: int, num_kv_heads: int):
+def dense_mask(pos, lengths, patterns, table, causal: bool, capacity: int, num_kv_heads: int, window=None):
     """mask_of(rows) for common.decode.attend_dense: (keep, count) (b, Hkv, G, Nq, capacity),
     whether and how many of its patterns' runs list key j for each (query, head) of the batch
     rows `rows` (attend_patterns' key lists as a mask: key j is in pattern (w, r)'s run of the
     query at p, for the heads whose offset is p's residue c, when j lies in p's segment, at
     residue c, below the row's length, and at or before p when causal); count None for one
-    pattern (no key listed twice)."""
+    pattern (no key listed twice). window: None or the call's WindowPredicate (keys cut to it)."""
     offsets = offset_table(table, pos.device)
     Hq = offsets.shape[0]
     j = torch.arange(capacity, device=pos.device)
@@ -223,6 +225,8 @@ def dense_mask(pos, lengths, patterns, table, causal: bool, capacity: int, num_k
                 (j < n.view(b, 1, 1))                                               # (b, Nq, N)
             if causal:
                 run &= masks.causal(p[..., None], j)
+            if window is not None:
+                run &= window(p[..., None], j)
             hit = (active[..., None] & run[:, None]).view(b, num_kv_heads, Hq // num_kv_heads, Nq, capacity)
             if len(patterns) == 1:
                 return hit, None
@@ -257,11 +261,11 @@ def dilated_decode(q, k, v, patterns, table, lengths, call, *, host_loop: bool =
     if pad is not None:
         lengths = lengths - pad
     pos = query_positions(lengths, q.shape[1], q.device)
-    if host_loop and pad is None:
+    if host_loop and pad is None and call.window is None:
         DECODE_STATS["calls"] += 1
         return attend_runs(q, k, v, patterns, table, pos, lengths, call)
     capacity = k.shape[1] * (1 if block_table is None else block_table.shape[1])
     if dense_route(q, patterns, table, capacity):   # the key lists cover most of the cache: one product
-        return attend_dense(q, k, v, dense_mask(pos, lengths, patterns, table, call.causal, capacity, k.shape[2]),
-                            call, block_table, pad)
+        return attend_dense(q, k, v, dense_mask(pos, lengths, patterns, table, call.causal, capacity, k.shape[2],
+                                                call.window), call, block_table, pad)
     return attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table, pad)
