@@ -67,11 +67,11 @@ def attention_ref(q, k, v, length, pad, causal, left=None):
     col = torch.arange(k.shape[0], device=q.device)
     keep = (col >= pad) & (col < length)
     keep = keep[None].expand(n, -1)
-    if causal:
-        row = torch.arange(n, device=q.device)[:, None]
+    row = torch.arange(n, device=q.device)[:, None]
+    if causal or left is not None:   # a local window (left, 0) ends at the query, causal or not
         keep = keep & (col[None] <= row + length - n)
     if left is not None:
-        keep = keep & (col[None] >= torch.arange(n, device=q.device)[:, None] + length - n - left)
+        keep = keep & (col[None] >= row + length - n - left)
     scores = torch.einsum("qhd,khd->hqk", q, torch.where(keep.any(0)[:, None, None], k, 0)) / D ** 0.5
     scores = scores.masked_fill(~keep[None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                       # (Hq, n)
@@ -94,7 +94,7 @@ def run_case(variant, backend, seqlen_q, mha, varlen, batch_idx, leftpad, rotary
              local=False):
     """One FlashAttention kvcache case: the door's out, lse and cache against attention_ref.
     local: FlashAttention's `local` (window_size=(left, 0), left drawn in [0, NK) as FA draws
-    it; causal windows, the dilated door)."""
+    it, right = 0; the dilated door)."""
     g = torch.Generator().manual_seed(seed)
     hkv = HKV[mha]
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)   # noqa: E731
@@ -159,7 +159,8 @@ def run_case(variant, backend, seqlen_q, mha, varlen, batch_idx, leftpad, rotary
             qb, kb, vb = q64[qa:qa + n].to(dtype), k64[ka:ka + m].to(dtype), v64[ka:ka + m].to(dtype)
             if rotary:
                 start = before[b]
-                q_pos = start + (torch.arange(n) if causal else torch.zeros(n, dtype=torch.long))
+                # FlashAttention rotates queries at their positions when causal or local
+                q_pos = start + (torch.arange(n) if causal or local else torch.zeros(n, dtype=torch.long))
                 k_pos = start + torch.arange(m)
                 qb = _rotate(qb, cos64[q_pos], sin64[q_pos], rotary == "interleaved")
                 kb = _rotate(kb, cos64[k_pos], sin64[k_pos], rotary == "interleaved")
@@ -232,11 +233,12 @@ LOCAL_SEQLEN_Q = [1, 3, 17, 40]
 @pytest.mark.parametrize("seqlen_q", LOCAL_SEQLEN_Q)
 def test_flash_kvcache_grid_local_window_portable(seqlen_q):
     """FlashAttention's `local` cases (window_size=(left, 0)) on the dilated door, portable
-    path: the causal flag combinations of the grid, each at 2 of the 4 seqlen_q points (every
-    one at every point with TRITON_DILATED_FULL_GRID=1), GQA."""
+    path: the grid's flag combinations (causal or not: a window (left, 0) is causal either
+    way), each at 1 of the 4 seqlen_q points (every one at every point with
+    TRITON_DILATED_FULL_GRID=1), GQA."""
     point = LOCAL_SEQLEN_Q.index(seqlen_q)
-    for i, flags in enumerate(f for f in _flags() if f[-1]):
-        if not FULL and i % 2 != point % 2:
+    for i, flags in enumerate(_flags()):
+        if not FULL and i % 4 != point:
             continue
         seed = 5000 + 100 * seqlen_q + i
         try:

@@ -28,6 +28,7 @@ from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_a
                               capacity, check_kvcache_args, contiguous_rows, kernel_lengths, lse_flag, plan_append,
                               rotary_inputs, row_lengths, serve_key)
 from ..common.context_parallel import DCP_PAGE_SIZE, dcp_attention
+from ..common.masks import window_from_size
 from ..common.op_support import lazy_module, resolve_path
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result
@@ -156,6 +157,11 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     (the Triton path: one fused kernel) and launches.
     """
     return_lse = lse_flag(return_lse, return_softmax_lse)
+    if window_size is not None and isinstance(causal, bool):
+        # a window is causal (masks.window_from_size; its errors raised here): rotary and the
+        # routes below see causal=True, as FlashAttention's local attention rotates each query
+        # at its own position
+        causal = window_from_size(window_size, causal)[0]
     if group is not None:
         if cu_seqlens_q is not None or max_seqlen_q is not None or cu_seqlens_k_new is not None:
             raise ValueError("dilated_attention_with_kvcache(group=...) takes padded batches, not varlen queries: cu_seqlens_q, "
