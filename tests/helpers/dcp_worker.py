@@ -55,7 +55,8 @@ def door_call(case):
         idx = case_indices(case)
         return lambda q, kc, vc, **o: indexed_attention_with_kvcache(q, kc, vc, idx, **o), kw
     if case["kind"] == "dilated":
-        return dilated_attention_with_kvcache, dict(kw, segment_lengths=WS, dilation_rates=RS)
+        window = {} if "window" not in case else dict(window_size=(case["window"], 0))
+        return dilated_attention_with_kvcache, dict(kw, segment_lengths=WS, dilation_rates=RS, **window)
     return block_sparse_attention_with_kvcache, dict(kw, layout=case_layout(case))
 
 
@@ -66,7 +67,9 @@ def oracle_of(case):
     if case["kind"] == "indexed":
         return None
     if case["kind"] == "dilated":
-        return lambda q, k, v, n: dilated_attention_naive(q, k, v, WS, RS, causal=True, softcap=cap, sinks=sinks)
+        window = None if "window" not in case else (case["window"], 0)
+        return lambda q, k, v, n: dilated_attention_naive(q, k, v, WS, RS, causal=True, softcap=cap, sinks=sinks,
+                                                          window_size=window)
     lay = case_layout(case)
     return lambda q, k, v, n: block_sparse_attention_naive(q, k, v, lay.prefix(-(-n // lay.block_size)), causal=True,
                                                            softcap=cap, sinks=sinks)

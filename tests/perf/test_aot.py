@@ -297,6 +297,19 @@ def test_leftpad_and_window_variants_compile_without_spills(tmp_path):
 
 
 @needs_ptxas
+def test_dilated_decode_window_variants_compile_without_spills(tmp_path):
+    """window_size= on the dilated serve door (HAS_WINDOW in the decode kernel: each pattern's
+    run cut from its front, the window a run-time int32), with and without cache_leftpad,
+    compiles for sm90 and sm80 at D = 128, causal, the launcher's default tiles: no error, no
+    spill."""
+    rows = _aot_rows(tmp_path / "decode-window.csv", "--arch", "90", "80", "--head-dims", "128", "--causal", "yes",
+                     "--kernels", "dilated_decode_window", "dilated_decode_leftpad_window", "--jobs", "1")
+    assert len(rows) == 4
+    report = _spill_report(rows)
+    assert not report, report
+
+
+@needs_ptxas
 def test_fp8_decode_variants_compile_without_spills(tmp_path):
     """The decode kernels on an FP8 cache at D = 128, causal, their launchers' default tiles:
     on sm90 through Triton's fp8e4nv conversion (KV_FP8 = 1), contiguous and paged; on sm80,

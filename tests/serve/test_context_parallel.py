@@ -1,7 +1,7 @@
 """Decode context parallelism (issue 33 item 4): the serve doors with group= on gloo worlds of 2
 and 4 ranks equal the single-device door (within float32 rounding) and the float64 definition,
 for dense (a full block layout), dilated and block-sparse attention, paged and contiguous caches,
-appends, sinks, softcap, leftpad, rotary, cache_batch_idx, an FP8 cache, decode steps of 1 and 4
+appends, sinks, softcap, leftpad, rotary, cache_batch_idx, a sliding window, an FP8 cache, decode steps of 1 and 4
 queries, the indexed door too; a rank with no key for a query
 contributes nothing; appends land on the rank owning their page only; argument errors.
 One spawned world per size runs every case (tests/helpers/dcp_worker.py)."""
@@ -28,6 +28,8 @@ CASES = [
     dict(kind="dilated", cache="contiguous", Nq=1, B_cache=3, batch_idx=[2, 0], append=True, seed=3),
     dict(kind="dilated", cache="contiguous", Nq=4, append=True, leftpad=[5, 2], sinks=True, seed=4),
     dict(kind="dilated", cache="contiguous", Nq=4, append=True, rotary=True, seed=5),
+    dict(kind="dilated", cache="paged", Nq=4, append=True, window=9, seed=14),            # window_size=(9, 0)
+    dict(kind="dilated", cache="contiguous", Nq=1, append=True, leftpad=[5, 2], window=20, sinks=True, seed=15),
     dict(kind="dilated", cache="contiguous", Nq=1, append=True, mesh=True, no_sync=True, seed=6),
     dict(kind="layout", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0, no_sync=True),
     dict(kind="dilated", cache="contiguous", Nq=4, append=True, fp8=True, seed=12),

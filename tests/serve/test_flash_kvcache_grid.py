@@ -56,18 +56,22 @@ def _rotate(x, cos, sin, interleaved):
     return torch.cat([out, x[..., ROTARY_DIM:]], dim=-1)
 
 
-def attention_ref(q, k, v, length, pad, causal):
+def attention_ref(q, k, v, length, pad, causal, left=None):
     """FlashAttention's attention_ref for one request in q's dtype: q (n, Hq, D), k, v (Nk, Hkv,
     D) the cache row after the append; keys [pad, length), causal bottom-right over the
-    length - pad keys. Returns (out (n, Hq, D), lse (Hq, n)); a row with no key 0 and -inf."""
+    length - pad keys; left: FlashAttention's local window (left, 0) (construct_local_mask:
+    query i sees key c >= its position - left, positions from the pad), None for none.
+    Returns (out (n, Hq, D), lse (Hq, n)); a row with no key 0 and -inf."""
     n, group = q.shape[0], q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     col = torch.arange(k.shape[0], device=q.device)
     keep = (col >= pad) & (col < length)
     keep = keep[None].expand(n, -1)
-    if causal:
-        row = torch.arange(n, device=q.device)[:, None]
+    row = torch.arange(n, device=q.device)[:, None]
+    if causal or left is not None:   # a local window (left, 0) ends at the query, causal or not
         keep = keep & (col[None] <= row + length - n)
+    if left is not None:
+        keep = keep & (col[None] >= row + length - n - left)
     scores = torch.einsum("qhd,khd->hqk", q, torch.where(keep.any(0)[:, None, None], k, 0)) / D ** 0.5
     scores = scores.masked_fill(~keep[None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                       # (Hq, n)
@@ -86,8 +90,11 @@ def _flags():
         yield varlen, batch_idx, leftpad, rotary, paged, new_kv, causal
 
 
-def run_case(variant, backend, seqlen_q, mha, varlen, batch_idx, leftpad, rotary, paged, new_kv, causal, seed):
-    """One FlashAttention kvcache case: the door's out, lse and cache against attention_ref."""
+def run_case(variant, backend, seqlen_q, mha, varlen, batch_idx, leftpad, rotary, paged, new_kv, causal, seed,
+             local=False):
+    """One FlashAttention kvcache case: the door's out, lse and cache against attention_ref.
+    local: FlashAttention's `local` (window_size=(left, 0), left drawn in [0, NK) as FA draws
+    it, right = 0; the dilated door)."""
     g = torch.Generator().manual_seed(seed)
     hkv = HKV[mha]
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)   # noqa: E731
@@ -105,6 +112,7 @@ def run_case(variant, backend, seqlen_q, mha, varlen, batch_idx, leftpad, rotary
         pads = [min(p, b + m - n) for p, b, n, m in zip(pads, before, nq, nk)]
     rows = [2, 0, 4] if batch_idx else list(range(B))
     kc64, vc64 = rand(5 if batch_idx else B, NK, hkv, D), rand(5 if batch_idx else B, NK, hkv, D)
+    left = int(torch.randint(0, NK, (1,), generator=g)) if local else None
     q64 = rand(sum(nq), HQ, D)
     k64, v64 = rand(sum(nk), hkv, D), rand(sum(nk), hkv, D)
     angles = rand(NK + 64, ROTARY_DIM // 2) * 3   # seqlen_ro past every causal query position
@@ -118,6 +126,8 @@ def run_case(variant, backend, seqlen_q, mha, varlen, batch_idx, leftpad, rotary
         kw["cache_batch_idx"] = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
     if leftpad:
         kw["cache_leftpad"] = torch.tensor(pads, dtype=torch.int32, device=DEVICE)
+    if local:
+        kw["window_size"] = (left, 0)
     if rotary:
         kw.update(rotary_cos=cos64.float().to(DEVICE), rotary_sin=sin64.float().to(DEVICE),
                   rotary_interleaved=rotary == "interleaved")
@@ -149,13 +159,15 @@ def run_case(variant, backend, seqlen_q, mha, varlen, batch_idx, leftpad, rotary
             qb, kb, vb = q64[qa:qa + n].to(dtype), k64[ka:ka + m].to(dtype), v64[ka:ka + m].to(dtype)
             if rotary:
                 start = before[b]
-                q_pos = start + (torch.arange(n) if causal else torch.zeros(n, dtype=torch.long))
+                # FlashAttention rotates queries at their positions when causal or local
+                q_pos = start + (torch.arange(n) if causal or local else torch.zeros(n, dtype=torch.long))
                 k_pos = start + torch.arange(m)
                 qb = _rotate(qb, cos64[q_pos], sin64[q_pos], rotary == "interleaved")
                 kb = _rotate(kb, cos64[k_pos], sin64[k_pos], rotary == "interleaved")
             krow, vrow = kc64[rows[b]].to(dtype).clone(), vc64[rows[b]].to(dtype).clone()
             krow[before[b]:length], vrow[before[b]:length] = kb, vb
-            refs.append((*attention_ref(qb.to(DEVICE), krow.to(DEVICE), vrow.to(DEVICE), length, pads[b], causal),
+            refs.append((*attention_ref(qb.to(DEVICE), krow.to(DEVICE), vrow.to(DEVICE), length, pads[b], causal,
+                                       left),
                          krow, vrow))
         (ref_out, ref_lse, ref_k, ref_v), (pt_out, pt_lse, *_) = refs
         if n:
@@ -213,6 +225,35 @@ TRITON_CASES = [   # (variant, seqlen_q, mha, flags): decode route and query-off
 def test_flash_kvcache_grid_triton(variant, seqlen_q, mha, flags):
     """A subset of the grid on the Triton kernels (the interpreter on CPU)."""
     run_case(variant, "triton", seqlen_q, mha, *flags, seed=7 + seqlen_q)
+
+
+LOCAL_SEQLEN_Q = [1, 3, 17, 40]
+
+
+@pytest.mark.parametrize("seqlen_q", LOCAL_SEQLEN_Q)
+def test_flash_kvcache_grid_local_window_portable(seqlen_q):
+    """FlashAttention's `local` cases (window_size=(left, 0)) on the dilated door, portable
+    path: the grid's flag combinations (causal or not: a window (left, 0) is causal either
+    way), each at 1 of the 4 seqlen_q points (every one at every point with
+    TRITON_DILATED_FULL_GRID=1), GQA."""
+    point = LOCAL_SEQLEN_Q.index(seqlen_q)
+    for i, flags in enumerate(_flags()):
+        if not FULL and i % 4 != point:
+            continue
+        seed = 5000 + 100 * seqlen_q + i
+        try:
+            run_case("dilated", "torch", seqlen_q, "gqa", *flags, seed=seed, local=True)
+        except AssertionError as e:
+            raise AssertionError(f"local case {dict(zip(FLAG_NAMES, flags))}, seed {seed}: {e}") from e
+
+
+@pytest.mark.parametrize("seqlen_q, mha, flags", [(1, "gqa", (True, False, True, "interleaved", True, True, True)),
+                                                  (3, "mqa", (False, True, True, None, False, False, True)),
+                                                  (17, "gqa", (False, False, True, "neox", False, True, True))])
+def test_flash_kvcache_grid_local_window_triton(seqlen_q, mha, flags):
+    """FlashAttention's `local` cases on the dilated door's Triton kernels (the interpreter on
+    CPU): the decode kernel (1, 3 rows) and the query-offset path (17)."""
+    run_case("dilated", "triton", seqlen_q, mha, *flags, seed=31 + seqlen_q, local=True)
 
 
 @pytest.mark.xfail(strict=True, reason="the serve doors give a non-causal query before position 0 no key (0, "

@@ -96,6 +96,10 @@ VARIANTS.update({f"{name}_leftpad": (name, {"HAS_LEFTPAD": True}) for name in ("
 # window_size= on dilated attention: the window predicate without sink tokens
 VARIANTS.update({f"{name}_window": (name, {"HAS_WINDOW": True})
                  for name in ("dilated_fwd", "dilated_bwd_dq", "dilated_bwd_dkdv")})
+# window_size= on the dilated serve door: the decode kernel's runs cut to the window (run-time
+# window), with and without cache_leftpad
+VARIANTS["dilated_decode_window"] = ("dilated_decode", {"HAS_WINDOW": True})
+VARIANTS["dilated_decode_leftpad_window"] = ("dilated_decode", {"HAS_WINDOW": True, "HAS_LEFTPAD": True})
 VARIANTS.update({f"{name}_{kind}": (name, {"MASK_KIND": 2, **(WINDOW_AOT if kind == "window" else {})})
                  for name in ("ring_step_fwd", "ring_step_bwd_dq", "ring_step_bwd_dkdv", "ring_step_lists")
                  for kind in ("layout", "window")})

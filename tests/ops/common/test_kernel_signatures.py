@@ -103,7 +103,7 @@ def calls(softcap, layout, window):
                                    block_sparse_backward(do, None, q, k, v, q, stats, stats, layout, call))
     yield "ring_dilated", lambda: ring(MASK_DILATED)
     yield "ring_layout", lambda: ring(MASK_LAYOUT)
-    yield "dilated_decode", lambda: dilated_decode_forward(q[:, :2], k, v, pats, table, lengths, call,
+    yield "dilated_decode", lambda: dilated_decode_forward(q[:, :2], k, v, pats, table, lengths, windowed,
                                                            splits=2)
     yield "block_sparse_decode", lambda: block_sparse_decode_forward(q[:, :2], k, v, layout, lengths, call,
                                                                      splits=2)

@@ -68,6 +68,14 @@ def dilated_key_lists(pos, lengths, patterns, table, causal: bool):
     return torch.cat(key_pos, dim=-1), torch.cat(key_ok, dim=-1)
 
 
+def run_slots(w: int, r: int, capacity: int, window=None) -> int:
+    """The most keys pattern (w, r) lists for one query: its run in a segment of min(w,
+    capacity) positions, and with a sliding window (a WindowPredicate) of `window` positions at
+    most ceil(window / r) of them."""
+    slots = -(-min(w, capacity) // r)
+    return slots if window is None else min(slots, -(-window.window // r))
+
+
 @functools.lru_cache(maxsize=64)
 def head_sets(patterns, table, device):
     """Per pattern i, long (r_i, M_i): the query heads whose offset for pattern i is c, for
@@ -111,15 +119,19 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=No
     scores, slots = [], []
     DECODE_STATS["calls"] += 1
     for (w, r), heads_of in zip(patterns, head_sets(patterns, table, device)):
-        T = -(-min(w, Nk) // r)
+        T = run_slots(w, r, Nk, call.window)
         seg = p // w * w
         c = (p - seg) % r
-        count = (torch.minimum(seg + w, lengths.view(B, 1, 1)) - seg - c + r - 1).div(r, rounding_mode="floor")
+        first = seg + c                                                   # the run's first key
+        count = (torch.minimum(seg + w, lengths.view(B, 1, 1)) - first + r - 1).div(r, rounding_mode="floor")
         if call.causal:   # the query is key number (p - s - c) / r of its own run
-            count = torch.minimum(count, (p - seg - c).div(r, rounding_mode="floor") + 1)
+            count = torch.minimum(count, (p - first).div(r, rounding_mode="floor") + 1)
+        if call.window is not None:   # the run cut from its front to keys > p - window (as the kernel)
+            skip = ((p - call.window.window + 1 - first).clamp(min=0) + r - 1).div(r, rounding_mode="floor")
+            first, count = first + r * skip, count - skip
         t = torch.arange(T, device=device)
         ok = (t < count) & (p >= 0)                                       # (B, Nq, T)
-        kpos = torch.where(ok, seg + c + r * t, p.clamp(min=0))
+        kpos = torch.where(ok, first + r * t, p.clamp(min=0))
         if key_offset is not None:   # cache rows (cache_leftpad)
             kpos = kpos + key_offset.view(B, 1, 1)
         heads = heads_of[c.squeeze(-1)]                                   # (B, Nq, M)
@@ -200,13 +212,13 @@ def offset_table(table, device):
     return torch.tensor(table, dtype=torch.long, device=device).reshape(len(table), -1)
 
 
-def dense_mask(pos, lengths, patterns, table, causal: bool, capacity: int, num_kv_heads: int):
+def dense_mask(pos, lengths, patterns, table, causal: bool, capacity: int, num_kv_heads: int, window=None):
     """mask_of(rows) for common.decode.attend_dense: (keep, count) (b, Hkv, G, Nq, capacity),
     whether and how many of its patterns' runs list key j for each (query, head) of the batch
     rows `rows` (attend_patterns' key lists as a mask: key j is in pattern (w, r)'s run of the
     query at p, for the heads whose offset is p's residue c, when j lies in p's segment, at
     residue c, below the row's length, and at or before p when causal); count None for one
-    pattern (no key listed twice)."""
+    pattern (no key listed twice). window: None or the call's WindowPredicate (keys cut to it)."""
     offsets = offset_table(table, pos.device)
     Hq = offsets.shape[0]
     j = torch.arange(capacity, device=pos.device)
@@ -223,6 +235,8 @@ def dense_mask(pos, lengths, patterns, table, causal: bool, capacity: int, num_k
                 (j < n.view(b, 1, 1))                                               # (b, Nq, N)
             if causal:
                 run &= masks.causal(p[..., None], j)
+            if window is not None:
+                run &= window(p[..., None], j)
             hit = (active[..., None] & run[:, None]).view(b, num_kv_heads, Hq // num_kv_heads, Nq, capacity)
             if len(patterns) == 1:
                 return hit, None
@@ -232,11 +246,11 @@ def dense_mask(pos, lengths, patterns, table, causal: bool, capacity: int, num_k
     return mask_of
 
 
-def dense_route(q, patterns, table, capacity: int) -> bool:
+def dense_route(q, patterns, table, capacity: int, window=None) -> bool:
     """Whether the portable decode takes the dense route (common.decode.dense_pays): the key
     slots attend_patterns would gather per query row, per pattern the heads active at a
-    residue times its longest run."""
-    slots = sum(heads.shape[1] * -(-min(w, capacity) // r)
+    residue times its longest run (run_slots: cut by a sliding window)."""
+    slots = sum(heads.shape[1] * run_slots(w, r, capacity, window)
                 for (w, r), heads in zip(patterns, head_sets(patterns, table, q.device)))
     return dense_pays(q, slots, capacity)
 
@@ -257,11 +271,11 @@ def dilated_decode(q, k, v, patterns, table, lengths, call, *, host_loop: bool =
     if pad is not None:
         lengths = lengths - pad
     pos = query_positions(lengths, q.shape[1], q.device)
-    if host_loop and pad is None:
+    if host_loop and pad is None and call.window is None:
         DECODE_STATS["calls"] += 1
         return attend_runs(q, k, v, patterns, table, pos, lengths, call)
     capacity = k.shape[1] * (1 if block_table is None else block_table.shape[1])
-    if dense_route(q, patterns, table, capacity):   # the key lists cover most of the cache: one product
-        return attend_dense(q, k, v, dense_mask(pos, lengths, patterns, table, call.causal, capacity, k.shape[2]),
-                            call, block_table, pad)
+    if dense_route(q, patterns, table, capacity, call.window):   # the key lists cover most of the cache: one product
+        return attend_dense(q, k, v, dense_mask(pos, lengths, patterns, table, call.causal, capacity, k.shape[2],
+                                                call.window), call, block_table, pad)
     return attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table, pad)

@@ -23,29 +23,35 @@ from ..common.decode_kernels import (decode_program, fold_run, fp8_mode, fp8_ope
 from ..common.hardware import padded_head_dim
 from ..common.kvcache import kernel_lengths
 from ..common.kernels import softcap_terms
-from ..common.runtime import cuda_device, last_dim_contiguous, on_tensor_device
+from ..common.runtime import cuda_device, last_dim_contiguous, on_tensor_device, window_args
 
 CONFIG_FAMILY = "dilated_fwd"   # the family; tiles and warps: configs.KERNEL_DEFAULTS (not tuned)
 
 
 @triton.jit
-def _pattern_run(p, length, w, r, o, CAUSAL: tl.constexpr):
+def _pattern_run(p, length, w, r, o, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """(start, count) of the keys start + r*t, t < count, that the query at p reads through
     pattern (w, r) at offset o (-1: unused); count 0 when the query is inactive, and for a
     query before the first key (p < 0: a row shorter than its queries; decode.py), whose
     inactive run is read nowhere (Triton's // and % truncate towards zero on a GPU and floor
     in the interpreter: for p < 0 they disagree, which no result depends on; clamping p
-    instead makes ptxas spill 4 B on sm80 at D = 64)."""
+    instead makes ptxas spill 4 B on sm80 at D = 64). HAS_WINDOW: the run cut to the causal
+    sliding window of `window` keys (window_keep: keys > p - window), from its front."""
     seg = (p // w) * w
     seg_end = tl.minimum(seg + w, length)
     active = (o >= 0) & ((p - seg) % r == o) & (p >= 0)
     count = tl.maximum((seg_end - seg - o + r - 1) // r, 0)
     if CAUSAL:   # an active query is key (p - s - o) / r of its own run
         count = tl.minimum(count, (p - seg - o) // r + 1)
-    return seg + o, tl.where(active, count, 0)
+    start = seg + o
+    if HAS_WINDOW:   # skip t < ceil((p - window + 1 - start) / r) (kept >= 0: no negative division)
+        skip = (tl.maximum(p - window + 1 - start, 0) + r - 1) // r
+        start += skip * r
+        count = tl.maximum(count - skip, 0)
+    return start, tl.where(active, count, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])   # one compile for every window
 def _dilated_decode_kernel(
         Q, K, V, O, LSE, PARTS, LENS, lens_add, PAT_W, PAT_R, PAT_OFF, BLOCK_TABLE, K_DESCALE, V_DESCALE,
         stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -53,7 +59,7 @@ def _dilated_decode_kernel(
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, sm_scale, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PATTERNS: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-        LEFTPAD=None, HAS_LEFTPAD: tl.constexpr = False):
+        LEFTPAD=None, HAS_LEFTPAD: tl.constexpr = False, window=None, HAS_WINDOW: tl.constexpr = False):
     b, row, h, h64, split, length, p, d, d_ok, q, k_base, v_base = decode_program(
         Q, K, V, LENS, lens_add, stride_qb, stride_qn, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D, PAGE_SIZE)
@@ -67,7 +73,7 @@ def _dilated_decode_kernel(
     total = 0   # the length of the key list
     for i in range(NUM_PATTERNS):   # not unrolled: pattern parameters are runtime loads
         start, count = _pattern_run(p, length, tl.load(PAT_W + i), tl.load(PAT_R + i),
-                                    tl.load(PAT_OFF + h * NUM_PATTERNS + i), CAUSAL)
+                                    tl.load(PAT_OFF + h * NUM_PATTERNS + i), window, CAUSAL, HAS_WINDOW)
         total += count
     per_split = tl.cdiv(total, NUM_SPLITS)
     lo = split * per_split
@@ -80,7 +86,7 @@ def _dilated_decode_kernel(
     for i in range(NUM_PATTERNS):
         r = tl.load(PAT_R + i)
         start, count = _pattern_run(p, length, tl.load(PAT_W + i), r, tl.load(PAT_OFF + h * NUM_PATTERNS + i),
-                                    CAUSAL)
+                                    window, CAUSAL, HAS_WINDOW)
         # this split's part of the run: keys t in [lo - first, hi - first) of it
         t_lo = tl.maximum(lo - first, 0)
         t_hi = tl.minimum(hi - first, count)
@@ -112,6 +118,16 @@ def _pattern_tables(patterns, table, device):
     return as_dev([w for w, _ in patterns]), as_dev([r for _, r in patterns]), as_dev(table).reshape(-1)
 
 
+def _window_args(call) -> dict:
+    """The decode kernel's sliding-window keywords: HAS_WINDOW (compile-time) and the window's
+    key count (run-time, do_not_specialize: one compile for every window); no sink tokens."""
+    args = window_args(call.window)
+    if args.pop("HAS_SINK_TOKENS"):
+        raise ValueError(f"the dilated decode kernel takes a sliding window without sink tokens, got {call.window}")
+    del args["sink_tokens"]
+    return args
+
+
 class DecodeLaunch:
     """The decode step's launch planned once for its shapes (the serve door caches it per
     schedule and shapes): config, splits, pattern tables on the device and every
@@ -141,7 +157,7 @@ class DecodeLaunch:
         self.sizes = dict(NUM_ROWS=Nq, NUM_HEADS=Hq, HEAD_GROUP=Hq // Hkv, NUM_SPLITS=self.splits, sm_scale=call.scale,
                           HEAD_DIM=D, BLOCK_D=block_d, NUM_PATTERNS=len(patterns), CAUSAL=call.causal,
                           BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page_size, KV_FP8=self.kv_fp8, **call.kernel_args(),
-                          num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+                          **_window_args(call), num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
         self.merge_warps = cfg.get("num_warps", 4)
 
     def run(self, q, k, v, lengths, lens_add=0, block_table=None, k_descale=None, v_descale=None, leftpad=None):

@@ -41,15 +41,17 @@ DECODE_FAMILIES = ("dilated_fwd",)
 
 def check_args(q, k, v, segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse,
                softcap=0.0, sinks=None, allow_shorter_q=False, head_offset=0, total_heads=None,
-               door="dilated_attention", window_size=None):
+               door="dilated_attention", window_size=None, window_with_shorter_q=False):
     """Validation shared by every dilated front door: (patterns fitted to k's length, the
-    AttentionCall, (head_offset, total_heads))."""
+    AttentionCall, (head_offset, total_heads)). window_with_shorter_q: the door takes a window
+    with q shorter than k (the serve door: its decode paths and query-offset path cut the key
+    lists at the queries' absolute positions)."""
     check_qkv(q, k, v, allow_shorter_q=allow_shorter_q, door=door)
     patterns = check_patterns(segment_lengths, dilation_rates, mode, offsets)
     check_flags(return_lse=return_lse)
     call = AttentionCall.at_door(q, causal=causal, scale=scale, softcap=softcap, sinks=sinks,
                                  window_size=window_size)
-    if call.window is not None and k.shape[1] != q.shape[1]:
+    if call.window is not None and k.shape[1] != q.shape[1] and not window_with_shorter_q:
         raise ValueError(f"window_size with q shorter than k ({q.shape[1]} queries, {k.shape[1]} keys) is not "
                          f"supported on {door}: pass queries and keys of one length")
     heads = check_head_slice(head_offset, total_heads, q.shape[2], k.shape[2])
@@ -253,20 +255,20 @@ def _dilated_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor
                     segment_lengths: List[int], dilation_rates: List[int], causal: bool, scale: float, mode: str,
                     offsets: str, head_offset: int, total_heads: int, path: str, k_descale: Optional[Tensor] = None,
                     v_descale: Optional[Tensor] = None, softcap: float = 0.0,
-                    cache_leftpad: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                    cache_leftpad: Optional[Tensor] = None, window: int = 0) -> Tuple[Tensor, Tensor]:
     """(out, lse) of the decode step: out (B, Nq, Hq, D) like q, lse float32 (B, Hq, Nq).
-    softcap 0.0: no cap."""
+    softcap 0.0: no cap; window 0: no sliding window."""
     check_path(path)
     patterns = tuple(zip((int(w) for w in segment_lengths), (int(r) for r in dilation_rates)))
     table = head_table(q.shape[2], patterns, mode, offsets, head_offset, total_heads)
-    return decode_table(q, k_cache, v_cache, patterns, table, lengths, AttentionCall(causal, scale, softcap),
+    return decode_table(q, k_cache, v_cache, patterns, table, lengths, _op_call(causal, scale, softcap, window),
                         path=path, block_table=block_table, k_descale=k_descale, v_descale=v_descale,
                         leftpad=cache_leftpad)
 
 
 @_dilated_decode.register_fake
 def _(q, k_cache, v_cache, lengths, block_table, segment_lengths, dilation_rates, causal, scale, mode, offsets,
-      head_offset, total_heads, path, k_descale=None, v_descale=None, softcap=0.0, cache_leftpad=None):
+      head_offset, total_heads, path, k_descale=None, v_descale=None, softcap=0.0, cache_leftpad=None, window=0):
     B, Nq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 

@@ -28,6 +28,7 @@ from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_a
                               capacity, check_kvcache_args, contiguous_rows, kernel_lengths, lse_flag, plan_append,
                               rotary_inputs, row_lengths, serve_key)
 from ..common.context_parallel import DCP_PAGE_SIZE, dcp_attention
+from ..common.masks import window_from_size
 from ..common.op_support import lazy_module, resolve_path
 from ..common.query_offset import run_with_query_offset
 from ..common.runtime import empty_result
@@ -45,7 +46,7 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
                                    sinks=None, cache_batch_idx=None, cache_leftpad=None, return_softmax_lse=None,
                                    rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cu_seqlens_q=None,
                                    max_seqlen_q=None, cu_seqlens_k_new=None,
-                                   group=None, dcp_page_size=DCP_PAGE_SIZE):
+                                   group=None, dcp_page_size=DCP_PAGE_SIZE, window_size=None):
     """Dilated attention of queries at the end of a KV cache: a decode step with no host sync,
     or chunked prefill.
 
@@ -120,6 +121,15 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
             above per request. Returns out (total_q, Hq, D) and lse (Hq, total_q) (FA3's varlen
             layout). validate=True checks cu_seqlens (start 0, not decreasing, ending at the
             packed row counts) and max_seqlen_q.
+        window_size: FlashAttention's (left, right), -1 for an unbounded side (None: no
+            window): a causal sliding window on absolute positions, query at position p
+            reading only the keys of its patterns at p - left .. p (under cache_leftpad,
+            positions count from the pad). right > 0 (or -1 with left set) is refused, as on
+            the training door (ops/common/masks.window_from_size: causal windows only; a
+            window makes the call causal). The window only drops keys, so the decode kernel
+            reads fewer of them; it is a run-time value there (one compile for every window)
+            and part of the plan key. The result equals the last rows of
+            dilated_attention(..., window_size=) over the row's keys.
         group, dcp_page_size: decode context parallelism (ops/common/context_parallel.py,
             docs/api.md): group a ProcessGroup or 1-D DeviceMesh of P ranks whose caches hold
             page j of every row on rank j % P: block_table then names, in column j, the page in
@@ -148,6 +158,11 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     """
     return_lse = lse_flag(return_lse, return_softmax_lse)
     varlen = is_varlen(cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new)
+    if window_size is not None and isinstance(causal, bool):
+        # a window is causal (masks.window_from_size; its errors raised here): rotary and the
+        # routes below see causal=True, as FlashAttention's local attention rotates each query
+        # at its own position
+        causal = window_from_size(window_size, causal)[0]
     if group is not None:
         return dcp_attention(dilated_attention_with_kvcache, q, k_cache, v_cache, k, v, group=group, varlen=varlen,
                              cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
@@ -156,12 +171,13 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
                              dilation_rates=dilation_rates, causal=causal, scale=scale, mode=mode, offsets=offsets,
                              backend=backend, head_offset=head_offset, total_heads=total_heads, k_descale=k_descale,
                              v_descale=v_descale, softcap=softcap, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
-                             rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
+                             rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, window_size=window_size)
     if varlen:
         door = functools.partial(dilated_attention_with_kvcache, segment_lengths=segment_lengths,
                                  dilation_rates=dilation_rates, scale=scale, mode=mode, offsets=offsets,
                                  backend=backend, head_offset=head_offset, total_heads=total_heads,
-                                 k_descale=k_descale, v_descale=v_descale, softcap=softcap, sinks=sinks)
+                                 k_descale=k_descale, v_descale=v_descale, softcap=softcap, sinks=sinks,
+                                 window_size=window_size)
         return serve_varlen(door, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
                             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, cu_seqlens_q=cu_seqlens_q,
                             max_seqlen_q=max_seqlen_q, cu_seqlens_k_new=cu_seqlens_k_new, rotary_cos=rotary_cos,
@@ -171,19 +187,22 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     q, k = rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
     args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks)
     scalars = (causal, scale, mode, offsets, return_lse, backend, validate, head_offset, total_heads, softcap)
-    return serve_plan(args, segment_lengths, dilation_rates, scalars, cache_leftpad)(*args,
-                                                                                    cache_leftpad=cache_leftpad)
+    return serve_plan(args, segment_lengths, dilation_rates, scalars, cache_leftpad, window_size)(
+        *args, cache_leftpad=cache_leftpad)
 
 
-def serve_plan(args, segment_lengths, dilation_rates, scalars, cache_leftpad=None) -> "ServePlan":
+def serve_plan(args, segment_lengths, dilation_rates, scalars, cache_leftpad=None, window_size=None) -> "ServePlan":
     """The ServePlan of a dilated_attention_with_kvcache call (args: its tensors, q to sinks;
-    scalars: causal to softcap, in the door's order; cache_leftpad apart): from the cache when
-    the call has a key, else built (and the arguments checked) for this call alone (under
-    torch.compile: checked as traced)."""
+    scalars: causal to softcap, in the door's order; cache_leftpad and window_size apart): from
+    the cache when the call has a key, else built (and the arguments checked) for this call
+    alone (under torch.compile: checked as traced). The window joins the key as a list (() for
+    None: a pair of any other type has no key and is checked per call)."""
     key = None
     if not torch.compiler.is_compiling() and isinstance(args[0], torch.Tensor):
-        key = serve_key((*args, cache_leftpad), (segment_lengths, dilation_rates), scalars)
-    build = lambda: ServePlan(*args, segment_lengths, dilation_rates, *scalars, cache_leftpad)  # noqa: E731
+        window = () if window_size is None else window_size
+        key = serve_key((*args, cache_leftpad), (segment_lengths, dilation_rates, window), scalars)
+    build = lambda: ServePlan(*args, segment_lengths, dilation_rates, *scalars, cache_leftpad,  # noqa: E731
+                              window_size)
     return build() if key is None else _PLANS.get(key, build)
 
 
@@ -199,7 +218,7 @@ class ServePlan:
 
     def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks,
                  segment_lengths, dilation_rates, causal, scale, mode, offsets, return_lse, backend, validate,
-                 head_offset, total_heads, softcap, cache_leftpad=None):
+                 head_offset, total_heads, softcap, cache_leftpad=None, window_size=None):
         check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,
                            cache_leftpad)
         B, Nq, Hq, D = q.shape
@@ -207,7 +226,8 @@ class ServePlan:
                                                      cache_view(v_cache, block_table, B, q),
                                                      segment_lengths, dilation_rates, causal, scale, mode, offsets,
                                                      return_lse, softcap, sinks, allow_shorter_q=True,
-                                                     head_offset=head_offset, total_heads=total_heads)
+                                                     head_offset=head_offset, total_heads=total_heads,
+                                                     window_size=window_size, window_with_shorter_q=True)
         self.call = call.without_sinks()   # a call's sinks join at its end (finish)
         self.path = resolve_path(backend, str(q.device), DECODE_FAMILIES, D, q.dtype)
         self.mode, self.offsets, self.backend, self.return_lse, self.validate = mode, offsets, backend, return_lse, \
@@ -278,7 +298,8 @@ class ServePlan:
         elif compiling:
             out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
                                        [r for _, r in patterns], call.causal, call.scale, mode, offsets, *heads,
-                                       self.path, k_descale, v_descale, call.softcap, cache_leftpad)
+                                       self.path, k_descale, v_descale, call.softcap, cache_leftpad,
+                                       call.window_keys)
         else:
             out, lse = decode_table(q, k_cache, v_cache, patterns, self.table, lengths, call, path=self.path,
                                     block_table=block_table, k_descale=k_descale, v_descale=v_descale,
