@@ -29,3 +29,16 @@ def check_left_padding(model, a, b, new_tokens):
     assert torch.equal(out[0], generate(model, a, new_tokens)[0])
     assert torch.equal(out[1, pad:], generate(model, b, new_tokens)[0])
     return ids, mask, kw
+
+
+def dense_settings(cfg, impl, backend, n):
+    """cfg with our implementation `impl` set to dense attention over n positions (dilated: one
+    segment of n at rate 1; block-sparse: the causal layout), 16-row blocks for the sliding
+    layers' windows: its logits then equal eager's."""
+    if impl == "triton_dilated":
+        cfg.dilated_attention = {"segment_lengths": [n], "dilation_rates": [1], "backend": backend,
+                                 "window_block_size": 16}
+    elif impl == "triton_block_sparse":
+        cfg.block_sparse_attention = {"builder": "causal", "block_size": 16, "backend": backend,
+                                      "window_block_size": 16}
+    return cfg

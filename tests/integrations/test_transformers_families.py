@@ -22,7 +22,7 @@ from transformers.masking_utils import (and_masks, causal_mask_function, chunked
 
 from triton_dilated.integrations import transformers as td_hf  # noqa: E402
 from tests.helpers.reference import FLOOR, assert_rule  # noqa: E402
-from tests.helpers.transformers_checks import check_left_padding  # noqa: E402
+from tests.helpers.transformers_checks import check_left_padding, dense_settings  # noqa: E402
 
 VOCAB, WINDOW = 64, 8
 KINDS = ["gpt_oss", "gemma2", "mistral"]
@@ -52,13 +52,7 @@ def _config(kind, impl=None, backend="torch"):
                            layer_types=["sliding_attention", "full_attention"])
     else:
         cfg = MistralConfig(**common)
-    if impl == "triton_dilated":
-        cfg.dilated_attention = {"segment_lengths": [128], "dilation_rates": [1], "backend": backend,
-                                 "window_block_size": 16}
-    elif impl == "triton_block_sparse":
-        cfg.block_sparse_attention = {"builder": "causal", "block_size": 16, "backend": backend,
-                                      "window_block_size": 16}
-    return cfg
+    return dense_settings(cfg, impl, backend, 128)
 
 
 def _models(kind, impl, backend="torch"):

@@ -23,6 +23,7 @@ from transformers.masking_utils import (AttentionMaskInterface, eager_mask, sdpa
 
 from triton_dilated.integrations import transformers as td_hf  # noqa: E402
 from tests.helpers.reference import FLOOR, assert_rule  # noqa: E402
+from tests.helpers.transformers_checks import dense_settings  # noqa: E402
 
 VOCAB, WINDOW, N = 64, 8, 20
 IMPLS = ("triton_dilated", "triton_block_sparse")
@@ -73,13 +74,7 @@ def _config(kind, impl=None, backend="torch"):
                            final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"])
     else:
         cfg = config_class(**common)
-    if impl == "triton_dilated":
-        cfg.dilated_attention = {"segment_lengths": [64], "dilation_rates": [1], "backend": backend,
-                                 "window_block_size": 16}
-    elif impl == "triton_block_sparse":
-        cfg.block_sparse_attention = {"builder": "causal", "block_size": 16, "backend": backend,
-                                      "window_block_size": 16}
-    return cfg
+    return dense_settings(cfg, impl, backend, 64)
 
 
 def _models(kind, impl, backend="torch"):

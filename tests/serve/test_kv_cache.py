@@ -313,18 +313,23 @@ def test_decode_sweep_rows_and_table(tmp_path):
     from triton_dilated.perf.timing import Timing
     out = tmp_path / "decode.csv"
     one = Timing(warmup=0, budget_s=0.0, min_reps=1, max_reps=1, max_s=0.0)
+    mix = ((2, 1), (1, 8))   # the varlen providers' batch: 2 decodes and an 8-token chunk (fits N = 64)
     rows = decode.run_decode([64, 128], heads=2, kv_heads=1, head_dim=8, ws=[16, 32], rs=[1, 2], timing=one,
                              out=str(out), memory_contexts=[40, 64, 1000], memory_dtype=torch.float32, device="cpu",
-                             quiet=True)
+                             quiet=True, varlen_mix=mix)
     written = results.read_csv([str(out)])
     # ms per context and provider; the FP8/paged serving steps' error against the contiguous
-    # cache; host time per call of the four serving steps; memory. The CPU host rows time the
+    # cache, the indexed gather's against the indexed serve door and the varlen call's against
+    # its per-request loop (with the varlen speedup); host time per call of the four serving steps; memory. The CPU host rows time the
     # Triton launch path with the launches stubbed, which needs the kernels defined under the
     # interpreter: so in the CPU suite (conftest sets TRITON_INTERPRET=1 first); a CUDA suite
     # defined them compiled, and the sweep writes no host rows for CPU tensors (stubbed_launches)
     serving = ("dilated_kvcache", "dilated_kvcache_paged", "dilated_kvcache_fp8", "dilated_kvcache_paged_fp8")
     host_serving = serving + ("aten_op",) if DEVICE == "cpu" else ()   # aten_op: the unit, one aten op
-    assert len(written) == len(rows) == 2 * len(decode.PROVIDERS) + 2 * 3 + 2 * len(host_serving) + 3 * 3
+    assert len(written) == len(rows) == 2 * len(decode.PROVIDERS) + 2 * 5 + 2 + 2 * len(host_serving) + 3 * 3
+    assert {r["provider"] for r in written if r["metric"] == "max_abs_err"} == {
+        "dilated_kvcache_paged", "dilated_kvcache_fp8", "dilated_kvcache_paged_fp8", "indexed_gather",
+        "dilated_kvcache_varlen"}
     ms = {(r["N"], r["provider"]): r["value"] for r in written if r["metric"] == "ms"}
     assert set(ms) == {(n, p) for n in (64, 128) for p in decode.PROVIDERS}
     # the CUDA-graph step is a skipped row on a CPU; every other provider is timed
@@ -341,9 +346,9 @@ def test_decode_sweep_rows_and_table(tmp_path):
     assert "time per decode step" in table and "KV cache per layer" in table
     # the per-call limit: every provider takes longer than 0 s, so each is reported once, then skipped
     rows = decode.run_decode([64, 128], heads=2, head_dim=8, ws=[16], rs=[1], timing=one, max_call_s=0.0,
-                             device="cpu", quiet=True)
-    flags = {(r["N"], r["provider"]): r["flags"] for r in rows}
-    assert all(flags[(64, p)].startswith("single call") and flags[(128, p)].startswith("skipped")
+                             device="cpu", quiet=True, varlen_mix=mix)
+    flags = {(r["N"], r["provider"]): r["flags"] for r in rows if r["metric"] == "ms"}
+    assert all("single call" in flags[(64, p)] and "skipped" in flags[(128, p)]   # varlen rows: "mix=...;" first
                for p in decode.PROVIDERS if p != "dilated_kvcache_graph")
     assert all(flags[(n, "dilated_kvcache_graph")] == "skipped: CUDA graphs need a GPU (CPU run)" for n in (64, 128))
     assert "skipped" in decode.decode_table(rows)

@@ -5,7 +5,7 @@ p - left .. p.
 
 The definition every check ends at: the float64 oracle dilated_attention_naive(...,
 window_size=) on each row's full sequence (the keys from the pad to L_b, the queries placed
-last: tests/helpers/serve_checks.definition), whose window its own test holds to the dense
+last: `serve_checks.definition`), whose window its own test holds to the dense
 definition (tests/ops/dilated/test_window_size.py). Decode steps (1 and 4 rows: the decode
 kernel and the portable decode) and chunked prefill (20 rows: the query-offset path on the
 training kernels), contiguous and paged caches, with cache_leftpad and an append, GQA, both
