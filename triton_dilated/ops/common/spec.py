@@ -63,9 +63,10 @@ class VariantSpec:
     # names of the perf baselines (perf/baselines.py BASELINES) that compute the same attention
     baselines: tuple = ()
     # A variant whose launchers pick tiles by a rule of their own instead of the config families
-    # (configs/, `perf tune`): launch_tiles(kernel, head_dim, dtype, extra, arch) -> the launch config of a
-    # kernel (BLOCK_M, BLOCK_N as the CSVs name the two tile sizes, num_warps, num_stages, and the
-    # kernel's own tile constexprs by name) for an AOT compile; `extra`: the AOT variant's settings
+    # (configs/, `perf tune`): launch_tiles(kernel, head_dim, dtype, extra, arch) -> a kernel's
+    # launch config (BLOCK_M, BLOCK_N as the CSVs name the two tile sizes, num_warps, num_stages,
+    # and the kernel's own tile constexprs by name) for an AOT compile; extra: the AOT variant's
+    # settings
     launch_tiles: Callable | None = None
 
     def flops(self, B: int, N: int, H: int, D: int, causal: bool, backward: bool = False, **params) -> float:

@@ -1,7 +1,7 @@
 """The indexed variant as the tools see it (ops/common/spec.py): its kernels, a problem factory
 (DeepSeek's shape: random top-k rows under a causal cut), the pair counter, the public call, its
-benchmark baseline (a PyTorch gather) and its launch tiles: tiles.py's rule, one for every arch,
-not config families that `perf tune` sweeps (`launch_tiles` gives `perf aot` the same tiles)."""
+benchmark baseline (a PyTorch gather) and its launch tiles: tiles.py's rule (per MMA family, not
+config families that `perf tune` sweeps; `launch_tiles` gives `perf aot` the launchers' tiles)."""
 from __future__ import annotations
 
 from ..common.spec import KernelSpec, VariantSpec
@@ -27,10 +27,9 @@ AOT_GROUP = 16
 
 def launch_tiles(kernel, head_dim, dtype, extra, arch) -> dict:
     """The tiles the launchers use on GPU arch `arch` (None: the CPU interpreter's) for `kernel`
-    at head dim `head_dim` (Dv:
-    extra["HEAD_DIM_V"], else the same), extra["GROUP"] (else AOT_GROUP) q heads per kv head;
-    BLOCK_M, BLOCK_N name the (rows, keys) tile of the CSVs: (BLOCK_H, BLOCK_K) forward and dQ, (heads, BLOCK_R) dK/dV,
-    (BLOCK_HH, BLOCK_T) the indexer."""
+    at head dim `head_dim`, Dv = extra["HEAD_DIM_V"] (else the same) and extra["GROUP"] (else
+    AOT_GROUP) q heads per kv head. BLOCK_M, BLOCK_N name the (rows, keys) tile as the CSVs do:
+    (BLOCK_H, BLOCK_K) forward and dQ, (heads, BLOCK_R) dK/dV, (BLOCK_HH, BLOCK_T) the indexer."""
     import torch
 
     from ..common.hardware import padded_head_dim
