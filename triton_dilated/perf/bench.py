@@ -114,13 +114,19 @@ def build_layout(case: Case):
 def build_indices(case: Case):
     """int32 (B, N, topk) on the case's device: each query's top-k of random scores over its
     causal prefix (all keys without causal), shared by the heads, as DeepSeek's indexer hands
-    them over (early queries: -1 past their prefix, as torch.topk of -inf scores would not)."""
+    them over (early queries: -1 past their prefix, as torch.topk of -inf scores would not).
+    Built a chunk of queries at a time: scores of (B, 1024, N), not (B, N, N)."""
     gen = torch.Generator(device=case.device).manual_seed(0)
-    scores = torch.rand(case.B, case.N, case.N, generator=gen, device=case.device)
-    if case.causal:
-        scores = scores.masked_fill(torch.ones(case.N, case.N, dtype=torch.bool, device=case.device).triu(1), -1.0)
-    top = scores.topk(min(case.topk, case.N), dim=-1)
-    return top.indices.masked_fill(top.values < 0, -1).to(torch.int32)
+    keys = torch.arange(case.N, device=case.device)
+    parts = []
+    for start in range(0, case.N, 1024):
+        rows = torch.arange(start, min(start + 1024, case.N), device=case.device)
+        scores = torch.rand(case.B, len(rows), case.N, generator=gen, device=case.device)
+        if case.causal:
+            scores = scores.masked_fill(keys[None, :] > rows[:, None], -1.0)
+        top = scores.topk(min(case.topk, case.N), dim=-1)
+        parts.append(top.indices.masked_fill(top.values < 0, -1).to(torch.int32))
+    return torch.cat(parts, dim=1)
 
 
 # ----------------------------------------------------------------------------- sweeps
