@@ -4,9 +4,11 @@ of 128 (FlashAttention's kvcache test shape), causal, on this CPU; medians of --
 one process, the einsum and the door interleaved. The near-dense schedule computes another
 attention (two dilated patterns) over about as many keys: the einsum is its cost reference.
 
-    python perf/decode_dense_route.py [--runs 5] [--gather]
+    python perf/decode_dense_route.py [--runs 5] [--gather] [--threads N]
 
 --gather also times the gather path (the dense route switched off: 10-20 s a call here).
+Each line gives the wall-clock medians and the medians of the process's CPU time (less
+disturbed by other work on a busy machine; on a quiet one the two agree up to the thread count).
 """
 from __future__ import annotations
 
@@ -41,7 +43,10 @@ def main():
     ap.add_argument("--queries", type=int, default=16)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     B, N, Nq, H, D = args.batch, args.keys, args.queries, args.heads, args.head_dim
     q = torch.randn(B, Nq, H, D)
@@ -62,14 +67,17 @@ def main():
     for name, fn in cases.items():
         if "near" not in name:   # the dense settings compute the einsum's attention
             torch.testing.assert_close(fn(), ref, rtol=2e-4, atol=2e-5)
-        times = {"einsum": [], "door": []}
+        times = {(what, clock): [] for what in ("einsum", "door") for clock in ("wall", "cpu")}
         for _ in range(args.runs):
             for what, f in (("einsum", lambda: einsum_attention(q, k, v, [N] * B, scale)), ("door", fn)):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 f()
-                times[what].append(time.perf_counter() - t0)
-        med = {w: statistics.median(t) for w, t in times.items()}
-        line = f"{name:45s} einsum {med['einsum']:.3f} s  door {med['door']:.3f} s  ratio {med['door'] / med['einsum']:.2f}"
+                times[what, "cpu"].append(time.process_time() - c0)
+                times[what, "wall"].append(time.perf_counter() - t0)
+        med = {key: statistics.median(t) for key, t in times.items()}
+        line = f"{name:45s}" + "".join(
+            f"  {clock} einsum {med['einsum', clock]:.3f} s door {med['door', clock]:.3f} s "
+            f"ratio {med['door', clock] / med['einsum', clock]:.2f}" for clock in ("wall", "cpu"))
         if args.gather:
             share, decode.DENSE_SHARE = decode.DENSE_SHARE, 2.0
             try:

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from triton_dilated.ops.block_sparse import decode_kernels as bs_kernels
+from triton_dilated.ops.common import decode as common_decode
 from triton_dilated.ops.common import decode_kernels as common_kernels
 from triton_dilated.ops.dilated import decode_kernels as dl_kernels
 from triton_dilated.ops.indexed import kernels as idx_kernels
@@ -119,7 +120,9 @@ class _Disarmed:
 
 @contextlib.contextmanager
 def no_host_sync():
-    """Every host read of a tensor's values raises HostSync while armed."""
+    """Every host read of a tensor's values raises HostSync while armed. The portable decode's
+    reads of CPU tensors (common.decode.host_reads: no device there to stop) are switched off,
+    so the path a GPU takes runs under the guard."""
     patches = [(torch.Tensor, name) for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__",
                                                  "numpy")]
     patches += [(mod, name) for mod, name in ((dl_kernels, "_dilated_decode_kernel"),
@@ -127,7 +130,8 @@ def no_host_sync():
                                               (common_kernels, "_decode_merge_kernel"),
                                               (idx_kernels, "_indexed_fwd_kernel"))]
     saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
-    equal = torch.equal
+    equal, host_reads = torch.equal, common_decode.host_reads
+    common_decode.host_reads = lambda x: False
     try:
         for obj, name, original in saved:
             setattr(obj, name, _Disarmed(original) if obj is not torch.Tensor else _raiser(name, original))
@@ -137,7 +141,7 @@ def no_host_sync():
             yield
     finally:
         _GUARD["armed"] = False
-        torch.equal = equal
+        torch.equal, common_decode.host_reads = equal, host_reads
         for obj, name, original in saved:
             setattr(obj, name, original)
 

@@ -409,6 +409,59 @@ def test_dense_route_equals_the_gather_path(case, monkeypatch):
         fn(q, kc.clone(), vc.clone(), k_new, v_new, cache_seqlens=lens, cache_leftpad=leftpad, backend="torch")
 
 
+@pytest.mark.parametrize("case", list(DENSE_CASES))
+def test_dense_route_cpu_check_equals_the_careful_path(case, monkeypatch):
+    """On a CPU the dense route first attends a row without NaN care (no copy of its values,
+    the scores checked, not rewritten) and attends it again with care only when its scores or
+    out are not finite (common.decode.host_reads): bit for bit what the careful path (the one a
+    GPU takes, no host read) gives, on finite caches and with a non-finite key or value read or
+    not: -inf in a read key (which leaves the out finite: the score check catches it), +inf in
+    a key and NaN in a value past the length, NaN in a value only the last query reads."""
+    from triton_dilated.ops.common import decode as common_decode
+
+    fn, _ = _dense_door(case)
+    before = [40, 63, 25]
+    kc, vc = (seeded((3, NK, HKV, D), torch.float32, s, DEVICE) for s in (90, 91))   # finite past the lengths
+    q = seeded((3, 3, HQ, D), torch.float32, 92, DEVICE)
+    lens = _lens(before)
+    poisons = {"finite": None, "key -inf, read": ("k", 0, 38, float("-inf")),
+               "key +inf past the length": ("k", 1, 63, float("inf")),
+               "value NaN at the last position (the first query does not read it)": ("v", 2, 24, float("nan")),
+               "value NaN past the length": ("v", 0, 50, float("nan"))}
+    careful = []
+    real_row = common_decode.dense_row
+    monkeypatch.setattr(common_decode, "dense_row", lambda *a, careful: careful_row(real_row, a, careful))
+
+    def careful_row(real, args, flag):
+        careful.append(flag)
+        return real(*args, careful=flag)
+
+    for name, poison in poisons.items():
+        kc1, vc1 = kc.clone(), vc.clone()
+        if poison is not None:
+            which, b, n, value = poison
+            (kc1 if which == "k" else vc1)[b, n, 0, 1] = value
+        got = []
+        for host in (True, False):
+            careful.clear()
+            monkeypatch.setattr(common_decode, "host_reads", lambda x, host=host: host)
+            got.append(fn(q, kc1, vc1, cache_seqlens=lens, return_lse=True, backend="torch"))
+            if not host:
+                assert careful == [True] * 3, (name, careful)
+            elif poison is None:
+                assert careful == [False] * 3, (name, careful)
+            else:   # the poisoned row was attended again, the others not
+                assert careful.count(True) == 1 and careful.count(False) == 3, (name, careful)
+        torch.testing.assert_close(got[0], got[1], rtol=0, atol=0, equal_nan=True)
+        out = got[0][0]
+        if poison is None or poison[2] >= before[poison[1]]:
+            assert not out.isnan().any(), name
+        else:   # the poisoned row's last query reads it; the other rows and its first query do not
+            b = poison[1]
+            assert out[b, -1].isnan().any() and not out[b, 0].isnan().any(), name
+            assert not out[[r for r in range(3) if r != b]].isnan().any(), name
+
+
 # ----------------------------------------------------------------------------- rotary embedding
 
 def _rotary_reference(x, cos, sin, positions, interleaved):

@@ -42,10 +42,11 @@ def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
 
 
 def dense_mask(pos, lengths, layout, num_heads: int, num_kv_heads: int, causal: bool, capacity: int):
-    """mask_of(rows) for common.decode.attend_dense: (keep bool (b, Hkv, G, Nq, capacity),
-    None): whether a (query, head) of the batch rows `rows` reads key j (block_key_lists as a
-    mask: the active blocks of the query's layout row, below the row's length, at or before
-    the query when causal). Layouts without a sliding window (dense_route)."""
+    """mask_of(rows) for common.decode.attend_dense: (keep bool (b, Hkv, G, Nq, capacity), or
+    (b, 1, 1, Nq, capacity) for a layout shared by the heads, None): whether a (query, head)
+    of the batch rows `rows` reads key j (block_key_lists as a mask: the active blocks of the
+    query's layout row, below the row's length, at or before the query when causal). Layouts
+    without a sliding window (dense_route)."""
     device = pos.device
     bs = layout.block_size
     lb, lh = layout.kv_num_blocks.shape[:2]
@@ -54,19 +55,24 @@ def dense_mask(pos, lengths, layout, num_heads: int, num_kv_heads: int, causal: 
     j = torch.arange(capacity, device=device)
     nkb = -(-capacity // bs)
 
+    heads = 1 if lh == 1 else num_heads   # a layout shared by the heads: one mask for all
+    key_block = j // bs
+
     def mask_of(rows):
         p, n = pos[rows], lengths[rows]
         b, Nq = p.shape
         qrow = (p.clamp(min=0) // bs).view(b, 1, Nq)
         bi = torch.arange(pos.shape[0], device=device)[rows].view(b, 1, 1) % lb
-        hi = torch.arange(num_heads, device=device).view(1, num_heads, 1) % lh
-        counts = counts_all[bi, hi, qrow]                                           # (b, Hq, Nq)
-        blocks = index_all[bi, hi, qrow][..., :width]                               # (b, Hq, Nq, W)
+        hi = torch.arange(heads, device=device).view(1, heads, 1) % lh
+        counts = counts_all[bi, hi, qrow]                                           # (b, heads, Nq)
+        blocks = index_all[bi, hi, qrow][..., :width]                               # (b, heads, Nq, W)
         blocks = torch.where(torch.arange(width, device=device) < counts[..., None], blocks.clamp(0, nkb), nkb)
-        mask = torch.zeros(b, num_heads, Nq, nkb + 1, dtype=torch.bool, device=device).scatter_(-1, blocks, True)
-        keep = mask[..., j // bs] & (j < n.view(b, 1, 1, 1)) & (p >= 0).view(b, 1, Nq, 1)
-        if causal:
-            keep &= causal_pred(p.view(b, 1, Nq, 1), j)
+        mask = torch.zeros(b, heads, Nq, nkb + 1, dtype=torch.bool, device=device).scatter_(-1, blocks, True)
+        pk = p.view(b, 1, Nq, 1)
+        run = causal_pred(pk, j) if causal else (j < n.view(b, 1, 1, 1))            # causal: p < n
+        keep = mask[..., key_block] & (run & (pk >= 0))
+        if heads == 1:
+            return keep.view(b, 1, 1, Nq, capacity), None
         return keep.view(b, num_kv_heads, num_heads // num_kv_heads, Nq, capacity), None
 
     return mask_of

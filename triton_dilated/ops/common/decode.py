@@ -171,10 +171,18 @@ def dense_pays(q, slots: int, capacity: int) -> bool:
     return dense_rows(q, capacity) > 0 and slots >= DENSE_SHARE * q.shape[2] * capacity
 
 
+def host_reads(x) -> bool:
+    """Whether the portable decode may read a few values of x on the host: a CPU tensor outside
+    torch.compile, where there is no device stream to stop. On a GPU the same read would be a
+    host sync. serve_checks.no_host_sync switches this off, so the device path runs under
+    its guard."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def cache_block(x, block_table, key_offset, rows: slice, capacity: int):
-    """(b, capacity, H, D): positions 0 .. capacity-1 of the batch rows `rows` of a cache x
-    (a contiguous cache: a view unless key_offset; a page pool read through block_table, a
-    page outside the pool read as page 0 (the caller masks those keys: page_ok), and positions
+    """(b, capacity, H, D): positions 0 .. capacity-1 of the batch rows `rows` of a cache x (a
+    contiguous cache: a view unless key_offset; a page pool read through block_table, a page
+    outside the pool read as page 0 (the caller masks those keys: page_ok), and positions
     shifted by key_offset (long (B,), cache_leftpad) clamped into the cache)."""
     if block_table is None and key_offset is None:
         return x[rows]
@@ -192,20 +200,26 @@ def cache_block(x, block_table, key_offset, rows: slice, capacity: int):
 def attend_dense(q, k, v, mask_of, call, block_table=None, key_offset=None):
     """Attention of q (B, Nq, Hq, D) over every position 0 .. capacity-1 of k, v (B, Nk, Hkv,
     D), or page pools with block_table, under the mask `mask_of(rows)` for the batch rows
-    `rows` (a slice of one row): (keep bool (1, Hkv, G, Nq, capacity), whether the (query,
-    head) reads the key; count float32 of that shape or None, how many times: a key two
-    dilated patterns list counts twice, the multiset of DESIGN §3, out = sum_j c_j e^s_j v_j
-    / sum_j c_j e^s_j). Per batch row, one product of its queries with its keys read in place
-    (the cache's layout is BLAS's: no copy), one softmax over the row, one product with its
-    values, float32.
+    `rows` (a slice of one row): (keep bool broadcastable to (1, Hkv, G, Nq, capacity) (size 1
+    on a head dim: one mask for those heads), whether the (query, head) reads the key; count
+    None or integers broadcastable to that shape, how many times: a key two dilated patterns
+    list counts twice, the multiset of DESIGN §3, out = sum_j c_j e^s_j v_j / sum_j c_j e^s_j).
+    Per batch row, one product of its queries with its keys read in place (the cache's layout
+    is BLAS's: no copy), one softmax over the row, one product with its values, float32.
+
+    On a CPU without gradients (host_reads) a row is first attended without NaN care (no copy
+    of its values, the scores checked rather than rewritten); only a row whose scores or out
+    are not finite (a non-finite key or value anywhere in its cache row, read or not, garbage
+    past the length included) is attended again with care (dense_row), as every row is where
+    no read is allowed (a GPU). For finite rows both give the same bits: the same products in
+    the same order.
 
     NaN rule (DESIGN §6), as the gather path: a non-finite query element makes its query NaN;
     a cache row whose key or value holds a non-finite element scores NaN (a query that reads
     it gets NaN), its non-finite value elements read as 0 (a nan_to_num copy of the row's
     values: an unread NaN row must not spread through its weight 0); a score the query does
-    not read is -inf whatever the key holds. Returns (out like q, lse
-    float32 (B, Hq, Nq)); differentiable (the gradient path keeps softmax_lse's empty-row
-    care)."""
+    not read is -inf whatever the key holds. Returns (out like q, lse float32 (B, Hq, Nq));
+    differentiable (the gradient path keeps softmax_lse's empty-row care)."""
     B, Nq, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
@@ -214,42 +228,76 @@ def attend_dense(q, k, v, mask_of, call, block_table=None, key_offset=None):
     grad = needs_grad(q, k, v)
     qs = q.to(acc) * call.scale
     qs = (qs + qs * 0).reshape(B, Nq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Nq, D)
+    host = not grad and host_reads(q)
     DECODE_STATS["calls"] += 1
     outs, lses = [], []
     for b in range(B):
         rows = slice(b, b + 1)
         keep, count = mask_of(rows)
-        keep = keep.view(Hkv, G * Nq, cap)
+        keep = keep[0]                                                      # (Hkv|1, G|1, Nq, capacity)
         if block_table is not None:   # keys on pages outside the pool: not read
-            n = torch.arange(cap, device=q.device)
+            pos = torch.arange(cap, device=q.device)
             if key_offset is not None:
-                n = (n + key_offset[b]).clamp(max=cap - 1)
-            keep = keep & page_ok(block_table, torch.full_like(n, b), n, k.shape[0], k.shape[1])
+                pos = (pos + key_offset[b]).clamp(max=cap - 1)
+            keep = keep & page_ok(block_table, torch.full_like(pos, b), pos, k.shape[0], k.shape[1])
         kb = cache_block(k, block_table, key_offset, rows, cap)[0].to(acc)   # (N, Hkv, D), in place when it can
         vb = cache_block(v, block_table, key_offset, rows, cap)[0].to(acc)
         DECODE_STATS["key_rows"] += cap * Hq
-        # a key or value row holding a non-finite element: a NaN score (read: the row is NaN)
-        bad = ~torch.isfinite(kb.sum(-1) + vb.sum(-1))                          # (N, Hkv)
-        bias = torch.where(bad, float("nan"), 0.0).t()[:, None]                 # (Hkv, 1, N)
-        if count is not None:
-            bias = bias + torch.log(count.view(Hkv, G * Nq, cap))
-        # with gradients the keys go through nan_to_num too: dQ = dS @ K would carry an unread
-        # NaN row's NaN through its zero score gradient (the rows still score NaN: bias)
-        keys = torch.nan_to_num(kb, 0.0, 0.0, 0.0) if grad else kb
-        scores = call.cap_scores(torch.matmul(qs[b], keys.permute(1, 2, 0)))    # (Hkv, G*Nq, N)
-        scores = torch.where(keep, scores + bias, float("-inf"))
-        if grad:
-            weights, lse = softmax_lse(scores)
-            z = None
-        else:   # softmax in place, normalised after the value product
-            m = scores.amax(dim=-1, keepdim=True)
-            weights = scores.sub_(torch.where(torch.isneginf(m), 0.0, m)).exp_()
-            z = weights.sum(dim=-1, keepdim=True)
-            lse = torch.where(z == 0, float("-inf"), m + torch.log(z)).squeeze(-1)
-        out = torch.matmul(weights, torch.nan_to_num(vb, 0.0, 0.0, 0.0).transpose(0, 1))   # NaN-free values
-        if z is not None:
-            out = out / torch.where(z == 0, 1.0, z)
+        count = None if count is None else count[0]
+        out = None
+        if host:
+            out, lse, finite = dense_row(qs[b], kb, vb, keep, count, call, careful=False)
+            if not (finite and torch.isfinite(out).all()):   # a non-finite key or value row, read or not
+                out = None
+        if out is None:
+            out, lse, _ = dense_row(qs[b], kb, vb, keep, count, call, careful=True)
         outs.append(out.view(Hkv, G, Nq, D).permute(2, 0, 1, 3).reshape(Nq, Hq, D))
         lses.append(lse.reshape(Hq, Nq))
     out, lse = mark_nonfinite(torch.stack(outs), torch.stack(lses).transpose(1, 2))
     return out.to(q.dtype).contiguous(), lse.transpose(1, 2).float().contiguous()
+
+
+def dense_row(qs, kb, vb, keep, count, call, careful: bool):
+    """One batch row of attend_dense: scaled queries qs (Hkv, G*Nq, D) over keys kb and values
+    vb (n, Hkv, D) (float32), keep bool broadcastable to (Hkv, G, Nq, n), count None or the
+    integer multiplicities (keep's shape: each weight e^s times its count, no log).
+    Returns (out (Hkv, G*Nq, D), lse (Hkv, G*Nq), finite): finite None when careful (or with
+    gradients), else a bool tensor, whether every score was finite.
+
+    A score of a non-finite key is non-finite (q is finite, or NaN already): made NaN, so a
+    query that reads it gets NaN. careful: a value row holding a non-finite element scores NaN
+    too and reads as 0 (nan_to_num: an unread one must not spread through its weight 0).
+    Without care (only where the caller checks `finite` and the out) keys and values are read
+    as they are: no copy, and the scores are checked, not rewritten. With gradients the keys
+    go through nan_to_num too (dQ = dS @ K would carry an unread NaN key's NaN through its zero
+    score gradient), their rows scoring NaN by the bias."""
+    grad = needs_grad(qs, kb, vb)
+    bias = None
+    if careful or grad:
+        bad = ~torch.isfinite(vb.sum(-1) + kb.sum(-1) if grad else vb.sum(-1))   # (n, Hkv)
+        bias = torch.where(bad, float("nan"), 0.0).t()[:, None, None]             # (Hkv, 1, 1, n)
+        vb = torch.nan_to_num(vb, 0.0, 0.0, 0.0)
+    Hkv, GNq, n, Nq = qs.shape[0], qs.shape[1], kb.shape[0], keep.shape[-2]
+    shape4 = (Hkv, GNq // Nq, Nq, n)
+    if grad:
+        scores = call.cap_scores(torch.matmul(qs, torch.nan_to_num(kb, 0.0, 0.0, 0.0).permute(1, 2, 0)))
+        if count is not None:
+            bias = bias + torch.log(count)
+        weights, lse = softmax_lse(torch.where(keep, scores.view(shape4) + bias, float("-inf")).view(Hkv, GNq, n))
+        return torch.matmul(weights, vb.transpose(0, 1)), lse, None
+    scores = torch.matmul(qs, kb.permute(1, 2, 0)).view(shape4)                    # (Hkv, G, Nq, n)
+    if careful:
+        scores, finite = nonfinite_to_nan(scores), None
+    else:   # one read instead of a rewrite: the caller attends the row again, with care, unless finite
+        finite = torch.isfinite(scores.sum())
+    scores = call.cap_scores(scores)
+    scores = torch.where(keep, scores if bias is None else scores + bias, float("-inf")).view(Hkv, GNq, n)
+    if count is None:   # fused row-wise softmax; a row with no key gives softmax's NaN: made 0
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.softmax(scores, dim=-1), vb.transpose(0, 1))
+        return torch.where(torch.isneginf(lse)[..., None], 0.0, out), lse, finite
+    m = scores.amax(dim=-1, keepdim=True)   # in place: e^(s - m) times the count, normalised after the product
+    weights = scores.sub_(torch.where(torch.isneginf(m), 0.0, m)).exp_().view(shape4).mul_(count).view(Hkv, GNq, n)
+    z = weights.sum(dim=-1, keepdim=True)
+    lse = torch.where(z == 0, float("-inf"), m + torch.log(z)).squeeze(-1)
+    return torch.matmul(weights, vb.transpose(0, 1)) / torch.where(z == 0, 1.0, z), lse, finite

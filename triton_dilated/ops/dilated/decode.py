@@ -213,35 +213,46 @@ def offset_table(table, device):
 
 
 def dense_mask(pos, lengths, patterns, table, causal: bool, capacity: int, num_kv_heads: int, window=None):
-    """mask_of(rows) for common.decode.attend_dense: (keep, count) (b, Hkv, G, Nq, capacity),
-    whether and how many of its patterns' runs list key j for each (query, head) of the batch
-    rows `rows` (attend_patterns' key lists as a mask: key j is in pattern (w, r)'s run of the
-    query at p, for the heads whose offset is p's residue c, when j lies in p's segment, at
-    residue c, below the row's length, and at or before p when causal); count None for one
-    pattern (no key listed twice). window: None or the call's WindowPredicate (keys cut to it)."""
+    """mask_of(rows) for common.decode.attend_dense: (keep, count), broadcastable to (b, Hkv,
+    G, Nq, capacity): whether and how many of its patterns' runs list key j for each (query,
+    head) of the batch rows `rows` (attend_patterns' key lists as a mask: key j is in pattern
+    (w, r)'s run of the query at p, for the heads whose offset is p's residue c, when j lies in
+    p's segment, at residue c of it, below the row's length, and at or before p when causal);
+    count (uint8) None for one pattern (no key listed twice). window: None or the call's
+    WindowPredicate (keys cut to it). A pattern every head takes part in at residue 0 (r = 1,
+    offsets all 0) gives one mask for all heads (size 1 on the head dims), and the checks a
+    pattern cannot fail (one segment over the capacity, r = 1) are left out."""
     offsets = offset_table(table, pos.device)
     Hq = offsets.shape[0]
+    G = Hq // num_kv_heads
     j = torch.arange(capacity, device=pos.device)
+    # a key is in the run of the query at p when both lie in one segment at one residue of it:
+    # one id per (segment, residue), compared once (None where every key shares the id: one
+    # segment over the capacity and r = 1)
+    run_id = [None if w >= capacity and r == 1 else j // w * r + j % w % r for w, r in patterns]
+    every_head = [r == 1 and all(t[i] == 0 for t in table) for i, (_, r) in enumerate(patterns)]
 
     def mask_of(rows):
         p, n = pos[rows], lengths[rows]
         b, Nq = p.shape
-        count = None
+        pk = p[..., None]                                                            # (b, Nq, 1)
+        # causal: p < n, so j <= p is below the length too; a query before position 0 reads nothing
+        base = (masks.causal(pk, j) if causal else j < n.view(b, 1, 1)) & (pk >= 0)  # (b, Nq, N)
+        keep = count = None
         for i, (w, r) in enumerate(patterns):
-            seg = p // w * w                                                        # (b, Nq)
-            c = (p - seg) % r
-            active = (offsets[:, i].view(1, Hq, 1) == c[:, None, :]) & (p >= 0)[:, None, :]   # (b, Hq, Nq)
-            run = (j // w * w == seg[..., None]) & ((j - seg[..., None]) % r == c[..., None]) & \
-                (j < n.view(b, 1, 1))                                               # (b, Nq, N)
-            if causal:
-                run &= masks.causal(p[..., None], j)
+            run = base if run_id[i] is None else base & (run_id[i] == pk // w * r + pk % w % r)
             if window is not None:
-                run &= window(p[..., None], j)
-            hit = (active[..., None] & run[:, None]).view(b, num_kv_heads, Hq // num_kv_heads, Nq, capacity)
+                run = run & window(pk, j)
+            if every_head[i]:
+                hit = run.view(b, 1, 1, Nq, capacity)
+            else:   # heads whose offset is the query's residue
+                active = offsets[:, i].view(1, Hq, 1) == (p % w % r)[:, None, :]      # (b, Hq, Nq)
+                hit = (active[..., None] & run[:, None]).view(b, num_kv_heads, G, Nq, capacity)
             if len(patterns) == 1:
                 return hit, None
-            count = hit.float() if count is None else count + hit
-        return count > 0, count
+            keep = hit if keep is None else keep | hit
+            count = hit.to(torch.uint8) if count is None else count + hit
+        return keep, count
 
     return mask_of
 
