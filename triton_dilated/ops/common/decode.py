@@ -149,9 +149,9 @@ def attend_key_lists(q, k, v, key_pos, key_ok, call, block_table=None, key_offse
 
 # A portable decode whose key lists cover at least this share of the (query head, key) pairs
 # of the cache's capacity takes the dense route (dense_pays): one product over every key
-# position, the pattern a mask, instead of gathering each query's list (a copy per query
-# and head: 8x an einsum's time at dense settings, issue 33).
-DENSE_SHARE = 0.5
+# position, the pattern a mask, instead of gathering each query's list (a copy per query and
+# head, about 9x the dense route's time per key read; docs/serving.md has the crossing).
+DENSE_SHARE = 0.1
 # Most elements of one batch row's (Hq, Nq, capacity) scores; a call whose row needs more
 # keeps the gather path (bounded memory).
 DENSE_BUDGET = 1 << 26
