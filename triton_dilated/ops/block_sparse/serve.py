@@ -51,7 +51,8 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
             contiguous cache; row b's keys start at cache row cache_leftpad[b], positions, so
             the layout's blocks, counting from there; FlashAttention's name for return_lse).
         rotary_cos, rotary_sin, rotary_interleaved: as `dilated_attention_with_kvcache`
-            (FlashAttention's rotary embedding of q and the new rows k, with its positions).
+            (FlashAttention's rotary embedding of q and the new rows k, with its positions;
+            fused into the append launch on the Triton path without gradients).
         cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new: varlen queries as
             `dilated_attention_with_kvcache` (FA3's names: q packed (total_q, Hq, D), each
             request's queries at the end of its row's keys, new rows packed by cu_seqlens_k_new;

@@ -106,9 +106,13 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
             cache_seqlens[b] + j (its cache row, also under cache_leftpad, as FlashAttention),
             query i at cache_seqlens[b] + i when causal, every query at cache_seqlens[b]
             otherwise; pairs (2i, 2i+1) when rotary_interleaved (the default, as
-            FlashAttention), else (i, i + rotary_dim / 2). In PyTorch before the append
-            (not fused), float32, differentiable. validate=True checks seqlen_ro covers
-            every position (else the last row is read).
+            FlashAttention), else (i, i + rotary_dim / 2); float32, cast back, before an FP8
+            cache quantises. On the Triton path without gradients fused into the append
+            launch (it rotates k as it stores it and writes the rotated q; one compile per
+            (rotary_dim, interleaved, causal)); otherwise (portable path, gradients, decode
+            context parallelism, varlen) in PyTorch before the append, differentiable; the
+            same float32 values either way. validate=True checks seqlen_ro covers every
+            position (else the last row is read).
         cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new: varlen queries (FlashAttention-3's names;
             common/varlen.py): q packed (total_q, Hq, D), request b bringing the rows
             cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (int32 (B + 1,) on q's device; n_b rows, 0
@@ -154,7 +158,7 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     Host time: what depends only on the schedule, the shapes, dtypes and devices and the
     keywords (the argument checks, the pattern and offset tables, the launch configuration) is
     checked and planned once per key (ServePlan, cached); a call then builds its key, appends
-    (the Triton path: one fused kernel) and launches.
+    (the Triton path: one fused kernel, rotary included) and launches.
     """
     return_lse = lse_flag(return_lse, return_softmax_lse)
     varlen = is_varlen(cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new)
