@@ -19,14 +19,62 @@ from __future__ import annotations
 import pytest
 import torch
 
+from triton_dilated import (block_sparse_attention_naive, block_sparse_attention_with_kvcache, dilated_attention_naive,
+                            dilated_attention_with_kvcache, layouts)
 from triton_dilated.ops.common import kvcache
 from triton_dilated.ops.common.decode_kernels import AppendLaunch
 from tests.conftest import DEVICE
 from tests.helpers.reference import FLOOR, seeded
 from tests.helpers.serve_checks import check_forward, no_host_sync, page_pools, unpage
-from tests.serve.test_flash_parity import D, HKV, HQ, NK, _cache, _door, _lens, _rotary_reference
 
 FP8 = torch.float8_e4m3fn
+WS, RS = [8, 16, 48], [1, 2, 4]
+NK, HQ, HKV, D = 64, 4, 2, 8
+
+
+def _door(variant):
+    """(fn(q, kc, vc, k, v, **kw), oracle(causal)) of a variant (small dilated schedule, or a
+    local + random block layout of 16-row blocks)."""
+    if variant == "dilated":
+        return (lambda q, kc, vc, k=None, v=None, **kw: dilated_attention_with_kvcache(
+                    q, kc, vc, k, v, segment_lengths=WS, dilation_rates=RS, **kw),
+                lambda causal: lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, WS, RS, causal=causal))
+    lay = (layouts.local(NK, 16, 1, causal=True) | layouts.random(NK, 16, num_random=1, seed=2, num_heads=HQ)).to(DEVICE)
+    return (lambda q, kc, vc, k=None, v=None, **kw: block_sparse_attention_with_kvcache(q, kc, vc, k, v, layout=lay,
+                                                                                       **kw),
+            lambda causal: lambda q_, k_, v_, n: block_sparse_attention_naive(
+                q_, k_, v_, lay.prefix(-(-n // lay.block_size)), causal=causal))
+
+
+def _cache(rows, lengths, seed):
+    """k_cache, v_cache (rows, NK, HKV, D), NaN from each row's length on."""
+    kc = seeded((rows, NK, HKV, D), torch.float32, seed, DEVICE)
+    vc = seeded((rows, NK, HKV, D), torch.float32, seed + 1, DEVICE)
+    for r, n in enumerate(lengths):
+        kc[r, n:] = float("nan")
+        vc[r, n:] = float("nan")
+    return kc, vc
+
+
+def _lens(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+def _rotary_reference(x, cos, sin, positions, interleaved):
+    """x (B, N, H, D) rotated at positions (B, N) in float64 as complex products: feature pairs
+    (2i, 2i+1) when interleaved, else (i, i + rotary_dim / 2), by the angle whose cos and sin
+    are row `positions` of the tables (clamped to them)."""
+    half = cos.shape[1]
+    positions = positions.clamp(0, cos.shape[0] - 1)
+    c, s = cos.double()[positions][:, :, None], sin.double()[positions][:, :, None]
+    xr = x.double()[..., :2 * half]
+    if interleaved:
+        z = torch.complex(xr[..., 0::2], xr[..., 1::2]) * torch.complex(c, s)
+        rot = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
+    else:
+        z = torch.complex(xr[..., :half], xr[..., half:]) * torch.complex(c, s)
+        rot = torch.cat([z.real, z.imag], dim=-1)
+    return torch.cat([rot, x.double()[..., 2 * half:]], dim=-1).to(x.dtype)
 
 
 def _tables(rotary_dim, rows=NK, dtype=torch.float32):
@@ -104,7 +152,7 @@ def test_fused_rotary_equals_the_pytorch_route(variant, case, pytorch_rotation_r
 
     # independent of apply_rotary: the rows the append wrote, and the attention over them
     start = torch.tensor(before)[:, None]
-    k_ref = _rotary_reference(k_new.double(), cos.cpu(), sin.cpu(), start + torch.arange(2), interleaved).to(DEVICE)
+    k_ref = _rotary_reference(k_new.double(), cos, sin, start + torch.arange(2), interleaved).to(DEVICE)
     rows = unpage(kc1, table) if paged else kc1
     written = torch.stack([rows[b, n:n + 2] for b, n in enumerate(before)])
     if fp8:   # e4m3 rounding: relative 2^-4 for normals, absolute 2^-10 below 2^-6
@@ -113,7 +161,7 @@ def test_fused_rotary_equals_the_pytorch_route(variant, case, pytorch_rotation_r
         torch.testing.assert_close(written.double(), k_ref, rtol=0, atol=4 * FLOOR[dtype])
     if not (leftpad or fp8):
         q_pos = start + (torch.arange(nq) if causal else torch.zeros(nq, dtype=torch.long))
-        q_ref = _rotary_reference(q.double(), cos.cpu(), sin.cpu(), q_pos, interleaved).to(DEVICE, dtype)
+        q_ref = _rotary_reference(q.double(), cos, sin, q_pos, interleaved).to(DEVICE, dtype)
         v_rows = unpage(vc1, table) if paged else vc1
         check_forward(got[0], got[1], q_ref, rows.to(dtype), v_rows.to(dtype), [n + 2 for n in before],
                       oracle(causal))
@@ -121,7 +169,8 @@ def test_fused_rotary_equals_the_pytorch_route(variant, case, pytorch_rotation_r
 
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_append_launch_rotates_strided_and_broadcast_rows(interleaved, pytorch_rotation_refused):
-    """AppendLaunch alone against apply_rotary + append_rows, bit for bit: q a strided view
+    """AppendLaunch alone against apply_rotary + append_rows, bit for bit, and its q against a
+    float64 rotation: q a strided view
     (rows of a wider tensor), k and v broadcast over the batch (stride 0), rotary_dim 6 of 8
     from bfloat16 tables of 24 rows (positions past them read the last row), a batch row with a
     negative length (writes nothing; its queries rotate at position 0, as apply_rotary
@@ -145,6 +194,9 @@ def test_append_launch_rotates_strided_and_broadcast_rows(interleaved, pytorch_r
         kvcache.append_rows(kc2, vc2, k_want, v_new, lens)
         assert q_rot.is_contiguous() and torch.equal(q, q_before)
         torch.testing.assert_close(q_rot, q_want, rtol=0, atol=0)
+        q_pos = lens.long().cpu()[:, None] + (torch.arange(nq) if causal else torch.zeros(nq, dtype=torch.long))
+        torch.testing.assert_close(q_rot.double(), _rotary_reference(q, cos, sin, q_pos, interleaved)
+                                   .double().to(DEVICE), rtol=0, atol=1e-5)   # float64 rotation, clamped rows
         torch.testing.assert_close((kc1, vc1), (kc2, vc2), rtol=0, atol=0)
         assert torch.equal(kc1[2], kc[2])   # the negative length wrote nothing
         assert not torch.equal(q_rot[3], q[3])   # position 30 clamps to the table's last row, 23: rotated
