@@ -54,10 +54,12 @@ KERNELS = kernel_specs()   # name -> KernelSpec, from the variants' spec.py
 VARIANT_OF = {k.name: variant for variant in SPECS for k in variant.kernels}   # kernel name -> VariantSpec
 # Kernels of no variant, compiled only when named (--kernels), with their launchers' settings
 # (constexprs, warps) instead of a variant's aot_constexprs: the serve doors' append (one warp per
-# row; ROTARY_DIM 0: the plain append, as launched without rotary tables)
+# row; ROTARY_DIM 0: the plain append, as launched without rotary tables). Its CSV rows' tile columns:
+# BLOCK_M 1 (one row a program), BLOCK_N 16 (block-table entries checked a step; BLOCK_P before rotary)
 NAMED_KERNELS = {APPEND_KERNEL.name: APPEND_KERNEL}
 NAMED_LAUNCH = {"append": {"PAGE_SIZE": 0, "KV_FP8": 0, "ROTARY_DIM": 0, "INTERLEAVED": False, "Q_CAUSAL": False,
-                           "BLOCK_P": 16, "num_warps": 1, "num_stages": 1}}   # BLOCK_P: the append before rotary
+                           "BLOCK_P": 16, "BLOCK_M": 1, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1,
+                           "enable_fp_fusion": False}}   # as AppendLaunch launches it
 ALL_KERNELS = {**KERNELS, **NAMED_KERNELS}
 # Experimental variants of a kernel, compiled only when named (--kernels): AOT name -> (the
 # kernel, the config keys the variant sets). TMA = 1: K and V through tensor descriptors;
@@ -342,8 +344,10 @@ def compile_one(job) -> dict:
         sig, constexprs, attrs = _signature(spec, fn, dtype, D, causal, cfg, amd, mma)
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         target = GPUTarget("hip", arch, 64) if amd else GPUTarget("cuda", arch, 32)
-        compiled = triton.compile(src, target=target,
-                                  options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+        options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+        if "enable_fp_fusion" in cfg:   # a launcher that sets it (NAMED_LAUNCH)
+            options["enable_fp_fusion"] = cfg["enable_fp_fusion"]
+        compiled = triton.compile(src, target=target, options=options)
         row["shared_bytes"] = compiled.metadata.shared
         if amd:
             row.update(ptx_counts("", compiled.asm.get("ttgir", "")))

@@ -424,7 +424,8 @@ def _append_rows_kernel(K_CACHE, V_CACHE, K, V, LENS, BLOCK_TABLE, K_DESCALE, V_
 class AppendLaunch:
     """The Triton append (one launch for keys and values, and with rotary the rotated queries;
     kvcache.append_kv) planned for the shapes of k_cache (a cache, or a page pool with
-    block_table) and k (B, Nnew, Hkv, D); `run` launches it with a call's tensors."""
+    block_table) and k (B, Nnew, Hkv, D); `run` launches it with a call's tensors. Its grid's
+    second axis is the batch (B <= 65535, CUDA's limit there)."""
 
     def __init__(self, k_cache, k, block_table=None):
         B, n, Hkv, D = k.shape
@@ -435,7 +436,10 @@ class AppendLaunch:
                           CAPACITY=k_cache.shape[1] * block_table.shape[1] if paged else k_cache.shape[1],
                           NUM_PAGES=k_cache.shape[0] if paged else 0,
                           HEAD_DIM=D, BLOCK_D=padded_head_dim(D), PAGE_SIZE=k_cache.shape[1] if paged else 0,
-                          KV_FP8=int(self.fp8), num_warps=1)
+                          KV_FP8=int(self.fp8), num_warps=1,
+                          # no multiply-add contraction: the rotation's x*c and x'*s are rounded apart, as
+                          # on the PyTorch route (the same bits on a GPU; nothing else here contracts)
+                          enable_fp_fusion=False)
 
     def run(self, k_cache, v_cache, k, v, lengths, block_table=None, k_descale=None, v_descale=None, q=None,
             rotary=None):
