@@ -326,6 +326,20 @@ def test_fp8_decode_variants_compile_without_spills(tmp_path):
 
 
 @needs_ptxas
+def test_append_rotary_variants_compile_without_spills(tmp_path):
+    """The serve doors' append (a kernel of no variant, compiled when named) plain and with
+    FlashAttention's rotary fused (64 rotary features: GPT-NeoX pairs into a contiguous cache,
+    GPT-J pairs into a paged FP8 cache, rotated then quantised, the extra programs writing the
+    rotated q) compiles for sm90 and sm80 at D = 64 and 128 with its launcher's one warp: no
+    error, no spill."""
+    rows = _aot_rows(tmp_path / "append.csv", "--arch", "90", "80", "--head-dims", "64", "128", "--causal", "yes",
+                     "--kernels", "append", "append_rotary", "append_rotary_fp8_paged", "--jobs", "2")
+    assert len(rows) == 12 and {r["num_warps"] for r in rows} == {"1"}
+    report = _spill_report(rows)
+    assert not report, report
+
+
+@needs_ptxas
 def test_sliding_window_variants_compile_without_spills(tmp_path):
     """The kernels with the sliding-window predicate compiled in (WINDOW 128, 4 sink tokens;
     issue 23) at D = 128, where registers are tightest, sm90 and sm80: the block-sparse

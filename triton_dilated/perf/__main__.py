@@ -133,7 +133,8 @@ def _parser():
                    help="default: 64 128 (up to 576: the indexed kernels' absorbed-MLA decode shape)")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["bfloat16"], help="default: bfloat16")
     p.add_argument("--kernels", nargs="+", help="kernel names as in the AOT CSV (default: all; experimental variants "
-                                                  "such as block_sparse_fwd_tma only when named)")
+                                                  "such as block_sparse_fwd_tma, and the serve append (append, "
+                                                  "append_rotary), only when named)")
     add_causal(p)
     p.add_argument("--configs", nargs="+", metavar="M,N,W,S",
                    help="compile each kernel with each of these configs (BLOCK_M,BLOCK_N,num_warps,num_stages) "
@@ -457,13 +458,14 @@ def _aot_arch(text: str):
 
 
 def _aot(args) -> int:
-    from .aot import KERNELS, VARIANTS, AotCrash, arch_summary, run_aot
+    from .aot import KERNELS, NAMED_KERNELS, VARIANTS, AotCrash, arch_summary, run_aot
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("aot: TRITON_INTERPRET=1 replaces the compiled kernels by the interpreter: unset it", file=sys.stderr)
         return 2
-    unknown = set(args.kernels or ()) - set(KERNELS) - set(VARIANTS)
+    unknown = set(args.kernels or ()) - set(KERNELS) - set(NAMED_KERNELS) - set(VARIANTS)
     if unknown:
-        print(f"aot: unknown kernels {sorted(unknown)}; known: {', '.join([*KERNELS, *VARIANTS])}", file=sys.stderr)
+        known = ", ".join([*KERNELS, *NAMED_KERNELS, *VARIANTS])
+        print(f"aot: unknown kernels {sorted(unknown)}; known: {known}", file=sys.stderr)
         return 2
     configs = None
     if args.configs:

@@ -48,9 +48,19 @@ from concurrent.futures.process import BrokenProcessPool
 
 from ..ops import SPECS, kernel_specs
 from ..ops.common.hardware import ARCH_TABLE, arch_facts, padded_head_dim
+from ..ops.common.spec import APPEND_KERNEL
 
 KERNELS = kernel_specs()   # name -> KernelSpec, from the variants' spec.py
 VARIANT_OF = {k.name: variant for variant in SPECS for k in variant.kernels}   # kernel name -> VariantSpec
+# Kernels of no variant, compiled only when named (--kernels), with their launchers' settings
+# (constexprs, warps) instead of a variant's aot_constexprs: the serve doors' append (one warp per
+# row; ROTARY_DIM 0: the plain append, as launched without rotary tables). Its CSV rows' tile columns:
+# BLOCK_M 1 (one row a program), BLOCK_N 16 (block-table entries checked a step; BLOCK_P before rotary)
+NAMED_KERNELS = {APPEND_KERNEL.name: APPEND_KERNEL}
+NAMED_LAUNCH = {"append": {"PAGE_SIZE": 0, "KV_FP8": 0, "ROTARY_DIM": 0, "INTERLEAVED": False, "Q_CAUSAL": False,
+                           "BLOCK_P": 16, "BLOCK_M": 1, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1,
+                           "enable_fp_fusion": False}}   # as AppendLaunch launches it
+ALL_KERNELS = {**KERNELS, **NAMED_KERNELS}
 # Experimental variants of a kernel, compiled only when named (--kernels): AOT name -> (the
 # kernel, the config keys the variant sets). TMA = 1: K and V through tensor descriptors;
 # WARP_SPEC = 1 (with TMA): the block-sparse forward's main loop warp-specialized by the compiler;
@@ -112,6 +122,13 @@ VARIANTS["ring_step_bwd_dkdv_window_d128"] = ("ring_step_bwd_dkdv", {"MASK_KIND"
 # decode ((576, 512): --head-dims 576) over a paged cache of 64-row pages (FlashMLA's), 16-bit or FP8
 VARIANTS.update({f"{name}_dv128": (name, {"HEAD_DIM_V": 128})
                  for name in ("indexed_fwd", "indexed_bwd_dq", "indexed_bwd_dkdv")})
+# the serve doors' append with FlashAttention's rotary fused (issue 33: k rotated before it is
+# stored, the rotated q written by extra programs): 64 rotary features (all of them at D = 64, half
+# at D = 128; compile at D >= 64), GPT-NeoX pairs and causal query positions; and GPT-J pairs into
+# a paged FP8 cache (rotated, then quantised; the caches as bytes)
+VARIANTS["append_rotary"] = ("append", {"ROTARY_DIM": 64, "INTERLEAVED": False, "Q_CAUSAL": True})
+VARIANTS["append_rotary_fp8_paged"] = ("append", {"ROTARY_DIM": 64, "INTERLEAVED": True, "Q_CAUSAL": True,
+                                                  "KV_FP8": 1, "PAGE_SIZE": 16})
 VARIANTS.update({f"indexed_fwd_mla{tail}_paged": ("indexed_fwd", {"HEAD_DIM_V": 512, "PAGE_SIZE": 64, **extra})
                  for tail, extra in (("", {}), ("_fp8", {"KV_FP8": 1}), ("_fp8_bytes", {"KV_FP8": 2}))})
 FIELDS = ["arch", "kernel", "dtype", "D", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers",
@@ -160,7 +177,7 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
     for variant in SPECS:
         if spec in variant.kernels:
             constexprs.update(variant.aot_constexprs)
-    for key in ("PAGE_SIZE", "KV_FP8"):
+    for key in ("PAGE_SIZE", "KV_FP8", "ROTARY_DIM", "INTERLEAVED", "Q_CAUSAL"):
         if key in cfg:
             constexprs[key] = cfg[key]
     if "DOCS" in cfg:
@@ -209,8 +226,11 @@ def _signature(spec, fn, dtype: str, D: int, causal: bool, cfg: dict, amd: bool 
                 sig[a], given[a] = "constexpr", None
         elif a in spec.pointers:
             ty = spec.pointers[a]
-            if cfg.get("KV_FP8") and a in ("K", "V"):   # an FP8 cache: fp8e4nv or its bytes
-                ty = "fp8e4nv" if cfg["KV_FP8"] == 1 else "u8"
+            if cfg.get("KV_FP8") and a in ("K_CACHE", "V_CACHE"):   # the append writes an FP8 cache's bytes
+                ty = "u8"
+            elif cfg.get("KV_FP8") and a in ("K", "V") and "K_CACHE" not in spec.pointers:
+                ty = "fp8e4nv" if cfg["KV_FP8"] == 1 else "u8"   # an FP8 cache: fp8e4nv or its bytes (the
+                #                                                 append's K, V: new rows in q's dtype)
             sig[a] = "*" + (dtype if ty == "act" else ty)
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
@@ -316,7 +336,7 @@ def compile_one(job) -> dict:
         import triton
         from triton.backends.compiler import GPUTarget
         base, extra = VARIANTS.get(name, (name, {}))
-        spec, cfg = KERNELS[base], {**cfg, **extra}
+        spec, cfg = ALL_KERNELS[base], {**cfg, **extra}
         fn = spec.load()
         if not hasattr(fn, "params"):
             raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): unset it to compile them")
@@ -324,8 +344,10 @@ def compile_one(job) -> dict:
         sig, constexprs, attrs = _signature(spec, fn, dtype, D, causal, cfg, amd, mma)
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         target = GPUTarget("hip", arch, 64) if amd else GPUTarget("cuda", arch, 32)
-        compiled = triton.compile(src, target=target,
-                                  options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+        options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+        if "enable_fp_fusion" in cfg:   # a launcher that sets it (NAMED_LAUNCH)
+            options["enable_fp_fusion"] = cfg["enable_fp_fusion"]
+        compiled = triton.compile(src, target=target, options=options)
         row["shared_bytes"] = compiled.metadata.shared
         if amd:
             row.update(ptx_counts("", compiled.asm.get("ttgir", "")))
@@ -381,14 +403,16 @@ def scalar_one_errors(arch: int = 90, dtypes=("bf16", "fp32"), head_dim: int = 1
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({"num_warps": 4, "num_stages": 2})
     errors = []
-    for name in [*KERNELS, *VARIANTS]:
+    for name in [*ALL_KERNELS, *VARIANTS]:
         base, extra = VARIANTS.get(name, (name, {}))
-        spec = KERNELS[base]
+        spec = ALL_KERNELS[base]
         fn = spec.load()
         if not hasattr(fn, "params"):
             raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): unset it to compile them")
         for dtype in dtypes:
-            if VARIANT_OF[base].launch_tiles is not None:   # the variant's own tile constexprs
+            if base in NAMED_KERNELS:
+                cfg = {**make_config(64, 32, 4, 2), **NAMED_LAUNCH[base], **extra}
+            elif VARIANT_OF[base].launch_tiles is not None:   # the variant's own tile constexprs
                 torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
                 cfg = {**launch_config(name, head_dim, fake_arch(f"sm{arch}"), torch_dtype), **extra}
             else:
@@ -461,6 +485,8 @@ def launch_config(name: str, D: int, arch, dtype) -> dict:
     has one (VariantSpec.launch_tiles), else the config family's default (configs.default_config)."""
     from ..ops.common.configs import default_config
     base, extra = VARIANTS.get(name, (name, {}))
+    if base in NAMED_KERNELS:   # its launcher's settings over the family's tiles (which it has none of)
+        return {**default_config(NAMED_KERNELS[base].family, padded_head_dim(D), arch, dtype), **NAMED_LAUNCH[base]}
     variant = VARIANT_OF[base]
     if variant.launch_tiles is not None:
         return variant.launch_tiles(base, D, dtype, extra, arch)

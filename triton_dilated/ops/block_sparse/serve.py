@@ -14,7 +14,7 @@ import torch
 
 from ..common.context_parallel import DCP_PAGE_SIZE, dcp_attention
 from ..common.kvcache import (FP8_DTYPE, append_and_route, batch_rows_table, cache_view, capacity, check_kvcache_args,
-                              contiguous_rows, lse_flag, rotary_inputs, row_lengths)
+                              contiguous_rows, lse_flag, rotary_plan, row_lengths)
 from ..common.op_support import resolve_path
 from ..common.runtime import empty_result
 from ..common.varlen import is_varlen, serve_varlen
@@ -51,7 +51,8 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
             contiguous cache; row b's keys start at cache row cache_leftpad[b], positions, so
             the layout's blocks, counting from there; FlashAttention's name for return_lse).
         rotary_cos, rotary_sin, rotary_interleaved: as `dilated_attention_with_kvcache`
-            (FlashAttention's rotary embedding of q and the new rows k, with its positions).
+            (FlashAttention's rotary embedding of q and the new rows k, with its positions;
+            fused into the append launch on the Triton path without gradients).
         cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new: varlen queries as
             `dilated_attention_with_kvcache` (FA3's names: q packed (total_q, Hq, D), each
             request's queries at the end of its row's keys, new rows packed by cu_seqlens_k_new;
@@ -83,7 +84,7 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
                             rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal,
                             validate=validate, return_lse=return_lse, k_descale=k_descale, v_descale=v_descale)
     block_table = batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate)
-    q, k = rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
+    q, k, rotary = rotary_plan(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
     check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale, v_descale,
                        cache_leftpad)
     call = check_args(q, cache_view(k_cache, block_table, q.shape[0], q), cache_view(v_cache, block_table, q.shape[0], q),
@@ -93,8 +94,8 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
     layout.check_seq_len(capacity(k_cache, block_table))
     layout.check_heads(B, Hq)
     path = resolve_path(backend, str(q.device), DECODE_FAMILIES, q.shape[-1], q.dtype)
-    lengths, decodes = append_and_route(q, path, k_cache, v_cache, k, v, cache_seqlens, block_table, validate,
-                                        k_descale, v_descale, cache_leftpad)
+    q, lengths, decodes = append_and_route(q, path, k_cache, v_cache, k, v, cache_seqlens, block_table, validate,
+                                           k_descale, v_descale, cache_leftpad, rotary)
     if B == 0:
         return call.finish(empty_result(q, *((q, q) if k_cache.dtype == FP8_DTYPE else (k_cache, v_cache)), True),
                            return_lse)

@@ -307,6 +307,37 @@ def e4m3_bits(y):
     return tl.where(mag >= (1087 << 20), 127, out) | sign
 
 
+APPEND_PAGES: tl.constexpr = tl.constexpr(16)   # block-table entries the append checks per step
+
+
+@triton.jit
+def rotate_row(x, X, pos, COS, SIN, d, stride_d, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The row x (BLOCK_D,), loaded from X + d * stride_d, with its first ROTARY_DIM features
+    rotated by the angle of row `pos` of the tables COS, SIN (contiguous (seqlen_ro,
+    ROTARY_DIM / 2)), as float32 in x's dtype (kvcache.rotate, FlashAttention's
+    apply_rotary_emb): feature d pairs with d ^ 1 (INTERLEAVED, GPT-J) or d +- ROTARY_DIM / 2
+    (GPT-NeoX), the first of a pair x*c - x'*s, the second x*c + x'*s (float addition
+    commutes: the same float32 values as the PyTorch route's x1*c - x2*s, x1*s + x2*c); the
+    other features unchanged (x itself: no -0.0 + 0.0). The partner is loaded again from X
+    (the same row, in cache)."""
+    half = ROTARY_DIM // 2
+    rot = d < ROTARY_DIM
+    if INTERLEAVED:
+        i = d // 2
+        partner = d ^ 1
+        first = (d % 2) == 0
+    else:
+        i = d % half
+        partner = tl.where(d < half, d + half, d - half)
+        first = d < half
+    c = tl.load(COS + pos * half + i, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(SIN + pos * half + i, mask=rot, other=0.0).to(tl.float32)
+    xp = tl.load(X + partner * stride_d, mask=rot, other=0.0).to(tl.float32)
+    xs = xp * s
+    out = x.to(tl.float32) * c + tl.where(first, -xs, xs)
+    return tl.where(rot, out.to(x.dtype), x)
+
+
 @triton.jit
 def _append_rows_kernel(K_CACHE, V_CACHE, K, V, LENS, BLOCK_TABLE, K_DESCALE, V_DESCALE,
                         stride_ckb, stride_ckn, stride_ckh, stride_ckd, stride_cvb, stride_cvn, stride_cvh, stride_cvd,
@@ -314,77 +345,128 @@ def _append_rows_kernel(K_CACHE, V_CACHE, K, V, LENS, BLOCK_TABLE, K_DESCALE, V_
                         stride_btb,
                         NUM_NEW, NUM_KV_HEADS, CAPACITY, NUM_PAGES,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                        KV_FP8: tl.constexpr, BLOCK_P: tl.constexpr):
-    """One program per (batch row b, new row j, key/value head h): k[b, j, h], v[b, j, h]
-    written at row LENS[b] + j of the cache (through the block table for a page pool), into
+                        KV_FP8: tl.constexpr,
+                        Q=None, Q_ROT=None, COS=None, SIN=None, stride_qb=0, stride_qn=0, stride_qh=0, NUM_Q_HEADS=0,
+                        ROT_ROWS=0, ROTARY_DIM: tl.constexpr = 0, INTERLEAVED: tl.constexpr = False,
+                        Q_CAUSAL: tl.constexpr = False):
+    """Grid (NUM_NEW * NUM_KV_HEADS [+ Nq * NUM_Q_HEADS with rotary], B): batch row b =
+    program_id(1). The first NUM_NEW * NUM_KV_HEADS programs of a row, one per (new row j,
+    key/value head h): k[b, j, h], v[b, j, h] written at row LENS[b] + j of the cache (through
+    the block table for a page pool), into
     an FP8 cache (KV_FP8 > 0: the caches as bytes) quantised as kvcache.quantise_fp8 does:
     x / descale[h] in float32 (div_rn: IEEE division, as torch's), saturated to +-448, a
     non-finite x kept NaN, e4m3_bits. A batch row whose rows do not lie in [0, CAPACITY), or
-    (paged) one of whose pages lies outside [0, NUM_PAGES), writes nothing (kvcache.append_rows)."""
+    (paged) one of whose pages lies outside [0, NUM_PAGES), writes nothing (kvcache.append_rows).
+
+    Rotary (ROTARY_DIM > 0: FlashAttention's rotary_cos / rotary_sin, kvcache.apply_rotary's
+    positions, clamped to the tables' ROT_ROWS rows): k's row rotated at position LENS[b] + j
+    (rotate_row, cast to k's dtype, then quantised into an FP8 cache: rotate before
+    quantising); and the row's other Nq * NUM_Q_HEADS programs, one per (query i, head h),
+    write q[b, i, h] (unit stride on the head dim) rotated at LENS[b] + i (Q_CAUSAL) or
+    LENS[b] into Q_ROT, contiguous (B, Nq, NUM_Q_HEADS, HEAD_DIM)."""
     pid = tl.program_id(0)
-    h = (pid % NUM_KV_HEADS).to(tl.int64)
-    j = (pid // NUM_KV_HEADS) % NUM_NEW
-    b = (pid // (NUM_KV_HEADS * NUM_NEW)).to(tl.int64)
-    start = tl.load(LENS + b).to(tl.int64)
-    ok = (start >= 0) & (start + NUM_NEW <= CAPACITY)
-    start = tl.where(ok, start, 0)
-    row = start + j
-    if PAGE_SIZE > 0:   # every page the batch row's new rows use must lie in the pool
-        bt = BLOCK_TABLE + b * stride_btb
-        last = tl.where(ok, (start + NUM_NEW - 1) // PAGE_SIZE, -1)   # -1: no page checked
-        for p0 in range(start // PAGE_SIZE, last + 1, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            page = tl.load(bt + p, mask=p <= last, other=0)
-            ok = ok & (tl.sum(((p <= last) & ((page < 0) | (page >= NUM_PAGES))).to(tl.int32), 0) == 0)
-        page = tl.load(bt + row // PAGE_SIZE).to(tl.int64)   # in the table: row < NUM_NEW <= CAPACITY when not ok
-        dst_k = page * stride_ckb + (row % PAGE_SIZE) * stride_ckn + h * stride_ckh
-        dst_v = page * stride_cvb + (row % PAGE_SIZE) * stride_cvn + h * stride_cvh
-    else:
-        dst_k = b * stride_ckb + row * stride_ckn + h * stride_ckh
-        dst_v = b * stride_cvb + row * stride_cvn + h * stride_cvh
+    b = tl.program_id(1).to(tl.int64)
+    seqlen = tl.load(LENS + b).to(tl.int64)   # cache_seqlens[b]: the first new row's cache row and rotary position
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    k = tl.load(K + b * stride_kb + j * stride_kn + h * stride_kh + d * stride_kd, mask=d_ok, other=0.0)
-    v = tl.load(V + b * stride_vb + j * stride_vn + h * stride_vh + d * stride_vd, mask=d_ok, other=0.0)
-    if KV_FP8 > 0:
-        k, v = k.to(tl.float32), v.to(tl.float32)
-        ks = tl.math.div_rn(k, tl.full([BLOCK_D], 1.0, tl.float32) * tl.load(K_DESCALE + h))
-        vs = tl.math.div_rn(v, tl.full([BLOCK_D], 1.0, tl.float32) * tl.load(V_DESCALE + h))
-        # saturate (NaN stays NaN), then x * 0: NaN exactly where x is not finite
-        ks = tl.where(ks != ks, ks, tl.minimum(tl.maximum(ks, -448.0), 448.0)) + k * 0.0
-        vs = tl.where(vs != vs, vs, tl.minimum(tl.maximum(vs, -448.0), 448.0)) + v * 0.0
-        k, v = e4m3_bits(ks).to(tl.uint8), e4m3_bits(vs).to(tl.uint8)
-    write = d < tl.where(ok, HEAD_DIM, 0)   # no element of a row that writes nothing
-    tl.store(K_CACHE + dst_k + d * stride_ckd, k, mask=write)
-    tl.store(V_CACHE + dst_v + d * stride_cvd, v, mask=write)
+    kv_programs = NUM_NEW * NUM_KV_HEADS
+    if pid < kv_programs:
+        h = (pid % NUM_KV_HEADS).to(tl.int64)
+        j = pid // NUM_KV_HEADS
+        ok = (seqlen >= 0) & (seqlen + NUM_NEW <= CAPACITY)
+        start = tl.where(ok, seqlen, 0)
+        row = start + j
+        if PAGE_SIZE > 0:   # every page the batch row's new rows use must lie in the pool
+            bt = BLOCK_TABLE + b * stride_btb
+            last = tl.where(ok, (start + NUM_NEW - 1) // PAGE_SIZE, -1)   # -1: no page checked
+            for p0 in range(start // PAGE_SIZE, last + 1, APPEND_PAGES):
+                p = p0 + tl.arange(0, APPEND_PAGES)
+                page = tl.load(bt + p, mask=p <= last, other=0)
+                ok = ok & (tl.sum(((p <= last) & ((page < 0) | (page >= NUM_PAGES))).to(tl.int32), 0) == 0)
+            page = tl.load(bt + row // PAGE_SIZE).to(tl.int64)   # in the table: row < NUM_NEW <= CAPACITY when not ok
+            dst_k = page * stride_ckb + (row % PAGE_SIZE) * stride_ckn + h * stride_ckh
+            dst_v = page * stride_cvb + (row % PAGE_SIZE) * stride_cvn + h * stride_cvh
+        else:
+            dst_k = b * stride_ckb + row * stride_ckn + h * stride_ckh
+            dst_v = b * stride_cvb + row * stride_cvn + h * stride_cvh
+        k_row = K + b * stride_kb + j * stride_kn + h * stride_kh
+        k = tl.load(k_row + d * stride_kd, mask=d_ok, other=0.0)
+        v = tl.load(V + b * stride_vb + j * stride_vn + h * stride_vh + d * stride_vd, mask=d_ok, other=0.0)
+        if ROTARY_DIM > 0:
+            pos = tl.minimum(tl.maximum(seqlen + j, 0), ROT_ROWS - 1)
+            k = rotate_row(k, k_row, pos, COS, SIN, d, stride_kd, ROTARY_DIM, INTERLEAVED)
+        if KV_FP8 > 0:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+            ks = tl.math.div_rn(k, tl.full([BLOCK_D], 1.0, tl.float32) * tl.load(K_DESCALE + h))
+            vs = tl.math.div_rn(v, tl.full([BLOCK_D], 1.0, tl.float32) * tl.load(V_DESCALE + h))
+            # saturate (NaN stays NaN), then x * 0: NaN exactly where x is not finite
+            ks = tl.where(ks != ks, ks, tl.minimum(tl.maximum(ks, -448.0), 448.0)) + k * 0.0
+            vs = tl.where(vs != vs, vs, tl.minimum(tl.maximum(vs, -448.0), 448.0)) + v * 0.0
+            k, v = e4m3_bits(ks).to(tl.uint8), e4m3_bits(vs).to(tl.uint8)
+        write = d < tl.where(ok, HEAD_DIM, 0)   # no element of a row that writes nothing
+        tl.store(K_CACHE + dst_k + d * stride_ckd, k, mask=write)
+        tl.store(V_CACHE + dst_v + d * stride_cvd, v, mask=write)
+    elif ROTARY_DIM > 0:   # a query row's program
+        t = pid - kv_programs
+        h = (t % NUM_Q_HEADS).to(tl.int64)
+        i = t // NUM_Q_HEADS
+        q_row = Q + b * stride_qb + i * stride_qn + h * stride_qh
+        q = tl.load(q_row + d, mask=d_ok, other=0.0)
+        pos = seqlen
+        if Q_CAUSAL:   # query i at cache_seqlens[b] + i, else every query at cache_seqlens[b]
+            pos += i
+        pos = tl.minimum(tl.maximum(pos, 0), ROT_ROWS - 1)
+        q = rotate_row(q, q_row, pos, COS, SIN, d, 1, ROTARY_DIM, INTERLEAVED)
+        q_programs = tl.num_programs(0) - kv_programs   # Nq * NUM_Q_HEADS
+        tl.store(Q_ROT + (b * q_programs + t) * HEAD_DIM + d, q, mask=d_ok)
 
 
 class AppendLaunch:
-    """The Triton append (one launch for keys and values; kvcache.append_kv) planned for the
-    shapes of k_cache (a cache, or a page pool with block_table) and k (B, Nnew, Hkv, D);
-    `run` launches it with a call's tensors."""
+    """The Triton append (one launch for keys and values, and with rotary the rotated queries;
+    kvcache.append_kv) planned for the shapes of k_cache (a cache, or a page pool with
+    block_table) and k (B, Nnew, Hkv, D); `run` launches it with a call's tensors. Its grid's
+    second axis is the batch (B <= 65535, CUDA's limit there)."""
 
     def __init__(self, k_cache, k, block_table=None):
         B, n, Hkv, D = k.shape
         paged = block_table is not None
         self.fp8 = k_cache.dtype == torch.float8_e4m3fn
-        self.grid = (B * n * Hkv,)
+        self.batch, self.kv_programs = B, n * Hkv
         self.sizes = dict(NUM_NEW=n, NUM_KV_HEADS=Hkv,
                           CAPACITY=k_cache.shape[1] * block_table.shape[1] if paged else k_cache.shape[1],
                           NUM_PAGES=k_cache.shape[0] if paged else 0,
                           HEAD_DIM=D, BLOCK_D=padded_head_dim(D), PAGE_SIZE=k_cache.shape[1] if paged else 0,
-                          KV_FP8=int(self.fp8), BLOCK_P=16, num_warps=1)
+                          KV_FP8=int(self.fp8), num_warps=1,
+                          # no multiply-add contraction: the rotation's x*c and x'*s are rounded apart, as
+                          # on the PyTorch route (the same bits on a GPU; nothing else here contracts)
+                          enable_fp_fusion=False)
 
-    def run(self, k_cache, v_cache, k, v, lengths, block_table=None, k_descale=None, v_descale=None) -> None:
+    def run(self, k_cache, v_cache, k, v, lengths, block_table=None, k_descale=None, v_descale=None, q=None,
+            rotary=None):
         """lengths: int32 (B,) contiguous on the caches' device (kvcache.kernel_lengths); any
         strides; an FP8 cache as float8_e4m3fn or already viewed as uint8. Nothing is read on
-        the host."""
-        if not self.grid[0]:
-            return
+        the host. rotary (kvcache.Rotary) with q (B, Nq, Hq, D): k rotated before it is
+        stored, and q rotated into a new contiguous tensor, returned (else q, unchanged)."""
+        rot = {}
+        q_programs = 0
+        if rotary is not None:
+            if q.stride(-1) != 1:   # (the decode kernels take the same copy)
+                q = q.contiguous()
+            q_rot = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            cos, sin = rotary.cos.contiguous(), rotary.sin.contiguous()   # (no copy for a contiguous table)
+            q_programs = q.shape[1] * q.shape[2]
+            rot = dict(Q=q, Q_ROT=q_rot, COS=cos, SIN=sin, stride_qb=q.stride(0), stride_qn=q.stride(1),
+                       stride_qh=q.stride(2), NUM_Q_HEADS=q.shape[2], ROT_ROWS=cos.shape[0],
+                       ROTARY_DIM=2 * cos.shape[1], INTERLEAVED=rotary.interleaved, Q_CAUSAL=rotary.causal)
+            q = q_rot
+        grid = (self.kv_programs + q_programs, self.batch)
+        if not (grid[0] and grid[1]):
+            return q
         if self.fp8 and k_cache.dtype != torch.uint8:   # bytes: the kernel encodes e4m3 itself (e4m3_bits)
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         bt = lengths if block_table is None else block_table   # not read when contiguous (PAGE_SIZE = 0)
-        _append_rows_kernel[self.grid](
+        _append_rows_kernel[grid](
             k_cache, v_cache, k, v, lengths, bt, k_descale if self.fp8 else lengths,
             v_descale if self.fp8 else lengths, *k_cache.stride(), *v_cache.stride(), *k.stride(), *v.stride(),
-            bt.stride(0), **self.sizes)
+            bt.stride(0), **self.sizes, **rot)
+        return q

@@ -26,7 +26,7 @@ float32, which is the attention over the dequantised rows.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -341,25 +341,39 @@ def kernel_lengths(lengths, device) -> torch.Tensor:
     return lengths.to(device=device, dtype=torch.int32).contiguous()
 
 
-def append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_descale=None, v_descale=None):
+def append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_descale=None, v_descale=None, q=None,
+              rotary=None):
     """Append k, v (None: nothing) at rows cache_seqlens[b] + j of the caches, in place, without
     a host sync, as append_rows (rows out of range write nothing): on the Triton path the
     append kernel (one launch, decode_kernels.AppendLaunch), else append_rows' aten ops, which
     also take any append autograd must record (gradients through the appended rows). Under
     torch.compile the custom op `triton_dilated::append_kv`, which mutates k_cache and v_cache:
     one opaque in-place op in the traced graph (Inductor runs it in place; aot_eager, as it did
-    index_put_, on copies of the caches copied back)."""
+    index_put_, on copies of the caches copied back).
+
+    Returns q: with rotary (a Rotary of rotary_plan; it comes with k) q and k rotated first,
+    fused into the same launch on the Triton path without gradients (AppendLaunch writes the
+    rotated q into a new tensor; under torch.compile the custom op
+    `triton_dilated::append_rotary`), else in PyTorch (apply_rotary) before the append."""
     if k is None:
-        return
+        return q
+    if rotary is not None and (path != "triton" or needs_grad(k_cache, v_cache, k, v, q, rotary.cos, rotary.sin)):
+        q, k = rotary.apply(q, k, cache_seqlens)   # the PyTorch route: portable, or recorded by autograd
+        rotary = None
     if needs_grad(k_cache, v_cache, k, v):
         append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
     elif torch.compiler.is_compiling():
+        if rotary is not None:
+            return _append_rotary_op(k_cache, v_cache, q, k, v, cache_seqlens, block_table, k_descale, v_descale,
+                                     rotary.cos, rotary.sin, rotary.interleaved, rotary.causal)
         _append_kv_op(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, path)
     elif path == "triton":
-        plan_append(k_cache, k, block_table).run(k_cache, v_cache, k, v, kernel_lengths(cache_seqlens, k_cache.device),
-                                                 block_table, k_descale, v_descale)
+        return plan_append(k_cache, k, block_table).run(k_cache, v_cache, k, v,
+                                                        kernel_lengths(cache_seqlens, k_cache.device), block_table,
+                                                        k_descale, v_descale, q, rotary)
     else:
         append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+    return q
 
 
 def plan_append(k_cache, k, block_table=None):
@@ -382,19 +396,35 @@ def _(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, 
     return None
 
 
+@torch.library.custom_op("triton_dilated::append_rotary", mutates_args=("k_cache", "v_cache"))
+def _append_rotary_op(k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, cache_seqlens: Tensor,
+                      block_table: Optional[Tensor], k_descale: Optional[Tensor], v_descale: Optional[Tensor],
+                      cos: Tensor, sin: Tensor, interleaved: bool, causal: bool) -> Tensor:
+    """append_kv's fused Triton append with rotary, as one op that writes k_cache and v_cache in
+    place and returns the rotated q (a new contiguous tensor)."""
+    return append_kv("triton", k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, q,
+                     Rotary(cos, sin, interleaved, causal))
+
+
+@_append_rotary_op.register_fake
+def _(k_cache, v_cache, q, k, v, cache_seqlens, block_table, k_descale, v_descale, cos, sin, interleaved, causal):
+    return q.new_empty(q.shape)
+
+
 def append_and_route(q, path, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale=None,
-                     v_descale=None, cache_leftpad=None):
+                     v_descale=None, cache_leftpad=None, rotary=None):
     """What both serve doors do once their arguments are checked and their path picked
     (op_support.resolve_path: the same eager and under torch.compile): run the value checks
     when asked (always for chunked prefill, which reads the lengths anyway) and append k, v
-    (quantised into an FP8 cache; append_kv). Returns (the lengths after the append, whether
-    the call decodes: serve_route)."""
+    (quantised into an FP8 cache; with rotary rotated, and q too: append_kv). Returns (q,
+    rotated with rotary, the lengths after the append, whether the call decodes:
+    serve_route)."""
     decodes = serve_route(q, path, k_cache, v_cache, k, v)
     if validate or not decodes:
         check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], capacity(k_cache, block_table),
                              block_table, k_cache.shape[0], (k_descale, v_descale), cache_leftpad)
-    append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
-    return (cache_seqlens if k is None else cache_seqlens + k.shape[1]), decodes
+    q = append_kv(path, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, q, rotary)
+    return q, (cache_seqlens if k is None else cache_seqlens + k.shape[1]), decodes
 
 
 def serve_route(q, path, *tensors) -> bool:
@@ -502,6 +532,17 @@ def rotate(x, cos, sin, interleaved: bool):
     return torch.cat([out.to(x.dtype), x[..., 2 * half:]], dim=-1)
 
 
+def check_rotary_positions(q, k, cache_seqlens, rows: int, causal: bool) -> None:
+    """validate=True: every rotary position of the call (apply_rotary's) below the tables'
+    `rows` (reads the lengths on the host: a sync)."""
+    if q.shape[0] == 0:
+        return
+    top = int(cache_seqlens.max()) + max(k.shape[1], q.shape[1] if causal else 1) - 1
+    if top >= rows:
+        raise ValueError(f"rotary_cos and rotary_sin hold {rows} positions, but this call rotates position {top} "
+                         f"(cache_seqlens + the new rows): seqlen_ro must exceed it")
+
+
 def apply_rotary(q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved: bool, causal: bool,
                  validate: bool = False):
     """(q, k) rotated as flash_attn_with_kvcache does before its append, on the device with
@@ -509,36 +550,64 @@ def apply_rotary(q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved: bool,
     row: FlashAttention counts rotary positions from cache row 0 also under cache_leftpad,
     its kernels adding the pad back); query i at cache_seqlens[b] + i when causal, every
     query at cache_seqlens[b] otherwise. Positions past rotary_cos's rows read its last row
-    (validate=True refuses them; FlashAttention requires seqlen_ro > the largest position)."""
+    (validate=True refuses them; FlashAttention requires seqlen_ro > the largest position).
+    The PyTorch route (several aten ops, a copy of q and k); the fused one is the Triton
+    append's (decode_kernels.rotate_row, the same float32 values)."""
     start = cache_seqlens.long()
-    B, Nq = q.shape[:2]
+    Nq = q.shape[1]
     k_pos = start[:, None] + torch.arange(k.shape[1], device=q.device)
     q_pos = start[:, None] + (torch.arange(Nq, device=q.device) if causal else torch.zeros(Nq, dtype=torch.long,
                                                                                             device=q.device))
     rows = rotary_cos.shape[0]
     if validate:
-        top = int(torch.maximum(k_pos.max(), q_pos.max())) if B else 0
-        if top >= rows:
-            raise ValueError(f"rotary_cos and rotary_sin hold {rows} positions, but this call rotates position {top} "
-                             f"(cache_seqlens + the new rows): seqlen_ro must exceed it")
+        check_rotary_positions(q, k, cache_seqlens, rows, causal)
     k_pos, q_pos = k_pos.clamp(0, rows - 1), q_pos.clamp(0, rows - 1)
     return (rotate(q, rotary_cos[q_pos], rotary_sin[q_pos], interleaved),
             rotate(k, rotary_cos[k_pos], rotary_sin[k_pos], interleaved))
 
 
-def rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate):
-    """A serve door's (q, k) after FlashAttention's rotary arguments (check_rotary, then
-    apply_rotary in PyTorch before the append: the Triton append kernel stores k as given);
-    unchanged without them. Arguments the door checks later (q, k not 4-D tensors) pass
-    through unrotated for check_kvcache_args to name."""
+class Rotary(NamedTuple):
+    """A serve call's rotary embedding, checked and not yet applied (rotary_plan): the tables,
+    the pair layout and whether queries rotate at their own positions (causal)."""
+    cos: Tensor
+    sin: Tensor
+    interleaved: bool
+    causal: bool
+
+    def apply(self, q, k, cache_seqlens):
+        """(q, k) rotated in PyTorch (apply_rotary)."""
+        return apply_rotary(q, k, cache_seqlens, self.cos, self.sin, self.interleaved, self.causal)
+
+
+def rotary_plan(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate):
+    """A serve door's FlashAttention rotary arguments checked (check_rotary; validate=True:
+    check_rotary_positions), the rotation left to the append (append_kv): returns (q, k,
+    rotary), rotary a Rotary or None (no tables). Where q, k or the tables need gradients they
+    are rotated here in PyTorch (rotary None), so every later check sees the rotated tensors'
+    autograd; otherwise the Triton path fuses the rotation into its append launch and the
+    portable path applies it there. Arguments the door checks later (q, k not 4-D tensors)
+    pass through for check_kvcache_args to name."""
     if rotary_cos is None and rotary_sin is None:
         check_bool("rotary_interleaved", rotary_interleaved)
-        return q, k
+        return q, k, None
     if not (isinstance(q, torch.Tensor) and q.dim() == 4 and (k is None or isinstance(k, torch.Tensor) and
                                                              k.dim() == 4)):
-        return q, k
+        return q, k, None
     check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved)
     check_lengths_tensor(cache_seqlens, q.shape[0], " on q's device")
     check_bool("causal", causal)
     check_bool("validate", validate)
-    return apply_rotary(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
+    if validate:
+        check_rotary_positions(q, k, cache_seqlens, rotary_cos.shape[0], causal)
+    rotary = Rotary(rotary_cos, rotary_sin, rotary_interleaved, causal)
+    if needs_grad(q, k, rotary_cos, rotary_sin):
+        return (*rotary.apply(q, k, cache_seqlens), None)
+    return q, k, rotary
+
+
+def rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate):
+    """(q, k) after FlashAttention's rotary arguments, rotated in PyTorch (rotary_plan, then
+    Rotary.apply); unchanged without them. For callers that append themselves (decode
+    context parallelism)."""
+    q, k, rotary = rotary_plan(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
+    return (q, k) if rotary is None else rotary.apply(q, k, cache_seqlens)

@@ -15,6 +15,14 @@ BWD_FLOP_FACTOR = 2.5        # backward = 2.5x forward (DESIGN §11): forward+ba
 DECODE_POINTERS = {"O": "act", "LSE": "fp32", "PARTS": "fp32", "LEFTPAD": "i32"}   # LEFTPAD: cache_leftpad (B,)
 DECODE_ODD_STRIDES = frozenset({"stride_btb"})   # stride_btb: max_pages
 
+# The serve doors' append (ops/common/decode_kernels.py: new k, v rows into the cache, with
+# rotary the rotated q too): no variant's kernel, so `perf aot` compiles it only when named
+# (perf/aot.py NAMED_KERNELS; the default sweep and its committed CSVs list the variants'
+# kernels). The head-dim strides are 1 at run time (Triton specializes them): odd here.
+APPEND_POINTERS = {"K_CACHE": "act", "V_CACHE": "act", "K": "act", "V": "act", "LENS": "i32", "BLOCK_TABLE": "i32",
+                   "K_DESCALE": "fp32", "V_DESCALE": "fp32", "Q": "act", "Q_ROT": "act", "COS": "act", "SIN": "act"}
+APPEND_ODD_STRIDES = frozenset({"stride_btb", "stride_ckd", "stride_cvd", "stride_kd", "stride_vd"})
+
 
 def dense_pairs(B: int, H: int, N: int, causal: bool) -> int:
     """(query, key) pairs of dense attention over N positions (p' <= p when causal)."""
@@ -80,3 +88,7 @@ class VariantSpec:
         if self.launch_tiles is not None:
             return ()
         return tuple(dict.fromkeys(k.family for k in self.kernels))
+
+
+APPEND_KERNEL = KernelSpec("append", "triton_dilated.ops.common.decode_kernels", "_append_rows_kernel", "dilated_fwd",
+                           pointers=APPEND_POINTERS, odd_strides=APPEND_ODD_STRIDES)

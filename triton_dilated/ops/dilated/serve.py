@@ -26,7 +26,7 @@ import torch
 
 from ..common.kvcache import (FP8_DTYPE, MAX_DECODE_QUERIES, PlanCache, append_and_route, batch_rows_table, cache_view,
                               capacity, check_kvcache_args, contiguous_rows, kernel_lengths, lse_flag, plan_append,
-                              rotary_inputs, row_lengths, serve_key)
+                              rotary_plan, row_lengths, serve_key)
 from ..common.context_parallel import DCP_PAGE_SIZE, dcp_attention
 from ..common.masks import window_from_size
 from ..common.op_support import lazy_module, resolve_path
@@ -106,9 +106,13 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
             cache_seqlens[b] + j (its cache row, also under cache_leftpad, as FlashAttention),
             query i at cache_seqlens[b] + i when causal, every query at cache_seqlens[b]
             otherwise; pairs (2i, 2i+1) when rotary_interleaved (the default, as
-            FlashAttention), else (i, i + rotary_dim / 2). In PyTorch before the append
-            (not fused), float32, differentiable. validate=True checks seqlen_ro covers
-            every position (else the last row is read).
+            FlashAttention), else (i, i + rotary_dim / 2); float32, cast back, before an FP8
+            cache quantises. On the Triton path without gradients fused into the append
+            launch (it rotates k as it stores it and writes the rotated q; one compile per
+            (rotary_dim, interleaved, causal)); otherwise (portable path, gradients, decode
+            context parallelism, varlen) in PyTorch before the append, differentiable; the
+            same float32 values either way. validate=True checks seqlen_ro covers every
+            position (else the last row is read).
         cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new: varlen queries (FlashAttention-3's names;
             common/varlen.py): q packed (total_q, Hq, D), request b bringing the rows
             cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (int32 (B + 1,) on q's device; n_b rows, 0
@@ -154,7 +158,7 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
     Host time: what depends only on the schedule, the shapes, dtypes and devices and the
     keywords (the argument checks, the pattern and offset tables, the launch configuration) is
     checked and planned once per key (ServePlan, cached); a call then builds its key, appends
-    (the Triton path: one fused kernel) and launches.
+    (the Triton path: one fused kernel, rotary included) and launches.
     """
     return_lse = lse_flag(return_lse, return_softmax_lse)
     varlen = is_varlen(cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new)
@@ -184,11 +188,11 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
                             rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal,
                             validate=validate, return_lse=return_lse, k_descale=k_descale, v_descale=v_descale)
     block_table = batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate)
-    q, k = rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
+    q, k, rotary = rotary_plan(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
     args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks)
     scalars = (causal, scale, mode, offsets, return_lse, backend, validate, head_offset, total_heads, softcap)
     return serve_plan(args, segment_lengths, dilation_rates, scalars, cache_leftpad, window_size)(
-        *args, cache_leftpad=cache_leftpad)
+        *args, cache_leftpad=cache_leftpad, rotary=rotary)
 
 
 def serve_plan(args, segment_lengths, dilation_rates, scalars, cache_leftpad=None, window_size=None) -> "ServePlan":
@@ -246,13 +250,14 @@ class ServePlan:
         self.append = self.launch = None
 
     def decode_step(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, call,
-                    byte_caches=None, leftpad=None):
+                    byte_caches=None, leftpad=None, rotary=None):
         """(out, lse) of a decode step on the Triton path without gradients: the append (one
         kernel) and the decode launch, planned at the first step. One length tensor serves both
         kernels: the append writes at cache_seqlens, the decode reads cache_seqlens + Nnew rows
         (lens_add: no add op). byte_caches: an FP8 cache's (k, v) viewed as uint8, kept by their
         owner (PagedDilatedKVCache), which both kernels take without a view per call. leftpad:
-        cache_leftpad (the decode kernel subtracts it from the lengths)."""
+        cache_leftpad (the decode kernel subtracts it from the lengths). rotary (kvcache.Rotary):
+        the append launch also rotates k and writes the rotated q the decode reads."""
         lens = kernel_lengths(cache_seqlens, q.device)
         if self.launch is None:
             self.launch = _decode_kernels().DecodeLaunch(q, k_cache, self.patterns, self.table, call,
@@ -263,13 +268,14 @@ class ServePlan:
         else:
             byte_caches = (k_cache, v_cache)
         if k is not None:   # (the Triton path without gradients: append_kv's Triton append)
-            self.append.run(*byte_caches, k, v, lens, block_table, k_descale, v_descale)
+            q = self.append.run(*byte_caches, k, v, lens, block_table, k_descale, v_descale, q, rotary)
         return self.launch.run(q, k_cache, v_cache, lens, self.num_new, block_table, k_descale, v_descale,
                                None if leftpad is None else kernel_lengths(leftpad, q.device))
 
     def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks,
-                 byte_caches=None, cache_leftpad=None):
-        """The call (its tensors as the door takes them; byte_caches: decode_step's)."""
+                 byte_caches=None, cache_leftpad=None, rotary=None):
+        """The call (its tensors as the door takes them; byte_caches: decode_step's; rotary: the
+        door's kvcache.Rotary, applied with the append)."""
         if self.heads_first and not self.fresh:
             warn_if_heads_first(self.patterns, self.capacity, self.heads[1])
         self.fresh = False
@@ -279,9 +285,9 @@ class ServePlan:
                 q.requires_grad or k_cache.requires_grad or v_cache.requires_grad or
                 k is not None and (k.requires_grad or v.requires_grad))):
             return call.finish(self.decode_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale,
-                                                v_descale, call, byte_caches, cache_leftpad), self.return_lse)
-        lengths, decodes = append_and_route(q, self.path, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                            self.validate, k_descale, v_descale, cache_leftpad)
+                                                v_descale, call, byte_caches, cache_leftpad, rotary), self.return_lse)
+        q, lengths, decodes = append_and_route(q, self.path, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                               self.validate, k_descale, v_descale, cache_leftpad, rotary)
         if q.shape[0] == 0:
             return call.finish(empty_result(q, *((q, q) if self.fp8 else (k_cache, v_cache)), True), self.return_lse)
         patterns, mode, offsets, heads = self.patterns, self.mode, self.offsets, self.heads
