@@ -21,8 +21,8 @@ from torch import Tensor
 from ..common.call import AttentionCall
 from ..common.context_parallel import DCP_PAGE_SIZE, dcp_attention
 from ..common.first_order import joined_to, needs_grad
-from ..common.kvcache import (FP8_DTYPE, append_rows, cache_view, capacity, check_block_table, check_descales,
-                              check_kvcache_values)
+from ..common.kvcache import (FP8_DTYPE, append_rows, batch_rows_table, cache_view, capacity, check_block_table,
+                              check_descales, check_kvcache_values, check_row_index, rotary_inputs)
 from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, fresh, lazy_module, resolve_path
 from ..common.validation import check_bool, check_flags, check_lengths_tensor
@@ -92,8 +92,9 @@ def check_serve_args(q, k_cache, v_cache, indices, k, v, cache_seqlens, block_ta
 def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None, *, cache_seqlens, block_table=None,
                                    causal=True, scale=None, softcap=None, sinks=None, return_lse=False,
                                    backend="auto", validate=False, k_descale=None, v_descale=None,
-                                   physical_slots=False, cu_seqlens_q=None, max_seqlen_q=None,
-                                   cu_seqlens_k_new=None,
+                                   physical_slots=False, cache_batch_idx=None, cache_leftpad=None,
+                                   rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                                   cu_seqlens_q=None, max_seqlen_q=None, cu_seqlens_k_new=None,
                                    group=None, dcp_page_size=DCP_PAGE_SIZE):
     """Indexed attention of queries at the end of a KV cache, with no host sync.
 
@@ -108,13 +109,31 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
             -1, a value outside [0, L_b) or (causal) past the query's position is unused. With
             physical_slots=True (a paged cache, causal=False): pool rows page * page_size +
             offset, as FlashMLA takes them (what vLLM and SGLang pass); a value outside the
-            pool is unused.
+            pool is unused. Under cache_leftpad, positions count from the pad: index t reads
+            cache row cache_leftpad[b] + t, and t outside [0, L_b - cache_leftpad[b]) is unused.
         k, v: new rows (B, Nnew, Hkv, D) in q's dtype, written in place at rows
             cache_seqlens[b] .. + Nnew - 1 (quantised into an FP8 cache) before attending.
         cache_seqlens: int32 (B,) on q's device: the valid rows before the append.
         causal (default True), scale, softcap, sinks, return_lse, backend: as
             indexed_attention.
-        validate: check the lengths, pages, descales and indices on the host (a sync).
+        validate: check the lengths, pages, descales, pads, rotary positions and indices on
+            the host (a sync).
+        cache_batch_idx: None, or int32 (B,) on q's device, as `dilated_attention_with_kvcache`
+            (FlashAttention's): batch row b reads and writes row cache_batch_idx[b] of a
+            contiguous cache (B_cache, Nk, Hkv, D) (the cache seen as a page pool with a
+            one-page table: not with block_table). Not with physical_slots.
+        cache_leftpad: None, or int32 (B,) on q's device, as `dilated_attention_with_kvcache`
+            (FlashAttention's): row b's keys start at cache row cache_leftpad[b]; positions, so
+            the indices and the causal cut, count from there (L_b - cache_leftpad[b] keys,
+            query i at L_b - cache_leftpad[b] - Nq + i); validate=True checks
+            0 <= cache_leftpad[b] <= cache_seqlens[b], without it a negative pad counts as 0.
+            Not with physical_slots.
+        rotary_cos, rotary_sin, rotary_interleaved: FlashAttention's rotary embedding of q
+            and the new rows k (only with k, v), as `dilated_attention_with_kvcache`: new row
+            j at position cache_seqlens[b] + j (its cache row, also under cache_leftpad), query
+            i at cache_seqlens[b] + i when causal, at cache_seqlens[b] otherwise; applied in
+            PyTorch before the append. Refused for a v_cache that shares k_cache's storage
+            (the absorbed-MLA cache: rotating k would change v).
         cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new: varlen queries as
             `dilated_attention_with_kvcache` (FA3's names, common/varlen.py): q packed
             (total_q, Hq, Dqk) and indices packed with it, (total_q, Hkv, topk) or (total_q,
@@ -123,11 +142,14 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
         group, dcp_page_size: decode context parallelism, as `dilated_attention_with_kvcache`
             (page j of every row on rank j % P; indices stay token positions: a listed key on
             another rank's page is read there). Not with physical_slots (pool rows of one pool).
+            cache_batch_idx, cache_leftpad and rotary compose with varlen and with group= as on
+            the other doors.
 
     Returns out (B, Nq, Hq, Dv) like q (and lse float32 (B, Hq, Nq)); rows with no used slot:
     0 and -inf. Differentiable in eager mode through the portable path (contiguous caches).
     """
     varlen = is_varlen(cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new)
+    check_batch_args(k_cache, v_cache, physical_slots, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin)
     if group is not None:
         if physical_slots is not False:
             raise ValueError(f"indexed_attention_with_kvcache(group=...): physical_slots must be False (slots name "
@@ -136,24 +158,33 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
         def check(q, k_pool, v_pool, k, v, lens, table, validate, k_descale, v_descale, leftpad):
             check_serve_args(q, k_pool, v_pool, indices, k, v, lens, table, False, causal)
             check_descales(q, k_pool, v_pool, k_descale, v_descale)
+            if leftpad is not None:
+                check_row_index("cache_leftpad", leftpad, q, "the cache row where each batch row's keys start")
         return dcp_attention(indexed_attention_with_kvcache, q, k_cache, v_cache, k, v, group=group, varlen=varlen,
-                             cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=None,
+                             cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
                              dcp_page_size=dcp_page_size, sinks=sinks, return_lse=return_lse, validate=validate,
                              who="indexed_attention_with_kvcache", extra=(indices,), check=check, causal=causal,
-                             scale=scale, softcap=softcap, backend=backend, k_descale=k_descale, v_descale=v_descale)
+                             scale=scale, softcap=softcap, backend=backend, k_descale=k_descale, v_descale=v_descale,
+                             cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                             rotary_interleaved=rotary_interleaved)
     if varlen:
-        def door(qb, kc, vc, idx, cache_leftpad=None, **kw):   # (no cache_leftpad on this door)
+        def door(qb, kc, vc, idx, **kw):
             return indexed_attention_with_kvcache(qb, kc, vc, idx, scale=scale, softcap=softcap, sinks=sinks,
                                                   backend=backend, k_descale=k_descale, v_descale=v_descale,
                                                   physical_slots=physical_slots, **kw)
         return serve_varlen(door, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
-                            cache_batch_idx=None, cache_leftpad=None, cu_seqlens_q=cu_seqlens_q,
-                            max_seqlen_q=max_seqlen_q, cu_seqlens_k_new=cu_seqlens_k_new, rotary_cos=None,
-                            rotary_sin=None, rotary_interleaved=True, causal=causal, validate=validate,
+                            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, cu_seqlens_q=cu_seqlens_q,
+                            max_seqlen_q=max_seqlen_q, cu_seqlens_k_new=cu_seqlens_k_new, rotary_cos=rotary_cos,
+                            rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal,
+                            validate=validate,
                             return_lse=return_lse, k_descale=k_descale, v_descale=v_descale,
                             per_query=(("indices", indices, -1),))
+    block_table = batch_rows_table(q, k_cache, block_table, cache_batch_idx, validate)
+    q, k = rotary_inputs(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, causal, validate)
     check_serve_args(q, k_cache, v_cache, indices, k, v, cache_seqlens, block_table, physical_slots, causal)
     check_descales(q, k_cache, v_cache, k_descale, v_descale)
+    if cache_leftpad is not None:
+        check_row_index("cache_leftpad", cache_leftpad, q, "the cache row where each batch row's keys start")
     check_flags(return_lse=return_lse, validate=validate)
     call = AttentionCall.at_door(q, causal=causal, scale=scale, softcap=softcap, sinks=sinks)
     B, Nq, _, D = q.shape
@@ -161,12 +192,14 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
     pool_rows = k_cache.shape[0] * k_cache.shape[1]
     if validate:
         check_kvcache_values(cache_seqlens, 0 if k is None else k.shape[1], cap, block_table, k_cache.shape[0],
-                             (k_descale, v_descale))
+                             (k_descale, v_descale), cache_leftpad)
         validate_values(indices, pool_rows if physical_slots else cap)
     path = resolve_path(backend, str(q.device), (), D, q.dtype)
     if path == "triton" and needs_grad(*(x for x in (q, k_cache, v_cache, k, v) if x is not None)):
         path = "torch"   # no backward on the Triton serve path
     lengths = append_rows(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+    if cache_leftpad is not None:
+        indices = positions_past_pad(indices, cache_leftpad, lengths)
     if B == 0 or indices.shape[-1] == 0:   # no row, or no slot: 0 and -inf
         out = joined_to(q.new_zeros((*q.shape[:3], v_cache.shape[-1])), q)
         return call.finish((out, q.new_full((B, q.shape[2], Nq), float("-inf"), dtype=torch.float32)), return_lse)
@@ -181,6 +214,36 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
         res = serve_read(q, k_cache, v_cache, slots, count, block_table, k_descale, v_descale, call.without_sinks(),
                          physical_slots, path)
     return call.finish(res, return_lse)
+
+
+def check_batch_args(k_cache, v_cache, physical_slots, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin):
+    """The door's refusals of FlashAttention's batch arguments (no value read): cache_batch_idx
+    and cache_leftpad name cache rows and positions, which pool rows (physical_slots=True)
+    already are; rotary rotates k in place of the append, which would change a v_cache that
+    shares k_cache's storage (the absorbed-MLA cache, v a view of k's first Dv values)."""
+    if physical_slots is True:
+        for name, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if x is not None:
+                raise ValueError(f"{name} must be None with physical_slots=True (indices are then pool rows, "
+                                 f"page * page_size + offset: they name the physical rows already)")
+    if (rotary_cos is not None or rotary_sin is not None) and isinstance(k_cache, torch.Tensor) and \
+            isinstance(v_cache, torch.Tensor) and not torch.compiler.is_compiling() and \
+            k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr():
+        raise ValueError("rotary_cos and rotary_sin rotate the new keys k, but v_cache shares k_cache's storage (the "
+                         "absorbed-MLA cache, v a view of k): rotating k would change v; rotate q and k yourself "
+                         "(only the rope features) and pass rotary_cos=rotary_sin=None")
+
+
+def positions_past_pad(indices, cache_leftpad, lengths):
+    """Indices as token positions counted from each row's pad (cache_leftpad) turned into cache
+    rows on the device: t -> cache_leftpad[b] + t for t in [0, lengths[b] - cache_leftpad[b]),
+    else -1 (unused); a negative pad counts as 0. The causal cut against the query's cache row
+    (lengths[b] - Nq + i) is then the cut at its position counted from the pad."""
+    shape = (-1,) + (1,) * (indices.dim() - 1)
+    pad = cache_leftpad.clamp(min=0).long().view(shape)
+    keys = lengths.long().view(shape) - pad
+    used = (indices >= 0) & (indices.long() < keys)
+    return torch.where(used, indices.long() + pad, -1).to(torch.int32)
 
 
 def serve_read(q, k_cache, v_cache, slots, count, block_table, k_descale, v_descale, call, physical, path):
