@@ -37,6 +37,9 @@ CASES = [
     dict(kind="layout", cache="contiguous", Nq=1, append=True, seqlens=[63, 20], seed=7),
     dict(kind="indexed", cache="paged", Nq=4, append=True, sinks=True, softcap=2.0, seed=10, no_sync=True),
     dict(kind="indexed", cache="contiguous", Nq=1, append=True, seed=11),
+    dict(kind="indexed", cache="contiguous", Nq=4, append=True, B_cache=3, batch_idx=[2, 0], leftpad=[5, 2],
+         rotary=True, seed=16, no_sync=True),                                        # FlashAttention's arguments
+    dict(kind="indexed", cache="paged", Nq=1, append=True, leftpad=[3, 1], rotary=True, seed=17),
     dict(kind="paged_cache", cache="paged"),                                             # PagedDilatedKVCache(group=)
     # the Triton interpreter (world 2 only)
     dict(kind="dilated", cache="paged", Nq=1, append=True, B=1, backend="triton", sinks=True, seed=8, no_sync=True),
