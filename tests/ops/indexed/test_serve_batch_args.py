@@ -300,3 +300,48 @@ def test_rotary_refused_on_an_aliased_mla_cache(varlen):
     kw.update(rotary_cos=None, rotary_sin=None)
     out = indexed_attention_with_kvcache(*args, backend="torch", **kw)
     assert out.shape[-1] == 512 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compile_fullgraph_without_recompiling(backend):
+    """Under torch.compile (fullgraph) with cache_batch_idx, cache_leftpad and rotary: one trace
+    for three sets of lengths, pads and cache rows, each equal to the eager call."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    q, _, _, new, kw, _ = build(batch_idx=True, leftpad=True, rotary="interleaved")
+    idx = random_indices(2, 1, 24, HKV, 8, 2)
+
+    def step(q, kc, vc, k, v, lens, rows, pads):
+        return indexed_attention_with_kvcache(q, kc, vc, idx, k, v, cache_seqlens=lens, cache_batch_idx=rows,
+                                              cache_leftpad=pads, return_lse=True, backend=backend,
+                                              **{n: kw[n] for n in ("rotary_cos", "rotary_sin")})
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    cases = (([22, 11], [2, 0], [5, 2]), ([30, 4], [1, 2], [0, 3]), ([9, 9], [0, 1], [9, 1]))
+    for i, (lens, rows, pads) in enumerate(cases):
+        kc, vc = seeded((3, CAP, HKV, D), torch.float32, 30 + i), seeded((3, CAP, HKV, DV), torch.float32, 40 + i)
+        args = [torch.tensor(x, dtype=torch.int32) for x in (lens, rows, pads)]
+        kc2, vc2 = kc.clone(), vc.clone()
+        got = compiled(q, kc, vc, *new, *args)
+        want = step(q, kc2, vc2, *new, *args)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert counter.frame_count == 1, f"{counter.frame_count} compiles for 3 sets of values"
+
+
+def test_query_gradient_through_rotary_and_leftpad():
+    """dq (the portable path) through the PyTorch rotation of q, with new rows appended under
+    cache_leftpad, against the float64 reference's."""
+    q, k_cache, v_cache, new, kw, logical = build(leftpad=True, rotary="neox", Nq=2, new=2, seed=8)
+    idx = random_indices(2, 2, 24, None, 12, 8)
+    leaf = q.detach().requires_grad_()
+    out, lse = indexed_attention_with_kvcache(leaf, k_cache, v_cache, idx, *new, backend="torch", **kw)
+    g_out = seeded(out.shape, torch.float64, 9)
+    ((out.double() * g_out).sum() + lse.double().nan_to_num(neginf=0).sum()).backward()
+    ref_leaf = q.detach().double().requires_grad_()
+    (ref_out, ref_lse), _ = expected(ref_leaf, new[0], kw, logical, idx, True)
+    ((ref_out * g_out).sum() + ref_lse.nan_to_num(neginf=0).sum()).backward()
+    assert ref_leaf.grad.abs().sum() > 0
+    torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, atol=2e-5, rtol=1e-5)
