@@ -345,3 +345,24 @@ def test_query_gradient_through_rotary_and_leftpad():
     ((ref_out * g_out).sum() + ref_lse.nan_to_num(neginf=0).sum()).backward()
     assert ref_leaf.grad.abs().sum() > 0
     torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_return_softmax_lse_and_broadcast_new_rows(backend):
+    """return_softmax_lse (FlashAttention's name for return_lse) and new rows broadcast over the
+    batch (a zero-stride expand), with cache_leftpad and rotary: against the reference."""
+    q, k_cache, v_cache, new, kw, (keys, vals, rows, pads) = build(leftpad=True, rotary="interleaved", seed=9)
+    shared = [x[:1].expand(2, -1, -1, -1) for x in new]            # batch row 0's new rows for both
+    for b in range(2):
+        keys[b][BEFORE[b]:], vals[b][BEFORE[b]:] = new[0][0], new[1][0]
+    idx = random_indices(2, 1, 24, HKV, 12, 9)
+    kw.pop("return_lse")
+    got = indexed_attention_with_kvcache(q, k_cache, v_cache, idx, *shared, return_softmax_lse=True,
+                                         backend=backend, **kw)
+    ref, _ = expected(q, shared[0], kw, (keys, vals, rows, pads), idx, True)
+    check_close(got, ref)
+    with pytest.raises(ValueError, match="return_softmax_lse is FlashAttention's name for return_lse"):
+        indexed_attention_with_kvcache(q, k_cache, v_cache, idx, *shared, return_lse=True, return_softmax_lse=False,
+                                       **kw)
+    with pytest.raises(TypeError, match="return_softmax_lse must be a bool"):
+        indexed_attention_with_kvcache(q, k_cache, v_cache, idx, *shared, return_softmax_lse=1, **kw)

@@ -22,7 +22,7 @@ from ..common.call import AttentionCall
 from ..common.context_parallel import DCP_PAGE_SIZE, dcp_attention
 from ..common.first_order import joined_to, needs_grad
 from ..common.kvcache import (FP8_DTYPE, append_rows, batch_rows_table, cache_view, capacity, check_block_table,
-                              check_descales, check_kvcache_values, check_row_index, rotary_inputs)
+                              check_descales, check_kvcache_values, check_row_index, lse_flag, rotary_inputs)
 from ..common.lse import lse_from_stats
 from ..common.op_support import check_path, fresh, lazy_module, resolve_path
 from ..common.validation import check_bool, check_flags, check_lengths_tensor
@@ -94,7 +94,7 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
                                    backend="auto", validate=False, k_descale=None, v_descale=None,
                                    physical_slots=False, cache_batch_idx=None, cache_leftpad=None,
                                    rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                                   cu_seqlens_q=None, max_seqlen_q=None, cu_seqlens_k_new=None,
+                                   return_softmax_lse=None, cu_seqlens_q=None, max_seqlen_q=None, cu_seqlens_k_new=None,
                                    group=None, dcp_page_size=DCP_PAGE_SIZE):
     """Indexed attention of queries at the end of a KV cache, with no host sync.
 
@@ -134,6 +134,7 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
             i at cache_seqlens[b] + i when causal, at cache_seqlens[b] otherwise; applied in
             PyTorch before the append. Refused for a v_cache that shares k_cache's storage
             (the absorbed-MLA cache: rotating k would change v).
+        return_softmax_lse: FlashAttention's name for return_lse (both given must agree).
         cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new: varlen queries as
             `dilated_attention_with_kvcache` (FA3's names, common/varlen.py): q packed
             (total_q, Hq, Dqk) and indices packed with it, (total_q, Hkv, topk) or (total_q,
@@ -148,6 +149,7 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
     Returns out (B, Nq, Hq, Dv) like q (and lse float32 (B, Hq, Nq)); rows with no used slot:
     0 and -inf. Differentiable in eager mode through the portable path (contiguous caches).
     """
+    return_lse = lse_flag(return_lse, return_softmax_lse)
     varlen = is_varlen(cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new)
     check_batch_args(k_cache, v_cache, physical_slots, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin)
     if group is not None:
