@@ -294,7 +294,7 @@ class ServePlan:
                 return padded_call(qq, kk, vv, first_row, patterns, call, mode=mode, offsets=offsets,
                                    backend=self.backend, heads=heads)
 
-            out, lse = run_with_query_offset(chunk, q, k_rows, v_rows, rows)
+            out, lse = run_with_query_offset(chunk, q, k_rows, v_rows, rows, causal=call.causal)
         elif compiling:
             out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
                                        [r for _, r in patterns], call.causal, call.scale, mode, offsets, *heads,
