@@ -27,8 +27,8 @@ from triton_dilated.ops.block_sparse import serve as bs_serve
 from triton_dilated.ops.dilated import serve as dl_serve
 from tests.conftest import DEVICE, capture_cuda_graph
 from tests.helpers.reference import seeded
-from tests.helpers.serve_checks import (HostSync, check_forward, definition, no_host_sync, page_pools as _paged,
-                                       unpage as _unpage)
+from tests.helpers.serve_checks import (HostSync, check_against_definition, check_forward, definition, no_host_sync,
+                                       page_pools as _paged, unpage as _unpage)
 
 BACKENDS = ["torch", "triton"]
 WS, RS = [8, 16, 48], [1, 2, 4]
@@ -152,6 +152,45 @@ def test_rows_holding_fewer_keys_than_queries(backend, variant):
                 early = Nq if n == 0 else max(0, Nq - n) if causal else 0
                 assert (out[b, :early] == 0).all() and torch.isneginf(lse[b, :, :early]).all()
                 assert torch.isfinite(lse[b, :, early:]).all(), what
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+@pytest.mark.parametrize("Nq, lengths", [(3, [2, 40]), (20, [6, 40])])
+def test_noncausal_short_row_matches_the_oracle(backend, variant, Nq, lengths):
+    """Issue 33 (DESIGN §5b for patterns): without causal, the queries of a row holding fewer
+    keys than queries sit at position 0, so each equals the oracle's query at position 0 over
+    the row's keys. Dilated segment_lengths [4, 8], dilation_rates [1, 2] (heads at both
+    residues of the r = 2 pattern), a block-sparse local | random layout of 16-blocks with a
+    layout per batch row, a short row beside one of normal length (40 keys, NaN past each
+    length): out and lse without gradients (3 rows: the decode route, the Triton decode
+    kernel), then out, lse, dq, dk_cache, dv_cache with them (Triton: the query-offset path),
+    against the float64 oracle (serve_checks.definition: an oracle call per early query)."""
+    Nk, Hq, Hkv, D = 48, 4, 2, 8
+    kc, vc = _cache(2, Nk, Hkv, D, lengths, seed=80)
+    q = seeded((2, Nq, Hq, D), torch.float32, 81, DEVICE)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    if variant == "dilated":
+        def fn(q_, kc_, vc_, **kw):
+            return dilated_attention_with_kvcache(q_, kc_, vc_, segment_lengths=[4, 8], dilation_rates=[1, 2], **kw)
+
+        def oracle(q_, k_, v_, n):
+            return dilated_attention_naive(q_, k_, v_, [4, 8], [1, 2], causal=False)
+    else:
+        lay = (layouts.local(Nk, 16, 1) | layouts.random(Nk, 16, num_random=1, seed=5, num_heads=Hq, batch=2)
+               ).to(DEVICE)
+        fn = _block_sparse(lay)
+
+        def oracle(q_, k_, v_, n):   # the row's own layout (the rows' lengths differ: n names the row)
+            return block_sparse_attention_naive(q_, k_, v_, lay.prefix(-(-n // 16), [lengths.index(n)]), causal=False)
+    kw = dict(cache_seqlens=lens, causal=False, return_lse=True, backend=backend)
+    with torch.no_grad():
+        out, lse = fn(q, kc, vc, **kw)
+    check_forward(out, lse, q, kc, vc, lengths, oracle, causal=False)
+    assert torch.isfinite(lse).all(), "every query reads a key"
+    clean_k, clean_v = kc.nan_to_num(0.0), vc.nan_to_num(0.0)   # finite gradients to compare
+    check_against_definition(lambda q_, k_, v_: fn(q_, k_, v_, **kw), oracle, q, clean_k, clean_v, lengths,
+                             torch.float32, causal=False)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
