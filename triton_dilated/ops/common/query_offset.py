@@ -14,7 +14,7 @@ causal they read no key (out 0, lse -inf) and the call runs on the other L_b. Wi
 they sit at position 0 (common.decode.query_positions), where a full-sequence call holds one
 query only: they run as extra calls on sequences of length L_b, each holding one of them at
 position 0 (zero rows after it, its row's k and v shared as a zero-stride batch), at most
-about Nq query rows a call (positions_zero).
+about max(Nq, 4096) query rows a call (positions_zero).
 
 What the call computes is up to it (`call` gets the padded length; the padding is the
 first L_b - Nq rows):
@@ -80,15 +80,21 @@ def run_with_query_offset(call, q, k, v, lengths=None, *, causal: bool):
     return torch.cat(outs).index_select(0, inverse), torch.cat(lses).index_select(0, inverse)
 
 
+# Query rows (sequences times length) of one positions_zero call, at least: few calls (each
+# has a host cost), memory of a 4096-token call.
+ZERO_ROWS = 1 << 12
+
+
 def positions_zero(call, q, k, v, rows, n: int):
     """(out (R, e, Hq, D), lse float32 (R, Hq, e)) of the queries q (R, e, Hq, D) of the batch
     rows `rows` (k, v: their first n rows), each at position 0 of its row, without causal. Per
-    batch row, calls on c = (e + n) // n sequences at a time (c * n <= the Nq = e + n query rows
-    of the row's own call: the memory of a call stays that of the main one), sequence j
-    holding query j at position 0 and zero rows after it, its row's k and v shared as a
-    zero-stride batch (the training kernels allocate dK, dV whole; autograd sums them)."""
+    batch row, calls on c sequences at a time (c * n <= max(ZERO_ROWS, e + n) query rows: the
+    memory of a call stays that of the row's main call, e + n = Nq rows, or of a 4096-token
+    one), sequence j holding query j at position 0 and zero rows after it, its row's k and v
+    shared as a zero-stride batch (the training kernels allocate dK, dV whole; autograd sums
+    them)."""
     R, e, Hq, D = q.shape
-    per_call = max(1, (e + n) // n)
+    per_call = max(1, max(ZERO_ROWS, e + n) // n)
     outs, lses = [], []
     for b in range(R):
         row_out, row_lse = [], []
