@@ -172,8 +172,8 @@ def test_validate_and_bad_input():
 @given(data=st.data())
 def test_serve_rows_random_lengths_and_caches(backend, data):
     """Random per-row lengths (some shorter than the queries: queries before position 0 see
-    nothing), page sizes, FP8, appends, shared or per-head rows, causal or not: each row equals
-    the training door on its prefix."""
+    nothing under causal and read their indices without it), page sizes, FP8, appends, shared
+    or per-head rows, causal or not: each row equals the training door on its prefix."""
     B = data.draw(st.integers(1, 3))
     Nq = data.draw(st.sampled_from([1, 2, 5, 17]))
     new = data.draw(st.integers(0, 3))
