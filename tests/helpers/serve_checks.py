@@ -19,25 +19,46 @@ from tests.helpers.reference import FLOOR, assert_rule, seeded
 
 # ----------------------------------------------------------------------------- queries shorter than keys
 
-def definition(oracle, q, k, v, lengths):
-    """(out, lse) float64 of the last Nq positions of each row's prefix, by the oracle."""
+def definition(oracle, q, k, v, lengths, causal=None):
+    """(out, lse) of the last Nq positions of each row's prefix, by the oracle (in q's dtype).
+    A row shorter than its queries (n < Nq; then `causal` must be given) puts its first Nq - n
+    queries before position 0 (DESIGN §5b): under causal (or in an empty row) they read no
+    key, 0 and -inf; without causal each sits at position 0, its own oracle call on the row's
+    n keys with the query at row 0 and zero rows after it."""
     B, Nq = q.shape[:2]
     outs, lses = [], []
     for b, n in enumerate(lengths):
-        qf = torch.cat([torch.zeros_like(q[b:b + 1, :1]).expand(1, n - Nq, -1, -1), q[b:b + 1]], dim=1)
-        out, lse = oracle(qf, k[b:b + 1, :n], v[b:b + 1, :n], n)
-        outs.append(out[:, n - Nq:])
-        lses.append(lse[:, :, n - Nq:])
+        m, out, lse = min(n, Nq), [], []
+        if m < Nq:
+            if causal is None:
+                raise ValueError(f"row {b} holds {n} keys, fewer than its {Nq} queries: say causal= for them")
+            early = q[b:b + 1, :Nq - m]
+            if causal or n == 0:
+                out.append(early * 0)
+                lse.append(torch.full((1, q.shape[2], Nq - m), float("-inf"), dtype=q.dtype, device=q.device))
+            for i in range(Nq - m if not (causal or n == 0) else 0):
+                qf = torch.cat([early[:, i:i + 1], torch.zeros_like(q[b:b + 1, :1]).expand(1, n - 1, -1, -1)], dim=1)
+                o, l_ = oracle(qf, k[b:b + 1, :n], v[b:b + 1, :n], n)
+                out.append(o[:, :1])
+                lse.append(l_[:, :, :1])
+        if m:
+            qf = torch.cat([torch.zeros_like(q[b:b + 1, :1]).expand(1, n - m, -1, -1), q[b:b + 1, Nq - m:]], dim=1)
+            o, l_ = oracle(qf, k[b:b + 1, :n], v[b:b + 1, :n], n)
+            out.append(o[:, n - m:])
+            lse.append(l_[:, :, n - m:])
+        outs.append(torch.cat(out, dim=1))
+        lses.append(torch.cat([x.to(lse[-1].dtype) for x in lse], dim=2))
     return torch.cat(outs), torch.cat(lses)
 
 
-def check_against_definition(fn, oracle, q, k, v, lengths, dtype):
+def check_against_definition(fn, oracle, q, k, v, lengths, dtype, causal=None):
     """Forward, lse and gradients of fn against the definition (same-dtype reference: the
-    definition computed in the test dtype through the same oracle code)."""
+    definition computed in the test dtype through the same oracle code; causal: as
+    definition's, for rows shorter than the queries)."""
     q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
     out, lse = fn(q, k, v)
-    ref_out, ref_lse = definition(oracle, *(x.double() for x in (q, k, v)), lengths)
-    same_out, same_lse = definition(oracle, q.float(), k.float(), v.float(), lengths)
+    ref_out, ref_lse = definition(oracle, *(x.double() for x in (q, k, v)), lengths, causal)
+    same_out, same_lse = definition(oracle, q.float(), k.float(), v.float(), lengths, causal)
     floor = FLOOR[dtype]
     assert_rule("out", out.float(), ref_out, same_out.float(), factor=2, floor=floor)
     assert_rule("lse", lse.float(), ref_lse, same_lse.float(), factor=2, floor=floor)
@@ -46,7 +67,7 @@ def check_against_definition(fn, oracle, q, k, v, lengths, dtype):
     grads = torch.autograd.grad((out.double() * g_out).sum() + (torch.nan_to_num(lse.double(), neginf=0) * g_lse)
                                 .sum(), (q, k, v))
     qd, kd, vd = (x.detach().double().requires_grad_(True) for x in (q, k, v))
-    ro, rl = definition(oracle, qd, kd, vd, lengths)
+    ro, rl = definition(oracle, qd, kd, vd, lengths, causal)
     ref_grads = torch.autograd.grad((ro * g_out).sum() + (torch.nan_to_num(rl, neginf=0) * g_lse).sum(), (qd, kd, vd))
     for name, g, r in zip("qkv", grads, ref_grads):
         assert_rule(f"d{name}", g.double(), r, r.float().double(), factor=3, floor=floor * 10)
@@ -55,15 +76,15 @@ def check_against_definition(fn, oracle, q, k, v, lengths, dtype):
         assert torch.all(grads[1][b, n:] == 0) and torch.all(grads[2][b, n:] == 0)
 
 
-def check_forward(out, lse, q, k, v, lengths, oracle):
+def check_forward(out, lse, q, k, v, lengths, oracle, causal=None):
     """out, lse against the definition (float64) with the float32 definition as the same-dtype
-    reference; rows without a key exactly 0."""
+    reference; rows without a key exactly 0 (causal: as definition's)."""
     clean = [x.clone() for x in (k, v)]
     for b, n in enumerate(lengths):   # the oracle slices rows [0, n): the NaN rows are never read
         clean[0][b, n:] = 0
         clean[1][b, n:] = 0
-    ref_out, ref_lse = definition(oracle, q.double(), clean[0].double(), clean[1].double(), lengths)
-    same_out, same_lse = definition(oracle, q.float(), clean[0].float(), clean[1].float(), lengths)
+    ref_out, ref_lse = definition(oracle, q.double(), clean[0].double(), clean[1].double(), lengths, causal)
+    same_out, same_lse = definition(oracle, q.float(), clean[0].float(), clean[1].float(), lengths, causal)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     floor = FLOOR[q.dtype]

@@ -15,21 +15,24 @@ ones in the same places), and the appended cache rows against the reference's.
 Grid: seqlen_q in {1, 3, 17, 40} (17 and 40: the query-offset path), varlen (cu_seqlens_q,
 per-request counts in [0, seqlen_q], new rows packed by cu_seqlens_k_new), cache_batch_idx,
 cache_leftpad, rotary (interleaved and not), paged / contiguous, new rows appended or not,
-MHA / GQA / MQA, causal or not; the combinations FlashAttention refuses are skipped (rotary
-without new rows, cache_batch_idx with a paged cache). The full grid on the portable backend,
-a subset under the Triton interpreter.
+MHA / GQA / MQA, causal or not (rows holding fewer keys than queries included: without causal
+every query sees the row's keys, issue 33); the combinations FlashAttention refuses are skipped
+(rotary without new rows, cache_batch_idx with a paged cache). The full grid on the portable
+backend, a subset under the Triton interpreter.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 
 import pytest
 import torch
 
-from triton_dilated import BlockLayout, block_sparse_attention_with_kvcache, dilated_attention_with_kvcache
+from triton_dilated import (BlockLayout, block_sparse_attention_with_kvcache, dilated_attention_with_kvcache,
+                            indexed_attention_with_kvcache)
 from tests.conftest import DEVICE
-from tests.helpers.serve_checks import page_pools, unpage
+from tests.helpers.serve_checks import no_host_sync, page_pools, unpage
 
 NK, PAGE, B, HQ, D = 64, 16, 3, 6, 16
 HKV = {"mha": 6, "gqa": 2, "mqa": 1}
@@ -107,9 +110,6 @@ def run_case(variant, backend, seqlen_q, mha, varlen, batch_idx, leftpad, rotary
         nq, nk = [seqlen_q] * B, [seqlen_q if new_kv else 0] * B
     before = [int(torch.randint(0 if new_kv else 1, NK - n + 1, (1,), generator=g)) for n in nk]
     pads = [int(torch.randint(0, max(b, 1), (1,), generator=g)) for b in before] if leftpad else [0] * B
-    if not causal:   # no row with fewer keys than queries (test_noncausal_short_row_sees_every_key)
-        before = [max(b, n - m) for b, n, m in zip(before, nq, nk)]
-        pads = [min(p, b + m - n) for p, b, n, m in zip(pads, before, nq, nk)]
     rows = [2, 0, 4] if batch_idx else list(range(B))
     kc64, vc64 = rand(5 if batch_idx else B, NK, hkv, D), rand(5 if batch_idx else B, NK, hkv, D)
     left = int(torch.randint(0, NK, (1,), generator=g)) if local else None
@@ -218,6 +218,9 @@ TRITON_CASES = [   # (variant, seqlen_q, mha, flags): decode route and query-off
     ("block_sparse", 1, "gqa", (False, False, True, None, True, True, True)),
     ("dilated", 17, "gqa", (True, False, True, "neox", False, True, True)),
     ("block_sparse", 17, "mqa", (False, True, False, "interleaved", False, True, True)),
+    # non-causal rows holding fewer keys than queries (issue 33): varlen, leftpad, paged; cache_batch_idx, leftpad
+    ("block_sparse", 17, "gqa", (True, False, True, None, True, False, False)),
+    ("dilated", 17, "mha", (False, True, True, None, False, False, False)),
 ]
 
 
@@ -256,18 +259,47 @@ def test_flash_kvcache_grid_local_window_triton(seqlen_q, mha, flags):
     run_case("dilated", "triton", seqlen_q, mha, *flags, seed=31 + seqlen_q, local=True)
 
 
-@pytest.mark.xfail(strict=True, reason="the serve doors give a non-causal query before position 0 no key (0, "
-                   "-inf), where DESIGN §5b and FlashAttention let every query see all L keys")
-@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+SHORT_ROWS = [2, 40]   # keys per row: fewer than every seqlen_q below, and more
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse", "indexed"])
 @pytest.mark.parametrize("seqlen_q", [3, 20])
-def test_noncausal_short_row_sees_every_key(variant, seqlen_q):
-    """A row holding fewer keys (2) than queries, without causal: FlashAttention (and DESIGN
-    §5b) let every query see all the row's keys. Found by this grid; not fixed here (the
-    batched doors, decode route and query-offset path alike)."""
+def test_noncausal_short_row_sees_every_key(variant, seqlen_q, backend):
+    """Issue 33: a row holding fewer keys (2) than queries, beside a row holding more (40),
+    without causal: FlashAttention (and DESIGN §5b) let every query see all the row's keys.
+    The patterned doors at dense settings place such a query at position 0, whose segment or
+    layout row holds every key; the indexed door (indices listing every key) reads a query's
+    indices whatever its position. Out and lse, then with gradients out, lse and dq, dk_cache,
+    dv_cache, against attention_ref in float64; GQA. Routes: 3 rows the decode route (the
+    Triton decode kernel without gradients, with no host sync; with them the query-offset
+    path, as 20 rows)."""
     g = torch.Generator().manual_seed(3)
-    kc, vc = (torch.randn(1, NK, 1, D, generator=g) for _ in range(2))
-    q = torch.randn(1, seqlen_q, 1, D, generator=g)
-    out, lse = _door(variant)(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), causal=False, return_lse=True,
-                              cache_seqlens=torch.tensor([2], dtype=torch.int32, device=DEVICE), backend="torch")
-    ref_out, ref_lse = attention_ref(q[0].double(), kc[0].double(), vc[0].double(), 2, 0, False)
-    torch.testing.assert_close(out[0].double().cpu(), ref_out, rtol=0, atol=1e-5)
+    hq, hkv, B = 4, 2, len(SHORT_ROWS)
+    kc, vc = (torch.randn(B, NK, hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(B, seqlen_q, hq, D, generator=g, dtype=torch.float64)
+    lens = torch.tensor(SHORT_ROWS, dtype=torch.int32, device=DEVICE)
+    if variant == "indexed":
+        every_key = torch.arange(NK, dtype=torch.int32, device=DEVICE).expand(B, seqlen_q, NK)
+        door = lambda *a, **kw: indexed_attention_with_kvcache(*a[:3], every_key, *a[3:], **kw)  # noqa: E731
+    else:
+        door = _door(variant)
+    leaves64 = [x.requires_grad_() for x in (q, kc, vc)]
+    refs = [attention_ref(q[b], kc[b], vc[b], n, 0, False) for b, n in enumerate(SHORT_ROWS)]
+    ref_out, ref_lse = torch.stack([o for o, _ in refs]), torch.stack([l_ for _, l_ in refs])
+    assert torch.isfinite(ref_lse).all()
+    leaves = [x.detach().float().to(DEVICE).requires_grad_() for x in leaves64]
+    with torch.no_grad(), no_host_sync() if seqlen_q <= 16 else contextlib.nullcontext():   # the decode route
+        out, lse = door(*leaves, causal=False, return_lse=True, cache_seqlens=lens, backend=backend)
+    torch.testing.assert_close(out.double().cpu(), ref_out.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse.detach(), rtol=0, atol=1e-5)
+
+    out, lse = door(*leaves, causal=False, return_lse=True, cache_seqlens=lens, backend=backend)
+    torch.testing.assert_close(out.double().cpu(), ref_out.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse.detach(), rtol=0, atol=1e-5)
+    g_out, g_lse = torch.randn(out.shape, generator=g, dtype=torch.float64), torch.randn(lse.shape, generator=g,
+                                                                                         dtype=torch.float64)
+    grads = torch.autograd.grad((out.double().cpu() * g_out).sum() + (lse.double().cpu() * g_lse).sum(), leaves)
+    want = torch.autograd.grad((ref_out * g_out).sum() + (ref_lse * g_lse).sum(), leaves64)
+    for name, got, ref in zip(("dq", "dk_cache", "dv_cache"), grads, want):
+        torch.testing.assert_close(got.double().cpu(), ref, rtol=0, atol=1e-4, msg=name)

@@ -80,9 +80,9 @@ def _per_request(fn, q, kc, vc, k_new, v_new, nq, nk, before, table=None, **kw):
 
 CASES = {   # name: (query counts, new-row counts or None, max_seqlen_q)
     "decode": ([1, 0, 3, 1], [1, 0, 3, 1], 4),
-    "decode_k_apart": ([2, 1, 0, 1], [0, 2, 1, 1], 5),
+    "decode_k_apart": ([2, 1, 0, 4], [0, 2, 1, 2], 5),      # request 3: 2 keys, 4 queries
     "decode_no_append": ([1, 3, 0, 2], None, 3),
-    "prefill": ([1, 20, 0, 3], [1, 20, 0, 3], 20),
+    "prefill": ([1, 20, 0, 3], [1, 20, 0, 2], 20),          # request 3: 2 keys, 3 queries
 }
 
 
@@ -91,7 +91,9 @@ CASES = {   # name: (query counts, new-row counts or None, max_seqlen_q)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("paged", [False, True])
 def test_varlen_equals_the_door_per_request(backend, variant, case, paged):
-    """A mixed batch (1-token decodes, a 3-row draft, a 20-row prefill chunk, an empty request):
+    """A mixed batch (1-token decodes, a 3-row draft, a 20-row prefill chunk, an empty request;
+    a request holding fewer keys than queries, issue 33: its queries before position 0 read no
+    key under causal, sit at position 0 without it):
     out and lse equal the door per request (bit for bit on the decode route, where the same
     kernels run; within float32 rounding where the batch takes the query-offset path and a
     1-token request the decode kernel), the caches end with the same rows, and each request
@@ -135,7 +137,7 @@ def test_varlen_equals_the_door_per_request(backend, variant, case, paged):
                 if n > early:
                     s = slice(a + early, a + n)
                     check_forward(out[None, s], lse[None, :, s], q[None, s], final_k[b:b + 1], final_v[b:b + 1],
-                                  [length], oracle(causal))
+                                  [length], oracle(causal), causal=causal)
             a += n
 
 

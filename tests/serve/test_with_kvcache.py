@@ -24,10 +24,12 @@ import torch
 from triton_dilated import (block_sparse_attention_naive, block_sparse_attention_with_kvcache, dilated_attention_naive,
                             dilated_attention_with_kvcache, layouts)
 from triton_dilated.ops.block_sparse import serve as bs_serve
+from triton_dilated.ops.common import query_offset
 from triton_dilated.ops.dilated import serve as dl_serve
 from tests.conftest import DEVICE, capture_cuda_graph
 from tests.helpers.reference import seeded
-from tests.helpers.serve_checks import HostSync, check_forward, no_host_sync, page_pools as _paged, unpage as _unpage
+from tests.helpers.serve_checks import (HostSync, check_against_definition, check_forward, definition, no_host_sync,
+                                       page_pools as _paged, unpage as _unpage)
 
 BACKENDS = ["torch", "triton"]
 WS, RS = [8, 16, 48], [1, 2, 4]
@@ -114,13 +116,15 @@ def test_with_kvcache_matches_the_oracle(backend, variant, append):
 @pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
 def test_rows_holding_fewer_keys_than_queries(backend, variant):
     """Hardening round 3: a row with L < Nq keys (after the append) puts its first Nq - L
-    queries before position 0 (aligned to the bottom right, FlashAttention's rule). They read
-    no key, causal or not (out 0, lse -inf; ops/dilated/decode.py); the other queries are the
-    row's positions 0 .. L - 1 and equal the oracle over its L keys. Before, the portable
-    dilated path gave errors of 0.84 (B = 3) or an IndexError (B = 1) and the Triton kernels
-    read before the row (non-causal) and floor/truncate disagreed on p < 0. The same on the
-    query-offset path (chunked prefill, Nq > 16: the queries at positions >= 0 run the
-    training kernels, the others are 0 and -inf); validate=True accepts these lengths."""
+    queries before position 0 (aligned to the bottom right, FlashAttention's rule). Under
+    causal they read no key (out 0, lse -inf); without causal (issue 33, DESIGN §5b) each sits
+    at position 0 and equals the oracle's query there over the row's L keys (an empty row:
+    still 0 and -inf, its NaN row 0 unread); the other queries are the row's positions 0 ..
+    L - 1 and equal the oracle over its L keys. Before, the portable dilated path gave errors
+    of 0.84 (B = 3) or an IndexError (B = 1) and the Triton kernels read before the row
+    (non-causal) and floor/truncate disagreed on p < 0. The same on the query-offset path
+    (chunked prefill, Nq > 16: the queries at positions >= 0 run the training kernels, the
+    non-causal ones before 0 extra calls at position 0); validate=True accepts these lengths."""
     Nk, Hq, Hkv, D = 32, 4, 2, 8
     for before, append, Nq in (([9, 2, 5], 0, 3), ([2], 0, 3), ([0], 0, 3), ([0, 1, 7], 1, 3), ([0, 4], 0, 1),
                                ([5, 20, 0], 2, 18)):
@@ -141,20 +145,56 @@ def test_rows_holding_fewer_keys_than_queries(backend, variant):
                 fn, oracle = _block_sparse(lay), _block_sparse_oracle(lay, causal)
             out, lse = fn(q, kc, vc, k_new, v_new, cache_seqlens=lens, causal=causal, return_lse=True,
                           backend=backend, validate=True)
-            want_out, want_lse = torch.zeros_like(out, dtype=torch.float64), torch.full_like(lse, float("-inf"),
-                                                                                              dtype=torch.float64)
-            for b, n in enumerate(after):
-                m = min(n, Nq)   # the queries at positions n - m .. n - 1 >= 0
-                if m == 0:
-                    continue
-                qf = torch.cat([q.new_zeros(1, n - m, Hq, D), q[b:b + 1, Nq - m:]], 1).double()
-                o, l_ = oracle(qf, kc[b:b + 1, :n].double(), vc[b:b + 1, :n].double(), n)
-                want_out[b, Nq - m:], want_lse[b, :, Nq - m:] = o[0, n - m:], l_[0, :, n - m:]
+            want_out, want_lse = definition(oracle, q.double(), kc.double(), vc.double(), after, causal)
             what = f"{variant} {backend} lengths {after} causal={causal}"
             torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5, msg=what)
             torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5, msg=what)
-            for b, n in enumerate(after):   # the queries before position 0: exactly 0 and -inf
-                assert (out[b, :max(0, Nq - n)] == 0).all() and torch.isneginf(lse[b, :, :max(0, Nq - n)]).all()
+            for b, n in enumerate(after):   # no key (before position 0 under causal, an empty row): 0 and -inf
+                early = Nq if n == 0 else max(0, Nq - n) if causal else 0
+                assert (out[b, :early] == 0).all() and torch.isneginf(lse[b, :, :early]).all()
+                assert torch.isfinite(lse[b, :, early:]).all(), what
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
+@pytest.mark.parametrize("Nq, lengths", [(3, [2, 40]), (20, [6, 40])])
+def test_noncausal_short_row_matches_the_oracle(backend, variant, Nq, lengths, monkeypatch):
+    """Issue 33 (DESIGN §5b for patterns): without causal, the queries of a row holding fewer
+    keys than queries sit at position 0, so each equals the oracle's query at position 0 over
+    the row's keys. Dilated segment_lengths [4, 8], dilation_rates [1, 2] (heads at both
+    residues of the r = 2 pattern), a block-sparse local | random layout of 16-blocks with a
+    layout per batch row, a short row beside one of normal length (40 keys, NaN past each
+    length): out and lse without gradients (3 rows: the decode route, the Triton decode
+    kernel), then out, lse, dq, dk_cache, dv_cache with them (Triton: the query-offset path),
+    against the float64 oracle (serve_checks.definition: an oracle call per early query).
+    The query-offset path's early queries run 3 sequences a call here (ZERO_ROWS 1), so
+    several calls per row."""
+    monkeypatch.setattr(query_offset, "ZERO_ROWS", 1)
+    Nk, Hq, Hkv, D = 48, 4, 2, 8
+    kc, vc = _cache(2, Nk, Hkv, D, lengths, seed=80)
+    q = seeded((2, Nq, Hq, D), torch.float32, 81, DEVICE)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    if variant == "dilated":
+        def fn(q_, kc_, vc_, **kw):
+            return dilated_attention_with_kvcache(q_, kc_, vc_, segment_lengths=[4, 8], dilation_rates=[1, 2], **kw)
+
+        def oracle(q_, k_, v_, n):
+            return dilated_attention_naive(q_, k_, v_, [4, 8], [1, 2], causal=False)
+    else:
+        lay = (layouts.local(Nk, 16, 1) | layouts.random(Nk, 16, num_random=1, seed=5, num_heads=Hq, batch=2)
+               ).to(DEVICE)
+        fn = _block_sparse(lay)
+
+        def oracle(q_, k_, v_, n):   # the row's own layout (the rows' lengths differ: n names the row)
+            return block_sparse_attention_naive(q_, k_, v_, lay.prefix(-(-n // 16), [lengths.index(n)]), causal=False)
+    kw = dict(cache_seqlens=lens, causal=False, return_lse=True, backend=backend)
+    with torch.no_grad():
+        out, lse = fn(q, kc, vc, **kw)
+    check_forward(out, lse, q, kc, vc, lengths, oracle, causal=False)
+    assert torch.isfinite(lse).all(), "every query reads a key"
+    clean_k, clean_v = kc.nan_to_num(0.0), vc.nan_to_num(0.0)   # finite gradients to compare
+    check_against_definition(lambda q_, k_, v_: fn(q_, k_, v_, **kw), oracle, q, clean_k, clean_v, lengths,
+                             torch.float32, causal=False)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

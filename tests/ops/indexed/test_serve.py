@@ -60,7 +60,9 @@ def training_rows(q, k, v, idx, lengths, *, causal, backend, **kw):
 
 
 def assert_same(got, ref, dtype):
-    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    # bfloat16 outs on both sides (eps 2^-8): a few units in the last place apart (the interpreter
+    # truncates bf16 casts; one hypothesis draw here was 0.012 off at 1e-2)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
     for x, r in zip(got, ref):
         assert torch.equal(torch.isneginf(x), torch.isneginf(r))
         torch.testing.assert_close(x.nan_to_num(0.0, 0.0, 0.0), r.nan_to_num(0.0, 0.0, 0.0), atol=tol, rtol=tol)
@@ -172,8 +174,8 @@ def test_validate_and_bad_input():
 @given(data=st.data())
 def test_serve_rows_random_lengths_and_caches(backend, data):
     """Random per-row lengths (some shorter than the queries: queries before position 0 see
-    nothing), page sizes, FP8, appends, shared or per-head rows, causal or not: each row equals
-    the training door on its prefix."""
+    nothing under causal and read their indices without it), page sizes, FP8, appends, shared
+    or per-head rows, causal or not: each row equals the training door on its prefix."""
     B = data.draw(st.integers(1, 3))
     Nq = data.draw(st.sampled_from([1, 2, 5, 17]))
     new = data.draw(st.integers(0, 3))

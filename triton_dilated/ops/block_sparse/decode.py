@@ -1,11 +1,11 @@
 """Portable block-sparse decoding: few queries (DESIGN §5b) against a long cache, touching only
 the key blocks of each query's layout row.
 
-A query at position p reads layout row p // block_size: the keys of its active key blocks
-that lie below the row's valid length L (and at or before p when causal; in a sliding
-window's window blocks, those its predicate keeps). Cost per query:
-the row's active blocks times the block size, whatever the context length. The Triton
-decode kernel (decode_kernels.py) walks the same blocks.
+A query at position p (clamped at 0 without causal: ops/dilated/decode.py) reads layout
+row p // block_size: the keys of its active key blocks that lie below the row's valid length
+L (and at or before p when causal; in a sliding window's window blocks, those its predicate
+keeps). Cost per query: the row's active blocks times the block size, whatever the context
+length. The Triton decode kernel (decode_kernels.py) walks the same blocks.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def block_key_lists(pos, lengths, layout, num_heads: int, causal: bool):
     B, Nq = pos.shape
     bs = layout.block_size
     lb, lh = layout.kv_num_blocks.shape[:2]
-    # a query before the first key (pos < 0: ops/dilated/decode.py) reads nothing
+    # a query before the first key (pos < 0, causal only: ops/dilated/decode.py) reads nothing
     rows = (pos.clamp(min=0) // bs).view(B, Nq, 1).expand(B, Nq, num_heads)
     bi = torch.arange(B, device=device).view(B, 1, 1) % lb
     hi = torch.arange(num_heads, device=device).view(1, 1, num_heads) % lh
@@ -97,7 +97,7 @@ def block_sparse_decode(q, k, v, layout, lengths, call, *, block_table=None, lef
     pad = None if leftpad is None else leftpad.to(device=q.device, dtype=torch.long).clamp(min=0)
     if pad is not None:
         lengths = lengths - pad
-    pos = query_positions(lengths, q.shape[1], q.device)
+    pos = query_positions(lengths, q.shape[1], q.device, call.causal)
     capacity = k.shape[1] * (1 if block_table is None else block_table.shape[1])
     if dense_route(q, layout, capacity):   # the key lists cover most of the cache: one product
         return attend_dense(q, k, v, dense_mask(pos, lengths, layout, q.shape[2], k.shape[2], call.causal,

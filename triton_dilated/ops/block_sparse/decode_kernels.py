@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..common.configs import select_config
 from ..common.decode_kernels import (decode_buffers, decode_program, fold_run, fp8_mode, fp8_operands,
-                                     kv_descales, merge_splits, num_splits, row_pad, store_result)
+                                     kv_descales, merge_splits, num_splits, query_position, row_pad, store_result)
 from ..common.hardware import padded_head_dim
 from ..common.kvcache import kernel_lengths
 from ..common.kernels import softcap_terms
@@ -38,13 +38,13 @@ def _block_sparse_decode_kernel(
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D, PAGE_SIZE)
     pad = row_pad(LEFTPAD, b, LEFTPAD is not None)   # cache_leftpad (None: no pad): positions count from the pad
     length -= pad
-    p -= pad
+    p = query_position(p - pad, CAUSAL)   # without causal clamped at 0
 
     bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb: from page to page)
     # FP8 cache: DESCALES holds k's descales per kv head, then v's
     k_scale, v_scale = kv_descales(DESCALES, DESCALES + NUM_HEADS // HEAD_GROUP, h, HEAD_GROUP, sm_scale, KV_FP8)
     cap = softcap_terms(softcap, HAS_SOFTCAP)
-    # a query before the first key (p < 0: ops/dilated/decode.py) reads nothing; p is clamped
+    # a query before the first key (p < 0, causal only: ops/dilated/decode.py) reads nothing; p is clamped
     # before // (which truncates towards zero on a GPU and floors in the interpreter)
     qblock = tl.maximum(p, 0) // BLOCK_SIZE
     lists = b * stride_cb + h64 * stride_ch + qblock   # the row's list (int64: b, h64)

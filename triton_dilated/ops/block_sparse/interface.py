@@ -250,7 +250,7 @@ def chunk_rows(q, k, v, rows, layout, capacity: int, call, *, backend):
             lay = layout
         return block_sparse_call(qq, kk, vv, lay, call, backend=backend)
 
-    return run_with_query_offset(chunk, q, k, v, rows)
+    return run_with_query_offset(chunk, q, k, v, rows, causal=call.causal)
 
 
 def decode_layout(q, k, v, layout, lengths, call, *, path, block_table=None, k_descale=None, v_descale=None,

@@ -37,8 +37,10 @@ def block_sparse_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, 
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, validate, k_descale,
             v_descale: as `dilated_attention_with_kvcache` (q: the last Nq positions of each
             row's L_b = cache_seqlens[b] + Nnew valid rows, up to 16 on the decode path with
-            no host sync, more as chunked prefill; k, v appended in place; block_table: a
-            paged cache; k_descale, v_descale: an FP8 cache).
+            no host sync, more as chunked prefill; a row with L_b < Nq: without causal its
+            first queries sit at position 0 (max(L_b - Nq + i, 0): layout row 0, every key of
+            a dense layout), under causal they read no key; k, v appended in place;
+            block_table: a paged cache; k_descale, v_descale: an FP8 cache).
         layout: a BlockLayout covering the cache's capacity Nk (ceil(Nk / block_size)
             blocks per side) at absolute positions, laid out for (B|1, Hq|1); keep it on
             q's device (a copy per call otherwise). Each query reads the active blocks of

@@ -25,10 +25,15 @@ GATHER_BUDGET = 1 << 25
 DECODE_STATS = {"key_rows": 0, "calls": 0}
 
 
-def query_positions(lengths, num_queries: int, device) -> torch.Tensor:
-    """long (B, Nq): position of query i of batch row b, lengths[b] - Nq + i."""
-    return torch.as_tensor(lengths, dtype=torch.long, device=device)[:, None] - num_queries + \
+def query_positions(lengths, num_queries: int, device, causal: bool) -> torch.Tensor:
+    """long (B, Nq): position of query i of batch row b, lengths[b] - Nq + i (bottom-right).
+    A row shorter than its queries (lengths[b] < Nq) puts its first queries before position 0:
+    under causal they stay there and read no key (0, lse -inf); without causal they sit at 0
+    (DESIGN §5b: every query sees the row's keys; a dilated segment or a layout row is a
+    function of the position, so the clamp picks position 0's, all keys at dense settings)."""
+    pos = torch.as_tensor(lengths, dtype=torch.long, device=device)[:, None] - num_queries + \
         torch.arange(num_queries, device=device)
+    return pos if causal else pos.clamp(min=0)
 
 
 def gather_rows(x, b, n, h):

@@ -103,6 +103,18 @@ def row_pad(LEFTPAD, b, HAS_LEFTPAD: tl.constexpr):
 
 
 @triton.jit
+def query_position(p, CAUSAL: tl.constexpr):
+    """The position a query at p (length - NUM_ROWS + row, less the pad) reads from: p under
+    causal (p < 0, a row shorter than its queries: no key), else max(p, 0) (DESIGN §5b, the
+    patterned case: without causal every query of such a row sits at position 0 and reads its
+    segment or layout row, all the row's keys at dense settings; common.decode.query_positions)."""
+    if CAUSAL:
+        return p
+    else:
+        return tl.maximum(p, 0)
+
+
+@triton.jit
 def load_cache(ptrs, mask, KV_FP8: tl.constexpr):
     """A tile of cache rows as float32. KV_FP8 = 1: float8_e4m3fn rows through the hardware
     conversion (Triton's fp8e4nv: sm89 and newer). 2: the same bytes loaded as uint8 and

@@ -210,7 +210,8 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, va
 def check_kvcache_values(cache_seqlens, num_new: int, cache_len: int, block_table=None,
                          num_pages: int = 0, descales=(), cache_leftpad=None) -> None:
     """validate=True: every row's length after the append, cache_seqlens[b] + Nnew, must lie
-    in [0, capacity] (no row past the cache; queries before position 0 read nothing),
+    in [0, capacity] (no row past the cache; a row shorter than its queries is valid:
+    common.decode.query_positions),
     cache_seqlens >= 0,
     the pages those rows use must be in [0, num_pages), FP8 descales finite and positive, and
     cache_leftpad[b] in [0, cache_seqlens[b]] (FlashAttention's rule: the pad lies before the

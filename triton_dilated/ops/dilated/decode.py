@@ -19,11 +19,12 @@ where it is 3-5x faster than copying the keys out first (a gather moves every ke
 once more; LongNet schedule, H = 16, D = 128, 2-core CPU).
 
 A row holding fewer keys than queries (L < Nq) puts its first queries before position 0
-(queries aligned to the bottom right, as FlashAttention's KV-cache call): such a query
-reads no key, causal or not (out 0, lse -inf). Under causal that is FlashAttention's rule;
-without it FlashAttention's dense query sees every key, but a dilated or block-sparse mask
-row is a function of the position, and the segment (or layout block) of a position below
-0 holds no key. Every path (both variants, portable and Triton) follows this.
+(queries aligned to the bottom right, as FlashAttention's KV-cache call). Under causal such
+a query reads no key (out 0, lse -inf: FlashAttention's rule). Without causal its position
+is clamped at 0 (common.decode.query_positions; DESIGN §5b extended to patterns: a dilated
+segment or a layout row is a function of the position, and a position below 0 has none),
+so it reads position 0's keys, which at dense settings are all L keys, FlashAttention's
+rule. Every path (both variants, portable and Triton, decode and query-offset) follows this.
 """
 from __future__ import annotations
 
@@ -103,8 +104,8 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=No
     head is inactive or a slot is padding), one softmax runs over it, and the weights are
     gathered back to the slots to sum the values. Padding slots point at the query's own
     position, which every active head reads anyway (causal or not), so a NaN stored there
-    spreads only where the definition spreads it. With block_table, k and v are page pools
-    (common.decode.cache_rows). call: the AttentionCall (causal, scale, cap). key_offset: None
+    spreads only where the definition spreads it (a query outside its row reads zeros there).
+    With block_table, k and v are page pools (common.decode.cache_rows). call: the AttentionCall (causal, scale, cap). key_offset: None
     or long (B,), added to a row's key positions to address the cache (cache_leftpad).
     Returns (out like q, lse float32 (B, Hq, Nq)); a query with no key gets 0 and -inf;
     differentiable."""
@@ -140,9 +141,10 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=No
         DECODE_STATS["key_rows"] += B * Nq * M * T
         kg = cache_rows(k, b_idx, kpos[:, :, None, :], kvh[..., None], block_table).to(acc)   # (B, Nq, M, T, D)
         vg = cache_rows(v, b_idx, kpos[:, :, None, :], kvh[..., None], block_table).to(acc)
-        # a query before position 0 has no row to point at, a key on a page outside the pool
-        # (block_table) is not read: zeros there, and the key masked
-        unread = (p < 0).expand(B, Nq, T)
+        # a query outside its row (before position 0 under causal; at 0 in an empty row without
+        # it) has no row to point at, a key on a page outside the pool (block_table) is not
+        # read: zeros there, and the key masked
+        unread = ((p < 0) | (p >= lengths.view(B, 1, 1))).expand(B, Nq, T)
         if block_table is not None:
             fine = page_ok(block_table, b_idx[..., 0], kpos, k.shape[0], k.shape[1])
             ok, unread = ok & fine, unread | ~fine
@@ -281,7 +283,7 @@ def dilated_decode(q, k, v, patterns, table, lengths, call, *, host_loop: bool =
     pad = None if leftpad is None else leftpad.to(device=q.device, dtype=torch.long).clamp(min=0)
     if pad is not None:
         lengths = lengths - pad
-    pos = query_positions(lengths, q.shape[1], q.device)
+    pos = query_positions(lengths, q.shape[1], q.device, call.causal)
     if host_loop and pad is None and call.window is None:
         DECODE_STATS["calls"] += 1
         return attend_runs(q, k, v, patterns, table, pos, lengths, call)

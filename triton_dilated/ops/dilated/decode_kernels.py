@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..common.configs import select_config
 from ..common.decode_kernels import (decode_program, fold_run, fp8_mode, fp8_operands, kv_descales, merge_launch,
-                                     num_splits, row_pad, store_result)
+                                     num_splits, query_position, row_pad, store_result)
 from ..common.hardware import padded_head_dim
 from ..common.kvcache import kernel_lengths
 from ..common.kernels import softcap_terms
@@ -32,10 +32,10 @@ CONFIG_FAMILY = "dilated_fwd"   # the family; tiles and warps: configs.KERNEL_DE
 def _pattern_run(p, length, w, r, o, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """(start, count) of the keys start + r*t, t < count, that the query at p reads through
     pattern (w, r) at offset o (-1: unused); count 0 when the query is inactive, and for a
-    query before the first key (p < 0: a row shorter than its queries; decode.py), whose
-    inactive run is read nowhere (Triton's // and % truncate towards zero on a GPU and floor
-    in the interpreter: for p < 0 they disagree, which no result depends on; clamping p
-    instead makes ptxas spill 4 B on sm80 at D = 64). HAS_WINDOW: the run cut to the causal
+    query before the first key (p < 0: a causal row shorter than its queries; decode.py),
+    whose inactive run is read nowhere (Triton's // and % truncate towards zero on a GPU and
+    floor in the interpreter: for p < 0 they disagree, which no result depends on; clamping
+    p under causal too makes ptxas spill 4 B on sm80 at D = 64). HAS_WINDOW: the run cut to the causal
     sliding window of `window` keys (window_keep: keys > p - window), from its front."""
     seg = (p // w) * w
     seg_end = tl.minimum(seg + w, length)
@@ -65,7 +65,7 @@ def _dilated_decode_kernel(
         NUM_ROWS, NUM_HEADS, HEAD_GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D, PAGE_SIZE)
     pad = row_pad(LEFTPAD, b, HAS_LEFTPAD)   # cache_leftpad: positions count from the pad
     length -= pad
-    p -= pad
+    p = query_position(p - pad, CAUSAL)   # without causal clamped at 0
     bt = BLOCK_TABLE + b * stride_btb   # a paged cache's block table row (stride_kb: from page to page)
     k_scale, v_scale = kv_descales(K_DESCALE, V_DESCALE, h, HEAD_GROUP, sm_scale, KV_FP8)   # FP8 cache: descales
     cap = softcap_terms(softcap, HAS_SOFTCAP)

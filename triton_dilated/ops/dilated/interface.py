@@ -209,7 +209,7 @@ def queries_at_the_end(q, k, v, patterns, call, *, mode, offsets, backend, path,
         return padded_call(qq, kk, vv, first_row, patterns, call, mode=mode, offsets=offsets, backend=backend,
                            heads=heads)
 
-    return run_with_query_offset(chunk, q, k, v, [Nk] * B)
+    return run_with_query_offset(chunk, q, k, v, [Nk] * B, causal=call.causal)
 
 
 def decode_table(q, k, v, patterns, table, lengths, call, *, path, host_loop=False, block_table=None,

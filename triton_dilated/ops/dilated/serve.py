@@ -52,9 +52,12 @@ def dilated_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache
 
     Args:
         q: (B, Nq, Hq, D), Nq >= 1: the last Nq positions of each row (query i of row b at
-            L_b - Nq + i, L_b below; a row with L_b < Nq has its first queries before
-            position 0, which read no key: out 0, lse -inf). Up to 16 queries (a decode
-            step, a speculative draft) read only their keys, with no host sync; more
+            L_b - Nq + i, L_b below). A row with L_b < Nq has its first queries before
+            position 0: under causal they read no key (out 0, lse -inf); without causal their
+            position is clamped at 0 (query i at max(L_b - Nq + i, 0)), so they read position
+            0's keys, every key at dense settings (FlashAttention's rule; DESIGN §5b extended
+            to patterns, whose key sets are functions of the position). Up to 16 queries (a
+            decode step, a speculative draft) read only their keys, with no host sync; more
             (chunked prefill) read the lengths on the host once and run the training
             kernels on the chunk (Triton: forward and dQ cost the chunk's rows).
         k_cache, v_cache: (B, Nk, Hkv, D), Hq % Hkv == 0, q's dtype and device; Nk (the
@@ -300,7 +303,7 @@ class ServePlan:
                 return padded_call(qq, kk, vv, first_row, patterns, call, mode=mode, offsets=offsets,
                                    backend=self.backend, heads=heads)
 
-            out, lse = run_with_query_offset(chunk, q, k_rows, v_rows, rows)
+            out, lse = run_with_query_offset(chunk, q, k_rows, v_rows, rows, causal=call.causal)
         elif compiling:
             out, lse = _dilated_decode(q, k_cache, v_cache, lengths, block_table, [w for w, _ in patterns],
                                        [r for _, r in patterns], call.causal, call.scale, mode, offsets, *heads,

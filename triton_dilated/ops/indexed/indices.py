@@ -8,7 +8,8 @@ Semantics (tested in tests/ops/indexed):
 * A slot is unused when its value is outside [0, Nk) (-1 by convention; any other value too:
   it is never read), and under causal=True when it lies past the query's position. Queries
   are bottom-right aligned: query i sits at position i + Nk - Nq (flash-attn's convention for
-  Nq < Nk; with Nq > Nk the first Nq - Nk queries sit before position 0 and see nothing).
+  Nq < Nk; with Nq > Nk the first Nq - Nk queries sit before position 0: under causal they see
+  nothing, without it they read their slots as any query does).
 * A key listed twice in one row counts once: a row is a set of keys, as transformers'
   DeepseekV32 folds indices into a boolean mask (FlashMLA's gather would count it twice).
 * A row with no used slot outputs 0 with lse -inf (sinks: 0 and lse = the sink).

@@ -100,7 +100,10 @@ def indexed_attention_with_kvcache(q, k_cache, v_cache, indices, k=None, v=None,
 
     Args:
         q: (B, Nq, Hq, Dqk), the last Nq positions of each row's L_b = cache_seqlens[b] + Nnew
-            valid rows (query i at L_b - Nq + i); any Nq >= 1 (decode or chunked prefill).
+            valid rows (query i at L_b - Nq + i); any Nq >= 1 (decode or chunked prefill). The
+            indices are explicit, so without causal a query reads its used slots whatever its
+            position (one before position 0 of a row with L_b < Nq too, as the patterned
+            doors' clamp at 0 and FlashAttention); under causal such a query reads none.
         k_cache, v_cache: (B, Nk, Hkv, Dqk) and (B, Nk, Hkv, Dv) in q's dtype (v may be a view
             of k's first Dv values, the absorbed-MLA cache: Dqk 576, Dv 512, one kv head), or
             page pools (num_pages, page_size, Hkv, D) with block_table int32 (B, max_pages); or
