@@ -9,11 +9,14 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from triton_dilated import (block_sparse_attention_naive, block_sparse_attention_with_kvcache, dilated_attention_naive,
+                            dilated_attention_with_kvcache)
 from triton_dilated.ops.block_sparse import decode_kernels as bs_kernels
 from triton_dilated.ops.common import decode as common_decode
 from triton_dilated.ops.common import decode_kernels as common_kernels
 from triton_dilated.ops.dilated import decode_kernels as dl_kernels
 from triton_dilated.ops.indexed import kernels as idx_kernels
+from tests.conftest import DEVICE
 from tests.helpers.reference import FLOOR, assert_rule, seeded
 
 
@@ -188,3 +191,53 @@ def page_pools(k_cache, v_cache, page_size, spare=3, seed=0):
 def unpage(pool, table):
     """(B, capacity, Hkv, D): the rows of each batch row read back through the block table."""
     return pool[table.long()].flatten(1, 2)
+
+
+# ----------------------------------------------------------------------------- small serve cases
+
+def nan_past_lengths(rows, lengths, seed, shape):
+    """k_cache, v_cache (rows, *shape) float32 on the test device, NaN from each row's length on
+    (rows a serve call must not read)."""
+    kc = seeded((rows, *shape), torch.float32, seed, DEVICE)
+    vc = seeded((rows, *shape), torch.float32, seed + 1, DEVICE)
+    for r, n in enumerate(lengths):
+        kc[r, n:] = float("nan")
+        vc[r, n:] = float("nan")
+    return kc, vc
+
+
+def int32_lengths(values):
+    """int32 (len(values),) on the test device (cache_seqlens, cache_leftpad, cache_batch_idx)."""
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+def rotary_reference(x, cos, sin, positions, interleaved):
+    """x (B, N, H, D) rotated at positions (B, N) (clamped to the tables' rows) in float64 as
+    complex products: feature pairs (2i, 2i+1) when interleaved, else (i, i + rotary_dim / 2),
+    by the angle whose cos and sin are row `positions` of the tables; returned in x's dtype."""
+    half = cos.shape[1]
+    positions = positions.clamp(0, cos.shape[0] - 1)
+    c, s = cos.double()[positions][:, :, None], sin.double()[positions][:, :, None]
+    xr = x.double()[..., :2 * half]
+    if interleaved:
+        z = torch.complex(xr[..., 0::2], xr[..., 1::2]) * torch.complex(c, s)
+        rot = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
+    else:
+        z = torch.complex(xr[..., :half], xr[..., half:]) * torch.complex(c, s)
+        rot = torch.cat([z.real, z.imag], dim=-1)
+    return torch.cat([rot, x.double()[..., 2 * half:]], dim=-1).to(x.dtype)
+
+
+def serve_doors(variant, segment_lengths, dilation_rates, layout):
+    """(fn(q, kc, vc, k=None, v=None, **kw), oracle(causal)) of a serve door: the dilated one
+    with the schedule given, or the block-sparse one with `layout` (a BlockLayout covering the
+    cache); oracle(causal) is the naive training door on a prefix of n keys."""
+    ws, rs = segment_lengths, dilation_rates
+    if variant == "dilated":
+        return (lambda q, kc, vc, k=None, v=None, **kw: dilated_attention_with_kvcache(
+                    q, kc, vc, k, v, segment_lengths=ws, dilation_rates=rs, **kw),
+                lambda causal: lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, ws, rs, causal=causal))
+    return (lambda q, kc, vc, k=None, v=None, **kw: block_sparse_attention_with_kvcache(q, kc, vc, k, v,
+                                                                                       layout=layout, **kw),
+            lambda causal: lambda q_, k_, v_, n: block_sparse_attention_naive(
+                q_, k_, v_, layout.prefix(-(-n // layout.block_size)), causal=causal))

@@ -21,7 +21,8 @@ from triton_dilated import (block_sparse_attention_naive, block_sparse_attention
                             dilated_attention_with_kvcache, layouts)
 from tests.conftest import DEVICE
 from tests.helpers.reference import seeded
-from tests.helpers.serve_checks import check_forward, no_host_sync, page_pools
+from tests.helpers.serve_checks import (check_forward, int32_lengths, nan_past_lengths, no_host_sync, page_pools,
+                                        rotary_reference, serve_doors)
 
 BACKENDS = ["torch", "triton"]
 WS, RS = [8, 16, 48], [1, 2, 4]
@@ -35,29 +36,15 @@ def _layout(nk=NK, heads=HQ):
 
 def _door(variant):
     """(fn(q, kc, vc, k, v, **kw), oracle(causal)) of a variant."""
-    if variant == "dilated":
-        return (lambda q, kc, vc, k=None, v=None, **kw: dilated_attention_with_kvcache(
-                    q, kc, vc, k, v, segment_lengths=WS, dilation_rates=RS, **kw),
-                lambda causal: lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, WS, RS, causal=causal))
-    lay = _layout()
-    return (lambda q, kc, vc, k=None, v=None, **kw: block_sparse_attention_with_kvcache(q, kc, vc, k, v, layout=lay,
-                                                                                       **kw),
-            lambda causal: lambda q_, k_, v_, n: block_sparse_attention_naive(
-                q_, k_, v_, lay.prefix(-(-n // lay.block_size)), causal=causal))
+    return serve_doors(variant, WS, RS, _layout())
 
 
 def _cache(rows, lengths, seed):
-    """k_cache, v_cache (rows, NK, HKV, D), NaN from each row's length on."""
-    kc = seeded((rows, NK, HKV, D), torch.float32, seed, DEVICE)
-    vc = seeded((rows, NK, HKV, D), torch.float32, seed + 1, DEVICE)
-    for r, n in enumerate(lengths):
-        kc[r, n:] = float("nan")
-        vc[r, n:] = float("nan")
-    return kc, vc
+    return nan_past_lengths(rows, lengths, seed, (NK, HKV, D))
 
 
 def _lens(values):
-    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+    return int32_lengths(values)
 
 
 # ----------------------------------------------------------------------------- cache_batch_idx
@@ -464,22 +451,6 @@ def test_dense_route_cpu_check_equals_the_careful_path(case, monkeypatch):
 
 # ----------------------------------------------------------------------------- rotary embedding
 
-def _rotary_reference(x, cos, sin, positions, interleaved):
-    """x (B, N, H, D) rotated at positions (B, N) in float64 as complex products: feature pairs
-    (2i, 2i+1) when interleaved, else (i, i + rotary_dim / 2), by the angle whose cos and sin
-    are row `positions` of the tables."""
-    half = cos.shape[1]
-    c, s = cos.double()[positions][:, :, None], sin.double()[positions][:, :, None]
-    xr = x.double()[..., :2 * half]
-    if interleaved:
-        z = torch.complex(xr[..., 0::2], xr[..., 1::2]) * torch.complex(c, s)
-        rot = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
-    else:
-        z = torch.complex(xr[..., :half], xr[..., half:]) * torch.complex(c, s)
-        rot = torch.cat([z.real, z.imag], dim=-1)
-    return torch.cat([rot, x.double()[..., 2 * half:]], dim=-1).to(x.dtype)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", ["dilated", "block_sparse"])
 @pytest.mark.parametrize("interleaved", [True, False])
@@ -501,8 +472,8 @@ def test_rotary_embedding_of_q_and_the_appended_k(backend, variant, interleaved,
     for causal, leftpad in ((True, None), (False, None), (True, _lens(pads))):
         start = torch.tensor(before)[:, None]
         q_pos = start + (torch.arange(nq) if causal else torch.zeros(nq, dtype=torch.long))
-        q_ref = _rotary_reference(q, cos, sin, q_pos, interleaved)
-        k_ref = _rotary_reference(k_new, cos, sin, start + torch.arange(2), interleaved)
+        q_ref = rotary_reference(q, cos, sin, q_pos, interleaved)
+        k_ref = rotary_reference(k_new, cos, sin, start + torch.arange(2), interleaved)
         kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
         got = fn(q, kc1, vc1, k_new, v_new, cache_seqlens=lens, cache_leftpad=leftpad, causal=causal,
                  rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, return_lse=True, backend=backend,

@@ -19,13 +19,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_dilated import (block_sparse_attention_naive, block_sparse_attention_with_kvcache, dilated_attention_naive,
-                            dilated_attention_with_kvcache, layouts)
+from triton_dilated import layouts
 from triton_dilated.ops.common import kvcache
 from triton_dilated.ops.common.decode_kernels import AppendLaunch
 from tests.conftest import DEVICE
 from tests.helpers.reference import FLOOR, seeded
-from tests.helpers.serve_checks import check_forward, no_host_sync, page_pools, unpage
+from tests.helpers.serve_checks import (check_forward, int32_lengths, nan_past_lengths, no_host_sync, page_pools,
+                                        rotary_reference, serve_doors, unpage)
 
 FP8 = torch.float8_e4m3fn
 WS, RS = [8, 16, 48], [1, 2, 4]
@@ -35,46 +35,12 @@ NK, HQ, HKV, D = 64, 4, 2, 8
 def _door(variant):
     """(fn(q, kc, vc, k, v, **kw), oracle(causal)) of a variant (small dilated schedule, or a
     local + random block layout of 16-row blocks)."""
-    if variant == "dilated":
-        return (lambda q, kc, vc, k=None, v=None, **kw: dilated_attention_with_kvcache(
-                    q, kc, vc, k, v, segment_lengths=WS, dilation_rates=RS, **kw),
-                lambda causal: lambda q_, k_, v_, n: dilated_attention_naive(q_, k_, v_, WS, RS, causal=causal))
     lay = (layouts.local(NK, 16, 1, causal=True) | layouts.random(NK, 16, num_random=1, seed=2, num_heads=HQ)).to(DEVICE)
-    return (lambda q, kc, vc, k=None, v=None, **kw: block_sparse_attention_with_kvcache(q, kc, vc, k, v, layout=lay,
-                                                                                       **kw),
-            lambda causal: lambda q_, k_, v_, n: block_sparse_attention_naive(
-                q_, k_, v_, lay.prefix(-(-n // lay.block_size)), causal=causal))
+    return serve_doors(variant, WS, RS, lay)
 
 
 def _cache(rows, lengths, seed):
-    """k_cache, v_cache (rows, NK, HKV, D), NaN from each row's length on."""
-    kc = seeded((rows, NK, HKV, D), torch.float32, seed, DEVICE)
-    vc = seeded((rows, NK, HKV, D), torch.float32, seed + 1, DEVICE)
-    for r, n in enumerate(lengths):
-        kc[r, n:] = float("nan")
-        vc[r, n:] = float("nan")
-    return kc, vc
-
-
-def _lens(values):
-    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
-
-
-def _rotary_reference(x, cos, sin, positions, interleaved):
-    """x (B, N, H, D) rotated at positions (B, N) in float64 as complex products: feature pairs
-    (2i, 2i+1) when interleaved, else (i, i + rotary_dim / 2), by the angle whose cos and sin
-    are row `positions` of the tables (clamped to them)."""
-    half = cos.shape[1]
-    positions = positions.clamp(0, cos.shape[0] - 1)
-    c, s = cos.double()[positions][:, :, None], sin.double()[positions][:, :, None]
-    xr = x.double()[..., :2 * half]
-    if interleaved:
-        z = torch.complex(xr[..., 0::2], xr[..., 1::2]) * torch.complex(c, s)
-        rot = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
-    else:
-        z = torch.complex(xr[..., :half], xr[..., half:]) * torch.complex(c, s)
-        rot = torch.cat([z.real, z.imag], dim=-1)
-    return torch.cat([rot, x.double()[..., 2 * half:]], dim=-1).to(x.dtype)
+    return nan_past_lengths(rows, lengths, seed, (NK, HKV, D))
 
 
 def _tables(rotary_dim, rows=NK, dtype=torch.float32):
@@ -128,9 +94,9 @@ def test_fused_rotary_equals_the_pytorch_route(variant, case, pytorch_rotation_r
     q = seeded((3, nq, HQ, D), dtype, 81, DEVICE)
     k_new, v_new = (seeded((3, 2, HKV, D), dtype, s, DEVICE) for s in (82, 83))
     cos, sin = _tables(rotary_dim)
-    lens = _lens(before)
+    lens = int32_lengths(before)
     kw = dict(cache_seqlens=lens, causal=causal, return_lse=True, backend="triton",
-              cache_leftpad=_lens(pads) if leftpad else None)
+              cache_leftpad=int32_lengths(pads) if leftpad else None)
     if fp8:
         descale = torch.tensor([0.02, 0.03], device=DEVICE)
         kc, vc = (x.div(descale[:, None]).to(FP8) for x in (kc, vc))
@@ -152,7 +118,7 @@ def test_fused_rotary_equals_the_pytorch_route(variant, case, pytorch_rotation_r
 
     # independent of apply_rotary: the rows the append wrote, and the attention over them
     start = torch.tensor(before)[:, None]
-    k_ref = _rotary_reference(k_new.double(), cos, sin, start + torch.arange(2), interleaved).to(DEVICE)
+    k_ref = rotary_reference(k_new.double(), cos, sin, start + torch.arange(2), interleaved).to(DEVICE)
     rows = unpage(kc1, table) if paged else kc1
     written = torch.stack([rows[b, n:n + 2] for b, n in enumerate(before)])
     if fp8:   # e4m3 rounding: relative 2^-4 for normals, absolute 2^-10 below 2^-6
@@ -161,7 +127,7 @@ def test_fused_rotary_equals_the_pytorch_route(variant, case, pytorch_rotation_r
         torch.testing.assert_close(written.double(), k_ref, rtol=0, atol=4 * FLOOR[dtype])
     if not (leftpad or fp8):
         q_pos = start + (torch.arange(nq) if causal else torch.zeros(nq, dtype=torch.long))
-        q_ref = _rotary_reference(q.double(), cos, sin, q_pos, interleaved).to(DEVICE, dtype)
+        q_ref = rotary_reference(q.double(), cos, sin, q_pos, interleaved).to(DEVICE, dtype)
         v_rows = unpage(vc1, table) if paged else vc1
         check_forward(got[0], got[1], q_ref, rows.to(dtype), v_rows.to(dtype), [n + 2 for n in before],
                       oracle(causal))
@@ -180,7 +146,7 @@ def test_append_launch_rotates_strided_and_broadcast_rows(interleaved, pytorch_r
     q = q_wide[:, :, 1:HQ + 1]
     k_new, v_new = (seeded((1, 2, HKV, D), torch.float32, s, DEVICE).expand(B, -1, -1, -1) for s in (91, 92))
     kc, vc = (seeded((B, NK, HKV, D), torch.float32, s, DEVICE) for s in (93, 94))
-    lens = _lens([3, 22, -2, 30])
+    lens = int32_lengths([3, 22, -2, 30])
     cos, sin = (x.to(torch.bfloat16) for x in _tables(6, rows=24))
     for causal in (True, False):
         rotary = kvcache.Rotary(cos, sin, interleaved, causal)
@@ -195,7 +161,7 @@ def test_append_launch_rotates_strided_and_broadcast_rows(interleaved, pytorch_r
         assert q_rot.is_contiguous() and torch.equal(q, q_before)
         torch.testing.assert_close(q_rot, q_want, rtol=0, atol=0)
         q_pos = lens.long().cpu()[:, None] + (torch.arange(nq) if causal else torch.zeros(nq, dtype=torch.long))
-        torch.testing.assert_close(q_rot.double(), _rotary_reference(q, cos, sin, q_pos, interleaved)
+        torch.testing.assert_close(q_rot.double(), rotary_reference(q, cos, sin, q_pos, interleaved)
                                    .double().to(DEVICE), rtol=0, atol=1e-5)   # float64 rotation, clamped rows
         torch.testing.assert_close((kc1, vc1), (kc2, vc2), rtol=0, atol=0)
         assert torch.equal(kc1[2], kc[2])   # the negative length wrote nothing
@@ -215,7 +181,7 @@ def test_fused_rotary_without_host_sync_and_compiled_once(variant, pytorch_rotat
     k_new, v_new = (seeded((2, 1, HKV, D), torch.float32, s, DEVICE) for s in (2, 3))
     kc, vc = (seeded((2, NK, HKV, D), torch.float32, s, DEVICE) for s in (4, 5))
     cos, sin = _tables(6)
-    lens, pads = _lens([20, 33]), _lens([3, 0])
+    lens, pads = int32_lengths([20, 33]), int32_lengths([3, 0])
     pytorch_rotation_refused.refuse()
 
     def step(q, kc, vc, k, v, lens):
@@ -241,8 +207,8 @@ def test_fused_rotary_without_host_sync_and_compiled_once(variant, pytorch_rotat
     for before in ([5, 30], [17, 9], [46, 0]):
         kc, vc = (seeded((2, NK, HKV, D), torch.float32, s, DEVICE) for s in (6, 7))
         kc2, vc2 = kc.clone(), vc.clone()
-        got = compiled(q, kc, vc, k_new, v_new, _lens(before))
-        torch.testing.assert_close(got, step(q, kc2, vc2, k_new, v_new, _lens(before)), rtol=0, atol=0)
+        got = compiled(q, kc, vc, k_new, v_new, int32_lengths(before))
+        torch.testing.assert_close(got, step(q, kc2, vc2, k_new, v_new, int32_lengths(before)), rtol=0, atol=0)
         torch.testing.assert_close((kc, vc), (kc2, vc2), rtol=0, atol=0)
     assert counter.frame_count == 1, f"{counter.frame_count} compiles for 3 cache_seqlens values"
 
@@ -259,7 +225,7 @@ def test_rotary_with_gradients_takes_the_pytorch_route():
     results = []
     for backend in ("triton", "torch"):
         q = q0.clone().requires_grad_(True)
-        out = fn(q, kc.clone(), vc.clone(), k_new, v_new, cache_seqlens=_lens(before), rotary_cos=cos,
+        out = fn(q, kc.clone(), vc.clone(), k_new, v_new, cache_seqlens=int32_lengths(before), rotary_cos=cos,
                  rotary_sin=sin, backend=backend)
         (dq,) = torch.autograd.grad((out * seeded(out.shape, torch.float32, 16, DEVICE)).sum(), q)
         results.append((out.detach(), dq))
