@@ -35,7 +35,8 @@ NK, HQ, HKV, D = 64, 4, 2, 8
 def _door(variant):
     """(fn(q, kc, vc, k, v, **kw), oracle(causal)) of a variant (small dilated schedule, or a
     local + random block layout of 16-row blocks)."""
-    lay = (layouts.local(NK, 16, 1, causal=True) | layouts.random(NK, 16, num_random=1, seed=2, num_heads=HQ)).to(DEVICE)
+    lay = layouts.local(NK, 16, 1, causal=True) | layouts.random(NK, 16, num_random=1, seed=2, num_heads=HQ)
+    lay = lay.to(DEVICE)
     return serve_doors(variant, WS, RS, lay)
 
 

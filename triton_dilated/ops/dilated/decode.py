@@ -105,8 +105,9 @@ def attend_patterns(q, k, v, patterns, table, pos, lengths, call, block_table=No
     gathered back to the slots to sum the values. Padding slots point at the query's own
     position, which every active head reads anyway (causal or not), so a NaN stored there
     spreads only where the definition spreads it (a query outside its row reads zeros there).
-    With block_table, k and v are page pools (common.decode.cache_rows). call: the AttentionCall (causal, scale, cap). key_offset: None
-    or long (B,), added to a row's key positions to address the cache (cache_leftpad).
+    With block_table, k and v are page pools (common.decode.cache_rows). call: the
+    AttentionCall (causal, scale, cap). key_offset: None or long (B,), added to a row's key
+    positions to address the cache (cache_leftpad).
     Returns (out like q, lse float32 (B, Hq, Nq)); a query with no key gets 0 and -inf;
     differentiable."""
     B, Nq, Hq, D = q.shape
